@@ -1,0 +1,206 @@
+"""Decoder-only transformer LM: RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU MLP, optional tied embeddings.
+
+Parameters live in Flax NNX modules and carry logical axis names
+(``sharding_names``); the per-layer weights are stacked along a leading
+``layers`` axis and applied with ``jax.lax.scan`` so compile time does not
+grow with depth.  The block itself is a pure function of a dict of arrays
+(:func:`block_forward`), which is what remat profiling and pipeline stages
+reuse.  Activations are constrained with logical names only; which mesh axes
+those mean is decided outside this package (``jaxdist.parallel.rules``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxdist.config import ModelConfig
+from jaxdist.parallel.rules import constrain
+
+# Names of the tagged intermediates, in the order they appear in a block.  A remat
+# policy saves a subset of these (jax.checkpoint_policies.save_only_these_names).
+CHECKPOINT_NAMES = ("attn_norm", "query_proj", "key_proj", "value_proj", "attn_context",
+                    "attn_out", "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
+
+# Shape and logical axes of each per-layer weight (without the leading layers axis).
+def _block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+    d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    return {
+        "attn_norm": ((d,), ("norm",)),
+        "wq": ((d, h, hd), ("embed", "heads", "head_dim")),
+        "wk": ((d, kv, hd), ("embed", "kv_heads", "head_dim")),
+        "wv": ((d, kv, hd), ("embed", "kv_heads", "head_dim")),
+        "wo": ((h, hd, d), ("heads", "head_dim", "embed")),
+        "mlp_norm": ((d,), ("norm",)),
+        "w_gate": ((d, f), ("embed", "mlp")),
+        "w_up": ((d, f), ("embed", "mlp")),
+        "w_down": ((f, d), ("mlp", "embed")),
+    }
+
+
+def _dtype(name: str):
+    return jnp.bfloat16 if name == "bfloat16" else jnp.float32
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, returned in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables of shape [T, head_dim/2] for integer positions [T]."""
+    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    ang = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate pairs (first half, second half) of the last axis of x [B, T, H, D]."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: int = 0) -> jax.Array:
+    """Grouped-query causal attention.
+
+    q: [B, Tq, H, D]; k, v: [B, Tk, KV, D] with H a multiple of KV.  Query i sits
+    at absolute position q_offset + i and sees keys 0..q_offset + i.
+    Returns [B, Tq, H, D].  Softmax in float32.
+    """
+    b, tq, h, dh = q.shape
+    kv = k.shape[2]
+    g = h // kv
+    qg = q.reshape(b, tq, kv, g, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(dh))
+    tk = k.shape[1]
+    mask = (jnp.arange(tq)[:, None] + q_offset) >= jnp.arange(tk)[None, :]
+    scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, tq, h, dh).astype(q.dtype)
+
+
+def block_forward(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
+                  cfg: ModelConfig) -> jax.Array:
+    """One transformer block on activations x [B, T, d_model]; p holds one layer's weights."""
+    dt = x.dtype
+    w = {k: v.astype(dt) for k, v in p.items()}
+
+    h = checkpoint_name(rms_norm(x, w["attn_norm"], cfg.norm_eps), "attn_norm")
+    q = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wq"]), "query_proj")
+    k = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wk"]), "key_proj")
+    v = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wv"]), "value_proj")
+    q = constrain(apply_rotary(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(apply_rotary(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    ctx = checkpoint_name(causal_attention(q, k, v), "attn_context")
+    ctx = constrain(ctx, ("batch", "seq", "heads", "head_dim"))
+    attn = checkpoint_name(jnp.einsum("bthk,hkd->btd", ctx, w["wo"]), "attn_out")
+    x = constrain(x + attn, ("batch", "seq", "embed"))
+
+    h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
+    gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlp_gate")
+    up = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_up"]), "mlp_up")
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+    out = checkpoint_name(jnp.einsum("btf,fd->btd", hidden, w["w_down"]), "mlp_out")
+    return constrain(x + out, ("batch", "seq", "embed"))
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM.  ``model(tokens) -> logits`` with tokens [B, T] int32, logits [B, T, V] float32.
+
+    ``remat_policy``: None (save everything), or a ``jax.checkpoint`` policy
+    applied to each scanned block (``"full"`` saves nothing).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat_policy: Any = None):
+        self.cfg = cfg
+        self.remat_policy = remat_policy
+        pdt = _dtype(cfg.param_dtype)
+        normal = nnx.initializers.normal(cfg.init_std)
+
+        def param(shape, names, init=normal):
+            return nnx.Param(init(rngs.params(), shape, pdt), sharding_names=names)
+
+        self.embed = param((cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
+        layers = {}
+        for name, (shape, names) in _block_param_specs(cfg).items():
+            init = nnx.initializers.ones if name.endswith("norm") else normal
+            if name in ("wo", "w_down"):  # scaled init of residual outputs (GPT-2)
+                init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+            layers[name] = param((cfg.n_layers, *shape), ("layers", *names), init)
+        self.layers = nnx.Dict(layers)
+        self.final_norm = param((cfg.d_model,), ("norm",), nnx.initializers.ones)
+        if not cfg.tie_embeddings:
+            self.lm_head = param((cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        dt = _dtype(cfg.dtype)
+        t = tokens.shape[1]
+        cos, sin = rotary_tables(jnp.arange(t), cfg.head_dim, cfg.rope_theta)
+
+        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        x = constrain(x, ("batch", "seq", "embed"))
+
+        def body(x, p):
+            return block_forward(p, x, cos, sin, cfg), None
+
+        body = _with_remat(body, self.remat_policy)
+        stacked = {k: v[...] for k, v in self.layers.items()}
+        x, _ = jax.lax.scan(body, x, stacked)
+
+        x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
+        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
+        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
+        return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def _with_remat(fn: Callable, policy: Any) -> Callable:
+    if policy is None:
+        return fn
+    if policy == "full":
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+    return jax.checkpoint(fn, policy=policy)
+
+
+def create_abstract(cfg: ModelConfig, seed: int = 0, remat_policy: Any = None):
+    """(graphdef, abstract params as a pure dict of ShapeDtypeStruct, logical names per param).
+
+    Nothing is allocated; use ``init_params`` under ``jax.jit(out_shardings=...)``
+    to create the parameters directly sharded.
+    """
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed), remat_policy=remat_policy))
+    graphdef, state = nnx.split(model)
+    names = jax.tree.map(lambda v: tuple(v.get_metadata().get("out_sharding") or ()), state,
+                         is_leaf=lambda v: isinstance(v, nnx.Variable))
+    return graphdef, state.to_pure_dict(), _pure(names)
+
+
+def _pure(state) -> dict:
+    # nnx.State of plain leaves -> nested dict.
+    return {k: _pure(v) if isinstance(v, (dict, nnx.State)) or hasattr(v, "items") else v
+            for k, v in state.items()}
+
+
+def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
+    """Freshly initialised parameters as a pure dict of arrays (call under jit to shard)."""
+    with nnx.use_eager_sharding(False):
+        model = Transformer(cfg, rngs=nnx.Rngs(seed))
+    return nnx.split(model)[1].to_pure_dict()
+
+
+def apply(graphdef, params: dict, tokens: jax.Array) -> jax.Array:
+    """Logits [B, T, V] float32 for tokens [B, T] with the given parameter dict."""
+    return nnx.merge(graphdef, params)(tokens)

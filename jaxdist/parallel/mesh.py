@@ -1,0 +1,272 @@
+"""Device meshes: cluster descriptions (meshes/*.toml or live devices) and the mesh builder.
+
+A cluster is described once, in ``meshes/<name>.toml``; the mesh builder and
+the planner's cluster view both read it through :func:`load_cluster`.  The mesh
+always has the five axes of ``MESH_AXES`` in that order, of the Auto type (the
+compiler propagates shardings; Explicit axes reject our differently sharded
+matmul operands).
+
+On several hosts the layout is hybrid: ``tensor``, ``expert`` and ``pipeline``
+stay inside one node (fast links), and the node count is absorbed by ``data``
+first, then ``fsdp`` (their collectives tolerate the slower network).  The
+choice of that split is the pure function :func:`hybrid_shapes`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import tomllib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from jaxdist.config import MESH_AXES, ConfigError, MeshConfig
+
+MESHES_DIR = Path(__file__).parents[2] / "meshes"
+
+# Axes that must stay inside one node; the others (data, fsdp) may cross nodes.
+NODE_LOCAL_AXES = ("tensor", "expert", "pipeline")
+
+# Memory of a device whose runtime reports none and that no preset describes
+# (bytes); CPU devices instead get an equal share of the host's RAM.
+DEFAULT_MEMORY_BYTES = 2 * 2**30
+
+# Figures for a device kind that no meshes/*.toml describes: nominal CPU-like
+# numbers, so a plan can still be computed (and will look slow, not wrong-fast).
+_FALLBACK = dict(peak_flops_bf16=5.0e10, peak_flops_fp32=5.0e10,
+                 intra_node_bandwidth=1.0e10, inter_node_bandwidth=1.0e9,
+                 intra_node_latency=1.0e-5, inter_node_latency=1.0e-4)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A cluster: identical devices, ``devices_per_node`` on each of ``nodes`` hosts.
+
+    Per-device figures: ``memory_bytes`` (bytes), ``peak_flops_bf16`` and
+    ``peak_flops_fp32`` (dense FLOP/s), ``intra_node_bandwidth`` and
+    ``inter_node_bandwidth`` (bytes/s, one direction), ``intra_node_latency``
+    and ``inter_node_latency`` (seconds).
+    """
+
+    name: str
+    device_kind: str
+    nodes: int
+    devices_per_node: int
+    memory_bytes: int
+    peak_flops_bf16: float
+    peak_flops_fp32: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency: float
+    inter_node_latency: float
+
+    @property
+    def n_devices(self) -> int:
+        """Devices in the whole cluster."""
+        return self.nodes * self.devices_per_node
+
+
+_FIELDS = {f.name: f.type for f in dataclasses.fields(ClusterSpec)}
+_INT_FIELDS = ("nodes", "devices_per_node", "memory_bytes")
+_STR_FIELDS = ("name", "device_kind")
+
+
+def list_clusters() -> list[str]:
+    """Names of the cluster presets in ``meshes/`` (file names without ``.toml``), sorted."""
+    return sorted(p.stem for p in MESHES_DIR.glob("*.toml"))
+
+
+def _resolve_path(name_or_path: str | Path) -> Path:
+    s = str(name_or_path)
+    if s.endswith(".toml") or os.sep in s or "/" in s:
+        p = Path(s)
+    else:
+        p = MESHES_DIR / f"{s}.toml"
+    if not p.is_file():
+        raise ConfigError(f"cluster description '{name_or_path}' not found ({p}): use one of "
+                          f"{', '.join(list_clusters())} or a path to a TOML file.")
+    return p
+
+
+def cluster_from_dict(data: dict[str, Any], source: str = "cluster description") -> ClusterSpec:
+    """Validate a dict of cluster fields (as read from TOML) into a ClusterSpec, or raise ConfigError."""
+    for key in data:
+        if key not in _FIELDS:
+            close = difflib.get_close_matches(key, list(_FIELDS), n=1)
+            hint = f"did you mean '{close[0]}'?" if close else f"the fields are {', '.join(_FIELDS)}."
+            raise ConfigError(f"{source} has an unknown field '{key}': {hint}")
+    missing = [k for k in _FIELDS if k not in data]
+    if missing:
+        raise ConfigError(f"{source} is missing the field{'s' if len(missing) > 1 else ''} "
+                          f"{', '.join(missing)}: add {'them' if len(missing) > 1 else 'it'} "
+                          "(see meshes/cpu-8.toml for the units).")
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _STR_FIELDS:
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{source}: field '{key}' must be a non-empty string, got {value!r}.")
+        elif key in _INT_FIELDS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+                raise ConfigError(f"{source}: field '{key}' must be a whole number, got {value!r}.")
+            value = int(value)
+        else:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ConfigError(f"{source}: field '{key}' must be a number, got {value!r}.")
+            value = float(value)
+        if key not in _STR_FIELDS and not value > 0:
+            raise ConfigError(f"{source}: field '{key}' = {value!r} must be positive.")
+        values[key] = value
+    return ClusterSpec(**values)
+
+
+def load_cluster(name_or_path: str | Path) -> ClusterSpec:
+    """Read a cluster description: a bare name means ``meshes/<name>.toml``, anything else a path.
+
+    Raises ConfigError for a missing file, invalid TOML, a missing or unknown
+    field, a value of the wrong type or a non-positive number.
+    """
+    p = _resolve_path(name_or_path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"cluster description '{p}' is not valid TOML ({e}): fix the syntax.") from None
+    return cluster_from_dict(data, source=f"cluster description '{p}'")
+
+
+# --------------------------------------------------------------------------- live devices
+
+def _by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
+    groups: dict[int, list[Any]] = {}
+    for d in devices:
+        groups.setdefault(d.process_index, []).append(d)
+    return dict(sorted(groups.items()))
+
+
+def _nodes_and_per_node(devices: Sequence[Any]) -> tuple[int, int]:
+    counts = Counter(d.process_index for d in devices)
+    if len(set(counts.values())) != 1:
+        raise ConfigError(f"the devices are spread unevenly over processes ({dict(sorted(counts.items()))} "
+                          "devices per process): give every process the same number of devices.")
+    return len(counts), next(iter(counts.values()))
+
+
+def _preset_for_kind(device_kind: str) -> ClusterSpec | None:
+    for name in list_clusters():
+        spec = load_cluster(name)
+        if spec.device_kind.lower() == device_kind.lower():
+            return spec
+    return None
+
+
+def _device_memory(device: Any, local_count: int, preset: ClusterSpec | None) -> int:
+    try:
+        stats = device.memory_stats()
+    except Exception:  # CPU and some plugins raise instead of returning None
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    if preset is not None:
+        return preset.memory_bytes
+    if device.platform == "cpu":
+        try:  # simulated CPU devices share the host's RAM
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_count
+        except (ValueError, OSError, AttributeError):
+            pass
+    return DEFAULT_MEMORY_BYTES
+
+
+def cluster_from_devices(devices: Sequence[Any] | None = None) -> ClusterSpec:
+    """Describe the live devices (default ``jax.devices()``) as a ClusterSpec named ``live``.
+
+    ``nodes`` is the number of processes, ``devices_per_node`` the devices of
+    each.  Memory comes from ``device.memory_stats()["bytes_limit"]`` (what JAX
+    may allocate, after its preallocation fraction) when the runtime reports it, else from the preset in ``meshes/`` with the same
+    ``device_kind``, else (CPU) the host RAM divided among its devices, else
+    ``DEFAULT_MEMORY_BYTES``.  FLOP/s, bandwidths and latencies come from that
+    preset, or from nominal CPU-like figures for a kind no preset describes.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    assert devices, "cluster_from_devices needs at least one device"
+    nodes, per_node = _nodes_and_per_node(devices)
+    kind = devices[0].device_kind
+    preset = _preset_for_kind(kind)
+    figures = ({k: getattr(preset, k) for k in _FALLBACK} if preset is not None else dict(_FALLBACK))
+    return ClusterSpec(name="live", device_kind=kind, nodes=nodes, devices_per_node=per_node,
+                       memory_bytes=_device_memory(devices[0], per_node, preset), **figures)
+
+
+# --------------------------------------------------------------------------- mesh
+
+def hybrid_shapes(sizes: dict[str, int], n_nodes: int, per_node: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Split resolved axis sizes into (inside-node shape, across-node shape), both in MESH_AXES order.
+
+    The node-local axes (tensor, expert, pipeline) live entirely inside a node;
+    the ``n_nodes`` factor goes to ``data`` as far as it divides it, the rest to
+    ``fsdp``.  The element-wise product of the two shapes is the mesh shape.
+    Raises ConfigError when the node-local axes do not fit in ``per_node``
+    devices or data*fsdp cannot take the node count.
+    """
+    assert set(sizes) == set(MESH_AXES), f"sizes must name exactly {MESH_AXES}, got {sorted(sizes)}"
+    local = math.prod(sizes[a] for a in NODE_LOCAL_AXES)
+    if per_node % local:
+        raise ConfigError(
+            f"mesh tensor*expert*pipeline = {local} does not fit inside one node of {per_node} devices: "
+            f"choose sizes whose product divides {per_node} and move the rest to data or fsdp.")
+    data, fsdp = sizes["data"], sizes["fsdp"]
+    if (data * fsdp) % n_nodes or data * fsdp * local != n_nodes * per_node:
+        raise ConfigError(
+            f"mesh data*fsdp = {data * fsdp} cannot span the {n_nodes} nodes of {per_node} devices "
+            f"with tensor*expert*pipeline = {local}: make data*fsdp = {n_nodes * per_node // local}.")
+    dcn_data = math.gcd(data, n_nodes)
+    # n_nodes divides data*fsdp, so what data cannot take divides fsdp.
+    dcn_fsdp = n_nodes // dcn_data
+    assert fsdp % dcn_fsdp == 0
+    dcn = {a: 1 for a in MESH_AXES}
+    dcn["data"], dcn["fsdp"] = dcn_data, dcn_fsdp
+    ici = {a: sizes[a] // dcn[a] for a in MESH_AXES}
+    assert math.prod(ici.values()) == per_node
+    return tuple(ici[a] for a in MESH_AXES), tuple(dcn[a] for a in MESH_AXES)
+
+
+def device_grid(sizes: dict[str, int], devices: Sequence[Any]) -> np.ndarray:
+    """The devices arranged in an array of shape ``sizes`` (MESH_AXES order), hybrid on several processes."""
+    shape = tuple(sizes[a] for a in MESH_AXES)
+    n_nodes, per_node = _nodes_and_per_node(devices)
+    if n_nodes > 1:
+        ici, dcn = hybrid_shapes(sizes, n_nodes, per_node)
+        return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices, process_is_granule=True)
+    try:
+        return mesh_utils.create_device_mesh(shape, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        # e.g. a TPU subset whose topology create_device_mesh cannot fold: keep the given order.
+        return np.asarray(devices, dtype=object).reshape(shape)
+
+
+def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:
+    """A Mesh over ``devices`` (default ``jax.devices()``) with axes MESH_AXES of type Auto.
+
+    Axis sizes are ``mesh_cfg.resolved(len(devices))`` (ConfigError if they do
+    not multiply to the device count).  Devices of several processes get the
+    hybrid layout of :func:`hybrid_shapes`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_cfg.resolved(len(devices))
+    grid = device_grid(sizes, devices)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    """One line, e.g. ``data=2 fsdp=2 tensor=2 (8 devices, 1 process)``; size-1 axes are left out."""
+    axes = " ".join(f"{a}={s}" for a, s in mesh.shape.items() if s != 1) or "single device"
+    n = mesh.devices.size
+    procs = len({d.process_index for d in mesh.devices.flat})
+    return f"{axes} ({n} device{'s' if n != 1 else ''}, {procs} process{'es' if procs != 1 else ''})"

@@ -1,0 +1,1 @@
+"""Train state, jitted step, optimizer, metrics and the Trainer loop."""

@@ -1,0 +1,70 @@
+"""Metric sinks: a JSONL file and TensorBoard event files (process 0 only)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsWriter:
+    """Appends one JSON object per record to ``<run>/metrics.jsonl`` and mirrors scalars to TensorBoard.
+
+    Records carry a ``kind`` ("train", "eval", ...) and a ``step``.  Writing is a
+    no-op on processes other than 0 so every process can call it.
+    """
+
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True):
+        self.enabled = enabled
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+
+    def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        record = {"kind": kind, "step": int(step)}
+        record.update({k: _plain(v) for k, v in values.items()})
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for k, v in record.items():
+                if k not in ("kind", "step") and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"{kind}/{k}", v, int(step))
+
+    def flush(self) -> None:
+        if self._file:
+            self._file.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self._file:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def _plain(v: Any) -> Any:
+    try:
+        return float(v) if not isinstance(v, (int, str, bool)) else v
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def read_metrics(run_dir: str | Path, kind: str | None = "train") -> list[dict[str, Any]]:
+    """Records of ``<run>/metrics.jsonl`` (of one kind, or all with ``kind=None``)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if kind is None or r.get("kind") == kind]

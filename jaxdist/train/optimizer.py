@@ -1,0 +1,34 @@
+"""AdamW with linear warmup, cosine decay and global-norm clipping."""
+
+from __future__ import annotations
+
+import jax
+import optax
+
+from jaxdist.config import TrainConfig
+
+
+def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Learning rate per step: linear warmup to ``learning_rate``, cosine decay to ``min_lr_ratio`` of it."""
+    warmup = max(0, min(cfg.warmup_steps, cfg.steps - 1))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
+        decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
+
+
+def decay_mask(params) -> dict:
+    """True for weights that get weight decay: matrices, not norm scales."""
+    def keep(path, _):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        return not name.endswith("norm")
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(optimizer, schedule).  Clipping happens before Adam, on the global gradient norm."""
+    schedule = learning_rate_schedule(cfg)
+    parts = []
+    if cfg.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
+    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
+    return optax.chain(*parts), schedule

@@ -1,0 +1,101 @@
+"""The train state and the pure train / eval step functions.
+
+``TrainState`` is a plain dict pytree so that orbax, optax and printing all see
+ordinary nested dicts::
+
+    {"step": int32[], "params": {...}, "opt_state": optax state, "rng": uint32[2]}
+
+The step functions here are pure (state, batch) -> (state, metrics); the
+Trainer jits them with explicit shardings and buffer donation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxdist.models import apply
+from jaxdist.parallel.rules import constrain
+
+TrainState = dict[str, Any]
+
+
+def next_token_loss(graphdef, params: dict, tokens: jax.Array) -> jax.Array:
+    """Mean cross-entropy (nats per token) of predicting tokens[:, 1:] from tokens[:, :-1]."""
+    logits = apply(graphdef, params, tokens[:, :-1])
+    labels = tokens[:, 1:]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+def loss_and_grads(graphdef, params: dict, tokens: jax.Array, microbatches: int = 1):
+    """(loss, grads) of the global batch, accumulated over ``microbatches`` equal slices.
+
+    Every microbatch has the same token count, so the mean of the microbatch
+    means is the mean over the global batch.  Microbatch k holds rows
+    k, k+m, k+2m, ...: each device keeps working on rows it already holds.
+    """
+    grad_fn = jax.value_and_grad(lambda p, t: next_token_loss(graphdef, p, t))
+    if microbatches == 1:
+        return grad_fn(params, tokens)
+    b, l = tokens.shape
+    mb = tokens.reshape(b // microbatches, microbatches, l).swapaxes(0, 1)
+    mb = constrain(mb, (None, "batch", "seq"))
+
+    def body(carry, t):
+        loss_sum, grad_sum = carry
+        loss, grads = grad_fn(params, t)
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mb)
+    scale = 1.0 / microbatches
+    return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
+
+
+def init_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    """A fresh train state around ``params`` (call under jit to get it sharded)."""
+    return {
+        "step": jnp.zeros((), jnp.int32),
+        "params": params,
+        "opt_state": optimizer.init(params),
+        "rng": jax.random.key_data(jax.random.key(seed)),
+    }
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                    microbatches: int = 1) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+    """``train_step(state, tokens[B, T+1]) -> (state, metrics)``; metrics: loss, grad_norm, lr."""
+
+    def train_step(state: TrainState, tokens: jax.Array):
+        params = state["params"]
+        loss, grads = loss_and_grads(graphdef, params, tokens, microbatches)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        # The key advances every step so a resumed run draws the same randomness.
+        rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"]))
+        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": rng}
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(graphdef) -> Callable[[dict, jax.Array], jax.Array]:
+    """``eval_step(params, tokens[B, T+1]) -> mean loss``."""
+    return lambda params, tokens: next_token_loss(graphdef, params, tokens)
+
+
+def model_flops_per_token(model_cfg, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward), PaLM's accounting.
+
+    6 x (matmul parameters) plus 12 x layers x heads x head_dim x seq_len for
+    attention scores and context (causal masking not discounted).
+    """
+    m = model_cfg
+    d, f = m.d_model, m.d_ff
+    attn_params = d * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
+    matmul_params = m.n_layers * (attn_params + 3 * d * f) + d * m.vocab_size
+    return 6.0 * matmul_params + 12.0 * m.n_layers * m.n_heads * m.head_dim * seq_len

@@ -1,0 +1,291 @@
+"""The Trainer: mesh, sharded model, data, jitted step, metrics, checkpoints, hooks.
+
+    with Trainer(config) as trainer:
+        trainer.add_hook(lambda t, step, m: print(step, m["loss"]), every=10)
+        history = trainer.fit()
+
+A Trainer resumes from the newest checkpoint in its run directory (unless
+``checkpoint.resume=false``), so the same command continues a stopped run and
+produces the parameters of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxdist.checkpoint import RunCheckpointer
+from jaxdist.config import Config, ConfigError, validate
+from jaxdist.data import Prefetcher, SequenceSampler, eval_sampler, global_batch_array, load_source
+from jaxdist.models import create_abstract, init_params
+from jaxdist.parallel.mesh import build_mesh, describe_mesh, load_cluster
+from jaxdist.parallel.rules import DEFAULT_RULES, activation_sharding, logical_to_spec
+from jaxdist.train.metrics import MetricsWriter
+from jaxdist.train.optimizer import make_optimizer
+from jaxdist.train.step import init_state, make_eval_step, make_train_step, model_flops_per_token
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[["Trainer", int, dict[str, float]], None]
+
+
+def remat_policy(name: str) -> Any:
+    """The per-block remat policy for ``train.remat``: none, full, save:NAME,NAME or a jax.checkpoint_policies name."""
+    if name in ("none", ""):
+        return None
+    if name == "full":
+        return "full"
+    if name.startswith("save:"):
+        names = [n for n in name[5:].split(",") if n]
+        return jax.checkpoint_policies.save_only_these_names(*names)
+    policy = getattr(jax.checkpoint_policies, name, None)
+    if policy is None or not callable(policy) or name.startswith("save_"):
+        raise ConfigError(f"train.remat='{name}' is unknown: use none, full, save:NAME[,NAME] or one of "
+                          "nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.")
+    return policy
+
+
+@dataclasses.dataclass
+class _HookEntry:
+    fn: Hook
+    every: int
+
+
+class Trainer:
+    """Runs one training job described by a :class:`~jaxdist.config.Config`.
+
+    ``devices`` defaults to all of ``jax.devices()``; in a multi-process job
+    these are the global devices and each process feeds only its own.
+    """
+
+    def __init__(self, config: Config, devices: list | None = None):
+        self.config = config
+        self.devices = list(devices if devices is not None else jax.devices())
+        validate(config, len(self.devices))
+        c = config
+        self.cluster = load_cluster(c.mesh.cluster)
+        self.mesh = build_mesh(c.mesh, self.devices)
+        self.rules = DEFAULT_RULES
+        self.is_main = jax.process_index() == 0
+        self.run_dir = c.run_dir
+
+        self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, remat_policy(c.train.remat))
+        self.param_shardings = jax.tree.map(
+            lambda n, a: self.sharding(n, a.shape), names, abstract_params,
+            is_leaf=lambda x: isinstance(x, tuple))
+        self.optimizer, self.schedule = make_optimizer(c.train)
+        self.state_shardings = self._state_shardings(abstract_params)
+        self.batch_sharding = self.sharding(("batch", "seq"))
+        self.replicated = NamedSharding(self.mesh, P())
+
+        seed = c.train.seed
+        self._init_fn = jax.jit(lambda: init_state(init_params(c.model, seed), self.optimizer, seed),
+                                out_shardings=self.state_shardings)
+        self._train_step = jax.jit(
+            make_train_step(self.graphdef, self.optimizer, self.schedule, c.train.microbatches),
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,))
+        self._eval_step = jax.jit(make_eval_step(self.graphdef),
+                                  in_shardings=(self.state_shardings["params"], self.batch_sharding),
+                                  out_shardings=self.replicated)
+
+        self.data = load_source(c.data)
+        self.sampler = SequenceSampler(self.data.train, c.train.seq_len, c.train.batch_size, c.data.seed)
+        self.eval_sampler = eval_sampler(self.data.eval, c.train.seq_len, c.train.batch_size)
+
+        self.tokens_per_step = c.train.batch_size * c.train.seq_len
+        self.flops_per_step = model_flops_per_token(c.model, c.train.seq_len) * self.tokens_per_step
+        peak = self.cluster.peak_flops_bf16 if c.model.dtype == "bfloat16" else self.cluster.peak_flops_fp32
+        self.peak_flops = peak * len(self.devices)
+
+        self.hooks: list[_HookEntry] = []
+        self.state: dict | None = None
+        self.checkpointer = (RunCheckpointer(self.run_dir / "checkpoints", c.checkpoint.keep,
+                                             c.checkpoint.asynchronous) if c.checkpoint.enabled else None)
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.train.tensorboard)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
+
+    # ------------------------------------------------------------------ sharding
+
+    def sharding(self, logical: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> NamedSharding:
+        """NamedSharding on this mesh for an array with these logical axis names."""
+        return NamedSharding(self.mesh, logical_to_spec(logical, self.rules, self.mesh, shape))
+
+    def _state_shardings(self, abstract_params: dict) -> dict:
+        import optax
+
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+        opt_shardings = optax.tree_utils.tree_map_params(
+            self.optimizer, lambda _, s: s, abstract_opt, self.param_shardings,
+            transform_non_params=lambda _: NamedSharding(self.mesh, P()))
+        rep = NamedSharding(self.mesh, P())
+        return {"step": rep, "params": self.param_shardings, "opt_state": opt_shardings, "rng": rep}
+
+    @contextlib.contextmanager
+    def _tracing(self):
+        # constrain() in the model reads the mesh and rules while jit traces.
+        with activation_sharding(self.mesh, self.rules):
+            yield
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ state
+
+    def abstract_state(self) -> dict:
+        """The train state's shapes, dtypes and target shardings (nothing allocated)."""
+        shapes = jax.eval_shape(self._init_fn)
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            shapes, self.state_shardings)
+
+    def init_state(self) -> dict:
+        """Restore the newest checkpoint of the run if allowed and present, else initialise."""
+        ck = self.checkpointer
+        if ck is not None and self.config.checkpoint.resume and ck.latest_step() is not None:
+            step = ck.latest_step()
+            try:
+                state, meta = ck.restore(self.abstract_state(), step)
+            except (ValueError, KeyError) as e:
+                raise ConfigError(
+                    f"the checkpoint at {ck.directory}/{step} does not match this model or optimizer ({e}); "
+                    "use a new train.name or set checkpoint.resume=false.") from None
+            self._check_resume(meta)
+            log.info("resumed from step %d in %s", step, ck.directory)
+            self.state = state
+        else:
+            with self._tracing():
+                self.state = self._init_fn()
+        return self.state
+
+    def _check_resume(self, meta: dict) -> None:
+        data = meta.get("data", {})
+        expect = self._data_meta(0)
+        for key in ("sampler", "seed", "batch_size", "seq_len", "source"):
+            if key in data and data[key] != expect[key]:
+                raise ConfigError(
+                    f"the checkpoint was written with data {key}={data[key]!r} but the config has {expect[key]!r}: "
+                    "resuming would change the data order; restore the old setting or start a new run.")
+
+    def _data_meta(self, position: int) -> dict:
+        c = self.config
+        return {"sampler": "windows-v1", "source": self.data.name, "seed": c.data.seed,
+                "batch_size": c.train.batch_size, "seq_len": c.train.seq_len, "position": position}
+
+    # ------------------------------------------------------------------ loop
+
+    def add_hook(self, fn: Hook, every: int = 1) -> None:
+        """Call ``fn(trainer, step, metrics)`` after every ``every``-th step (metrics as floats)."""
+        if every <= 0:
+            raise ValueError("hook interval must be positive")
+        self.hooks.append(_HookEntry(fn, every))
+
+    def train_step(self, state: dict, batch: jax.Array) -> tuple[dict, dict]:
+        """One jitted optimizer step (donates ``state``)."""
+        with self._tracing():
+            return self._train_step(state, batch)
+
+    def batch(self, step: int) -> jax.Array:
+        """The global batch of training step ``step`` as one sharded array [B, T+1]."""
+        return global_batch_array(self.sampler, step, self.batch_sharding)
+
+    def evaluate(self, params: dict | None = None) -> float:
+        """Mean held-out loss (nats/token) over ``train.eval_batches`` fixed batches."""
+        params = self.state["params"] if params is None else params
+        losses = []
+        with self._tracing():
+            for i in range(self.config.train.eval_batches):
+                losses.append(self._eval_step(params, global_batch_array(self.eval_sampler, i, self.batch_sharding)))
+        return float(np.mean(jax.device_get(losses)))
+
+    def fit(self, steps: int | None = None) -> list[dict[str, float]]:
+        """Train until ``train.steps`` (or ``steps`` more); returns the train records written."""
+        c = self.config
+        if self.state is None:
+            self.init_state()
+        start = int(jax.device_get(self.state["step"]))
+        end = c.train.steps if steps is None else min(c.train.steps, start + steps)
+        history: list[dict[str, float]] = []
+        if start >= end:
+            return history
+        bar = None
+        if c.train.progress and self.is_main:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=c.train.steps, initial=start, desc=c.train.name, unit="step", dynamic_ncols=True)
+        prefetch = Prefetcher(self.batch, start, depth=2)
+        pending: list[tuple[int, dict]] = []
+        t_last = time.perf_counter()
+        try:
+            for i in range(start, end):
+                self.state, m = self.train_step(self.state, prefetch.get(i))
+                pending.append((i + 1, m))
+                done = i + 1
+                if bar is not None:
+                    bar.update(1)
+                hooks_now = [h for h in self.hooks if done % h.every == 0]
+                if done % c.train.log_every == 0 or done == end or hooks_now:
+                    records = self._flush(pending, time.perf_counter() - t_last)
+                    history.extend(records)
+                    t_last = time.perf_counter()
+                    pending = []
+                    last = records[-1]
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                                        step_ms=f"{1e3 * last['step_time']:.0f}")
+                    for h in hooks_now:
+                        h.fn(self, done, last)
+                if c.train.eval_every and done % c.train.eval_every == 0 or done == end:
+                    self.metrics.write("eval", done, {"loss": self.evaluate()})
+                if self.checkpointer is not None and (done % c.checkpoint.every == 0 or done == end):
+                    self.save(done)
+                    t_last = time.perf_counter()
+        finally:
+            prefetch.close()
+            if bar is not None:
+                bar.close()
+            self.metrics.flush()
+        return history
+
+    def _flush(self, pending: list[tuple[int, dict]], elapsed: float) -> list[dict[str, float]]:
+        host = jax.device_get([m for _, m in pending])
+        dt = elapsed / len(pending)
+        records = []
+        for (step, _), m in zip(pending, host):
+            r = {k: float(v) for k, v in m.items()}
+            r.update(step_time=dt, tokens_per_s=self.tokens_per_step / dt,
+                     mfu=self.flops_per_step / dt / self.peak_flops)
+            self.metrics.write("train", step, r)
+            records.append({"step": step, **r})
+        return records
+
+    def save(self, step: int | None = None) -> None:
+        """Checkpoint the current state (asynchronously)."""
+        step = int(jax.device_get(self.state["step"])) if step is None else step
+        self.checkpointer.save(step, self.state, {"step": step, "data": self._data_meta(step),
+                                                  "config": self.config.to_dict()})
+
+    def close(self) -> None:
+        """Wait for pending checkpoint writes and close files."""
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.metrics.close()
+
+    def describe(self) -> str:
+        """One paragraph: mesh, model size, batch, where the run lives."""
+        c = self.config
+        return (f"mesh {describe_mesh(self.mesh)}; model {c.model.preset} "
+                f"({c.model.num_params() / 1e6:.2f}M params, {c.model.dtype}); "
+                f"batch {c.train.batch_size}x{c.train.seq_len} tokens; data {self.data.name}; run {self.run_dir}")
