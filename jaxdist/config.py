@@ -67,7 +67,7 @@ class ModelConfig:
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     # Tests: compiles in a second, still has every feature (GQA, scan over 2 layers).
     "tiny": dict(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                 d_ff=128, max_seq_len=64),
+                 d_ff=128, max_seq_len=128),
     # The embedded default: trains in a few minutes on 2 CPU cores.
     "small": dict(vocab_size=260, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
                   d_ff=384, max_seq_len=128),
@@ -103,13 +103,18 @@ class MeshConfig:
     def sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}
 
-    def resolved(self, n_devices: int) -> dict[str, int]:
-        """Axis sizes with ``data=-1`` filled in; raises ConfigError if they do not multiply to n_devices."""
+    def checked_sizes(self) -> dict[str, int]:
+        """Axis sizes, each a positive integer (or -1 for data); raises ConfigError otherwise."""
         sizes = self.sizes()
         for a, s in sizes.items():
             if s == 0 or s < -1 or (s == -1 and a != "data"):
                 raise ConfigError(f"mesh.{a}={s} is not a valid axis size: use a positive integer"
                                   + (" (or -1 to fill the remaining devices)" if a == "data" else "") + ".")
+        return sizes
+
+    def resolved(self, n_devices: int) -> dict[str, int]:
+        """Axis sizes with ``data=-1`` filled in; raises ConfigError if they do not multiply to n_devices."""
+        sizes = self.checked_sizes()
         others = math.prod(s for a, s in sizes.items() if a != "data")
         if sizes["data"] == -1:
             if n_devices % others:
@@ -312,6 +317,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
         if "=" not in a:
             raise ConfigError(f"override '{a}' is not KEY=VALUE: write it like train.steps=200.")
         k, v = a.split("=", 1)
+        if not k.strip():
+            raise ConfigError(f"override '{a}' has no key: write it like train.steps=200.")
         out.append((k.strip(), v.strip()))
         i += 1
     return out
@@ -390,14 +397,14 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     if cfg.checkpoint.every <= 0 or cfg.checkpoint.keep <= 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be positive.")
     # Mesh checks that need no device count.
-    sizes = cfg.mesh.sizes()
-    if sizes["tensor"] > 0 and m.n_heads % sizes["tensor"]:
+    sizes = cfg.mesh.checked_sizes()
+    if m.n_heads % sizes["tensor"]:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by mesh.tensor={sizes['tensor']}: "
                           "choose a tensor size that divides the number of heads.")
-    if sizes["tensor"] > 0 and m.n_kv_heads % sizes["tensor"] and sizes["tensor"] % m.n_kv_heads:
+    if m.n_kv_heads % sizes["tensor"] and sizes["tensor"] % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} and mesh.tensor={sizes['tensor']} do not divide "
                           "one another: choose a tensor size that divides n_kv_heads or is a multiple of it.")
-    if sizes["tensor"] > 0 and m.d_ff % sizes["tensor"]:
+    if m.d_ff % sizes["tensor"]:
         raise ConfigError(f"model.d_ff={m.d_ff} is not divisible by mesh.tensor={sizes['tensor']}: "
                           "choose a tensor size that divides d_ff.")
     if sizes["pipeline"] > 1:
