@@ -150,7 +150,10 @@ class Transformer(nnx.Module):
         t = tokens.shape[1]
         cos, sin = rotary_tables(jnp.arange(t), cfg.head_dim, cfg.rope_theta)
 
-        x = jnp.take(self.embed[...], tokens, axis=0).astype(dt)
+        # The gather needs the whole table on each device (like FSDP gathers a layer's
+        # weights); a vocab- or embed-sharded table makes XLA rematerialise the lookup.
+        table = constrain(self.embed[...], (None, None))
+        x = jnp.take(table, tokens, axis=0).astype(dt)
         x = constrain(x, ("batch", "seq", "embed"))
 
         def body(x, p):

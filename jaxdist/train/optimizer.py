@@ -25,10 +25,8 @@ def decay_mask(params) -> dict:
 
 
 def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(optimizer, schedule).  Clipping happens before Adam, on the global gradient norm."""
+    """(AdamW, schedule).  Gradient clipping (``cfg.grad_clip``) is done by the train step,
+    which already computes the global norm for its metrics."""
     schedule = learning_rate_schedule(cfg)
-    parts = []
-    if cfg.grad_clip > 0:
-        parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask))
-    return optax.chain(*parts), schedule
+    opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
+    return opt, schedule

@@ -66,18 +66,26 @@ def init_state(params: dict, optimizer: optax.GradientTransformation, seed: int)
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    microbatches: int = 1) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
-    """``train_step(state, tokens[B, T+1]) -> (state, metrics)``; metrics: loss, grad_norm, lr."""
+                    microbatches: int = 1, grad_clip: float = 0.0) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+    """``train_step(state, tokens[B, T+1]) -> (state, metrics)``; metrics: loss, grad_norm, lr.
+
+    ``grad_clip`` > 0 scales the gradients to at most that global norm before the optimizer.
+    """
 
     def train_step(state: TrainState, tokens: jax.Array):
         params = state["params"]
         loss, grads = loss_and_grads(graphdef, params, tokens, microbatches)
+        # Clip here rather than in optax so the norm is computed (and all-reduced) once.
+        grad_norm = optax.global_norm(grads)
+        if grad_clip > 0:
+            scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
+            grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         # The key advances every step so a resumed run draws the same randomness.
         rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"]))
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": rng}
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state["step"])}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
         return new_state, metrics
 
     return train_step

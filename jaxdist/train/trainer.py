@@ -91,7 +91,7 @@ class Trainer:
         self._init_fn = jax.jit(lambda: init_state(init_params(c.model, seed), self.optimizer, seed),
                                 out_shardings=self.state_shardings)
         self._train_step = jax.jit(
-            make_train_step(self.graphdef, self.optimizer, self.schedule, c.train.microbatches),
+            make_train_step(self.graphdef, self.optimizer, self.schedule, c.train.microbatches, c.train.grad_clip),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,))
         self._eval_step = jax.jit(make_eval_step(self.graphdef),
@@ -197,6 +197,16 @@ class Trainer:
         """One jitted optimizer step (donates ``state``)."""
         with self._tracing():
             return self._train_step(state, batch)
+
+    def compile_train_step(self):
+        """The train step compiled ahead of time for this run's shapes (``jax.stages.Compiled``).
+
+        Its ``memory_analysis()`` and ``cost_analysis()`` give bytes and FLOPs per device.
+        """
+        batch = jax.ShapeDtypeStruct((self.config.train.batch_size, self.config.train.seq_len + 1),
+                                     jax.numpy.int32, sharding=self.batch_sharding)
+        with self._tracing():
+            return self._train_step.lower(self.abstract_state(), batch).compile()
 
     def batch(self, step: int) -> jax.Array:
         """The global batch of training step ``step`` as one sharded array [B, T+1]."""
