@@ -81,10 +81,12 @@ def cmd_train(args) -> int:
         if start and jax.process_index() == 0:
             print(f"resuming at step {start}", file=sys.stderr)
         history = trainer.fit()
+        # evaluate() is a collective over every process's devices: all processes call it.
+        eval_loss = trainer.evaluate() if history else float("nan")
         if jax.process_index() == 0 and history:
             first, last = history[0], history[-1]
             print(f"steps {first['step']}..{last['step']}: loss {first['loss']:.3f} -> {last['loss']:.3f}, "
-                  f"eval loss {trainer.evaluate():.3f}, {last['tokens_per_s']:.0f} tokens/s; "
+                  f"eval loss {eval_loss:.3f}, {last['tokens_per_s']:.0f} tokens/s; "
                   f"outputs in {trainer.run_dir}", file=sys.stderr)
     return 0
 

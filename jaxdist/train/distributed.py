@@ -7,7 +7,9 @@ The usual variables select it:
 * under Slurm (``SLURM_NTASKS`` > 1) JAX detects the three values itself.
 
 On CPU the cross-process collectives use gloo.  ``JAXDIST_HEARTBEAT_TIMEOUT``
-(seconds) shortens how long peers wait for a dead process (tests set it low).
+(seconds) shortens how long peers wait for a dead process and
+``JAXDIST_SHUTDOWN_TIMEOUT`` (seconds) how long a finished process waits for the
+others at exit (tests set both low).
 """
 
 from __future__ import annotations
@@ -31,11 +33,13 @@ def initialize_from_env() -> bool:
         return False
     if jax.distributed.is_initialized():
         return True
-    if os.environ.get("JAX_PLATFORMS", "") in ("cpu", "") :
+    if os.environ.get("JAX_PLATFORMS", "") in ("cpu", ""):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs = {}
     if "JAXDIST_HEARTBEAT_TIMEOUT" in os.environ:
         kwargs["heartbeat_timeout_seconds"] = int(os.environ["JAXDIST_HEARTBEAT_TIMEOUT"])
+    if "JAXDIST_SHUTDOWN_TIMEOUT" in os.environ:
+        kwargs["shutdown_timeout_seconds"] = int(os.environ["JAXDIST_SHUTDOWN_TIMEOUT"])
     if "JAX_COORDINATOR_ADDRESS" in os.environ:
         jax.distributed.initialize(
             coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
