@@ -3,6 +3,20 @@
     jaxdist train [--config FILE] [KEY=VALUE ...]    train (resumes a run that has checkpoints)
     jaxdist config [--config FILE] [KEY=VALUE ...]   print the resolved config as TOML
     jaxdist config --reference                       print the configuration reference (Markdown)
+    jaxdist ckpt list|inspect|verify|plan RUN_DIR    checkpoints of a run: steps, contents, checksums, write plan
+    jaxdist data show|verify RUN_DIR                 a run's batch list: versions, sources, cursor; checks
+    jaxdist data add RUN_DIR PATH...                 mix new data into a run (running or stopped)
+    jaxdist remat [--model M] [--mesh CLUSTER] [--budget 20GiB] [KEY=VALUE ...]
+                                                     the remat plan for a block and the named policies beside it
+    jaxdist launch [--config FILE] [--print] [KEY=VALUE ...]   controller + node agents (controller.launcher:
+                                                     local, ssh, slurm, kubernetes); keeps the job alive
+    jaxdist controller [--config FILE] [KEY=VALUE ...]   only the controller (node agents started elsewhere)
+    jaxdist plan [--model M] [--cluster C] [--busy F] [--out plan.toml] [KEY=VALUE ...]
+                                                     best mesh / microbatches / remat; writes a train config
+    jaxdist calibrate [--cluster C] [--out FILE]     measure the devices' efficiency and links for the planner
+    jaxdist pipeline --stages P --microbatches M [--chunks S] [--kind K] [KEY=VALUE ...]
+                                                     a pipeline schedule's timeline, bubble, activations in
+                                                     flight, and the chunk boundaries for model / train.seq_len
 
 Overrides are dotted keys: ``train.steps=200 mesh.tensor=2 model=tiny``.
 """
@@ -63,9 +77,23 @@ def cmd_config(args) -> int:
     return 0
 
 
+def _warm_up(cfg: Config) -> None:
+    """What a standby does before it has a rank: import JAX and the trainer, read the data."""
+    import jaxdist.train.trainer  # noqa: F401  (JAX, flax, optax, orbax: seconds)
+    from jaxdist.data import load_source
+
+    load_source(cfg.data)
+
+
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     prepare_host_devices(cfg)
+    from jaxdist.controller.agent import agent_from_env
+
+    # Started by a node agent: heartbeat from now on, warm up, then wait for a rank (sets JAX_* env).
+    agent = agent_from_env()
+    if agent is not None:
+        agent.wait_for_rank(warm=lambda: _warm_up(cfg))
     from jaxdist.train.distributed import initialize_from_env
 
     initialize_from_env()
@@ -74,6 +102,8 @@ def cmd_train(args) -> int:
     from jaxdist.train.trainer import Trainer
 
     with Trainer(cfg) as trainer:
+        if agent is not None:
+            agent.attach(trainer)
         if jax.process_index() == 0:
             print(trainer.describe(), file=sys.stderr)
         trainer.init_state()
@@ -88,7 +118,108 @@ def cmd_train(args) -> int:
             print(f"steps {first['step']}..{last['step']}: loss {first['loss']:.3f} -> {last['loss']:.3f}, "
                   f"eval loss {eval_loss:.3f}, {last['tokens_per_s']:.0f} tokens/s; "
                   f"outputs in {trainer.run_dir}", file=sys.stderr)
+    if agent is not None:
+        agent.finished()
     return 0
+
+
+def cmd_ckpt(args) -> int:
+    from jaxdist.checkpoint import report
+
+    if args.overrides:
+        raise ConfigError(f"`jaxdist ckpt {args.action}` takes no overrides, got {' '.join(args.overrides)}: "
+                          "pass only the run directory and --step/--strategy.")
+    try:
+        ckdir = report.checkpoint_dir(args.run_dir)
+        if args.action == "list":
+            print(report.list_text(ckdir))
+        elif args.action == "inspect":
+            print(report.inspect_text(ckdir, args.step))
+        elif args.action == "plan":
+            print(report.plan_text(ckdir, args.step, args.strategy, args.top))
+        else:
+            ok, text = report.verify_text(ckdir, args.step)
+            print(text)
+            return 0 if ok else 1
+    except FileNotFoundError as e:
+        print(f"jaxdist: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_data(args) -> int:
+    from jaxdist.data import add_data
+    from jaxdist.data.audit import describe, verify
+
+    if args.overrides:
+        raise ConfigError(f"jaxdist data does not take '{args.overrides[0]}': see `jaxdist data --help`.")
+    run = Path(args.run_dir)
+    if not run.is_dir():
+        raise ConfigError(f"run directory '{run}' does not exist: pass the run's folder, e.g. runs/<train.name>.")
+    if args.action != "add" and args.paths:
+        raise ConfigError(f"jaxdist data {args.action} takes only RUN_DIR, not '{args.paths[0]}'.")
+    if args.action == "show":
+        print(describe(run, args.version, args.head))
+        return 0
+    if args.action == "verify":
+        ok, lines = verify(run, full=args.full)
+        print("\n".join(lines))
+        print("batch list: ok" if ok else "batch list: PROBLEMS FOUND (see above)")
+        return 0 if ok else 1
+    if not args.paths:
+        raise ConfigError("jaxdist data add needs at least one PATH: a text file, a directory or a token file.")
+    r = add_data(run, args.paths, seed=args.seed, kind=args.kind, token_dtype=args.token_dtype)
+    print(f"queued {len(r['sources'])} source(s), {r['batches']:,} batches, seed {r['seed']} as {r['request']}: "
+          "a running trainer mixes them in at its next step, a stopped one when it starts")
+    return 0
+
+
+def cmd_remat(args) -> int:
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.insert(0, f"model={args.model}")
+    if args.mesh:
+        overrides.append(f"mesh.cluster={args.mesh}")
+    cfg = load_config(args.config, overrides)
+    from jaxdist.remat.command import run_remat  # imports JAX
+
+    return run_remat(cfg, args.budget, measure=args.measure, operators=args.ops)
+
+
+def cmd_pipeline(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from jaxdist.parallel.chunks import chunk_boundaries, chunk_cost_model, chunk_costs
+    from jaxdist.parallel.schedule import activation_memory_ratio, build_schedule
+
+    kind = args.kind or ("seq1f1b" if args.chunks > 1 else "1f1b")
+    try:
+        sch = build_schedule(args.stages, args.microbatches, args.chunks, kind)
+        bounds = chunk_boundaries(cfg.train.seq_len, args.chunks, chunk_cost_model(cfg.model), args.split)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    p, s = args.stages, args.chunks
+    print(sch.summary())
+    print(sch.timeline())
+    if kind == "seq1f1b":
+        print(f"activation memory vs 1f1b on stage 0: (s+p-1)/(s*p) = {s + p - 1}/{s * p} = "
+              f"{activation_memory_ratio(p, s):.3f}")
+        costs = chunk_costs(bounds, chunk_cost_model(cfg.model))
+        print(f"chunks of train.seq_len={cfg.train.seq_len} for model {cfg.model.preset} ({args.split} split): "
+              f"boundaries {list(bounds)}, forward GFLOPs per block [{', '.join(f'{c / 1e9:.4g}' for c in costs)}] "
+              f"(max/min {max(costs) / min(costs):.3f})")
+    return 0
+
+
+def cmd_launch(args) -> int:
+    from jaxdist.controller.commands import launch
+
+    return launch(args.config, args.overrides, print_only=args.print, image=args.image)
+
+
+def cmd_controller(args) -> int:
+    from jaxdist.controller.commands import controller
+
+    return controller(args.config, args.overrides)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +234,60 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", help="TOML config file")
     c.add_argument("--reference", action="store_true", help="print the configuration reference")
     c.set_defaults(fn=cmd_config)
+
+    la = sub.add_parser("launch", help="multi-host launch: controller + node agents, kept alive on failures")
+    la.add_argument("--config", help="TOML config file")
+    la.add_argument("--print", action="store_true", help="slurm / kubernetes: print the batch script or manifest")
+    la.add_argument("--image", default="jaxdist:latest", help="kubernetes: container image of the pods")
+    la.set_defaults(fn=cmd_launch)
+
+    co = sub.add_parser("controller", help="run only the controller of a job (node agents join it)")
+    co.add_argument("--config", help="TOML config file")
+    co.set_defaults(fn=cmd_controller)
+
+    k = sub.add_parser("ckpt", help="list, inspect, verify a run's checkpoints or print their write plan")
+    k.add_argument("action", choices=("list", "inspect", "verify", "plan"))
+    k.add_argument("run_dir", help="run directory (or its checkpoints/ folder)")
+    k.add_argument("--step", type=int, help="one step (default: newest committed; verify: all)")
+    k.add_argument("--strategy", default="balanced", choices=("balanced", "replica0"),
+                   help="plan: the balanced plan or the naive one (replica 0 writes each shard)")
+    k.add_argument("--top", type=int, default=0, help="plan: show only the N biggest arrays")
+    k.set_defaults(fn=cmd_ckpt)
+
+    d = sub.add_parser("data", help="show, verify or add to a run's batch list (its exact data order)")
+    d.add_argument("action", choices=("show", "add", "verify"))
+    d.add_argument("run_dir", help="run directory (runs/<train.name>)")
+    d.add_argument("paths", nargs="*", help="add: text files, directories of text files or token files (.bin)")
+    d.add_argument("--seed", type=int, help="add: shuffle seed (default: random, recorded in the journal)")
+    d.add_argument("--kind", default="auto", choices=("auto", "text", "tokens"),
+                   help="add: how to read a file (auto: .bin/.tok/.tokens are token files, others text)")
+    d.add_argument("--token-dtype", choices=("uint16", "uint32"), help="add: dtype of token files (default: the run's)")
+    d.add_argument("--version", type=int, help="show: this version (default: newest)")
+    d.add_argument("--head", type=int, default=5, help="show: how many upcoming batch ids to list")
+    d.add_argument("--full", action="store_true", help="verify: also re-hash every added source (reads all of it)")
+    d.set_defaults(fn=cmd_data)
+
+    r = sub.add_parser("remat", help="plan remat for a model on a cluster: what to save, what to recompute")
+    r.add_argument("--config", help="TOML config file")
+    r.add_argument("--model", help="model preset (same as model=NAME)")
+    r.add_argument("--mesh", help="cluster: a name in meshes/ or a TOML path (same as mesh.cluster=...)")
+    r.add_argument("--budget", help="saved activations per device, all blocks, e.g. 20GiB (default: from device memory)")
+    r.add_argument("--measure", action="store_true", help="time operators on this machine instead of FLOPs / peak")
+    r.add_argument("--ops", action="store_true", help="list every saved or recomputed operator, not groups")
+    r.set_defaults(fn=cmd_remat)
+
+    pl = sub.add_parser("pipeline", help="print a pipeline schedule: timeline, bubble, activations in flight")
+    pl.add_argument("--config", help="TOML config file (model and train.seq_len for the chunk boundaries)")
+    pl.add_argument("--stages", type=int, required=True, help="pipeline stages p")
+    pl.add_argument("--microbatches", type=int, required=True, help="microbatches m per step")
+    pl.add_argument("--chunks", type=int, default=1, help="sequence chunks s per microbatch (seq1f1b)")
+    pl.add_argument("--kind", choices=("gpipe", "1f1b", "seq1f1b"),
+                    help="schedule (default: seq1f1b with chunks, else 1f1b)")
+    pl.add_argument("--split", default="cost", choices=("cost", "equal"), help="chunk boundaries: equal cost or tokens")
+    pl.set_defaults(fn=cmd_pipeline)
+
+    from jaxdist.planner.cli import add_parsers as add_planner_parsers  # plan, calibrate
+    add_planner_parsers(sub)
     return p
 
 

@@ -54,14 +54,38 @@ class ModelConfig:
     dtype: str = _f("float32", "Compute dtype of activations and matmuls: float32 or bfloat16.")
     param_dtype: str = _f("float32", "Storage dtype of the master weights: float32 (recommended with bf16 compute) or bfloat16.")
     init_std: float = _f(0.02, "Standard deviation of the normal weight initialiser.")
+    moe_experts: int = _f(0, "Routed experts per MoE block; 0 makes a dense model.")
+    moe_top_k: int = _f(2, "Experts each token is routed to (the k of top-k), 1..moe_experts.")
+    moe_d_ff: int = _f(0, "Hidden width of one expert's SwiGLU FFN; 0 uses d_ff.")
+    moe_every: int = _f(1, "Every k-th block is an MoE block (blocks k-1, 2k-1, ...), the others keep the dense MLP; must divide n_layers.")
+    moe_shared_d_ff: int = _f(0, "Hidden width of a shared expert every token also goes through (0: none).")
+    moe_router: str = _f("softmax", "Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3).")
+    moe_renormalize: bool = _f(True, "Rescale each token's k expert weights to sum to 1.")
+    moe_dispatch: str = _f("dropless", "dropless (tokens sorted by expert, grouped matmul, none dropped) or capacity (fixed slots per expert, overflow dropped).")
+    moe_capacity_factor: float = _f(1.25, "Capacity mode: slots per expert = ceil(factor x tokens x k / experts), counted over each device's tokens.")
+    moe_aux_loss_coef: float = _f(0.01, "Weight of the load-balancing loss (mean over MoE blocks) in the training objective.")
+    moe_z_loss_coef: float = _f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of the router logits) in the training objective.")
 
-    def num_params(self) -> int:
-        """Parameter count (embedding included, tied output counted once)."""
-        d, f, v, L = self.d_model, self.d_ff, self.vocab_size, self.n_layers
+    def ffn_params(self, active: bool = False) -> int:
+        """Matmul parameters of all feed-forward blocks (dense MLPs, routers, experts, shared experts).
+
+        ``active=True`` counts only the moe_top_k experts one token runs through.
+        """
+        d, L = self.d_model, self.n_layers
+        if not self.moe_experts:
+            return L * 3 * d * self.d_ff
+        n_moe = L // self.moe_every
+        experts = self.moe_top_k if active else self.moe_experts
+        moe = d * self.moe_experts + experts * 3 * d * (self.moe_d_ff or self.d_ff) + 3 * d * self.moe_shared_d_ff
+        return (L - n_moe) * 3 * d * self.d_ff + n_moe * moe
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count (embedding included, tied output counted once); ``active``: per token (MoE)."""
+        d, v, L = self.d_model, self.vocab_size, self.n_layers
         attn = d * self.n_heads * self.head_dim * 2 + d * self.n_kv_heads * self.head_dim * 2
-        block = attn + 3 * d * f + 2 * d
+        block = attn + 2 * d
         out = 0 if self.tie_embeddings else d * v
-        return v * d + L * block + d + out
+        return v * d + L * block + self.ffn_params(active) + d + out
 
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -81,6 +105,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "llama-70b": dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                       head_dim=128, d_ff=28672, max_seq_len=8192, rope_theta=500000.0,
                       tie_embeddings=False, dtype="bfloat16"),
+    # Mixture of experts.  Tests and `jaxdist train model=moe-tiny`: 8 experts, top-2.
+    "moe-tiny": dict(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                     d_ff=128, max_seq_len=128, moe_experts=8, moe_top_k=2, moe_d_ff=64),
+    # Real shapes, for planning: Mixtral-8x7B (8 experts, top-2, 46.7B params, 12.9B active).
+    "mixtral-8x7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                         head_dim=128, d_ff=14336, max_seq_len=32768, rope_theta=1e6,
+                         tie_embeddings=False, dtype="bfloat16", moe_experts=8, moe_top_k=2),
+    # Fine-grained experts shaped like DeepSeekMoE-16B: 64 small experts, top-6, 2 shared (as one of width 2x1408).
+    "deepseek-moe-16b": dict(vocab_size=102400, d_model=2048, n_layers=28, n_heads=16, n_kv_heads=16,
+                             head_dim=128, d_ff=10944, max_seq_len=4096, tie_embeddings=False,
+                             dtype="bfloat16", moe_experts=64, moe_top_k=6, moe_d_ff=1408,
+                             moe_shared_d_ff=2816),
 }
 
 
@@ -99,6 +135,8 @@ class MeshConfig:
     tensor: int = _f(1, "Tensor (Megatron) parallel size; kept inside a node.")
     expert: int = _f(1, "Expert-parallel size (MoE models).")
     pipeline: int = _f(1, "Pipeline stages.")
+    expert_tensor: int = _f(0, "Tensor-parallel size inside one expert (MoE); 0 uses mesh.tensor. A smaller divisor of mesh.tensor keeps attention at mesh.tensor and gives the rest of the tensor axis to the experts: they are then split expert*tensor/expert_tensor ways.")
+    auto: bool = _f(False, "Let jaxdist.planner choose the axis sizes, train.microbatches and train.remat at start-up for the devices present (the axis sizes above are then ignored); `mesh=auto` on the CLI or `mesh = \"auto\"` in TOML sets it.")
 
     def sizes(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}
@@ -151,12 +189,16 @@ class TrainConfig:
     b2: float = _f(0.95, "AdamW beta2.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 disables).")
     seed: int = _f(0, "Seed for parameter initialisation and the training RNG.")
-    remat: str = _f("none", "Activation recomputation policy for each block: none, full, dots, or a jax.checkpoint_policies name.")
+    remat: str = _f("none", "Activation recomputation policy for each block: none (save everything), full (save nothing), auto (chosen from operator costs within the memory budget; see `jaxdist remat`), save:NAME[,NAME] (save these checkpoint names), or a jax.checkpoint_policies name such as dots_saveable.")
+    remat_budget_bytes: int = _f(0, "With train.remat=auto: bytes per device for the saved activations of all blocks (block inputs included); 0 derives it from the device memory in meshes/ minus parameters, gradients, optimizer state and working space.")
     log_every: int = _f(10, "Write metrics every N steps (console, JSONL, TensorBoard).")
     eval_every: int = _f(100, "Evaluate on the held-out split every N steps (0: only at the end).")
     eval_batches: int = _f(4, "Held-out batches per evaluation.")
     progress: bool = _f(True, "Show a progress bar on the console (process 0 only).")
     tensorboard: bool = _f(True, "Write TensorBoard event files under <run>/tb/.")
+    pipeline_schedule: str = _f("seq1f1b", "Pipeline schedule when mesh.pipeline > 1: gpipe, 1f1b, or seq1f1b (1F1B over sequence chunks); train.microbatches is the number of pipeline microbatches.")
+    pipeline_chunks: int = _f(2, "seq1f1b: chunks each sequence is split into along the sequence axis (1 makes it 1f1b); the other schedules ignore it.")
+    pipeline_chunk_split: str = _f("cost", "seq1f1b chunk boundaries: cost (equal attention + MLP FLOPs per chunk, later chunks shorter) or equal (equal token counts).")
 
 
 # --------------------------------------------------------------------------- data
@@ -186,6 +228,66 @@ class CheckpointConfig:
     resume: bool = _f(True, "Resume from the latest checkpoint in the run directory if there is one.")
 
 
+# --------------------------------------------------------------------------- controller
+
+CONTROLLER_LAUNCHERS = ("local", "ssh", "slurm", "kubernetes")
+CONTROLLER_RECOVERY = ("standby", "requeue")
+
+
+@dataclass
+class ControllerConfig:
+    """`jaxdist launch` / `jaxdist controller`: membership, health checks and recovery (jaxdist/controller/)."""
+
+    bind: str = _f("127.0.0.1", "Address the controller listens on; anything but loopback needs controller.allow_remote=true.")
+    port: int = _f(0, "TCP port of the controller (0: a free one, written to <run>/controller/endpoint).")
+    allow_remote: bool = _f(False, "Allow listening beyond loopback (multi-host without SSH tunnels); every message stays HMAC-authenticated with the job token.")
+    launcher: str = _f("local", "Where `jaxdist launch` starts node agents: local, ssh, slurm or kubernetes.")
+    hosts_file: str = _f("", "SSH launcher: a file with one host per line.")
+    min_nodes: int = _f(1, "Training starts as soon as this many nodes are ready.")
+    max_nodes: int = _f(0, "Train on at most this many nodes (0: the cluster description's node count); the others wait as standbys.")
+    standbys: int = _f(1, "Nodes `jaxdist launch` starts beyond max_nodes, as warm standbys.")
+    heartbeat_interval: float = _f(0.25, "Seconds between two heartbeats of a worker or node agent.")
+    heartbeat_timeout: float = _f(1.5, "A training worker or a node agent silent this long (seconds) is declared failed.")
+    heartbeat_grace: float = _f(15.0, "How long (seconds) a worker's heartbeats may pause while it is starting, or while its connection still answers ZeroMQ's own heartbeats (sent outside the Python GIL): compiling can hold the GIL for seconds on a busy host. A stopped or hung process is caught by heartbeat_timeout all the same.")
+    progress_timeout: float = _f(120.0, "A training group whose step does not advance for this long (seconds) is declared failed.")
+    start_timeout: float = _f(900.0, "Seconds a group may take from its assignment to its first step (join, restore, compile).")
+    max_failures: int = _f(2, "A node that failed this many times is not used again.")
+    recovery: str = _f("standby", "After a failure: standby (restart the group from warm processes, a standby in the failed rank) or requeue (every process restarted cold, like a requeued job).")
+    warm_spares: int = _f(1, "Warm worker processes (JAX imported, data loaded, waiting for a rank) each node agent keeps ready.")
+    setup_cache: str = _f("", "Directory of the cluster setup cache (rank layout, coordinator, compilation cache, NCCL files); empty: <runs_dir>/.setup_cache.")
+    worker_command: str = _f("", "Command a node agent runs for one worker, the job's config arguments appended; empty: python -m jaxdist.cli train.")
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and localhost (no DNS lookup)."""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _validate_controller(c: ControllerConfig) -> None:
+    """Controller settings that cannot work (ConfigError, one sentence)."""
+    if not is_loopback(c.bind) and not c.allow_remote:
+        raise ConfigError(f"controller.bind='{c.bind}' is not a loopback address: set controller.allow_remote=true "
+                          "to listen beyond this machine, or keep 127.0.0.1 (SSH jobs tunnel to it).")
+    if not 0 <= c.port <= 65535:
+        raise ConfigError(f"controller.port={c.port} is not a TCP port: use 1..65535, or 0 for a free one.")
+    if c.launcher not in CONTROLLER_LAUNCHERS:
+        raise ConfigError(f"controller.launcher='{c.launcher}' is unknown: use {', '.join(CONTROLLER_LAUNCHERS)}.")
+    if c.recovery not in CONTROLLER_RECOVERY:
+        raise ConfigError(f"controller.recovery='{c.recovery}' is unknown: use standby or requeue.")
+    if c.min_nodes < 1 or c.max_nodes < 0 or (c.max_nodes and c.max_nodes < c.min_nodes):
+        raise ConfigError(f"controller.min_nodes={c.min_nodes} and max_nodes={c.max_nodes} are inconsistent: "
+                          "use min_nodes >= 1 and max_nodes >= min_nodes (or 0).")
+    if c.standbys < 0 or c.warm_spares < 0 or c.max_failures < 1:
+        raise ConfigError("controller.standbys and controller.warm_spares must be >= 0 and controller.max_failures >= 1.")
+    if not c.heartbeat_interval > 0 or not c.heartbeat_timeout >= 2 * c.heartbeat_interval:
+        raise ConfigError(f"controller.heartbeat_timeout={c.heartbeat_timeout} must be at least twice "
+                          f"controller.heartbeat_interval={c.heartbeat_interval} (and the interval positive), "
+                          "or one late heartbeat fails a healthy worker.")
+    if not (c.progress_timeout > 0 and c.start_timeout > 0 and c.heartbeat_grace >= c.heartbeat_timeout):
+        raise ConfigError("controller.progress_timeout and controller.start_timeout must be positive and "
+                          "controller.heartbeat_grace at least controller.heartbeat_timeout (seconds).")
+
+
 # --------------------------------------------------------------------------- whole
 
 @dataclass
@@ -197,6 +299,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -208,7 +311,7 @@ class Config:
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 _SECTION_CLASSES = {"model": ModelConfig, "mesh": MeshConfig, "train": TrainConfig,
-                    "data": DataConfig, "checkpoint": CheckpointConfig}
+                    "data": DataConfig, "checkpoint": CheckpointConfig, "controller": ControllerConfig}
 
 
 def _all_keys() -> list[str]:
@@ -259,7 +362,8 @@ def _coerce(key: str, value: Any, typ) -> Any:
         pass
     else:
         return value
-    raise ConfigError(f"config key '{key}' needs a {typ.__name__}, got {value!r}.")
+    article = "an" if typ.__name__[0] in "aeiou" else "a"
+    raise ConfigError(f"config key '{key}' needs {article} {typ.__name__}, got {value!r}.")
 
 
 def apply_preset(model: ModelConfig, name: str) -> ModelConfig:
@@ -272,6 +376,9 @@ def apply_preset(model: ModelConfig, name: str) -> ModelConfig:
 def _set(cfg: Config, key: str, value: Any) -> None:
     if key == "model":
         cfg.model = apply_preset(cfg.model, str(value))
+        return
+    if key == "mesh" and str(value).lower() == "auto":  # mesh=auto: the planner picks the mesh
+        cfg.mesh.auto = True
         return
     parts = key.split(".")
     if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
@@ -404,22 +511,90 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     if m.n_kv_heads % sizes["tensor"] and sizes["tensor"] % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} and mesh.tensor={sizes['tensor']} do not divide "
                           "one another: choose a tensor size that divides n_kv_heads or is a multiple of it.")
-    if m.d_ff % sizes["tensor"]:
+    if (not m.moe_experts or m.moe_every > 1) and m.d_ff % sizes["tensor"]:
         raise ConfigError(f"model.d_ff={m.d_ff} is not divisible by mesh.tensor={sizes['tensor']}: "
                           "choose a tensor size that divides d_ff.")
-    if sizes["pipeline"] > 1:
-        raise ConfigError("mesh.pipeline > 1 is not supported yet: set mesh.pipeline=1.")
-    if sizes["expert"] > 1:
-        raise ConfigError("mesh.expert > 1 needs an MoE model, which this version does not have: set mesh.expert=1.")
+    _validate_moe(m, cfg.mesh, sizes)
+    _validate_controller(cfg.controller)
+    _validate_pipeline(cfg, sizes["pipeline"])
     if n_devices is not None:
         resolved = cfg.mesh.resolved(n_devices)
-        batch_ways = resolved["data"] * resolved["fsdp"]
+        batch_ways = resolved["data"] * resolved["fsdp"] * resolved["expert"]  # attention splits tokens over expert too
         micro = t.batch_size // t.microbatches
         if micro % batch_ways:
             raise ConfigError(
                 f"the microbatch of {micro} sequences (train.batch_size={t.batch_size} / "
                 f"train.microbatches={t.microbatches}) is not divisible by the data axes "
-                f"data*fsdp={batch_ways}: make the batch a multiple of {batch_ways * t.microbatches}.")
+                f"data*fsdp{'*expert' if resolved['expert'] > 1 else ''}={batch_ways}: "
+                f"make the batch a multiple of {batch_ways * t.microbatches}.")
+
+
+def _validate_pipeline(cfg: Config, stages: int) -> None:
+    """Pipeline settings and their fit to the model (ConfigError, one sentence)."""
+    m, t = cfg.model, cfg.train
+    if t.pipeline_schedule not in ("gpipe", "1f1b", "seq1f1b"):
+        raise ConfigError(f"train.pipeline_schedule='{t.pipeline_schedule}' is unknown: use gpipe, 1f1b or seq1f1b.")
+    if t.pipeline_chunk_split not in ("cost", "equal"):
+        raise ConfigError(f"train.pipeline_chunk_split='{t.pipeline_chunk_split}' is unknown: use cost or equal.")
+    if t.pipeline_chunks <= 0:
+        raise ConfigError(f"train.pipeline_chunks={t.pipeline_chunks} must be positive.")
+    if stages == 1:
+        return
+    if m.moe_experts:
+        raise ConfigError("pipeline stages do not support MoE models yet: set mesh.pipeline=1 or model.moe_experts=0.")
+    if m.n_layers % stages:
+        raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by mesh.pipeline={stages}: "
+                          "choose a number of stages that divides the number of layers.")
+    chunks = t.pipeline_chunks if t.pipeline_schedule == "seq1f1b" else 1  # the other schedules ignore chunks
+    if t.seq_len % chunks:
+        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible into train.pipeline_chunks={chunks} chunks: "
+                          f"choose a sequence length that is a multiple of {chunks}, or fewer chunks.")
+    if t.pipeline_schedule == "1f1b" and t.microbatches < stages:
+        raise ConfigError(f"the 1f1b schedule needs train.microbatches >= mesh.pipeline, got {t.microbatches} < "
+                          f"{stages}: set train.microbatches={stages} or more, or use gpipe or seq1f1b.")
+
+
+def _validate_moe(m: ModelConfig, mesh: MeshConfig, sizes: dict[str, int]) -> None:
+    """MoE settings and their fit to the mesh (ConfigError, one sentence)."""
+    if not m.moe_experts:
+        if sizes["expert"] > 1:
+            raise ConfigError(f"mesh.expert={sizes['expert']} needs an MoE model: set model.moe_experts "
+                              "(or model=moe-tiny), or set mesh.expert=1.")
+        return
+    if m.moe_experts < 0:
+        raise ConfigError(f"model.moe_experts={m.moe_experts} must be positive (or 0 for a dense model).")
+    if not 1 <= m.moe_top_k <= m.moe_experts:
+        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must lie between 1 and model.moe_experts={m.moe_experts}: "
+                          "route each token to at most as many experts as there are.")
+    for name in ("moe_d_ff", "moe_shared_d_ff"):
+        if getattr(m, name) < 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive (or 0).")
+    if m.moe_every <= 0 or m.n_layers % m.moe_every:
+        raise ConfigError(f"model.moe_every={m.moe_every} does not divide model.n_layers={m.n_layers}: "
+                          "choose an MoE interval that divides the number of blocks.")
+    if m.moe_router not in ("softmax", "sigmoid"):
+        raise ConfigError(f"model.moe_router='{m.moe_router}' is unknown: use softmax or sigmoid.")
+    if m.moe_dispatch not in ("dropless", "capacity"):
+        raise ConfigError(f"model.moe_dispatch='{m.moe_dispatch}' is unknown: use dropless or capacity.")
+    if m.moe_dispatch == "capacity" and not m.moe_capacity_factor > 0:
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be positive in capacity mode: "
+                          "use e.g. 1.25, or set model.moe_dispatch=dropless.")
+    tensor = sizes["tensor"]
+    etp = mesh.expert_tensor or tensor
+    if mesh.expert_tensor < 0 or tensor % etp:
+        raise ConfigError(f"mesh.expert_tensor={mesh.expert_tensor} does not divide mesh.tensor={tensor}: "
+                          "choose a divisor of the tensor size (or 0 to use all of it).")
+    ep = sizes["expert"] * (tensor // etp)
+    if m.moe_experts % ep:
+        how = f"mesh.expert={sizes['expert']}" + (f" x mesh.tensor/mesh.expert_tensor={tensor // etp}" if ep != sizes["expert"] else "")
+        raise ConfigError(f"model.moe_experts={m.moe_experts} is not divisible by the expert-parallel size {ep} "
+                          f"({how}): choose a number of experts that is a multiple of {ep}, or a smaller mesh.expert.")
+    if (m.moe_d_ff or m.d_ff) % etp:
+        raise ConfigError(f"the expert width {m.moe_d_ff or m.d_ff} (model.moe_d_ff, or d_ff) is not divisible by "
+                          f"the expert tensor size {etp}: choose a width or mesh.expert_tensor that divides it.")
+    if m.moe_shared_d_ff % tensor:
+        raise ConfigError(f"model.moe_shared_d_ff={m.moe_shared_d_ff} is not divisible by mesh.tensor={tensor}: "
+                          "choose a shared-expert width that the tensor size divides.")
 
 
 # --------------------------------------------------------------------------- docs

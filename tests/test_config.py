@@ -46,7 +46,7 @@ def test_roundtrip_dict():
 @pytest.mark.parametrize("overrides, n_devices, message", [
     (["train.stpes=3"], None, "unknown config key 'train.stpes'; did you mean 'train.steps'?"),
     (["nosuch.key=1"], None, "unknown config key 'nosuch.key'"),
-    (["train.steps=abc"], None, "config key 'train.steps' needs a int, got 'abc'."),
+    (["train.steps=abc"], None, "config key 'train.steps' needs an int, got 'abc'."),
     (["model=gpt-17"], None, "unknown model preset 'gpt-17'"),
     (["mesh.data=3"], 8, "mesh data=3 has 3 devices but 8 are available: make the axis sizes multiply to 8"),
     (["mesh.fsdp=3"], 8, "fsdp*tensor*expert*pipeline = 3 does not divide the 8 devices"),

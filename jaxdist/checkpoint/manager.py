@@ -1,76 +1,328 @@
-"""Checkpoints of a run: orbax CheckpointManager around the train state.
+"""Checkpoints of a run: balanced, asynchronous, committed, verified, restorable anywhere.
 
-A checkpoint holds two items: ``state`` (params, optimizer state, step, RNG,
-as a pytree of sharded arrays) and ``meta`` (JSON: step, data position,
-config).  Saves are asynchronous: ``save`` returns once the arrays are copied
-to host memory and the files are written in the background.  Restore takes an
-abstract state whose leaves carry the target shardings, so a checkpoint is
-read directly onto the current mesh, each process reading what it needs.
+A checkpoint ``<dir>/<step>/`` holds two orbax items: ``state`` (params,
+optimizer state, step, RNG: a pytree of sharded arrays) and ``meta`` (JSON:
+step, data position, config).  :class:`RunCheckpointer`
+
+* writes each array as :func:`~jaxdist.checkpoint.plan.plan_writes` says, so
+  every process writes about the same number of bytes;
+* returns from :meth:`~RunCheckpointer.save` once the arrays are on the host;
+  the files, their checksums and the commit marker are written by a
+  background thread while training goes on.  A save that is still running
+  when the next is due is waited for (reported in the log and in
+  :attr:`~RunCheckpointer.stats`), never queued behind it;
+* counts a step only once ``jaxdist_commit.json`` exists (see
+  :mod:`~jaxdist.checkpoint.integrity`), sets the leftovers of interrupted
+  saves aside when it starts (``<step>.incomplete``; orbax's temporary
+  folders are removed), and keeps the newest ``keep`` committed steps (older
+  ones are deleted only after a newer one committed);
+* restores onto any mesh and process count (each process reads what its
+  devices need), verifying the files' checksums first and falling back to
+  the newest good step, with a warning naming each damaged one (set aside as
+  ``<step>.damaged``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import shutil
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+
+from jaxdist.checkpoint import integrity, writer
+from jaxdist.checkpoint.plan import WritePlan, assign_bytes, plan_writes
 
 log = logging.getLogger(__name__)
 
+# Seconds a process waits at a checkpoint barrier for its peers.
+BARRIER_TIMEOUT_S = 600
+
+
+@dataclasses.dataclass
+class SaveStats:
+    """One save: seconds the caller was blocked (``blocked_s``: device-to-host copy and
+    orbax bookkeeping; ``waited_s``: for the previous save still running), seconds the
+    background part took (``background_s``, once committed) and bytes per process
+    (``planned_bytes``: uncompressed array bytes; ``written_bytes``: file bytes, on process 0)."""
+
+    step: int
+    blocked_s: float
+    waited_s: float
+    planned_bytes: list[int]
+    background_s: float | None = None
+    written_bytes: list[int] | None = None
+
 
 class RunCheckpointer:
-    """Save and restore train states under ``directory`` (one sub-folder per step)."""
+    """Save and restore train states under ``directory`` (one sub-folder per step).
 
-    def __init__(self, directory: str | Path, keep: int = 3, asynchronous: bool = True):
+    ``strategy``: ``"balanced"`` (default) or ``"replica0"`` (the naive
+    baseline, for benchmarks).  ``verify``: check file checksums before a restore.
+    Every process of a job must construct it and call save/restore/wait together.
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 3, asynchronous: bool = True,
+                 strategy: str = "balanced", verify: bool = True):
+        if keep < 1:
+            raise ValueError("checkpoint.keep must be at least 1")
         self.directory = Path(directory).absolute()
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=asynchronous,
-            # Async saves of orbax already refuse to overlap; we report a pending one.
-            enable_should_save_is_saving_in_progress_check=False)
-        self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                              item_names=("state", "meta"))
+        self.keep, self.asynchronous, self.strategy, self.verify = keep, asynchronous, strategy, verify
+        self.process, self.num_processes = jax.process_index(), jax.process_count()
+        self.stats: list[SaveStats] = []
+        self.busy_saves = 0  # saves that found the previous one still running
+        handler = ocp.CompositeCheckpointHandler(
+            state=ocp.PyTreeCheckpointHandler(type_handler_registry=writer.type_registry(strategy)),
+            meta=ocp.JsonCheckpointHandler())
+        self._orbax = ocp.AsyncCheckpointer(handler) if asynchronous else ocp.Checkpointer(handler)
+        self._sync = ocp.multihost.get_barrier_sync_fn()
+        self._seq = 0
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._plans: dict[Any, tuple[WritePlan, dict]] = {}
+        if self.process == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._remove_unfinished()
+        self._barrier("init")
 
-    def latest_step(self) -> int | None:
-        """Newest committed step, or None."""
-        return self._manager.latest_step()
+    # ------------------------------------------------------------------ steps
+
+    def _barrier(self, phase: str, step: int = -1, seq: int | None = None) -> None:
+        """Wait for every process (a no-op on one); keys are unique per phase, step and save."""
+        if self.num_processes > 1:
+            seq = self._seq if seq is None else seq
+            self._sync(key=f"jaxdist_ckpt:{self.directory}:{phase}:{step}:{seq}", timeout_ms=BARRIER_TIMEOUT_S * 1000)
+
+    def _remove_unfinished(self) -> None:
+        for f in integrity.scan(self.directory):
+            if f.state == "temporary":  # orbax never finished these
+                log.warning("removing %s: a checkpoint save that never completed", f.path)
+                shutil.rmtree(f.path, ignore_errors=True)
+            elif f.state == "incomplete":  # kept: it may also be a checkpoint of an older jaxdist
+                aside = integrity.set_aside(f.path, "incomplete")
+                log.warning("ignoring %s: no commit marker (a save that never completed, or one written before "
+                            "jaxdist recorded checksums); moved to %s", f.path, aside.name)
 
     def all_steps(self) -> list[int]:
-        return list(self._manager.all_steps())
+        """Committed steps, oldest first."""
+        return [f.step for f in integrity.scan(self.directory) if f.state == "committed"]
+
+    def latest_step(self) -> int | None:
+        """Newest committed step (its files are verified only on restore), or None."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ save
+
+    def plan(self, state: Any) -> WritePlan:
+        """The write plan of ``state`` (cached per shapes and shardings)."""
+        return self._plan_and_layout(_arrays(state))[0]
+
+    def _plan_and_layout(self, named: list[tuple[str, jax.Array]]) -> tuple[WritePlan, dict]:
+        key = tuple((n, a.shape, str(a.dtype), a.sharding) for n, a in named)
+        if key not in self._plans:
+            layouts = writer.layouts_from_arrays(named)
+            self._plans[key] = (plan_writes(layouts, self.num_processes, self.strategy), describe_layout(named))
+        return self._plans[key]
 
     def save(self, step: int, state: Any, meta: dict[str, Any]) -> bool:
-        """Start saving ``state`` and ``meta`` as ``step``; returns False if the step already exists."""
-        if step in self._manager.all_steps():
+        """Start saving ``state`` and ``meta`` as ``step``; False if that step is already committed.
+
+        Blocks for the device-to-host copy (and for the previous save, if it
+        is still running); the rest happens in the background.
+        """
+        waited = self._finish_previous(step)
+        if step in self.all_steps():
             return False
-        return self._manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        t1 = time.perf_counter()
+        named = _arrays(state)
+        plan, layout = self._plan_and_layout(named)
+        step_dir = self.directory / str(step)
+        self._seq += 1
+        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
+        with writer.following(plan, named):
+            self._orbax.save(step_dir, args=args)
+        stats = SaveStats(step, time.perf_counter() - t1, waited, plan.bytes_per_process())
+        self.stats.append(stats)
+        info = {"step": step, "time": time.time(), "strategy": self.strategy,
+                "planned_bytes_per_process": stats.planned_bytes, "layout": layout,
+                "versions": {"jax": jax.__version__, "orbax": ocp.__version__}}
+        if self.asynchronous:
+            self._thread = threading.Thread(target=self._commit, args=(step_dir, stats, info, self._seq, t1),
+                                            name=f"jaxdist-ckpt-{step}", daemon=True)
+            self._thread.start()
+        else:
+            self._commit(step_dir, stats, info, self._seq, t1)
+            self._raise_error()
+        return True
+
+    def _commit(self, step_dir: Path, stats: SaveStats, info: dict, seq: int, t_start: float) -> None:
+        try:
+            if self.asynchronous:
+                self._orbax.wait_until_finished()
+            integrity.record_own_checksums(step_dir, self.process)
+            self._barrier("checksums", stats.step, seq)
+            failed = None
+            if self.process == 0:
+                try:  # the marker: only now does the step count
+                    marker = integrity.commit(step_dir, self.num_processes, info)
+                    stats.written_bytes = marker["bytes_written_per_process"]
+                    self._collect_garbage()
+                except Exception as e:  # still meet the others at the barrier, then report
+                    failed = e
+            self._barrier("committed", stats.step, seq)
+            if failed is not None:
+                raise failed
+            stats.background_s = time.perf_counter() - t_start - stats.blocked_s
+        except BaseException as e:  # reported by the next save/wait on the main thread
+            log.error("checkpoint of step %d in %s failed: %s", stats.step, self.directory, e)
+            self._error = e
+
+    def _collect_garbage(self) -> None:
+        committed = [f for f in integrity.scan(self.directory) if f.state == "committed"]
+        for f in committed[:-self.keep]:
+            shutil.rmtree(f.path, ignore_errors=True)
+
+    def _finish_previous(self, due: int | None = None) -> float:
+        """Join the running background save (reporting it if ``due`` is a step waiting for it); seconds waited."""
+        t0 = time.perf_counter()
+        if self._thread is not None:
+            if self._thread.is_alive() and due is not None:
+                self.busy_saves += 1
+                log.warning("checkpoint of step %d is still being written when step %d is due: waiting for it "
+                            "(saves are not stacked); consider a larger checkpoint.every", self.stats[-1].step, due)
+            self._thread.join()
+            self._thread = None
+        self._raise_error()
+        return time.perf_counter() - t0
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"a checkpoint save in {self.directory} failed: {e}") from e
+
+    def wait(self) -> None:
+        """Block until the background save (if any) has committed; raises if it failed."""
+        self._finish_previous()
+
+    def close(self) -> None:
+        """Wait for the running save and release orbax's resources."""
+        try:
+            self._finish_previous()
+        finally:
+            self._orbax.close()
+
+    # ------------------------------------------------------------------ restore
+
+    def _verify(self, folder: integrity.StepFolder) -> list[str]:
+        """Problems with ``folder``'s files; each process checks an even share of the bytes."""
+        files = folder.marker["files"]
+        if self.num_processes == 1:
+            return integrity.verify_files(folder.path, files)
+        share = assign_bytes({k: v["size"] for k, v in files.items()}, self.num_processes)
+        mine = integrity.verify_files(folder.path, files, [k for k, p in share.items() if p == self.process])
+        from jax.experimental import multihost_utils
+
+        counts = np.asarray(multihost_utils.process_allgather(np.int32(len(mine))))
+        if counts.sum() and not mine:
+            first = int(np.nonzero(counts)[0][0])
+            mine = [f"{int(counts.sum())} files do not match their checksums (see process {first}'s log)"]
+        return mine
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-        """(state, meta) of ``step`` (default newest) laid out like ``abstract_state``.
+        """(state, meta) of ``step`` (default: the newest good one) laid out like ``abstract_state``.
 
-        ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` with ``sharding`` set.
+        ``abstract_state`` is a pytree of ``jax.ShapeDtypeStruct`` with
+        ``sharding`` set (any mesh, any process count).  A damaged checkpoint
+        is skipped with a warning and set aside; with an explicit ``step`` it
+        raises :class:`~jaxdist.checkpoint.integrity.CheckpointDamaged`.
         """
+        self._finish_previous()
+        folders = [f for f in integrity.scan(self.directory) if f.state == "committed"]
+        if step is not None:
+            folders = [f for f in folders if f.step == step]
+            if not folders:
+                raise FileNotFoundError(f"no committed checkpoint of step {step} in {self.directory}")
+        for folder in reversed(folders):
+            problems = self._verify(folder) if self.verify else []
+            if problems:
+                more = f" and {len(problems) - 1} more problems" if len(problems) > 1 else ""
+                msg = f"checkpoint {folder.path} is damaged: {problems[0]}{more}"
+                self._seq += 1
+                if self.process == 0:
+                    aside = integrity.set_aside(folder.path)
+                    msg += f"; moved to {aside.name}"
+                self._barrier("set-aside", folder.step)
+                if step is not None:
+                    raise integrity.CheckpointDamaged(msg + "; restore another step or rewrite it.")
+                log.warning("%s; trying the previous checkpoint", msg)
+                continue
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+            restored = self._orbax.restore(folder.path, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args),
+                meta=ocp.args.JsonRestore()))
+            return restored["state"], dict(restored["meta"])
+        raise FileNotFoundError(f"no good checkpoint in {self.directory}")
+
+    def restore_meta(self, step: int | None = None) -> dict[str, Any]:
+        """Only the JSON metadata of ``step`` (default newest committed)."""
+        self._finish_previous()
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-        return restored["state"], dict(restored["meta"])
-
-    def restore_meta(self, step: int | None = None) -> dict[str, Any]:
-        """Only the JSON metadata of ``step`` (default newest)."""
-        step = self.latest_step() if step is None else step
-        restored = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        restored = self._orbax.restore(self.directory / str(step),
+                                       args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(restored["meta"])
 
-    def wait(self) -> None:
-        """Block until the background save (if any) has committed."""
-        self._manager.wait_until_finished()
 
-    def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+def _arrays(state: Any) -> list[tuple[str, jax.Array]]:
+    return [(n, a) for n, a in writer.named_leaves(state) if isinstance(a, jax.Array)]
+
+
+def describe_layout(named: list[tuple[str, jax.Array]]) -> dict[str, Any]:
+    """JSON description of the arrays' shapes and shardings (meshes, device ids, processes), for ``ckpt plan``."""
+    meshes: list[dict] = []
+    keys: dict[Any, int] = {}
+    arrays = []
+    for name, a in named:
+        entry = {"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
+                 "itemsize": int(np.dtype(a.dtype).itemsize)}
+        sh = a.sharding
+        if isinstance(sh, jax.sharding.NamedSharding):
+            mesh = sh.mesh
+            ids = np.vectorize(lambda d: d.id, otypes=[np.int64])(mesh.devices)
+            key = (tuple(mesh.axis_names), ids.tobytes(), ids.shape)
+            if key not in keys:
+                keys[key] = len(meshes)
+                procs = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(mesh.devices)
+                meshes.append({"axis_names": list(mesh.axis_names), "devices": ids.tolist(),
+                               "processes": procs.tolist()})
+            entry["mesh"] = keys[key]
+            entry["spec"] = [e if e is None or isinstance(e, str) else list(e) for e in sh.spec]
+        arrays.append(entry)
+    return {"meshes": meshes, "arrays": arrays}
+
+
+def plan_from_layout(layout: dict[str, Any], num_processes: int, strategy: str = "balanced") -> WritePlan:
+    """Recompute a checkpoint's write plan from the layout its commit marker records (no devices needed)."""
+    from jaxdist.checkpoint.plan import layout_from_spec
+
+    meshes = layout["meshes"]
+    lays = []
+    for a in layout["arrays"]:
+        if "mesh" not in a:
+            continue
+        m = meshes[a["mesh"]]
+        procs = dict(zip(np.ravel(m["devices"]).tolist(), np.ravel(m["processes"]).tolist()))
+        spec = [e if e is None or isinstance(e, str) else tuple(e) for e in a["spec"]]
+        lays.append(layout_from_spec(a["name"], a["shape"], a["itemsize"], spec, m["axis_names"], m["devices"], procs))
+    return plan_writes(lays, num_processes, strategy)
 
 
 def abstract_like(state: Any) -> Any:

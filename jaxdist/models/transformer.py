@@ -20,6 +20,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxdist.config import ModelConfig
+from jaxdist.models.moe import (DENSE_MLP_KEYS, group_member, moe_forward, moe_layer_count, moe_param_specs,
+                                split_group, summarize_aux)
 from jaxdist.parallel.rules import constrain
 
 # Names of the tagged intermediates, in the order they appear in a block.  A remat
@@ -91,8 +93,13 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: int = 0
 
 
 def block_forward(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
-                  cfg: ModelConfig) -> jax.Array:
-    """One transformer block on activations x [B, T, d_model]; p holds one layer's weights."""
+                  cfg: ModelConfig, with_aux: bool = False) -> jax.Array:
+    """One transformer block on activations x [B, T, d_model]; p holds one layer's weights.
+
+    A block whose weights include a ``router`` runs the MoE (jaxdist.models.moe)
+    in place of the MLP.  ``with_aux=True`` returns (x, aux): the MoE's router
+    losses and load per block, ``{}`` for a dense block.
+    """
     dt = x.dtype
     w = {k: v.astype(dt) for k, v in p.items()}
 
@@ -109,11 +116,57 @@ def block_forward(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: ja
     x = constrain(x + attn, ("batch", "seq", "embed"))
 
     h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
+    if "router" in p:  # MoE block: routed experts (with their own dtype handling) replace the MLP
+        out, aux = moe_forward(p, h, cfg)
+        x = constrain(x + checkpoint_name(out, "mlp_out"), ("batch", "seq", "embed"))
+        return (x, aux) if with_aux else x
     gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlp_gate")
     up = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_up"]), "mlp_up")
     hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
     out = checkpoint_name(jnp.einsum("btf,fd->btd", hidden, w["w_down"]), "mlp_out")
-    return constrain(x + out, ("batch", "seq", "embed"))
+    x = constrain(x + out, ("batch", "seq", "embed"))
+    return (x, {}) if with_aux else x
+
+
+def block_forward_cached(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
+                         cfg: ModelConfig, k_prefix: jax.Array | None = None,
+                         v_prefix: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One dense block on a chunk of a sequence whose earlier positions' keys and values are cached.
+
+    x [B, Tc, d] holds positions P..P+Tc-1, P = k_prefix.shape[1] (0 without a
+    prefix); cos, sin [Tc, head_dim/2] are the rotary tables of those positions;
+    k_prefix, v_prefix [B, P, KV, D] are the rotated keys and the values of
+    positions 0..P-1 in this block.  Returns (y [B, Tc, d], k, v [B, Tc, KV, D]):
+    this chunk's rotated keys and values, for the next chunks' cache.  Without a
+    prefix, y equals ``block_forward(p, x, cos, sin, cfg)``.  Same checkpoint
+    names and constraints as block_forward; the sequence-chunked pipeline
+    (jaxdist.parallel.pipeline) runs it.  Weights already in x's dtype are used
+    as they are (no copy, so remat residuals can refer to them).
+    """
+    dt = x.dtype
+    w = {k: v if v.dtype == dt else v.astype(dt) for k, v in p.items()}
+
+    h = checkpoint_name(rms_norm(x, w["attn_norm"], cfg.norm_eps), "attn_norm")
+    q = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wq"]), "query_proj")
+    k = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wk"]), "key_proj")
+    v = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wv"]), "value_proj")
+    q = constrain(apply_rotary(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(apply_rotary(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    offset = 0 if k_prefix is None else k_prefix.shape[1]
+    keys = k if k_prefix is None else jnp.concatenate([k_prefix, k], axis=1)
+    values = v if v_prefix is None else jnp.concatenate([v_prefix, v], axis=1)
+    ctx = checkpoint_name(causal_attention(q, keys, values, offset), "attn_context")
+    ctx = constrain(ctx, ("batch", "seq", "heads", "head_dim"))
+    attn = checkpoint_name(jnp.einsum("bthk,hkd->btd", ctx, w["wo"]), "attn_out")
+    x = constrain(x + attn, ("batch", "seq", "embed"))
+
+    h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
+    gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlp_gate")
+    up = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_up"]), "mlp_up")
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+    out = checkpoint_name(jnp.einsum("btf,fd->btd", hidden, w["w_down"]), "mlp_out")
+    return constrain(x + out, ("batch", "seq", "embed")), k, v
 
 
 class Transformer(nnx.Module):
@@ -134,17 +187,31 @@ class Transformer(nnx.Module):
 
         self.embed = param((cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         layers = {}
+        n_moe = moe_layer_count(cfg)  # MoE blocks keep attention but replace the dense MLP weights
         for name, (shape, names) in _block_param_specs(cfg).items():
+            count = cfg.n_layers - n_moe if name in DENSE_MLP_KEYS else cfg.n_layers
+            if count == 0:
+                continue
             init = nnx.initializers.ones if name.endswith("norm") else normal
             if name in ("wo", "w_down"):  # scaled init of residual outputs (GPT-2)
                 init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
-            layers[name] = param((cfg.n_layers, *shape), ("layers", *names), init)
+            layers[name] = param((count, *shape), ("layers", *names), init)
+        for name, (shape, names) in moe_param_specs(cfg).items():
+            init = normal
+            if name in ("we_down", "ws_down"):
+                init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+            layers[name] = param((n_moe, *shape), ("layers", *names), init)
         self.layers = nnx.Dict(layers)
         self.final_norm = param((cfg.d_model,), ("norm",), nnx.initializers.ones)
         if not cfg.tie_embeddings:
             self.lm_head = param((cfg.d_model, cfg.vocab_size), ("embed", "vocab"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        return self.forward(tokens)[0]
+
+    def forward(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """(logits [B, T, V] float32, aux): aux is ``{}`` for a dense model, else
+        jaxdist.models.moe.summarize_aux's router losses, drop rate and expert load."""
         cfg = self.cfg
         dt = _dtype(cfg.dtype)
         t = tokens.shape[1]
@@ -159,14 +226,24 @@ class Transformer(nnx.Module):
         def body(x, p):
             return block_forward(p, x, cos, sin, cfg), None
 
-        body = _with_remat(body, self.remat_policy)
         stacked = {k: v[...] for k, v in self.layers.items()}
-        x, _ = jax.lax.scan(body, x, stacked)
+        if cfg.moe_experts:  # scan over groups of moe_every blocks, the last of each an MoE block
+            def body(x, group):
+                aux = {}
+                for j in range(cfg.moe_every):
+                    x, a = block_forward(group_member(group, j, cfg), x, cos, sin, cfg, with_aux=True)
+                    aux = a or aux
+                return x, aux
+
+            stacked = split_group(stacked, cfg)
+        body = _with_remat(body, self.remat_policy)
+        x, aux = jax.lax.scan(body, x, stacked)
+        aux = summarize_aux(aux, cfg) if cfg.moe_experts else {}
 
         x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
         head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "seq", "vocab"))
+        return constrain(logits, ("batch", "seq", "vocab")), aux
 
 
 def _with_remat(fn: Callable, policy: Any) -> Callable:
@@ -207,3 +284,8 @@ def init_params(cfg: ModelConfig, seed: int = 0) -> dict:
 def apply(graphdef, params: dict, tokens: jax.Array) -> jax.Array:
     """Logits [B, T, V] float32 for tokens [B, T] with the given parameter dict."""
     return nnx.merge(graphdef, params)(tokens)
+
+
+def apply_with_aux(graphdef, params: dict, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(logits [B, T, V] float32, aux) for tokens [B, T]; aux is ``{}`` for a dense model (see Transformer.forward)."""
+    return nnx.merge(graphdef, params).forward(tokens)

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 Rules = Sequence[tuple[str, tuple[str, ...]]]
 
 DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("batch", ("data", "fsdp")),   # examples: split over every data-parallel axis
+    ("batch", ("data", "fsdp", "expert")),  # examples: every data-parallel axis; attention also uses expert as one
     ("seq", ()),                   # tokens of one sequence stay together
     ("embed", ("fsdp",)),          # model width: FSDP shards parameters along it
     ("heads", ("tensor",)),        # attention heads: Megatron column split
@@ -33,7 +33,8 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("head_dim", ()),
     ("mlp", ("tensor",)),          # MLP hidden width: column split in, row split out
     ("vocab", ("tensor",)),        # embedding / output projection rows
-    ("expert", ("expert",)),       # MoE experts
+    ("expert", ("expert", "tensor_ep")),  # MoE experts; tensor_ep exists only in the expert view (parallel/moe.py)
+    ("expert_mlp", ("tensor",)),   # an expert's hidden width: its own tensor group (mesh.expert_tensor)
     ("layers", ("pipeline",)),     # stacked (scanned) blocks: one slice per pipeline stage
     ("norm", ()),                  # norm scales: small, replicated
 )

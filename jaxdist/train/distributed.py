@@ -9,7 +9,9 @@ The usual variables select it:
 On CPU the cross-process collectives use gloo.  ``JAXDIST_HEARTBEAT_TIMEOUT``
 (seconds) shortens how long peers wait for a dead process and
 ``JAXDIST_SHUTDOWN_TIMEOUT`` (seconds) how long a finished process waits for the
-others at exit (tests set both low).
+others at exit (tests set both low).  ``JAX_COORDINATOR_BIND_ADDRESS``
+(host:port) is where process 0's coordination service listens (default: every
+interface; ``jaxdist launch`` keeps it on loopback when the job is on one machine).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def initialize_from_env() -> bool:
         kwargs["heartbeat_timeout_seconds"] = int(os.environ["JAXDIST_HEARTBEAT_TIMEOUT"])
     if "JAXDIST_SHUTDOWN_TIMEOUT" in os.environ:
         kwargs["shutdown_timeout_seconds"] = int(os.environ["JAXDIST_SHUTDOWN_TIMEOUT"])
+    if os.environ.get("JAX_COORDINATOR_BIND_ADDRESS"):  # else process 0's service listens on every interface
+        kwargs["coordinator_bind_address"] = os.environ["JAX_COORDINATOR_BIND_ADDRESS"]
     if "JAX_COORDINATOR_ADDRESS" in os.environ:
         jax.distributed.initialize(
             coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],

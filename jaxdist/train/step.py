@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist.models import apply
+from jaxdist.models import apply, apply_with_aux
+from jaxdist.models.moe import MOE_METRICS
 from jaxdist.parallel.rules import constrain
 
 TrainState = dict[str, Any]
@@ -30,29 +31,61 @@ def next_token_loss(graphdef, params: dict, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
+def objective(graphdef, params: dict, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(training objective, metrics) for tokens [B, T+1].
+
+    Dense model: (cross-entropy, {}).  MoE model: cross-entropy plus the
+    weighted router losses (``moe_aux_loss_coef`` x load-balancing loss +
+    ``moe_z_loss_coef`` x z-loss), and metrics ``loss`` (the cross-entropy,
+    nats/token) and the scalars of jaxdist.models.moe.MOE_METRICS.
+    """
+    logits, aux = apply_with_aux(graphdef, params, tokens[:, :-1])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    if not aux:
+        return ce, {}
+    return ce + aux["moe_loss"], {"loss": ce, **{k: aux[k] for k in MOE_METRICS}}
+
+
 def loss_and_grads(graphdef, params: dict, tokens: jax.Array, microbatches: int = 1):
     """(loss, grads) of the global batch, accumulated over ``microbatches`` equal slices.
 
-    Every microbatch has the same token count, so the mean of the microbatch
-    means is the mean over the global batch.  Microbatch k holds rows
-    k, k+m, k+2m, ...: each device keeps working on rows it already holds.
+    ``loss`` is the objective the gradients belong to (the cross-entropy for a
+    dense model; see :func:`objective`).
     """
-    grad_fn = jax.value_and_grad(lambda p, t: next_token_loss(graphdef, p, t))
+    loss, _, grads = loss_metrics_and_grads(graphdef, params, tokens, microbatches)
+    return loss, grads
+
+
+def loss_metrics_and_grads(graphdef, params: dict, tokens: jax.Array, microbatches: int = 1):
+    """(objective, metrics, grads) of the global batch, accumulated over ``microbatches`` equal slices.
+
+    Every microbatch has the same token count, so the mean of the microbatch
+    means is the mean over the global batch (metrics too are microbatch means).
+    Microbatch k holds rows k, k+m, k+2m, ...: each device keeps working on
+    rows it already holds.
+    """
+    grad_fn = jax.value_and_grad(lambda p, t: objective(graphdef, p, t), has_aux=True)
     if microbatches == 1:
-        return grad_fn(params, tokens)
+        (loss, metrics), grads = grad_fn(params, tokens)
+        return loss, metrics, grads
     b, l = tokens.shape
     mb = tokens.reshape(b // microbatches, microbatches, l).swapaxes(0, 1)
     mb = constrain(mb, (None, "batch", "seq"))
 
     def body(carry, t):
-        loss_sum, grad_sum = carry
-        loss, grads = grad_fn(params, t)
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+        loss_sum, metric_sum, grad_sum = carry
+        (loss, metrics), grads = grad_fn(params, t)
+        return (loss_sum + loss, jax.tree.map(jnp.add, metric_sum, metrics),
+                jax.tree.map(jnp.add, grad_sum, grads)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mb)
+    metric_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                jax.eval_shape(lambda p, t: objective(graphdef, p, t)[1], params, mb[0]))
+    (loss_sum, metric_sum, grad_sum), _ = jax.lax.scan(
+        body, (jnp.zeros((), jnp.float32), metric_zeros, zeros), mb)
     scale = 1.0 / microbatches
-    return loss_sum * scale, jax.tree.map(lambda g: g * scale, grad_sum)
+    return (loss_sum * scale, jax.tree.map(lambda m: m * scale, metric_sum),
+            jax.tree.map(lambda g: g * scale, grad_sum))
 
 
 def init_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
@@ -66,15 +99,22 @@ def init_state(params: dict, optimizer: optax.GradientTransformation, seed: int)
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    microbatches: int = 1, grad_clip: float = 0.0) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
-    """``train_step(state, tokens[B, T+1]) -> (state, metrics)``; metrics: loss, grad_norm, lr.
+                    microbatches: int = 1, grad_clip: float = 0.0,
+                    grads_fn: Callable | None = None) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+    """``train_step(state, tokens[B, T+1]) -> (state, metrics)``; metrics: loss, grad_norm, lr
+    (and for an MoE model the cross-entropy as loss plus MOE_METRICS, see :func:`objective`).
 
     ``grad_clip`` > 0 scales the gradients to at most that global norm before the optimizer.
+    ``grads_fn(params, tokens) -> (loss, metrics, grads)`` replaces the model's own
+    (the pipeline executor does this, jaxdist.parallel.pipeline).
     """
 
     def train_step(state: TrainState, tokens: jax.Array):
         params = state["params"]
-        loss, grads = loss_and_grads(graphdef, params, tokens, microbatches)
+        if grads_fn is not None:
+            loss, model_metrics, grads = grads_fn(params, tokens)
+        else:
+            loss, model_metrics, grads = loss_metrics_and_grads(graphdef, params, tokens, microbatches)
         # Clip here rather than in optax so the norm is computed (and all-reduced) once.
         grad_norm = optax.global_norm(grads)
         if grad_clip > 0:
@@ -85,7 +125,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
         # The key advances every step so a resumed run draws the same randomness.
         rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"]))
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": rng}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"])}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **model_metrics}
         return new_state, metrics
 
     return train_step
@@ -103,7 +143,8 @@ def model_flops_per_token(model_cfg, seq_len: int) -> float:
     attention scores and context (causal masking not discounted).
     """
     m = model_cfg
-    d, f = m.d_model, m.d_ff
+    d = m.d_model
     attn_params = d * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-    matmul_params = m.n_layers * (attn_params + 3 * d * f) + d * m.vocab_size
+    # MoE: the router and the k experts a token runs through (ModelConfig.ffn_params(active=True)).
+    matmul_params = m.n_layers * attn_params + m.ffn_params(active=True) + d * m.vocab_size
     return 6.0 * matmul_params + 12.0 * m.n_layers * m.n_heads * m.head_dim * seq_len

@@ -25,10 +25,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdist.checkpoint import RunCheckpointer
 from jaxdist.config import Config, ConfigError, validate
-from jaxdist.data import Prefetcher, SequenceSampler, eval_sampler, global_batch_array, load_source
+from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.models import create_abstract, init_params
 from jaxdist.parallel.mesh import build_mesh, describe_mesh, load_cluster
+from jaxdist.parallel.moe import expert_layout, expert_parallelism
 from jaxdist.parallel.rules import DEFAULT_RULES, activation_sharding, logical_to_spec
+from jaxdist.remat.policy import remat_policy, resolve_remat_policy  # noqa: F401  (remat_policy: kept importable here)
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.optimizer import make_optimizer
 from jaxdist.train.step import init_state, make_eval_step, make_train_step, model_flops_per_token
@@ -36,22 +38,6 @@ from jaxdist.train.step import init_state, make_eval_step, make_train_step, mode
 log = logging.getLogger(__name__)
 
 Hook = Callable[["Trainer", int, dict[str, float]], None]
-
-
-def remat_policy(name: str) -> Any:
-    """The per-block remat policy for ``train.remat``: none, full, save:NAME,NAME or a jax.checkpoint_policies name."""
-    if name in ("none", ""):
-        return None
-    if name == "full":
-        return "full"
-    if name.startswith("save:"):
-        names = [n for n in name[5:].split(",") if n]
-        return jax.checkpoint_policies.save_only_these_names(*names)
-    policy = getattr(jax.checkpoint_policies, name, None)
-    if policy is None or not callable(policy) or name.startswith("save_"):
-        raise ConfigError(f"train.remat='{name}' is unknown: use none, full, save:NAME[,NAME] or one of "
-                          "nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.")
-    return policy
 
 
 @dataclasses.dataclass
@@ -68,19 +54,27 @@ class Trainer:
     """
 
     def __init__(self, config: Config, devices: list | None = None):
-        self.config = config
         self.devices = list(devices if devices is not None else jax.devices())
+        if config.mesh.auto:  # mesh=auto: jaxdist.planner picks mesh sizes, microbatches and remat here
+            from jaxdist.planner.plan import resolve_auto
+            config = resolve_auto(config, self.devices)
+            log.info("planned mesh: %s", " ".join(f"{a}={n}" for a, n in config.mesh.sizes().items()))
+        self.config = config
         validate(config, len(self.devices))
         c = config
         self.cluster = load_cluster(c.mesh.cluster)
         self.mesh = build_mesh(c.mesh, self.devices)
         self.rules = DEFAULT_RULES
+        # MoE: expert weights live on the expert view of the devices (mesh.expert_tensor).
+        self.expert_layout = expert_layout(self.mesh, c.mesh.expert_tensor, self.rules)
         self.is_main = jax.process_index() == 0
         self.run_dir = c.run_dir
 
-        self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, remat_policy(c.train.remat))
+        # train.remat -> policy; "auto" profiles the block on this mesh and plans within the memory budget.
+        self.remat_policy, self.remat_plan = resolve_remat_policy(c, dict(self.mesh.shape), self.cluster)
+        self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)
         self.param_shardings = jax.tree.map(
-            lambda n, a: self.sharding(n, a.shape), names, abstract_params,
+            lambda n, a: self.expert_layout.sharding(n, a.shape, self.rules, self.mesh), names, abstract_params,
             is_leaf=lambda x: isinstance(x, tuple))
         self.optimizer, self.schedule = make_optimizer(c.train)
         self.state_shardings = self._state_shardings(abstract_params)
@@ -91,7 +85,8 @@ class Trainer:
         self._init_fn = jax.jit(lambda: init_state(init_params(c.model, seed), self.optimizer, seed),
                                 out_shardings=self.state_shardings)
         self._train_step = jax.jit(
-            make_train_step(self.graphdef, self.optimizer, self.schedule, c.train.microbatches, c.train.grad_clip),
+            make_train_step(self.graphdef, self.optimizer, self.schedule, c.train.microbatches, c.train.grad_clip,
+                            grads_fn=self._pipeline_grads_fn()),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,))
         self._eval_step = jax.jit(make_eval_step(self.graphdef),
@@ -99,7 +94,10 @@ class Trainer:
                                   out_shardings=self.replicated)
 
         self.data = load_source(c.data)
-        self.sampler = SequenceSampler(self.data.train, c.train.seq_len, c.train.batch_size, c.data.seed)
+        # Training batches come in batch-list order (exact across restarts, resizes and additions).
+        self.batches = RunBatchList(self.run_dir, self.data.train, self.data.name, c.data.seed, c.train.batch_size,
+                                    c.train.seq_len, is_main=self.is_main, process_count=jax.process_count())
+        self._batch_log: dict[int, tuple[str, int]] = {}  # step -> (batch id, batch-list version), until logged
         self.eval_sampler = eval_sampler(self.data.eval, c.train.seq_len, c.train.batch_size)
 
         self.tokens_per_step = c.train.batch_size * c.train.seq_len
@@ -132,10 +130,18 @@ class Trainer:
         rep = NamedSharding(self.mesh, P())
         return {"step": rep, "params": self.param_shardings, "opt_state": opt_shardings, "rng": rep}
 
+    def _pipeline_grads_fn(self):
+        """With mesh.pipeline > 1, the pipeline executor's (loss, metrics, grads); else None (the model's own)."""
+        if self.config.mesh.pipeline == 1:
+            return None
+        from jaxdist.parallel.pipeline import pipeline_grads_fn
+
+        return pipeline_grads_fn(self.config, self.mesh, self.rules)
+
     @contextlib.contextmanager
     def _tracing(self):
         # constrain() in the model reads the mesh and rules while jit traces.
-        with activation_sharding(self.mesh, self.rules):
+        with activation_sharding(self.mesh, self.rules), expert_parallelism(self.expert_layout):
             yield
 
     def __enter__(self) -> "Trainer":
@@ -157,12 +163,16 @@ class Trainer:
         ck = self.checkpointer
         if ck is not None and self.config.checkpoint.resume and ck.latest_step() is not None:
             step = ck.latest_step()
-            try:
-                state, meta = ck.restore(self.abstract_state(), step)
+            try:  # the newest checkpoint whose checksums hold; damaged ones are skipped with a warning
+                state, meta = ck.restore(self.abstract_state())
             except (ValueError, KeyError) as e:
                 raise ConfigError(
                     f"the checkpoint at {ck.directory}/{step} does not match this model or optimizer ({e}); "
                     "use a new train.name or set checkpoint.resume=false.") from None
+            except FileNotFoundError:
+                raise ConfigError(f"every checkpoint in {ck.directory} is damaged (set aside as <step>.damaged); "
+                                  "set checkpoint.resume=false to start over.") from None
+            step = int(meta["step"])
             self._check_resume(meta)
             log.info("resumed from step %d in %s", step, ck.directory)
             self.state = state
@@ -172,18 +182,11 @@ class Trainer:
         return self.state
 
     def _check_resume(self, meta: dict) -> None:
-        data = meta.get("data", {})
-        expect = self._data_meta(0)
-        for key in ("sampler", "seed", "batch_size", "seq_len", "source"):
-            if key in data and data[key] != expect[key]:
-                raise ConfigError(
-                    f"the checkpoint was written with data {key}={data[key]!r} but the config has {expect[key]!r}: "
-                    "resuming would change the data order; restore the old setting or start a new run.")
+        # The batch list checked the config when it opened; here: the checkpoint's version and cursor.
+        self.batches.resume(meta.get("data", {}), int(meta["step"]))
 
     def _data_meta(self, position: int) -> dict:
-        c = self.config
-        return {"sampler": "windows-v1", "source": self.data.name, "seed": c.data.seed,
-                "batch_size": c.train.batch_size, "seq_len": c.train.seq_len, "position": position}
+        return self.batches.checkpoint_meta(position)  # batch-list version + cursor
 
     # ------------------------------------------------------------------ loop
 
@@ -210,7 +213,7 @@ class Trainer:
 
     def batch(self, step: int) -> jax.Array:
         """The global batch of training step ``step`` as one sharded array [B, T+1]."""
-        return global_batch_array(self.sampler, step, self.batch_sharding)
+        return global_batch_array(self.batches.reader, step, self.batch_sharding)
 
     def evaluate(self, params: dict | None = None) -> float:
         """Mean held-out loss (nats/token) over ``train.eval_batches`` fixed batches."""
@@ -235,18 +238,24 @@ class Trainer:
         if c.train.progress and self.is_main:
             from tqdm.auto import tqdm
             bar = tqdm(total=c.train.steps, initial=start, desc=c.train.name, unit="step", dynamic_ncols=True)
-        prefetch = Prefetcher(self.batch, start, depth=2)
+        # Several processes agree on additions where metrics sync the host anyway (every log_every steps).
+        prefetch = self.batches.loader(start, self.batch_sharding, depth=2,
+                                       poll_every=1 if jax.process_count() == 1 else c.train.log_every)
         pending: list[tuple[int, dict]] = []
         t_last = time.perf_counter()
         try:
             for i in range(start, end):
-                self.state, m = self.train_step(self.state, prefetch.get(i))
+                batch_id, batch = prefetch.get(i)  # data added since the last step joins here
+                self._batch_log[i + 1] = (format_id(batch_id), self.batches.version)
+                self.state, m = self.train_step(self.state, batch)
                 pending.append((i + 1, m))
                 done = i + 1
                 if bar is not None:
                     bar.update(1)
                 hooks_now = [h for h in self.hooks if done % h.every == 0]
-                if done % c.train.log_every == 0 or done == end or hooks_now:
+                saving = self.checkpointer is not None and done % c.checkpoint.every == 0
+                # Log before a save, so no checkpointed step is missing from the log after a kill.
+                if done % c.train.log_every == 0 or done == end or hooks_now or saving:
                     records = self._flush(pending, time.perf_counter() - t_last)
                     history.extend(records)
                     t_last = time.perf_counter()
@@ -277,15 +286,19 @@ class Trainer:
             r = {k: float(v) for k, v in m.items()}
             r.update(step_time=dt, tokens_per_s=self.tokens_per_step / dt,
                      mfu=self.flops_per_step / dt / self.peak_flops)
-            self.metrics.write("train", step, r)
+            bid, version = self._batch_log.pop(step, (None, None))
+            # The log names the batch each step trained (hooks and history keep floats only).
+            self.metrics.write("train", step, r if bid is None else {**r, "batch_id": bid, "batch_version": version})
             records.append({"step": step, **r})
         return records
 
     def save(self, step: int | None = None) -> None:
         """Checkpoint the current state (asynchronously)."""
         step = int(jax.device_get(self.state["step"])) if step is None else step
-        self.checkpointer.save(step, self.state, {"step": step, "data": self._data_meta(step),
-                                                  "config": self.config.to_dict()})
+        if self.checkpointer.save(step, self.state, {"step": step, "data": self._data_meta(step),
+                                                     "config": self.config.to_dict()}):
+            s = self.checkpointer.stats[-1]  # seconds the loop was blocked by the save / by the previous one
+            self.metrics.write("checkpoint", step, {"blocked_s": s.blocked_s, "waited_s": s.waited_s})
 
     def close(self) -> None:
         """Wait for pending checkpoint writes and close files."""

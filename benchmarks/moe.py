@@ -1,0 +1,155 @@
+"""Mixture of experts on 8 simulated CPU devices: accounting a user can check, and throughput.
+
+Table 1, per mesh: expert weight bytes per device (predicted E*3*d*f*bytes /
+(expert-parallel x expert-tensor), measured from the sharded arrays) and the
+bytes passed to all-to-all in one MoE layer (predicted by
+``jaxdist.parallel.moe.dispatch_bytes``, parsed from ``compiled.as_text()``),
+for the layer's forward pass and for the whole train step (forward + backward;
+the layers are scanned, so the compiled program holds each layer's
+collectives once).
+
+Table 2: tokens/s of the Trainer's train step for the MoE model on several
+meshes, and for a dense model with the same active parameters (d_ff = k x the
+expert width), after a warmup, median of ``--steps`` steps.
+
+    python benchmarks/moe.py                   # both tables (about 2-3 minutes on 2 cores)
+    python benchmarks/moe.py --steps 5 --only accounting
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+MESHES = [  # (label, overrides); the last keeps attention at tensor=4, experts 4-way x 2-way tensor
+    ("expert=8", ["mesh.data=1", "mesh.expert=8"]),
+    ("expert=4 tensor=2", ["mesh.data=1", "mesh.expert=4", "mesh.tensor=2"]),
+    ("data=2 expert=2 tensor=2", ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2"]),
+    ("tensor=4 expert=2 expert_tensor=2", ["mesh.data=1", "mesh.tensor=4", "mesh.expert=2", "mesh.expert_tensor=2"]),
+]
+MODEL = ["model=moe-tiny", "model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.head_dim=32",
+         "model.moe_experts=8", "model.moe_top_k=2", "model.moe_d_ff=256", "model.max_seq_len=128"]
+
+
+def config(overrides, steps, runs, batch, seq):
+    from jaxdist.config import load_config
+    return load_config(None, [*overrides, f"train.steps={steps}", f"train.batch_size={batch}",
+                              f"train.seq_len={seq}", "train.progress=false", "train.tensorboard=false",
+                              "train.eval_every=0", "train.log_every=1000", "checkpoint.enabled=false",
+                              "data.max_bytes=2000000", f"train.runs_dir={runs}", "train.name=bench"])
+
+
+def compiled_step_text(trainer) -> str:
+    import jax
+    import jax.numpy as jnp
+    c = trainer.config.train
+    batch = jax.ShapeDtypeStruct((c.batch_size, c.seq_len + 1), jnp.int32, sharding=trainer.batch_sharding)
+    with trainer._tracing():
+        return trainer._train_step.lower(trainer.abstract_state(), batch).compile().as_text()
+
+
+def accounting(runs: str, batch: int, seq: int) -> list[list[str]]:
+    """Rows of table 1."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdist.models import moe as M
+    from jaxdist.parallel import moe as EP
+    from jaxdist.parallel.rules import activation_sharding
+    from jaxdist.train.trainer import Trainer
+
+    rows = []
+    for label, mesh in MESHES:
+        cfg = config(MODEL + mesh, 1, runs, batch, seq)
+        m = cfg.model
+        with Trainer(cfg) as t:
+            lay = t.expert_layout
+            state = t.init_state()
+            measured = sum(state["params"]["layers"][k].addressable_shards[0].data.nbytes for k in M.EXPERT_KEYS)
+            measured //= M.moe_layer_count(m)
+            predicted = EP.expert_param_bytes(m, lay, 4)
+            n_tokens = batch * seq
+            x = jnp.zeros((n_tokens, m.d_model), jnp.float32)
+            # Host copies: a jit without in_shardings cannot take arrays of two meshes (model and expert view).
+            p = jax.device_get({k: state["params"]["layers"][k][0] for k in ("router", *M.EXPERT_KEYS)})
+
+            def forward(p, x):
+                r = M.route(x, p["router"], m)
+                return EP.run_experts(x, r.experts, r.weights, {k: p[k] for k in M.EXPERT_KEYS}, m)[0]
+
+            with activation_sharding(t.mesh, t.rules), EP.expert_parallelism(lay):
+                fwd_hlo = jax.jit(forward).lower(p, x).compile().as_text()
+            step_hlo = compiled_step_text(t)
+        pred = EP.dispatch_bytes(m, lay, n_tokens, 4)
+        rows.append([label, f"{lay.ep_size}x{lay.etp_size}", f"{predicted:,}", f"{measured:,}",
+                     f"{pred['total']:,}", f"{EP.collective_bytes(fwd_hlo):,}",
+                     f"{pred['total'] + pred['rows']:,}", f"{EP.collective_bytes(step_hlo):,}"])
+    return rows
+
+
+def throughput(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
+    """Rows of table 2."""
+    import jax
+
+    from jaxdist.train.trainer import Trainer
+
+    k, f = 2, 256
+    dense = [o for o in MODEL if not o.startswith("model.moe")] + ["model.moe_experts=0", f"model.d_ff={k * f}"]
+    cases = [("MoE 8x256 top-2", MODEL + mesh, label) for label, mesh in MESHES[:3]]
+    cases.append(("MoE 8x256 top-2", MODEL + ["mesh.data=8"], "data=8 (no expert parallelism)"))
+    cases.append(("dense d_ff=512", dense + ["mesh.data=8"], "data=8"))
+    cases.append(("dense d_ff=512", dense + ["mesh.data=4", "mesh.tensor=2"], "data=4 tensor=2"))
+    rows = []
+    for model, overrides, label in cases:
+        cfg = config(overrides, steps + 3, runs, batch, seq)
+        with Trainer(cfg) as t:
+            state = t.init_state()
+            b = t.batch(0)
+            times = []
+            for i in range(steps + 2):
+                t0 = time.perf_counter()
+                state, metrics = t.train_step(state, b)
+                jax.block_until_ready(metrics)
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+            med = statistics.median(times)
+            rows.append([model, label, f"{cfg.model.num_params(active=True) / 1e6:.3f}M",
+                         f"{cfg.model.num_params() / 1e6:.3f}M", f"{1e3 * med:.0f}", f"{batch * seq / med:,.0f}"])
+    return rows
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
+    ap.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per case (default 8)")
+    ap.add_argument("--only", choices=["accounting", "throughput"], help="print one table only")
+    args = ap.parse_args(argv)
+    import jax
+    print(f"{len(jax.devices())} {jax.devices()[0].platform} devices; model: d_model=128, 4 blocks, "
+          f"8 experts x 256 top-2; batch {args.batch} x {args.seq} tokens, float32", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="jaxdist-moe-") as runs:
+        if args.only != "throughput":
+            print("\nPer device, one MoE layer (bytes): expert weights; all-to-all operands, predicted vs compiled")
+            print(table(["mesh", "ep x etp", "weights pred", "weights meas", "a2a fwd pred", "a2a fwd HLO",
+                         "a2a step pred", "a2a step HLO"], accounting(runs, args.batch, args.seq)))
+        if args.only != "accounting":
+            print(f"\nTrain step on 8 CPU devices (median of {args.steps} steps)")
+            print(table(["model", "mesh", "active", "total", "step ms", "tokens/s"],
+                        throughput(runs, args.batch, args.seq, args.steps)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,274 @@
+"""The worker agent: lives inside each training process started by a node agent.
+
+    agent = agent_from_env()            # None unless JAXDIST_CONTROLLER is set
+    if agent is not None:
+        agent.wait_for_rank(warm)       # heartbeats now; warm up; wait for a rank (sets JAX_* env)
+    ... jax.distributed.initialize, Trainer ...
+    agent.attach(trainer)               # a hook reports every step
+    agent.finished()
+
+A background thread owns the socket: it sends a heartbeat every
+``JAXDIST_HEARTBEAT_INTERVAL`` seconds (default 0.25) carrying the state
+(warming, warm, joining, restoring, training, done), the generation and rank,
+the last completed step, its tokens/s and step time, the step the process
+resumed from, and its compilation-cache hits and misses.  Being a thread, it
+keeps beating while the main thread imports, compiles or waits in a
+collective -- as long as the main thread lets go of the GIL.  Compiling on an
+overloaded host may hold it for seconds, so the connection also carries
+ZeroMQ's own heartbeats (``JAXDIST_LIVENESS_TIMEOUT``), answered by ZeroMQ's
+I/O thread without the GIL: the controller tells a busy process (connection
+alive, heartbeats late) from a stopped or crashed one (connection dropped).
+
+A warm process (a standby) has done everything that can come before
+``jax.distributed.initialize``: JAX and the trainer imported, data loaded,
+the compilation cache configured.  It cannot do more: a JAX process joins
+exactly one distributed group, with a rank fixed at ``initialize``, and the
+group's programs are compiled for that group's device assignment.  On its
+assignment it initializes, builds the mesh and loads the train step from the
+persistent compilation cache (filled by the group's first generation) rather
+than compiling it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from jaxdist.controller.protocol import TOKEN_ENV, Peer
+
+log = logging.getLogger(__name__)
+
+CONTROLLER_ENV = "JAXDIST_CONTROLLER"
+
+
+@dataclass
+class Assignment:
+    """A place in a generation: ``rank`` of ``num_processes``, the ``coordinator`` (host:port), extra ``env``."""
+
+    generation: int
+    rank: int
+    num_processes: int
+    coordinator: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def process_env(self) -> dict[str, str]:
+        """The variables :func:`jaxdist.train.distributed.initialize_from_env` reads, plus ``env``."""
+        return {"JAX_COORDINATOR_ADDRESS": self.coordinator, "JAX_NUM_PROCESSES": str(self.num_processes),
+                "JAX_PROCESS_ID": str(self.rank), **self.env}
+
+
+class WorkerAgent:
+    """Heartbeats and assignments of one worker process (see the module docstring)."""
+
+    def __init__(self, controller: str, token: str, node: str, interval: float = 0.25, liveness: float = 1.0):
+        self.node, self.pid, self.interval = node, os.getpid(), interval
+        self.identity = f"w:{node}:{self.pid}"
+        self._peer = Peer(token, controller, self.identity, interval, liveness)
+        self._lock = threading.Lock()
+        self._info: dict[str, Any] = {"state": "warming", "gen": -1, "rank": -1, "step": 0, "resume_step": None,
+                                      "tokens_per_s": 0.0, "step_time": 0.0, "cache_hits": 0, "cache_misses": 0}
+        self._assigned = threading.Event()
+        self._assignment: Assignment | None = None
+        self._stop = threading.Event()
+        self._beat_now, self._beat_sent = threading.Event(), threading.Event()
+        self._first_step = True
+        self._thread = threading.Thread(target=self._run, name="jaxdist-agent", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_beat or self._beat_now.is_set():
+                self._beat_now.clear()
+                self._beat()
+                self._beat_sent.set()
+                next_beat = now + self.interval
+            msg = self._peer.recv(max(0.0, min(0.05, next_beat - time.monotonic())))
+            if msg is not None:
+                self._handle(msg)
+        self._beat()  # the final state
+        time.sleep(0.05)  # let the last heartbeat leave (the socket does not linger)
+        self._peer.close()
+
+    def _beat(self) -> None:
+        with self._lock:
+            info = dict(self._info)
+        self._peer.send({"t": "hb", "node": self.node, "pid": self.pid, **info})
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        if msg.get("t") == "assign" and self._assignment is None:
+            self._assignment = Assignment(int(msg["gen"]), int(msg["rank"]), int(msg["num_processes"]),
+                                          str(msg["coordinator"]), dict(msg.get("env", {})))
+            self.update(state="joining", gen=self._assignment.generation, rank=self._assignment.rank)
+            self._assigned.set()
+
+    # ------------------------------------------------------------------ main thread
+
+    def update(self, **info: Any) -> None:
+        """Set fields of the next heartbeat (thread-safe)."""
+        with self._lock:
+            self._info.update(info)
+
+    def wait_for_rank(self, warm: Callable[[], None] | None = None, timeout: float | None = None) -> Assignment:
+        """Run ``warm()``, report "warm", block until the controller assigns a rank; export its environment.
+
+        Sets the compilation cache directory (``JAXDIST_COMPILE_CACHE`` of the
+        assignment or of the process) before returning, so the first compile
+        already reads it.
+        """
+        self.update(versions=_versions())
+        if warm is not None:
+            warm()
+        self.update(state="warm")
+        if not self._assigned.wait(timeout):
+            raise TimeoutError(f"no assignment from the controller within {timeout} s")
+        a = self._assignment
+        assert a is not None
+        os.environ.update(a.process_env())
+        cache = os.environ.get("JAXDIST_COMPILE_CACHE")
+        if cache:
+            configure_compile_cache(cache, self)
+        return a
+
+    def attach(self, trainer: Any) -> None:
+        """Report every step of ``trainer`` (a hook) and its mesh's device order."""
+        trainer.add_hook(self.on_step, every=1)
+        order = [int(d.id) for d in trainer.mesh.devices.flat]
+        self.update(state="restoring", mesh_device_order=order)
+
+    def on_step(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        """Trainer hook: the step just completed and its throughput.
+
+        Rank 0 also appends ``{time, gen, step, loss}`` to ``<run>/controller/trained.jsonl``: which
+        generation trained which step, the ground truth behind lineage checks and timelines.
+        """
+        now = time.time()
+        info: dict[str, Any] = {"step": int(step), "tokens_per_s": float(metrics.get("tokens_per_s", 0.0)),
+                                "step_time": float(metrics.get("step_time", 0.0)), "step_at": now}
+        if self._first_step:  # hooks run after every step, so the first call is the first step of this process
+            info.update(state="training", resume_step=int(step) - 1)
+            self._first_step = False
+        self.update(**info)
+        if trainer is not None and self._info["rank"] == 0:
+            record_step(trainer.run_dir, self._info["gen"], int(step), metrics.get("loss"), now)
+
+    def finished(self, final_step: int | None = None) -> None:
+        """Report "done".  Heartbeats go on until the process exits: JAX's shutdown barrier
+        may still hold it for a while, and a silent worker would be declared failed."""
+        self.update(state="done", **({} if final_step is None else {"step": int(final_step)}))
+        self._beat_sent.clear()
+        self._beat_now.set()  # now: the process may exit before the next beat is due
+        self._beat_sent.wait(timeout=2.0)
+
+    def _count_cache_event(self, event: str, **_: Any) -> None:
+        key = {"/jax/compilation_cache/cache_hits": "cache_hits",
+               "/jax/compilation_cache/cache_misses": "cache_misses"}.get(event)
+        if key is not None:
+            with self._lock:
+                self._info[key] += 1
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+def record_step(run_dir: Any, gen: int, step: int, loss: float | None, when: float | None = None) -> None:
+    """Append one trained step to ``<run_dir>/controller/trained.jsonl`` (seconds since the epoch)."""
+    import json
+    from pathlib import Path
+
+    path = Path(run_dir) / "controller" / "trained.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps({"time": time.time() if when is None else when, "gen": gen, "step": step,
+                            "loss": None if loss is None else float(loss)}) + "\n")
+
+
+def configure_compile_cache(path: str, agent: WorkerAgent | None = None) -> None:
+    """Point JAX's persistent compilation cache at ``path``, caching every program (even fast ones).
+
+    Through the environment when JAX is not imported yet (it reads these at
+    import), through ``jax.config`` when it is; ``agent`` then counts hits and misses.
+    """
+    settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    os.environ.update({k.upper(): str(v) for k, v in settings.items()})
+    if "jax" not in sys.modules:
+        return
+    import jax
+
+    for k, v in settings.items():
+        jax.config.update(k, v)
+    _write_cache_on_every_cpu_process()
+    if agent is not None:
+        jax.monitoring.register_event_listener(agent._count_cache_event)
+
+
+def _write_cache_on_every_cpu_process() -> None:
+    """Let every process of a CPU job write its own persistent-cache entries.
+
+    JAX writes entries from process 0 only, assuming every process computes the
+    same key (true on GPU, where the key leaves the device assignment out).  On
+    CPU the key hashes each process's own view of the topology, so the other
+    processes would never find an entry and would compile on every start --
+    and the group steps at the pace of its slowest member.  Their keys differ,
+    so their writes cannot collide.  Wraps a private JAX function; if it is not
+    there (another JAX version), nothing changes.
+    """
+    try:
+        from jax._src import compilation_cache, compiler, distributed
+    except ImportError:
+        return
+    original = getattr(compiler, "_cache_write", None)
+    if original is None or getattr(original, "jaxdist_wrapped", False):
+        return
+
+    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if distributed.global_state.process_id == 0 or backend.platform != "cpu" or host_callbacks:
+            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        if compile_time_secs < jax_min_compile_time():
+            return None
+        try:
+            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                      int(compile_time_secs))
+        except Exception as e:  # a cache write must never fail the compile
+            log.warning("could not write the persistent compilation cache entry of %s: %s", module_name, e)
+        return None
+
+    write.jaxdist_wrapped = True  # type: ignore[attr-defined]
+    compiler._cache_write = write
+
+
+def jax_min_compile_time() -> float:
+    import jax
+
+    return float(jax.config.jax_persistent_cache_min_compile_time_secs)
+
+
+def _versions() -> dict[str, str]:
+    from jaxdist.controller.setup_cache import library_versions
+
+    return library_versions()
+
+
+def agent_from_env(env: dict[str, str] | None = None) -> WorkerAgent | None:
+    """A running WorkerAgent if ``JAXDIST_CONTROLLER`` (host:port) is set, else None."""
+    env = os.environ if env is None else env
+    where = env.get(CONTROLLER_ENV)
+    if not where:
+        return None
+    token = env.get(TOKEN_ENV)
+    if not token:
+        raise RuntimeError(f"{CONTROLLER_ENV} is set but {TOKEN_ENV} is not: the worker cannot authenticate; "
+                           "start workers through `jaxdist launch` or a node agent.")
+    return WorkerAgent(where, token, env.get("JAXDIST_NODE", "local"),
+                       float(env.get("JAXDIST_HEARTBEAT_INTERVAL", "0.25")),
+                       float(env.get("JAXDIST_LIVENESS_TIMEOUT", "1.0")))

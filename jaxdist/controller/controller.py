@@ -1,0 +1,349 @@
+"""The controller process (``jaxdist controller``): keeps one training job alive.
+
+It listens on one authenticated endpoint (loopback unless configured), welcomes
+node agents, has each one checked (disk, devices, a signed ping to every other
+node: the links the job will use), and starts generation 0 as soon as
+``controller.min_nodes`` nodes are ready (the largest group the mesh allows, up
+to ``max_nodes``; later nodes become standbys).  Then it watches every member:
+a worker that exits, falls silent for ``heartbeat_timeout`` or a group that
+stops making steps ends the generation.  Recovery (``controller.recovery``):
+
+* ``standby`` (the path tested on CPU): kill the group (SIGKILL through the node
+  agents), give the failed rank to a warm standby, the other ranks to their
+  nodes' warm spares, and assign the new generation at once; the Trainer
+  restores the newest committed checkpoint and continues at its data position.
+* ``requeue``: the baseline a scheduler requeue gives: every process killed and
+  started cold.
+
+Replacing only the failed process while the others keep running (JAX's
+``jax_enable_recoverability`` on GPUs) would plug in at :meth:`Controller._fail`;
+it is not implemented here because CPU JAX cannot do it.
+
+The controller never imports JAX or model code.  Its state
+(``<run>/controller/state.json``) lets a restarted controller re-attach to the
+running job: workers and node agents keep going without it and reconnect to the
+same endpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import time
+import tomllib
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+from jaxdist.config import Config, ConfigError
+from jaxdist.controller import policy
+from jaxdist.controller.generations import GenerationLifecycle
+from jaxdist.controller.protocol import Endpoint, load_or_create_token
+from jaxdist.controller.setup_cache import SetupCache, SetupEntry
+from jaxdist.controller.state import EventLog, Generation, JobState, NodeView, WorkerInfo
+
+log = logging.getLogger("jaxdist.controller")
+
+SPARE_FAILURES_TO_BAN = 3  # warm processes of one node that crashed before an assignment: the node is not used
+
+MESHES_DIR = Path(__file__).resolve().parents[2] / "meshes"
+
+
+def cluster_shape(cfg: Config) -> tuple[int, int, str]:
+    """(nodes, devices per node, device kind) of the config's cluster description, read without JAX."""
+    name = cfg.mesh.cluster
+    path = Path(name) if (name.endswith(".toml") or "/" in name) else MESHES_DIR / f"{name}.toml"
+    try:
+        spec = tomllib.loads(path.read_text())
+        return int(spec["nodes"]), int(spec["devices_per_node"]), str(spec["device_kind"])
+    except (OSError, tomllib.TOMLDecodeError, KeyError, ValueError) as e:
+        raise ConfigError(f"cluster description '{name}' cannot be read ({e}): check mesh.cluster.") from None
+
+
+def controller_dir(cfg: Config) -> Path:
+    """Where a job's controller keeps its token, endpoint, state, events and worker logs."""
+    return (cfg.run_dir / "controller").absolute()
+
+
+class Controller(GenerationLifecycle):
+    """One job's controller; :meth:`run` until the job is done (0) or cannot continue (1)."""
+
+    def __init__(self, cfg: Config, config_args: list[str], echo: bool = False):
+        cc = self.cc = cfg.controller
+        self.cfg = cfg
+        self.dir = controller_dir(cfg)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.token = load_or_create_token(self.dir / "token")
+        prev = JobState.load(self.dir / "state.json")
+        if prev is not None and prev.phase in ("done", "failed"):
+            prev = None
+        port = cc.port
+        if not port and prev is not None and (self.dir / "endpoint").is_file():
+            port = int((self.dir / "endpoint").read_text().strip().rsplit(":", 1)[1])  # re-attach where workers look
+        self.liveness_s = max(2 * cc.heartbeat_interval, cc.heartbeat_timeout - 2 * cc.heartbeat_interval)
+        self.endpoint = Endpoint(self.token, cc.bind, port, cc.allow_remote, cc.heartbeat_interval, self.liveness_s)
+        (self.dir / "endpoint").write_text(self.endpoint.address)
+        self.attaching = prev is not None and prev.phase != "waiting"
+        self.state = prev or JobState(job=uuid.uuid4().hex[:12])
+        self.events = EventLog(self.dir / "events.jsonl", echo)
+        self.rejected_before = self.state.rejected_messages
+        self.nodes: dict[str, NodeView] = {}
+        self.workers: dict[str, WorkerInfo] = {}
+        self.cluster_nodes, self.per_node, self.device_kind = cluster_shape(cfg)
+        self.max_nodes = cc.max_nodes or self.cluster_nodes
+        self.valid_sizes = policy.valid_group_sizes(cfg, self.per_node, self.max_nodes)
+        if not [n for n in self.valid_sizes if n >= cc.min_nodes]:
+            why = policy.group_size_error(cfg, self.max_nodes, self.per_node)
+            raise ConfigError(f"no node count from controller.min_nodes={cc.min_nodes} to {self.max_nodes} fits the "
+                              f"mesh and batch ({why}): change the mesh, the batch or the node counts.")
+        base = shlex.split(cc.worker_command) or ["{python}", "-m", "jaxdist.cli", "train"]
+        self.argv = base + list(config_args)
+        self.setup = SetupCache(cc.setup_cache or Path(cfg.train.runs_dir).absolute() / ".setup_cache")
+        self.entry: SetupEntry | None = None
+        self.t0 = time.monotonic()
+        self.gen_started = self.t0
+        self.progress_at: float | None = None
+        self.done_since: float | None = None
+        self.plan: dict[int, str] | None = None
+        self.killed: dict[tuple[str, int], float] = {}
+        self.kill_sent_at = 0.0
+        self.rates: list[float] = []
+        self.rate_step = 0
+        self.rtt: dict[tuple[str, str], float] = {}
+        self.anomaly_probe: set[str] = set()
+        self.start_failures = 0
+        self.spare_failures: dict[str, int] = {}
+        self.last_save = self.last_watch = 0.0
+        self.running = True
+
+    # ------------------------------------------------------------------ messages
+
+    def handle(self, ident: str, msg: dict[str, Any]) -> None:
+        now = time.monotonic()
+        t = msg.get("t")
+        if t == "node_hb":
+            self._on_node_hb(msg, now)
+        elif t == "hb":
+            self._on_worker_hb(ident, msg, now)
+        elif t == "exit":
+            self._on_exit(str(msg["node"]), int(msg["pid"]), int(msg["rc"]), now)
+        elif t == "probe_result":
+            self._on_probe(str(msg["node"]), msg.get("rtt", {}))
+
+    def _on_node_hb(self, msg: dict[str, Any], now: float) -> None:
+        name = str(msg["node"])
+        v = self.nodes.get(name)
+        if v is None:
+            v = self.nodes[name] = NodeView(name)
+            self.events.add("node_registered", node=name)
+        if v.lost:
+            v.lost = False
+            self.events.add("node_back", node=name)
+        v.last_heartbeat, v.host, v.checks = now, str(msg.get("host", "")), dict(msg.get("checks", {}))
+        v.probe, v.free_port, v.procs = str(msg.get("probe", "")), int(msg.get("free_port", 0)), list(msg["procs"])
+        if not msg.get("welcomed"):
+            self._welcome(v)
+        for p in v.procs:
+            if p.get("rc") is not None:
+                self._on_exit(name, int(p["pid"]), int(p["rc"]), now)
+        if v.checks.get("ok") and not v.link_ok and not v.probing:
+            self._probe(v, [n for n in self.nodes.values() if n.checks.get("ok") and not n.lost])
+
+    def _welcome(self, v: NodeView) -> None:
+        env = {"JAX_PLATFORMS": "cpu"} if self.device_kind.lower().startswith("cpu") else {}
+        self.endpoint.send(f"n:{v.name}", {
+            "t": "welcome", "argv": self.argv, "env": env, "spares": self.cc.warm_spares, "liveness_s": self.liveness_s,
+            "log_dir": str(self.dir / "logs"), "cwd": os.getcwd(), "work_dir": str(self.cfg.run_dir.absolute()),
+            "devices": self.per_node, "device_kind": self.device_kind})
+
+    def _probe(self, v: NodeView, peers: list[NodeView]) -> None:
+        v.probing = True
+        self.endpoint.send(f"n:{v.name}", {"t": "probe", "peers": {p.name: p.probe for p in peers}, "bytes": 65536})
+
+    def _on_probe(self, name: str, rtt: dict[str, float | None]) -> None:
+        v = self.nodes.get(name)
+        if v is None:
+            return
+        v.probing = False
+        for peer, t in rtt.items():
+            if t is not None:
+                self.rtt[(name, peer)] = float(t)
+        unreachable = sorted(p for p, t in rtt.items() if t is None)
+        if unreachable:
+            self.events.add("link_failed", node=name, unreachable=unreachable)
+        elif not v.link_ok:
+            v.link_ok = True
+            self.events.add("node_checked", node=name, checks=v.checks, peers=sorted(rtt))
+        if name in self.anomaly_probe:
+            self.anomaly_probe.discard(name)
+            if not self.anomaly_probe:
+                self.events.add("probe", slow_nodes=policy.slow_nodes(self.rtt),
+                                rtt={f"{a}>{b}": t for (a, b), t in self.rtt.items()})
+
+    def _on_worker_hb(self, ident: str, msg: dict[str, Any], now: float) -> None:
+        w = self.workers.get(ident)
+        if w is None:
+            w = self.workers[ident] = WorkerInfo(ident, str(msg["node"]), int(msg["pid"]), now)
+        w.last_heartbeat, w.disconnected_at = now, None
+        if msg["state"] == "warm" and w.warm_at is None:
+            w.warm_at = now
+        w.state, w.gen, w.rank, w.step = str(msg["state"]), int(msg["gen"]), int(msg["rank"]), int(msg["step"])
+        w.resume_step, w.tokens_per_s = msg.get("resume_step"), float(msg.get("tokens_per_s", 0.0))
+        for k in ("versions", "cache_hits", "cache_misses", "mesh_device_order", "step_time"):
+            if k in msg:
+                w.info[k] = msg[k]
+        s = self.state
+        if 0 <= w.gen < s.generation and w.alive:
+            self._kill(w.node, [w.pid])  # a process of an ended generation (e.g. woken from SIGSTOP)
+        if w.gen != s.generation or s.phase not in ("starting", "running") or s.members.get(w.rank) != w.node:
+            return
+        g = s.current
+        if g is not None and w.step > g.last_step:
+            g.last_step = s.last_step = w.step
+            self.progress_at = now
+        if w.rank == 0 and w.step > self.rate_step and w.tokens_per_s > 0:  # one sample per step seen, from rank 0
+            self.rate_step = w.step
+            self._throughput(w.tokens_per_s)
+        if g is not None and g.first_step_at is None and w.state == "training":
+            self._first_step(g, w)
+
+    def _first_step(self, g: Generation, w: WorkerInfo) -> None:
+        g.first_step_at = time.time()
+        g.resume_step = int(w.resume_step or 0)
+        self.state.phase = "running"
+        self.start_failures = 0
+        self.rates, self.rate_step = [], 0
+        members = [self._member_worker(r) for r in self.state.members]
+        self.events.add("first_step", gen=g.gen, step=w.step, resume_step=g.resume_step,
+                        since_assign_s=g.first_step_at - g.assigned_at,
+                        cache_hits=[m.info.get("cache_hits") if m else None for m in members],
+                        cache_misses=[m.info.get("cache_misses") if m else None for m in members])
+        for v in self._live_nodes():  # now, not before: warming spares would slow the restart
+            self.endpoint.send(f"n:{v.name}", {"t": "replenish"})
+        if self.entry is not None:
+            rank0 = self._member_worker(0)
+            order = rank0.info.get("mesh_device_order") if rank0 else None
+            if not self.entry.mark_started(order):
+                self.events.add("setup_stale", key=self.entry.key.digest(), why="mesh device order changed")
+                self.setup.invalidate(self.entry.key)
+        self._save(force=True)
+
+    def _throughput(self, rate: float) -> None:
+        self.rates.append(rate)
+        if policy.throughput_anomaly(self.rates[3:]) and not self.anomaly_probe:  # skip the first, compiling steps
+            self.events.add("throughput_anomaly", gen=self.state.generation, recent=self.rates[-5:])
+            self.rates = []
+            live = self._live_nodes()
+            self.anomaly_probe = {v.name for v in live}
+            for v in live:
+                self._probe(v, live)
+
+    def _on_exit(self, node: str, pid: int, rc: int, now: float) -> None:
+        ident = f"w:{node}:{pid}"
+        w = self.workers.get(ident)
+        if w is None:
+            w = self.workers[ident] = WorkerInfo(ident, node, pid, now)
+        if w.exit_code is not None:
+            return
+        w.exit_code, w.exited_at = rc, now
+        self.killed.pop((node, pid), None)
+        member = w.gen == self.state.generation and self.state.members.get(w.rank) == node
+        self.events.add("worker_exit", node=node, pid=pid, rc=rc, gen=w.gen, rank=w.rank, member=member)
+        if not member and w.gen < 0 and rc not in (0, -9):
+            n = self.spare_failures[node] = self.spare_failures.get(node, 0) + 1
+            if n >= SPARE_FAILURES_TO_BAN and node not in self.state.banned:
+                self._ban(node, f"{n} warm processes exited with errors (see {self.dir / 'logs'})")
+
+    # ------------------------------------------------------------------ views
+
+    def _live_nodes(self) -> list[NodeView]:
+        return [v for v in self.nodes.values() if not v.lost]
+
+    def _warm_worker(self, node: str) -> WorkerInfo | None:
+        warm = [w for w in self.workers.values() if w.node == node and w.warm]
+        return min(warm, key=lambda w: w.pid) if warm else None
+
+    def _ready_nodes(self) -> list[NodeView]:
+        ready = []
+        for v in self._live_nodes():
+            ok = (v.checks.get("ok") and v.link_ok and v.name not in self.state.banned
+                  and self._warm_worker(v.name) is not None)
+            if ok and v.ready_at is None:
+                v.ready_at = time.monotonic()
+                self.events.add("node_ready", node=v.name)
+            if ok:
+                ready.append(v)
+        return sorted(ready, key=lambda v: v.ready_at)
+
+    def _member_worker(self, rank: int) -> WorkerInfo | None:
+        s = self.state
+        ws = [w for w in self.workers.values() if w.gen == s.generation and w.rank == rank
+              and w.node == s.members.get(rank)]
+        return max(ws, key=lambda w: w.last_heartbeat) if ws else None
+
+    # ------------------------------------------------------------------ decisions
+
+    def tick(self, now: float) -> None:
+        for v in self._live_nodes():
+            if now - v.last_heartbeat > 2 * self.cc.heartbeat_timeout:
+                v.lost, v.ready_at, v.link_ok = True, None, False
+                self.events.add("node_lost", node=v.name)
+        if self.attaching:
+            if now - self.t0 < 2 * self.cc.heartbeat_timeout + 1.0:
+                return  # collect heartbeats of the running job before judging it
+            self.attaching = False
+            self.gen_started = self.progress_at = now
+            self.events.add("attached", gen=self.state.generation, phase=self.state.phase,
+                            members=self.state.members, step=self.state.last_step)
+        ready = self._ready_nodes()  # also records when each node became ready (standbys too)
+        phase = self.state.phase
+        if phase == "waiting":
+            self._try_start(ready)
+        elif phase in ("starting", "running"):
+            self._check_generation(now)
+        elif phase == "recovering":
+            self._try_assign(now)
+        self._save()
+
+    def _save(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self.last_save > 0.25:
+            self.state.rejected_messages = self.rejected_before + self.endpoint.verifier.rejected
+            members = set(self.state.members.values())
+            self.state.standbys = [v.name for v in self._ready_nodes() if v.name not in members]
+            self.state.save(self.dir / "state.json")
+            self.last_save = now
+
+    # ------------------------------------------------------------------ loop
+
+    def run(self, watch: Callable[[], str | None] | None = None) -> int:
+        """Serve until the job is done (returns 0) or given up / stopped (1).
+
+        ``watch()``, called about once a second, may return a reason to give up (e.g. every launched
+        node agent exited)."""
+        self.events.add("controller_start", endpoint=self.endpoint.bound_endpoint(), attach=self.attaching,
+                        gen=self.state.generation, job=self.state.job)
+        stop = lambda *_: setattr(self, "running", False)  # noqa: E731  (the job goes on without us)
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            while self.running:
+                got = self.endpoint.recv(0.05)
+                while got is not None:
+                    self.handle(*got)
+                    got = self.endpoint.recv(0)
+                for ident, t in self.endpoint.take_disconnects():
+                    if ident in self.workers:
+                        self.workers[ident].disconnected_at = t
+                self.tick(time.monotonic())
+                if watch is not None and time.monotonic() - self.last_watch > 1.0:
+                    self.last_watch = time.monotonic()
+                    why = watch()
+                    if why:
+                        self._give_up(why)
+        finally:
+            self._save(force=True)
+            time.sleep(0.1)  # let the stop messages leave
+            self.endpoint.close()
+        return 0 if self.state.phase == "done" else 1

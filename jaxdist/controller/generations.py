@@ -1,0 +1,234 @@
+"""The life of a generation (one formation of the training group): start, watch, fail, recover, finish.
+
+Mixed into :class:`~jaxdist.controller.controller.Controller`, which owns the
+state these methods read and change; the decisions themselves are the pure
+functions of :mod:`~jaxdist.controller.policy`.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxdist.controller import policy
+from jaxdist.controller.protocol import port_is_free
+from jaxdist.controller.setup_cache import SetupEntry, SetupKey
+from jaxdist.controller.state import Generation, NodeView
+
+log = logging.getLogger("jaxdist.controller")
+
+KILL_CONFIRM_S = 5.0  # seconds to wait for a killed generation's exits before starting the next one
+DONE_GRACE_S = 60.0  # seconds a group that finished training may take to exit
+START_FAILURES_TO_GIVE_UP = 3  # generations in a row that fail before their first step: the job cannot run
+
+
+def last_committed_step(run_dir: Path) -> int:
+    """Newest checkpoint step with a commit marker under ``run_dir/checkpoints`` (0 if none)."""
+    steps = [int(Path(p).parent.name) for p in glob.glob(str(run_dir / "checkpoints" / "*" / "jaxdist_commit.json"))
+             if Path(p).parent.name.isdigit()]
+    return max(steps, default=0)
+
+
+class GenerationLifecycle:
+    """Starting, checking, failing, recovering and finishing generations (see the module docstring)."""
+
+    def _try_start(self, ready: list[NodeView]) -> None:
+        n = policy.choose_group_size(len(ready), self.cc.min_nodes, self.max_nodes, self.valid_sizes)
+        if n is None:
+            return
+        names = [v.name for v in ready]
+        members = dict(enumerate(names[:n]))
+        w0 = self._warm_worker(names[0])
+        fixed = dict(devices_per_host=self.per_node, device_kind=self.device_kind.lower(),
+                     mesh=SetupKey.make([], 0, "", self.cfg.mesh.resolved(n * self.per_node), {}).mesh,
+                     versions=tuple(sorted((w0.info.get("versions") or {}).items())))
+        for key in self.setup.layouts(**fixed):  # a cached rank -> host assignment over ready nodes
+            if len(key.hosts) == n and set(key.hosts) <= set(names):
+                members = dict(enumerate(key.hosts))
+                break
+        self._start_generation(members, "elastic start", ready=len(ready))
+
+    def _start_generation(self, members: dict[int, str], cause: str, **extra: Any) -> None:
+        s = self.state
+        n = len(members)
+        workers = {r: self._warm_worker(node) for r, node in members.items()}
+        assert all(workers.values())
+        versions = workers[0].info.get("versions") or {}
+        key = SetupKey.make([members[r] for r in range(n)], self.per_node, self.device_kind,
+                            self.cfg.mesh.resolved(n * self.per_node), versions)
+        self.entry = self.setup.get_or_create(key)
+        coordinator = self._coordinator(self.nodes[members[0]], self.entry)
+        s.generation += 1
+        s.members, s.coordinator, s.setup_key, s.phase = dict(members), coordinator, key.digest(), "starting"
+        s.pids = {r: w.pid for r, w in workers.items()}
+        now = time.time()
+        s.history.append(Generation(s.generation, dict(members), coordinator, now))
+        self.gen_started, self.progress_at, self.plan, self.done_since = time.monotonic(), None, None, None
+        if not self.entry.fresh or not self.entry.coordinator:
+            self.entry.coordinator = coordinator
+            self.entry.save()
+        jax_env = {"JAXDIST_HEARTBEAT_TIMEOUT": str(max(10, int(8 * self.cc.heartbeat_timeout))),
+                   "JAXDIST_SHUTDOWN_TIMEOUT": "30"}
+        if coordinator.startswith("127."):  # keep JAX's coordination service on loopback too
+            jax_env["JAX_COORDINATOR_BIND_ADDRESS"] = coordinator
+        warm_for = {r: round(time.monotonic() - (w.warm_at or time.monotonic()), 3) for r, w in workers.items()}
+        for r, w in workers.items():
+            w.assigned = True
+            env = {**jax_env, **self.entry.worker_env(r)}
+            self.endpoint.send(w.identity, {"t": "assign", "gen": s.generation, "rank": r, "num_processes": n,
+                                            "coordinator": coordinator, "env": env})
+            self.endpoint.send(f"n:{w.node}", {"t": "assigned", "pid": w.pid, "gen": s.generation, "rank": r})
+        self.events.add("start", gen=s.generation, cause=cause, members=members, pids=s.pids,
+                        coordinator=coordinator, setup="reused" if not self.entry.fresh else "built",
+                        setup_key=key.digest(), warm_for_s=warm_for, **extra)
+        self._save(force=True)
+
+    def _coordinator(self, node: NodeView, entry: SetupEntry) -> str:
+        """host:port for process 0's coordination service: the cached one if its port is free, else a fresh one."""
+        host = node.host or "127.0.0.1"
+        if entry.coordinator and not entry.fresh and entry.coordinator.rsplit(":", 1)[0] == host:
+            port = int(entry.coordinator.rsplit(":", 1)[1])
+            if not host.startswith("127.") or port_is_free(port, host):
+                return entry.coordinator
+        return f"{host}:{node.free_port}"
+
+    def _check_generation(self, now: float) -> None:
+        s = self.state
+        views = []
+        for r, node in s.members.items():
+            w = self._member_worker(r) or self.workers.get(f"w:{node}:{s.pids.get(r)}")
+            if w is None:
+                views.append(policy.WorkerView(r, node, self.gen_started))
+                continue
+            views.append(policy.WorkerView(r, node, max(w.last_heartbeat, self.gen_started), w.step, w.state,
+                                           w.exit_code, w.exited_at, self.endpoint.connected.get(w.identity),
+                                           w.disconnected_at))
+        finished = [v for v in views if v.exit_code == 0 or v.state == "done"]
+        if views and len(finished) == len(views):
+            if all(v.exit_code is not None for v in views):
+                return self._finish()
+            self.done_since = self.done_since or now
+            if now - self.done_since > DONE_GRACE_S:  # trained and checkpointed, but stuck in JAX's shutdown
+                self.events.add("shutdown_stuck", ranks=[v.rank for v in views if v.exit_code is None])
+                return self._finish()
+        failures = policy.find_failures(now, views, started_at=self.gen_started, progress_at=self.progress_at,
+                                        heartbeat_timeout=self.cc.heartbeat_timeout,
+                                        progress_timeout=self.cc.progress_timeout,
+                                        start_timeout=self.cc.start_timeout,
+                                        heartbeat_grace=self.cc.heartbeat_grace,
+                                        disconnect_grace=self.cc.heartbeat_interval)
+        if failures:
+            self._fail(failures, now)
+
+    def _fail(self, failures: list[policy.Failure], now: float) -> None:
+        s = self.state
+        g = s.current
+        blamed = {f.node for f in failures if f.node}
+        first_step = g is not None and g.first_step_at is not None
+        s.last_good_step = last_committed_step(self.cfg.run_dir.absolute())
+        if g is not None:
+            g.ended_at, g.end = time.time(), "failed: " + "; ".join(f.detail for f in failures)
+        self.events.add("failure", gen=s.generation, kinds=sorted({f.kind for f in failures}), nodes=sorted(blamed),
+                        ranks=sorted(f.rank for f in failures if f.rank is not None),
+                        detail="; ".join(f.detail for f in failures), last_step=s.last_step,
+                        last_good_step=s.last_good_step, after_first_step=first_step)
+        for node in blamed:
+            s.failures[node] = s.failures.get(node, 0) + 1
+            if s.failures[node] >= self.cc.max_failures and node not in s.banned:
+                self._ban(node, f"failed {s.failures[node]} times")
+        # The whole generation goes: on CPU no process survives the loss of a peer.
+        for r, node in s.members.items():
+            for w in self.workers.values():
+                if w.node == node and w.gen == s.generation and w.alive:
+                    self._kill(node, [w.pid])
+            if s.pids.get(r):
+                self._kill(node, [s.pids[r]])
+        if self.cc.recovery == "requeue":  # nothing warm survives a requeue
+            for v in self._live_nodes():
+                self._kill(v.name, [w.pid for w in self.workers.values() if w.node == v.name and w.alive])
+                self.endpoint.send(f"n:{v.name}", {"t": "replenish"})
+        self.start_failures = 0 if first_step else self.start_failures + 1
+        s.restarts += 1
+        if self.start_failures >= START_FAILURES_TO_GIVE_UP:
+            return self._give_up(f"{self.start_failures} generations in a row failed before their first step "
+                                 f"(see the worker logs in {self.dir / 'logs'})")
+        s.phase = "recovering"
+        self.plan, s.last_failed = None, sorted(blamed)
+        self._save(force=True)
+
+    def _candidates(self) -> list[str]:
+        """Standby nodes, warm ones first."""
+        s = self.state
+        others = [v for v in self._live_nodes() if v.name not in s.members.values() and v.checks.get("ok")]
+        return [v.name for v in sorted(others, key=lambda v: (self._warm_worker(v.name) is None, v.ready_at or 1e18))]
+
+    def _try_assign(self, now: float) -> None:
+        s = self.state
+        if self.plan is None:
+            live = {v.name for v in self._live_nodes()}
+            failed = set(s.last_failed) | {n for n in s.members.values() if n not in live}
+            self.plan = policy.plan_replacement(s.members, failed, self._candidates(), set(s.banned) | (failed - live))
+            if self.plan is None:
+                if now - self.kill_sent_at > 30:
+                    self.kill_sent_at = now
+                    self.events.add("waiting_for_nodes", members=s.members, banned=s.banned)
+                return
+            self.events.add("replacement", gen=s.generation + 1, members=self.plan,
+                            swapped={r: n for r, n in self.plan.items() if s.members.get(r) != n})
+        pending = [k for k, t in self.killed.items() if now - t < KILL_CONFIRM_S]
+        if pending:
+            return  # the old generation's processes must be gone before the new one touches the checkpoints
+        if all(self._warm_worker(n) is not None for n in self.plan.values()):
+            self._start_generation(self.plan, "recovery")
+        elif now - self.kill_sent_at > 5:
+            self.kill_sent_at = now
+            for n in self.plan.values():
+                if self._warm_worker(n) is None:
+                    self.endpoint.send(f"n:{n}", {"t": "replenish"})
+
+    def _kill(self, node: str, pids: list[int]) -> None:
+        if not pids:
+            return
+        self.endpoint.send(f"n:{node}", {"t": "kill", "pids": pids})
+        now = time.monotonic()
+        for pid in pids:
+            w = self.workers.get(f"w:{node}:{pid}")
+            if w is None or w.alive:
+                self.killed.setdefault((node, pid), now)
+
+    def _ban(self, node: str, why: str) -> None:
+        self.state.banned.append(node)
+        self.events.add("banned", node=node, why=why)
+        live = [v for v in self._live_nodes() if v.name not in self.state.banned]
+        if not live:
+            self._give_up("every node is banned")
+
+    def _finish(self) -> None:
+        s = self.state
+        g = s.current
+        if g is not None:
+            g.ended_at, g.end = time.time(), "done"
+        for r, node in s.members.items():
+            w = self._member_worker(r)
+            if w is not None and w.alive:
+                self._kill(node, [w.pid])
+        s.phase = "done"
+        s.last_good_step = last_committed_step(self.cfg.run_dir.absolute())
+        s.last_step = max(s.last_step, s.last_good_step)  # the final heartbeats may not have arrived
+        self.events.add("done", gen=s.generation, step=s.last_step, restarts=s.restarts)
+        self._stop_nodes()
+
+    def _give_up(self, why: str) -> None:
+        self.state.phase = "failed"
+        self.events.add("gave_up", why=why)
+        log.error("giving up: %s", why)
+        self._stop_nodes()
+
+    def _stop_nodes(self) -> None:
+        for v in self.nodes.values():
+            self.endpoint.send(f"n:{v.name}", {"t": "stop"})
+        self._save(force=True)
+        self.running = False

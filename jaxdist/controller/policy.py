@@ -1,0 +1,202 @@
+"""The controller's decisions, as pure functions of what it knows (no sockets, no clocks, no JAX).
+
+* :func:`valid_group_sizes`, :func:`choose_group_size`: how many nodes may train
+  (elastic start: the largest count the mesh and batch allow, up to max_nodes);
+* :func:`find_failures`: which workers are dead, silent or stuck;
+* :func:`plan_replacement`: which node takes each rank of the next generation;
+* :func:`throughput_anomaly`, :func:`slow_nodes`: slow steps, and which node's links are slow;
+* :func:`lineage`: which batches the final parameters were trained on.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from jaxdist.config import Config, ConfigError, validate
+
+NODE_LOCAL_AXES = ("tensor", "expert", "pipeline")  # as jaxdist.parallel.mesh (which imports JAX)
+
+
+def group_size_error(cfg: Config, n_nodes: int, devices_per_node: int) -> str | None:
+    """Why ``n_nodes`` nodes of ``devices_per_node`` devices cannot run ``cfg`` (one sentence), or None."""
+    try:
+        validate(cfg, n_nodes * devices_per_node)
+        sizes = cfg.mesh.resolved(n_nodes * devices_per_node)
+    except ConfigError as e:
+        return str(e)
+    local = math.prod(sizes[a] for a in NODE_LOCAL_AXES)
+    if devices_per_node % local:
+        return f"tensor*expert*pipeline = {local} does not fit in a node of {devices_per_node} devices"
+    if (sizes["data"] * sizes["fsdp"]) % n_nodes:
+        return f"data*fsdp = {sizes['data'] * sizes['fsdp']} cannot be split over {n_nodes} nodes"
+    return None
+
+
+def valid_group_sizes(cfg: Config, devices_per_node: int, upto: int) -> list[int]:
+    """Node counts 1..upto on which the config's mesh, batch and hybrid layout work."""
+    cfg = copy.deepcopy(cfg)
+    return [n for n in range(1, upto + 1) if group_size_error(cfg, n, devices_per_node) is None]
+
+
+def choose_group_size(ready: int, min_nodes: int, max_nodes: int, valid: Iterable[int]) -> int | None:
+    """The largest valid node count in [min_nodes, min(ready, max_nodes)], or None (wait for more nodes)."""
+    fits = [n for n in valid if min_nodes <= n <= min(ready, max_nodes)]
+    return max(fits) if fits else None
+
+
+# --------------------------------------------------------------------------- health
+
+@dataclass
+class WorkerView:
+    """What the controller knows of one member of the running generation.
+
+    ``last_heartbeat`` and ``exited_at`` are seconds on the controller's clock;
+    ``exit_code`` is the process's return code (negative: killed by that signal).
+    """
+
+    rank: int
+    node: str
+    last_heartbeat: float
+    step: int = 0
+    state: str = "joining"
+    exit_code: int | None = None
+    exited_at: float | None = None
+    connected: bool | None = None  # its connection answers ZeroMQ heartbeats (None: unknown)
+    disconnected_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A reason to end a generation: ``kind`` exit | silent | stalled | start_timeout; ``node`` None blames no node."""
+
+    kind: str
+    node: str | None
+    rank: int | None
+    detail: str
+
+
+STARTUP_STATES = ("warming", "warm", "joining", "restoring")
+
+
+def find_failures(now: float, workers: Sequence[WorkerView], *, started_at: float, progress_at: float | None,
+                  heartbeat_timeout: float, progress_timeout: float, start_timeout: float,
+                  heartbeat_grace: float | None = None, disconnect_grace: float = 0.25) -> list[Failure]:
+    """Failures of a generation at time ``now`` (seconds).
+
+    Blamed: a worker that exited with a non-zero code; one whose connection
+    dropped ``disconnect_grace`` ago (time for its node to report an exit) --
+    a stopped or frozen process stops answering ZeroMQ's heartbeats; and one
+    whose own heartbeats stopped for ``heartbeat_timeout``, or for
+    ``heartbeat_grace`` while it is starting or its connection is known to be
+    alive (its main thread may just hold the GIL).  A group whose step has not
+    advanced for ``progress_timeout`` since ``progress_at`` (its last new
+    step), or that has not made a first step ``start_timeout`` after
+    ``started_at``, fails without blaming a node.  A worker that reported
+    "done" or exited with 0 has finished training: no failure.
+    """
+    out = []
+    grace = heartbeat_timeout if heartbeat_grace is None else heartbeat_grace
+    for w in workers:
+        if w.state == "done" or w.exit_code == 0:
+            continue
+        silent_s = now - w.last_heartbeat
+        if w.exit_code is not None:
+            how = f"killed by signal {-w.exit_code}" if w.exit_code < 0 else f"exit code {w.exit_code}"
+            out.append(Failure("exit", w.node, w.rank, f"rank {w.rank} on {w.node}: {how}"))
+        elif w.disconnected_at is not None:
+            if now - w.disconnected_at > disconnect_grace:  # else: wait for an exit report
+                out.append(Failure("silent", w.node, w.rank,
+                                   f"rank {w.rank} on {w.node}: its connection stopped answering heartbeats "
+                                   f"(last message {silent_s:.1f} s ago)"))
+        elif silent_s > (grace if (w.state in STARTUP_STATES or w.connected) else heartbeat_timeout):
+            out.append(Failure("silent", w.node, w.rank,
+                               f"rank {w.rank} on {w.node}: no heartbeat for {silent_s:.1f} s"))
+    if out:
+        return out
+    if any(w.exit_code == 0 or w.state == "done" for w in workers):
+        return []  # finishing: the others follow in a moment
+    if progress_at is None:
+        if now - started_at > start_timeout:
+            out.append(Failure("start_timeout", None, None, f"no first step {now - started_at:.0f} s after the start"))
+    elif now - progress_at > progress_timeout:
+        out.append(Failure("stalled", None, None, f"no step progress for {now - progress_at:.0f} s"))
+    return out
+
+
+def plan_replacement(members: dict[int, str], failed: set[str], candidates: Sequence[str],
+                     banned: set[str]) -> dict[int, str] | None:
+    """Rank -> node of the next generation, or None when too few nodes are left.
+
+    Healthy members keep their ranks.  Each failed member's rank goes to the
+    next candidate (warm standbys first, as the caller orders them), skipping
+    banned nodes and nodes already in the group; a failed node that is not
+    banned may take back its own rank when no standby is left (its agent
+    starts a fresh process).
+    """
+    keep = {r: n for r, n in members.items() if n not in failed}
+    used = set(keep.values())
+    pool = [n for n in candidates if n not in banned and n not in used and n not in failed]
+    pool += [n for n in sorted(failed) if n not in banned]
+    plan = dict(keep)
+    for r in sorted(set(members) - set(keep)):
+        if not pool:
+            return None
+        plan[r] = pool.pop(0)
+        used.add(plan[r])
+    return plan
+
+
+# --------------------------------------------------------------------------- slowness
+
+def throughput_anomaly(rates: Sequence[float], recent: int = 5, fraction: float = 0.5) -> bool:
+    """True when the median of the last ``recent`` rates (tokens/s) is below ``fraction`` x the median before them."""
+    if len(rates) < 2 * recent:
+        return False
+    base = statistics.median(rates[:-recent])
+    return statistics.median(rates[-recent:]) < fraction * base
+
+
+def slow_nodes(rtt: dict[tuple[str, str], float], factor: float = 3.0) -> list[str]:
+    """Nodes whose median round-trip time (s) to the others exceeds ``factor`` x the median over all nodes.
+
+    ``rtt[(a, b)]`` is the time of a probe from a to b and back; a slow link
+    or host shows in every pair it belongs to, a healthy node in few.
+    """
+    per_node: dict[str, list[float]] = {}
+    for (a, b), t in rtt.items():
+        per_node.setdefault(a, []).append(t)
+        per_node.setdefault(b, []).append(t)
+    if len(per_node) < 3:
+        return []  # with two nodes a slow pair cannot be attributed to one of them
+    medians = {n: statistics.median(ts) for n, ts in per_node.items()}
+    overall = statistics.median(medians.values())
+    return sorted(n for n, m in medians.items() if m > factor * overall)
+
+
+# --------------------------------------------------------------------------- accounting
+
+def lineage(generations: Sequence[tuple[int, int]], final_step: int) -> list[int]:
+    """Batch indices (0-based: step s trains batch s-1) behind the final parameters.
+
+    ``generations`` lists (resume step, last completed step) per generation in
+    order.  Generation g contributes the batches from its resume step up to the
+    step the next one resumed from (the rest was recomputed); the last one up
+    to ``final_step``.  An uninterrupted, loss-free history gives
+    ``list(range(final_step))``; a repeated or skipped batch shows as a
+    duplicate or a gap.
+    """
+    out: list[int] = []
+    for i, (resume, last) in enumerate(generations):
+        end = generations[i + 1][0] if i + 1 < len(generations) else final_step
+        end = min(end, last) if i + 1 < len(generations) else end
+        out.extend(range(resume, end))
+    return out
+
+
+def lost_steps(last_step: int, resume_step: int) -> int:
+    """Steps of compute thrown away by a restart: completed before the failure, then redone."""
+    return max(0, last_step - resume_step)

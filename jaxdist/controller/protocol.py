@@ -1,0 +1,281 @@
+"""The controller's network channel: ZeroMQ over TCP, every message signed with the job token.
+
+The controller binds one ROUTER socket; node agents and worker agents connect
+DEALER sockets to it, each with a stable identity (``n:<node>`` or
+``w:<node>:<pid>``), so a restarted controller on the same endpoint reaches
+them again as soon as they send their next heartbeat (ZeroMQ reconnects by
+itself).
+
+A message is two frames: the JSON body and its HMAC-SHA256 (hex) under the
+job token.  The body carries ``sender``, ``sid`` (a random id per sending
+process), ``seq`` (counting up per sid) and ``ts`` (seconds since the epoch).
+:class:`Verifier` rejects a wrong or missing MAC, a body older than
+``max_age_s`` and a replayed ``(sid, seq)``; every rejection is logged and
+counted.  Nothing here listens beyond loopback unless the caller says so
+(:func:`check_bind`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from jaxdist.config import ConfigError, is_loopback
+
+log = logging.getLogger(__name__)
+
+# Seconds a signed message stays acceptable (clock skew between hosts plus queueing).
+MAX_AGE_S = 60.0
+TOKEN_ENV = "JAXDIST_JOB_TOKEN"
+
+
+def new_token() -> str:
+    """A fresh job token: 32 random bytes, hex."""
+    return secrets.token_hex(32)
+
+
+def load_or_create_token(path: Path) -> str:
+    """The token in ``$JAXDIST_JOB_TOKEN``, else in ``path``, else a new one written there (mode 0600)."""
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    if path.is_file():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = new_token()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+def check_bind(host: str, allow_remote: bool) -> None:
+    """Refuse (ConfigError) to listen beyond loopback unless ``allow_remote``."""
+    if not is_loopback(host) and not allow_remote:
+        raise ConfigError(f"refusing to listen on '{host}', which is not loopback: set controller.allow_remote=true "
+                          "to accept connections from other machines.")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (it may be taken again before it is used)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True if ``host:port`` can be bound now."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _mac(token: str, body: bytes) -> bytes:
+    return hmac.new(token.encode(), body, hashlib.sha256).hexdigest().encode()
+
+
+class Signer:
+    """Signs the messages of one process (one ``sid``)."""
+
+    def __init__(self, token: str, sender: str):
+        self.token, self.sender = token, sender
+        self.sid = secrets.token_hex(8)
+        self.seq = 0
+
+    def frames(self, msg: dict[str, Any]) -> list[bytes]:
+        """[body, mac] for ``msg`` (a dict with at least ``t``, the message type)."""
+        self.seq += 1
+        body = json.dumps({**msg, "sender": self.sender, "sid": self.sid, "seq": self.seq, "ts": time.time()},
+                          separators=(",", ":")).encode()
+        return [body, _mac(self.token, body)]
+
+
+@dataclass
+class Verifier:
+    """Checks [body, mac] frames; remembers the highest ``seq`` per ``sid`` to refuse replays."""
+
+    token: str
+    max_age_s: float = MAX_AGE_S
+    rejected: int = 0
+    _last_seq: dict[str, int] = field(default_factory=dict)
+
+    def check(self, frames: list[bytes], peer: str = "?") -> dict[str, Any] | None:
+        """The message, or None (logged as a warning) when it is not authentic, too old or replayed."""
+        reason = self._reason(frames)
+        if isinstance(reason, dict):
+            return reason
+        self.rejected += 1
+        log.warning("rejected a message from %s: %s", peer, reason)
+        return None
+
+    def _reason(self, frames: list[bytes]) -> dict[str, Any] | str:
+        if len(frames) != 2:
+            return f"expected 2 frames (body, mac), got {len(frames)}"
+        body, mac = frames
+        if not hmac.compare_digest(_mac(self.token, body), mac):
+            return "bad signature (wrong job token?)"
+        try:
+            msg = json.loads(body)
+            sid, seq, ts = str(msg["sid"]), int(msg["seq"]), float(msg["ts"])
+        except (ValueError, KeyError, TypeError):
+            return "malformed body"
+        if abs(time.time() - ts) > self.max_age_s:
+            return f"stale message ({time.time() - ts:.0f} s old)"
+        if seq <= self._last_seq.get(sid, 0):
+            return f"replayed message (seq {seq} from {sid})"
+        self._last_seq[sid] = seq
+        return msg
+
+
+def _zmq_heartbeats(sock: zmq.Socket, interval_s: float, timeout_s: float) -> None:
+    # ZMTP heartbeats: sent and answered by ZeroMQ's I/O thread, without the Python GIL, so a
+    # process busy compiling still answers; a stopped or frozen one does not, and is disconnected.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval_s * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout_s * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(timeout_s * 1000)))
+
+
+class Endpoint:
+    """The controller's listening socket (ROUTER): ``recv`` -> (identity, message), ``send`` to an identity.
+
+    ``liveness_s``: peers whose connection answers no ZeroMQ heartbeat for this long (seconds) are
+    disconnected; :meth:`take_disconnects` lists them (identity, ``time.monotonic()``), and
+    :attr:`connected` tells which identities have a live connection now (from each message's source
+    socket, ``ZMQ_SRCFD``; without it, nothing is known and the caller relies on its own heartbeats).
+    """
+
+    def __init__(self, token: str, host: str, port: int, allow_remote: bool = False,
+                 interval_s: float = 0.25, liveness_s: float = 1.0):
+        check_bind(host, allow_remote)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unknown identities: drop silently
+        self.sock.setsockopt(zmq.SNDHWM, 1000)
+        _zmq_heartbeats(self.sock, interval_s, liveness_s)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+        self._fd_ident: dict[int, str] = {}
+        self.connected: dict[str, bool] = {}
+        self._disconnects: list[tuple[str, float]] = []
+        host_part = f"[{host}]" if ":" in host else host
+        if ":" in host:
+            self.sock.setsockopt(zmq.IPV6, 1)
+        if port:
+            self.sock.bind(f"tcp://{host_part}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host_part}")
+        self.host, self.port = host, port
+        self.signer = Signer(token, "controller")
+        self.verifier = Verifier(token)
+
+    @property
+    def address(self) -> str:
+        """host:port peers connect to."""
+        return f"{self.host}:{self.port}"
+
+    def bound_endpoint(self) -> str:
+        """The address the socket really listens on (``tcp://127.0.0.1:PORT``), as the OS reports it."""
+        return self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def recv(self, timeout_s: float) -> tuple[str, dict[str, Any]] | None:
+        """One authentic message within ``timeout_s``, or None (timeout, a rejected message, a disconnect)."""
+        events = dict(self.poller.poll(int(timeout_s * 1000)))
+        if self.monitor in events:
+            from zmq.utils.monitor import recv_monitor_message
+
+            ev = recv_monitor_message(self.monitor)
+            ident = self._fd_ident.pop(int(ev["value"]), None)
+            if ident is not None and ev["event"] == zmq.EVENT_DISCONNECTED:
+                self.connected[ident] = False
+                self._disconnects.append((ident, time.monotonic()))
+        if self.sock not in events:
+            return None
+        frames = self.sock.recv_multipart(copy=False)
+        ident = frames[0].bytes.decode(errors="replace")
+        msg = self.verifier.check([f.bytes for f in frames[1:]], peer=ident)
+        if msg is None:
+            return None
+        try:
+            fd = int(frames[1].get(zmq.SRCFD))
+        except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+            fd = -1  # libzmq without ZMQ_SRCFD: no connection tracking
+        if fd >= 0:
+            self._fd_ident[fd] = ident
+            self.connected[ident] = True
+        return ident, msg
+
+    def take_disconnects(self) -> list[tuple[str, float]]:
+        """Identities whose connection dropped since the last call, with when (``time.monotonic()``)."""
+        out, self._disconnects = self._disconnects, []
+        return out
+
+    def send(self, ident: str, msg: dict[str, Any]) -> None:
+        try:
+            self.sock.send_multipart([ident.encode(), *self.signer.frames(msg)], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("dropped a %s message to %s (queue full)", msg.get("t"), ident)
+
+    def close(self) -> None:
+        self.sock.disable_monitor()
+        self.monitor.close(0)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+class Peer:
+    """A node or worker agent's socket to the controller (DEALER with a fixed identity).
+
+    Not thread-safe: one thread owns it.  Sends never block: while the
+    controller is away, messages beyond a small queue are dropped (heartbeats
+    are only worth their newest value).
+    """
+
+    def __init__(self, token: str, controller: str, identity: str, interval_s: float = 0.25,
+                 liveness_s: float = 1.0):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        _zmq_heartbeats(self.sock, interval_s, liveness_s)
+        self.sock.setsockopt(zmq.SNDHWM, 50)
+        self.sock.setsockopt(zmq.RCVHWM, 1000)
+        self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if controller.startswith("["):
+            self.sock.setsockopt(zmq.IPV6, 1)
+        self.sock.connect(f"tcp://{controller}")
+        self.identity = identity
+        self.signer = Signer(token, identity)
+        self.verifier = Verifier(token)
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        try:
+            self.sock.send_multipart(self.signer.frames(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def recv(self, timeout_s: float) -> dict[str, Any] | None:
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        return self.verifier.check(self.sock.recv_multipart(), peer="controller")
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()

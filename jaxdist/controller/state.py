@@ -1,0 +1,166 @@
+"""What the controller knows: the persisted job state, the event timeline and the live views.
+
+:class:`JobState` (``<run>/controller/state.json``) is everything a restarted
+controller needs to re-attach to a running job: the generation, its members
+(rank -> node, pid), the coordinator, failure counts and banned nodes, the
+last step seen and the last committed checkpoint step.  It is rewritten
+atomically on every change.  :class:`EventLog` (``events.jsonl``) is the
+timeline: one JSON object per event with its wall-clock time ``time``
+(seconds since the epoch).  :class:`NodeView` and :class:`WorkerView` are
+rebuilt from heartbeats and never persisted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Generation:
+    """One formation of the training group: from its assignment to its end (seconds since the epoch)."""
+
+    gen: int
+    members: dict[int, str]
+    coordinator: str
+    assigned_at: float
+    first_step_at: float | None = None
+    resume_step: int | None = None
+    last_step: int = 0
+    ended_at: float | None = None
+    end: str = ""  # done | failed: <reason>
+
+
+@dataclass
+class JobState:
+    """The persisted state (see the module docstring); ``phase``: waiting, starting, running, recovering, done,
+    failed; ``standbys``: ready nodes outside the group (warm process waiting)."""
+
+    job: str
+    phase: str = "waiting"
+    generation: int = -1
+    members: dict[int, str] = field(default_factory=dict)
+    pids: dict[int, int] = field(default_factory=dict)
+    coordinator: str = ""
+    failures: dict[str, int] = field(default_factory=dict)
+    banned: list[str] = field(default_factory=list)
+    last_failed: list[str] = field(default_factory=list)
+    standbys: list[str] = field(default_factory=list)
+    last_step: int = 0
+    last_good_step: int = 0
+    restarts: int = 0
+    rejected_messages: int = 0
+    setup_key: str = ""
+    history: list[Generation] = field(default_factory=list)
+    updated: float = 0.0
+
+    def save(self, path: Path) -> None:
+        self.updated = time.time()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        os.replace(tmp, path)
+
+    @staticmethod
+    def load(path: Path) -> "JobState | None":
+        if not path.is_file():
+            return None
+        d = json.loads(path.read_text())
+        d["members"] = {int(k): v for k, v in d["members"].items()}
+        d["pids"] = {int(k): v for k, v in d["pids"].items()}
+        hist = []
+        for g in d.pop("history"):
+            g["members"] = {int(k): v for k, v in g["members"].items()}
+            hist.append(Generation(**g))
+        return JobState(**d, history=hist)
+
+    @property
+    def current(self) -> Generation | None:
+        return self.history[-1] if self.history and self.history[-1].gen == self.generation else None
+
+
+class EventLog:
+    """Appends events to ``events.jsonl`` and keeps them in memory; ``echo``: also one line each on stderr."""
+
+    def __init__(self, path: Path, echo: bool = False):
+        self.path, self.echo = path, echo
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.events: list[dict[str, Any]] = []
+
+    def add(self, kind: str, **fields: Any) -> dict[str, Any]:
+        e = {"time": time.time(), "event": kind, **fields}
+        self.events.append(e)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(e) + "\n")
+        if self.echo:
+            print(f"[controller {time.strftime('%H:%M:%S')}] {format_event(e)}", file=sys.stderr, flush=True)
+        return e
+
+
+def format_event(e: dict[str, Any]) -> str:
+    """One readable line for an event."""
+    rest = {k: v for k, v in e.items() if k not in ("time", "event")}
+    return e["event"] + " " + " ".join(f"{k}={v}" for k, v in rest.items())
+
+
+def read_events(path: str | Path) -> list[dict[str, Any]]:
+    """The events of a controller's ``events.jsonl`` (empty if there is none)."""
+    p = Path(path)
+    if not p.is_file():
+        return []
+    return [json.loads(l) for l in p.read_text().splitlines() if l.strip()]
+
+
+@dataclass
+class NodeView:
+    """A node agent as its heartbeats describe it; times are the controller's ``time.monotonic()``."""
+
+    name: str
+    host: str = ""
+    last_heartbeat: float = 0.0
+    checks: dict[str, Any] = field(default_factory=dict)
+    probe: str = ""
+    free_port: int = 0
+    procs: list[dict[str, Any]] = field(default_factory=list)
+    welcomed: bool = False
+    link_ok: bool = False
+    probing: bool = False
+    ready_at: float | None = None
+    lost: bool = False
+
+
+@dataclass
+class WorkerInfo:
+    """A worker process as its heartbeats (and its node's exit reports) describe it."""
+
+    identity: str
+    node: str
+    pid: int
+    last_heartbeat: float
+    state: str = "warming"
+    gen: int = -1
+    rank: int = -1
+    step: int = 0
+    resume_step: int | None = None
+    tokens_per_s: float = 0.0
+    exit_code: int | None = None
+    exited_at: float | None = None
+    assigned: bool = False
+    warm_at: float | None = None
+    disconnected_at: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def alive(self) -> bool:
+        return self.exit_code is None
+
+    @property
+    def warm(self) -> bool:
+        """Ready for an assignment: warmed up, never assigned, still running."""
+        return self.alive and self.state == "warm" and not self.assigned and self.gen < 0

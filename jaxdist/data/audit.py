@@ -1,0 +1,192 @@
+"""Checking a run's data order: replay the journal, verify it, and hold the training log against it.
+
+* :func:`replay_order` rebuilds any version from the recorded operations
+  and seeds alone (never reading the stored orders);
+* :func:`trained_batches` reads the batch each step trained from
+  ``<run>/metrics.jsonl``, keeping only the lineage of the final state: when a
+  resumed run logs step ``s`` again, the records of ``s`` and after from the
+  interrupted attempt are dropped (their updates were rolled back);
+* :func:`check_exactly_once` compares that sequence with the journal;
+* :func:`verify` and :func:`describe` back ``jaxdist data verify`` and ``show``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxdist.data.batchlist import BatchList, BatchListError, derive, format_id, unpack_ids
+from jaxdist.data.journal import Journal
+
+
+def replay_order(journal: Journal, version: int | None = None) -> np.ndarray:
+    """The order of ``version`` (default newest) rebuilt from version 1's operation and each one after."""
+    version = journal.latest() if version is None else version
+    chain = []
+    v: int | None = version
+    while v is not None:
+        bl = journal.load(v)
+        chain.append(bl)
+        v = bl.parent
+    parent: BatchList | None = None
+    for bl in reversed(chain):
+        order = derive(parent, bl.op, bl.sources, bl.batch_size, bl.seq_len)
+        parent = BatchList(bl.version, bl.parent, bl.op, bl.batch_size, bl.seq_len, bl.sources, order)
+    return parent.order
+
+
+def trained_batches(run_dir: str | Path) -> list[dict[str, Any]]:
+    """``{"step", "batch_id", "batch_version"}`` of each step of the final lineage, in step order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    lineage: dict[int, dict[str, Any]] = {}
+    last = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except ValueError:  # a line cut short by a kill
+                continue
+            if r.get("kind") != "train" or "batch_id" not in r:
+                continue
+            step = int(r["step"])
+            if step <= last:  # a resumed attempt: what the interrupted one did from here was rolled back
+                lineage = {s: x for s, x in lineage.items() if s < step}
+            lineage[step] = {"step": step, "batch_id": r["batch_id"], "batch_version": r.get("batch_version")}
+            last = step
+    return [lineage[s] for s in sorted(lineage)]
+
+
+def check_exactly_once(run_dir: str | Path, version: int | None = None) -> dict[str, Any]:
+    """Trained batches (from the log) against the journal's ``version`` (default newest).
+
+    Returns counts: ``trained`` steps, ``duplicates`` (ids trained more than
+    once), ``missing`` (ids of positions before the last trained step never
+    trained), ``misplaced`` (steps whose id is not the journal's at that
+    position), ``gaps`` (steps absent from the log), ``unused`` (ids after the
+    last trained step), and ``ok`` when the first four are 0.
+    """
+    journal = Journal(run_dir)
+    order = journal.load(version).order
+    rows = trained_batches(run_dir)
+    steps = [r["step"] for r in rows]
+    n = steps[-1] if steps else 0
+    ids = [r["batch_id"] for r in rows]
+    want = [format_id(x) for x in order[:n]]
+    by_step = {r["step"]: r["batch_id"] for r in rows}
+    counts = Counter(ids)
+    out = {
+        "trained": len(rows),
+        "duplicates": sum(c - 1 for c in counts.values() if c > 1),
+        "missing": len(set(want) - set(ids)),
+        "misplaced": sum(1 for s, b in by_step.items() if s > len(want) or want[s - 1] != b),
+        "gaps": n - len(rows),
+        "unused": len(order) - n,
+        "version": journal.load(version).version,
+    }
+    out["ok"] = not (out["duplicates"] or out["missing"] or out["misplaced"] or out["gaps"])
+    return out
+
+
+def verify(run_dir: str | Path, full: bool = False) -> tuple[bool, list[str]]:
+    """Check every version, the sources and the training log; (all good, report lines).
+
+    Each version must load (checksum), keep its parent's first ``splice`` ids,
+    hold each id once and equal its replay from the operations. Each source
+    must be present with its recorded length and quick fingerprint (``full``:
+    also its full SHA-256).
+    """
+    from jaxdist.data.catalog import fingerprint, read_source
+
+    journal = Journal(run_dir)
+    lines, ok = [], True
+    versions = journal.versions()
+    if not versions:
+        return False, [f"no batch list in {journal.dir}"]
+    good: dict[int, BatchList] = {}
+    for v in versions:
+        try:
+            bl = journal.load(v)
+        except BatchListError as e:
+            ok = False
+            lines.append(f"version {v}: DAMAGED: {e}")
+            continue
+        problems = []
+        if len(np.unique(bl.order)) != len(bl.order):
+            problems.append("an id appears twice")
+        parent = good.get(bl.parent) if bl.parent is not None else None
+        if bl.parent is not None and parent is None:
+            problems.append(f"its parent version {bl.parent} is not intact")
+        splice = int(bl.op.get("splice", 0))
+        if parent is not None and not np.array_equal(bl.order[:splice], parent.order[:splice]):
+            problems.append(f"its first {splice} ids differ from version {bl.parent}")
+        if not problems:
+            try:
+                if not np.array_equal(replay_order(journal, v), bl.order):
+                    problems.append("replaying its operations gives another order")
+            except BatchListError as e:
+                problems.append(f"cannot replay: {e}")
+        ok &= not problems
+        lines.append(f"version {v}: " + ("ok" if not problems else "BAD: " + "; ".join(problems))
+                     + f" ({bl.op['kind']}, {len(bl):,} batches)")
+        good[v] = bl
+    if good:
+        newest = good[max(good)]
+        for s in newest.sources:
+            if s.kind == "config":
+                lines.append(f"source 0: the configured data '{s.name}' (checked when training starts)")
+                continue
+            try:
+                tokens = read_source(s)
+                if full and fingerprint(tokens) != s.fingerprint:
+                    raise BatchListError(f"source {s.id} ('{s.path}') has another fingerprint than when added")
+                lines.append(f"source {s.id}: ok ({s.path})")
+            except BatchListError as e:
+                ok = False
+                lines.append(f"source {s.id}: {e}")
+    if good and trained_batches(run_dir):
+        r = check_exactly_once(run_dir, max(good))
+        ok &= r["ok"]
+        lines.append(f"training log: {r['trained']} batches trained, {r['duplicates']} duplicates, "
+                     f"{r['missing']} missing, {r['misplaced']} out of order, {r['gaps']} steps unlogged; "
+                     f"{r['unused']} not yet trained")
+    return ok, lines
+
+
+def describe(run_dir: str | Path, version: int | None = None, head: int = 5) -> str:
+    """Human summary: versions, sources, cursor, pending additions and the next ``head`` batch ids."""
+    journal = Journal(run_dir)
+    bl = journal.load(version)
+    out = [f"batch list of {journal.run_dir}: version {bl.version} of {journal.versions()}, {len(bl):,} batches "
+           f"of {bl.batch_size} x {bl.seq_len + 1} tokens"]
+    out.append("versions:")
+    for v in journal.versions():
+        try:
+            x = journal.load(v)
+            op = x.op
+            detail = f"splice {op.get('splice', 0)}, seed {op['seed']}"
+            if op["kind"] == "add":
+                detail += f", sources {op['sources']}"
+            out.append(f"  v{v}: {op['kind']:<6} {len(x):>10,} batches  ({detail})")
+        except BatchListError as e:
+            out.append(f"  v{v}: DAMAGED ({e})")
+    out.append("sources:")
+    src_of = unpack_ids(bl.order)[0]
+    for s in bl.sources:
+        share = float(np.mean(src_of == s.id)) if len(bl) else 0.0
+        out.append(f"  {s.id}: {s.kind:<8} {s.name}  {s.n_tokens:,} tokens, "
+                   f"{s.batches_per_epoch(bl.batch_size, bl.seq_len):,} batches/epoch, {100 * share:.1f}% of the list, "
+                   f"sha256 {s.fingerprint[:12]}")
+    cur = journal.read_cursor()
+    trained = trained_batches(run_dir)
+    last = trained[-1]["step"] if trained else 0
+    out.append(f"cursor: {last} (last trained step in metrics.jsonl)"
+               + (f"; {cur['cursor']} at the newest checkpoint save (version {cur['version']})" if cur else ""))
+    nxt = [format_id(x) for x in bl.order[last:last + head]]
+    out.append(f"next batches: {', '.join(nxt) if nxt else '(list spent: the next epoch is appended on demand)'}")
+    pending = journal.pending()
+    out.append(f"pending additions: {', '.join(n for n, _ in pending) if pending else 'none'}")
+    return "\n".join(out)

@@ -1,0 +1,262 @@
+"""The batch list: which global batch every training step reads, kept as a versioned journal.
+
+**Batch ids.** A batch id names one global batch exactly: ``(source, epoch,
+index)`` is the ``batch_size`` windows ``perm[index*B : (index+1)*B]`` of
+source ``source``, where ``perm`` is the seeded permutation of that source's
+windows of ``seq_len + 1`` tokens for that epoch (see
+:meth:`~jaxdist.data.batchloader.BatchReader.window_ids`). An id is packed
+into one int64 (``source << 48 | epoch << 32 | index``) and printed as
+``"source:epoch:index"``.
+
+**Versions.** A :class:`BatchList` is one version: the order of batch ids
+(position ``p`` is trained at step ``p + 1``) and the table of sources. Each
+version is made from its parent by one operation, recorded with its seed:
+
+* ``create``: one epoch of the config's source, shuffled (version 1);
+* ``add``: the batches of newly registered sources, minus any already used,
+  shuffled together with the parent's unused ids (positions >= ``splice``);
+* ``epoch``: the next epoch of every source, shuffled, appended at the end.
+
+Every version keeps its parent's first ``splice`` ids, so a position already
+trained never changes meaning; :func:`replay_order` rebuilds any version from
+the operations alone.
+
+On disk each version is one checksummed file of the run's journal
+(:mod:`jaxdist.data.journal`); :func:`encode` and :func:`decode` are its format.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from jaxdist.config import ConfigError
+
+FORMAT = "jaxdist-batchlist/1"
+_SOURCE_SHIFT, _EPOCH_SHIFT = 48, 32
+MAX_SOURCES, MAX_EPOCHS, MAX_INDEX = 1 << 15, 1 << 16, 1 << 32
+
+
+class BatchListError(ConfigError):
+    """A damaged or inconsistent batch list, or data that cannot join it (one sentence)."""
+
+
+# --------------------------------------------------------------------------- ids
+
+def pack_ids(source, epoch, index) -> np.ndarray:
+    """int64 batch ids from (source, epoch, index) arrays or scalars."""
+    s, e, i = (np.asarray(x, dtype=np.int64) for x in (source, epoch, index))
+    assert np.all((s >= 0) & (s < MAX_SOURCES) & (e >= 0) & (e < MAX_EPOCHS) & (i >= 0) & (i < MAX_INDEX))
+    return (s << _SOURCE_SHIFT) | (e << _EPOCH_SHIFT) | i
+
+
+def unpack_ids(ids) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source, epoch, index) int64 arrays of packed batch ids."""
+    ids = np.asarray(ids, dtype=np.int64)
+    return ids >> _SOURCE_SHIFT, (ids >> _EPOCH_SHIFT) & (MAX_EPOCHS - 1), ids & (MAX_INDEX - 1)
+
+
+def format_id(batch_id: int) -> str:
+    """``"source:epoch:index"`` of one packed id."""
+    s, e, i = (int(x) for x in unpack_ids(batch_id))
+    return f"{s}:{e}:{i}"
+
+
+def parse_id(text: str) -> int:
+    """The packed id of ``"source:epoch:index"``."""
+    s, e, i = (int(x) for x in text.split(":"))
+    return int(pack_ids(s, e, i))
+
+
+# --------------------------------------------------------------------------- sources and versions
+
+@dataclasses.dataclass(frozen=True)
+class SourceEntry:
+    """One source of training batches, as the journal records it.
+
+    ``kind``: ``config`` (the run's ``data.*`` source, train split), ``text``
+    (one file, byte-tokenized, then EOS), ``text_dir`` (every file under a
+    directory, sorted, each followed by EOS) or ``tokens`` (a flat token file).
+    ``n_tokens`` counts tokens; ``fingerprint`` is the SHA-256 of all of them,
+    ``quick`` a hash of their length and a few slices (cheap to re-check at
+    every start); ``seed`` orders the windows in every epoch.
+    """
+
+    id: int
+    kind: str
+    name: str
+    path: str
+    token_dtype: str
+    n_tokens: int
+    fingerprint: str
+    quick: str
+    seed: int
+    added_in: int  # the version that registered it
+
+    def n_windows(self, seq_len: int) -> int:
+        """Windows of ``seq_len + 1`` tokens (neighbours share one token)."""
+        return max(0, (self.n_tokens - 1) // seq_len)
+
+    def batches_per_epoch(self, batch_size: int, seq_len: int) -> int:
+        """Whole global batches per pass; the ``n_windows % batch_size`` left over vary by epoch."""
+        return self.n_windows(seq_len) // batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SourceEntry":
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchList:
+    """One version of a run's batch list: ``order[p]`` is the id of the batch trained at position ``p``.
+
+    ``op`` records how it was made from version ``parent``: ``kind``
+    (create/add/epoch), ``seed``, ``splice`` (positions kept from the parent)
+    and, for ``add``, the new ``sources`` ids and the ``request`` it applied.
+    ``checksum`` is the SHA-256 of the file content (set when written or read).
+    """
+
+    version: int
+    parent: int | None
+    op: dict[str, Any]
+    batch_size: int
+    seq_len: int
+    sources: tuple[SourceEntry, ...]
+    order: np.ndarray
+    created: float = 0.0
+    checksum: str = ""
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def id_at(self, position: int) -> int:
+        """Packed id of the batch at ``position`` (0-based)."""
+        if not 0 <= position < len(self.order):
+            raise IndexError(f"position {position} is outside batch list version {self.version} "
+                             f"of {len(self.order)} batches")
+        return int(self.order[position])
+
+    def source(self, source_id: int) -> SourceEntry:
+        return self.sources[source_id]
+
+    def order_sha256(self) -> str:
+        """SHA-256 (hex) of the order (little-endian int64): equal for equal orders, whenever written."""
+        return hashlib.sha256(np.ascontiguousarray(self.order, dtype="<i8").tobytes()).hexdigest()
+
+    def body(self) -> dict[str, Any]:
+        """The JSON content of the version file, without its checksum."""
+        raw = np.ascontiguousarray(self.order, dtype="<i8").tobytes()
+        return {"format": FORMAT, "version": self.version, "parent": self.parent, "op": self.op,
+                "batch_size": self.batch_size, "seq_len": self.seq_len,
+                "sources": [s.to_dict() for s in self.sources], "n_batches": len(self.order),
+                "order": base64.b64encode(zlib.compress(raw, 6)).decode("ascii"),
+                "order_sha256": self.order_sha256(), "created": self.created}
+
+
+def _canonical(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def encode(bl: BatchList) -> tuple[bytes, str]:
+    """(file bytes, checksum) of a version."""
+    body = bl.body()
+    checksum = hashlib.sha256(_canonical(body)).hexdigest()
+    return json.dumps({**body, "checksum": checksum}, sort_keys=True).encode("utf-8") + b"\n", checksum
+
+
+def decode(data: bytes, where: str) -> BatchList:
+    """The version in ``data``; raises ``ValueError`` saying what is wrong (``where`` names the file)."""
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ValueError("it is not complete JSON, so it was cut short or altered") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise ValueError(f"not a {FORMAT} file")
+    checksum = doc.pop("checksum", None)
+    if checksum != hashlib.sha256(_canonical(doc)).hexdigest():
+        raise ValueError("its checksum does not match its content, so it was altered")
+    raw = zlib.decompress(base64.b64decode(doc["order"]))
+    if hashlib.sha256(raw).hexdigest() != doc["order_sha256"]:  # the checksum above makes this an internal check
+        raise ValueError("its order does not match its recorded hash")
+    order = np.frombuffer(raw, dtype="<i8").astype(np.int64)
+    order.flags.writeable = False
+    assert len(order) == doc["n_batches"], where
+    return BatchList(version=doc["version"], parent=doc["parent"], op=doc["op"], batch_size=doc["batch_size"],
+                     seq_len=doc["seq_len"], sources=tuple(SourceEntry.from_dict(s) for s in doc["sources"]),
+                     order=order, created=doc["created"], checksum=checksum)
+
+
+# --------------------------------------------------------------------------- operations (pure)
+
+def epoch_ids(source: SourceEntry, epoch: int, batch_size: int, seq_len: int) -> np.ndarray:
+    """The ids of every batch of one epoch of ``source``, in index order."""
+    n = source.batches_per_epoch(batch_size, seq_len)
+    return pack_ids(np.full(n, source.id), np.full(n, epoch), np.arange(n))
+
+
+def create_order(source: SourceEntry, batch_size: int, seq_len: int, seed) -> np.ndarray:
+    """Version 1: epoch 0 of ``source`` in the order ``default_rng(seed).permutation``."""
+    return np.random.default_rng(seed).permutation(epoch_ids(source, 0, batch_size, seq_len))
+
+
+def add_order(parent: np.ndarray, splice: int, new_ids: np.ndarray, seed) -> np.ndarray:
+    """``parent[:splice]`` then the unused ids ``parent[splice:]`` and ``new_ids`` (minus used ones), shuffled together.
+
+    The shuffle is ``default_rng(seed).permutation`` of ``concat(parent[splice:], new)``.
+    """
+    used = parent[:splice]
+    new = np.asarray(new_ids, dtype=np.int64)
+    new = new[~np.isin(new, used)]
+    rest = np.concatenate([parent[splice:], new])
+    return np.concatenate([used, np.random.default_rng(seed).permutation(rest)])
+
+
+def epoch_order(parent: np.ndarray, sources: tuple[SourceEntry, ...], batch_size: int, seq_len: int,
+                seed) -> np.ndarray:
+    """``parent`` then the next epoch of every source (one past its highest epoch in ``parent``), shuffled."""
+    src, ep, _ = unpack_ids(parent)
+    fresh = []
+    for s in sources:
+        mine = ep[src == s.id]
+        fresh.append(epoch_ids(s, int(mine.max()) + 1 if mine.size else 0, batch_size, seq_len))
+    return np.concatenate([parent, np.random.default_rng(seed).permutation(np.concatenate(fresh))])
+
+
+def derive(parent: BatchList | None, op: dict[str, Any], sources: tuple[SourceEntry, ...],
+           batch_size: int, seq_len: int) -> np.ndarray:
+    """The order that ``op`` makes from ``parent`` (None for ``create``): the one rule replay follows."""
+    kind, seed = op["kind"], op["seed"]
+    if kind == "create":
+        return create_order(sources[0], batch_size, seq_len, seed)
+    assert parent is not None, op
+    if kind == "add":
+        new = [epoch_ids(sources[i], 0, batch_size, seq_len) for i in op["sources"]]
+        return add_order(parent.order, op["splice"], np.concatenate([np.zeros(0, np.int64), *new]), seed)
+    if kind == "epoch":
+        return epoch_order(parent.order, sources, batch_size, seq_len, seed)
+    raise ValueError(f"unknown batch list operation {kind!r}")
+
+
+def make_version(parent: BatchList | None, op: dict[str, Any], sources: tuple[SourceEntry, ...],
+                 batch_size: int, seq_len: int) -> BatchList:
+    """The next version: ``op`` applied to ``parent`` (version 1 when ``parent`` is None)."""
+    order = derive(parent, op, sources, batch_size, seq_len)
+    order.flags.writeable = False
+    return BatchList(version=1 if parent is None else parent.version + 1,
+                     parent=None if parent is None else parent.version, op=op, batch_size=batch_size,
+                     seq_len=seq_len, sources=sources, order=order, created=time.time())
+
+
+def epoch_seed(create_seed: int, version: int) -> list[int]:
+    """Seed of the ``epoch`` operation that makes ``version``: fixed by the run's data seed."""
+    return [int(create_seed), 0x45504F43, int(version)]  # 0x45504F43 = "EPOC": keeps it apart from other seeds

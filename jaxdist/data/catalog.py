@@ -1,0 +1,172 @@
+"""The sources a batch list draws from: the run's configured data and data added while it runs.
+
+``add_data(run_dir, paths)`` (and ``jaxdist data add RUN_DIR PATH...``)
+reads each new path, fingerprints its tokens and queues the addition in the
+run's journal; the trainer turns it into the next batch-list version at its
+next step boundary (see :mod:`jaxdist.data.batchlist`). A path is
+
+* a directory: every file under it, sorted by relative path, byte-tokenized,
+  each followed by EOS (like ``data.source=text_dir``, but nothing held out);
+* a file ending ``.bin``, ``.tok`` or ``.tokens`` (or any file with
+  ``kind="tokens"``): a flat token file of ``token_dtype`` ids;
+* any other file: one text file, byte-tokenized, then EOS.
+
+Data is identified by content: the SHA-256 of its tokens. Adding data whose
+fingerprint the run already has (under any path) is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxdist.config import ConfigError
+from jaxdist.data import sources as _sources
+from jaxdist.data.batchlist import BatchListError, SourceEntry
+from jaxdist.data.journal import Journal
+from jaxdist.data.tokenizer import EOS
+
+TOKEN_SUFFIXES = (".bin", ".tok", ".tokens")
+_CHUNK = 1 << 24  # tokens hashed per call: bounds the memory a memmap'ed file pulls in at once
+_QUICK_SLICES, _QUICK_LEN = 17, 4096
+
+
+def fingerprint(tokens: np.ndarray) -> str:
+    """SHA-256 (hex) of the token ids as stored (dtype name, then the raw bytes): about 1 GB/s."""
+    h = hashlib.sha256(str(tokens.dtype).encode())
+    for i in range(0, len(tokens), _CHUNK):
+        h.update(np.ascontiguousarray(tokens[i:i + _CHUNK]).view(np.uint8))
+    return h.hexdigest()
+
+
+def quick_fingerprint(tokens: np.ndarray) -> str:
+    """SHA-256 (hex) of the length and 17 evenly spaced slices of 4096 tokens: reads at most ~0.3 MB."""
+    n = len(tokens)
+    h = hashlib.sha256(f"{tokens.dtype}:{n}".encode())
+    for start in np.linspace(0, max(0, n - _QUICK_LEN), _QUICK_SLICES).astype(np.int64):
+        h.update(np.ascontiguousarray(tokens[start:start + _QUICK_LEN]).view(np.uint8))
+    return h.hexdigest()
+
+
+def config_entry(tokens: np.ndarray, name: str, seed: int) -> SourceEntry:
+    """Source 0 of a run: the train split of its ``data.*`` source."""
+    return SourceEntry(id=0, kind="config", name=name, path="", token_dtype=str(tokens.dtype),
+                       n_tokens=len(tokens), fingerprint=fingerprint(tokens), quick=quick_fingerprint(tokens),
+                       seed=int(seed), added_in=1)
+
+
+def _text_file(p: Path) -> np.ndarray:
+    body = np.frombuffer(p.read_bytes(), dtype=np.uint8).astype(np.uint16)
+    out = np.append(body, np.uint16(EOS))
+    out.flags.writeable = False
+    return out
+
+
+def _token_file(p: Path, token_dtype: str) -> np.ndarray:
+    if token_dtype not in _sources.TOKEN_DTYPES:
+        raise ConfigError(f"token dtype '{token_dtype}' is not supported: use uint16 or uint32.")
+    size, itemsize = p.stat().st_size, np.dtype(token_dtype).itemsize
+    if size == 0 or size % itemsize:
+        raise ConfigError(f"token file '{p}' has {size} bytes, not a positive multiple of {itemsize} "
+                          f"({token_dtype}): pass the dtype it was written with.")
+    return np.memmap(p, dtype=token_dtype, mode="r")
+
+
+def read_path(path: str | Path, kind: str = "auto", token_dtype: str = "uint16") -> tuple[str, np.ndarray]:
+    """(kind, tokens) of one path to add: text_dir, tokens or text (see the module docstring)."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"data path '{path}' does not exist: check the path and add it again.")
+    if kind not in ("auto", "text", "tokens"):
+        raise ConfigError(f"kind '{kind}' is unknown: use auto, text or tokens.")
+    if p.is_dir():
+        root = str(p.resolve())
+        entries = _sources._scan(root)
+        if not entries:
+            raise ConfigError(f"directory '{path}' contains no files: put text files in it first.")
+        return "text_dir", _sources._concat(root, list(entries))
+    if kind == "tokens" or (kind == "auto" and p.suffix in TOKEN_SUFFIXES):
+        return "tokens", _token_file(p, token_dtype)
+    return "text", _text_file(p)
+
+
+def read_source(entry: SourceEntry, config_tokens: np.ndarray | None = None) -> np.ndarray:
+    """The tokens of a registered source, checked against the journal (length and quick fingerprint).
+
+    ``config_tokens``: the train split the config gives now (for source 0).
+    Raises BatchListError naming the source when it is missing or changed.
+    """
+    if entry.kind == "config":
+        assert config_tokens is not None
+        tokens, what = config_tokens, "the configured data (data.*)"
+        fix = "restore the data settings the run started with, or use a new train.name"
+    else:
+        p = Path(entry.path)
+        if not p.exists():
+            raise BatchListError(f"source {entry.id} of the batch list, '{entry.path}', is missing: put it back, "
+                                 "since the run's remaining batches read from it.")
+        tokens = (_token_file(p, entry.token_dtype) if entry.kind == "tokens" else
+                  _text_file(p) if entry.kind == "text" else read_path(p)[1])
+        what, fix = f"'{entry.path}'", "put back the data that was added"
+    if len(tokens) != entry.n_tokens or quick_fingerprint(tokens) != entry.quick:
+        raise BatchListError(f"source {entry.id} of the batch list ({what}) has changed since it was registered "
+                             f"({len(tokens):,} tokens now, {entry.n_tokens:,} then): {fix}.")
+    return tokens
+
+
+def _run_token_dtype(run_dir: Path) -> str:
+    try:
+        return json.loads((run_dir / "config.json").read_text())["data"]["token_dtype"]
+    except (OSError, ValueError, KeyError):
+        return "uint16"
+
+
+def add_data(run_dir: str | Path, paths: list[str | Path], *, seed: int | None = None, kind: str = "auto",
+             token_dtype: str | None = None) -> dict[str, Any]:
+    """Register ``paths`` as new training data of the run in ``run_dir``; the trainer mixes it in.
+
+    The request waits in ``<run>/batchlist/requests/`` until the trainer's next
+    step boundary (or its next start), which makes it the next batch-list
+    version: the new batches shuffled, with ``seed`` (default: a random one,
+    recorded), into the batches not yet trained. ``token_dtype`` of token
+    files defaults to the run's ``data.token_dtype``. Returns ``{"request",
+    "seed", "sources", "batches"}``. ConfigError, naming the path, for a
+    missing path, data the run already has (same fingerprint) or data too
+    small for one batch.
+    """
+    run_dir = Path(run_dir)
+    journal = Journal(run_dir)
+    current = journal.load()
+    if not paths:
+        raise ConfigError("no data paths given: name at least one file or directory to add.")
+    token_dtype = token_dtype or _run_token_dtype(run_dir)
+    known = {s.fingerprint: f"source {s.id} ('{s.name}') of the batch list" for s in current.sources}
+    for name, req in journal.pending():
+        for s in (req or {}).get("sources", []):
+            known.setdefault(s["fingerprint"], f"the pending addition {name} ('{s['name']}')")
+    B, L = current.batch_size, current.seq_len
+    entries, total = [], 0
+    for path in paths:
+        k, tokens = read_path(path, kind, token_dtype)
+        fp = fingerprint(tokens)
+        if fp in known:
+            raise ConfigError(f"'{path}' holds the same data (fingerprint {fp[:12]}) as {known[fp]}: "
+                              "each piece of data is added once, so leave it out.")
+        batches = max(0, (len(tokens) - 1) // L) // B
+        if batches < 1:
+            raise ConfigError(f"'{path}' holds {len(tokens):,} tokens, fewer than one batch of {B} sequences of "
+                              f"{L + 1} tokens needs ({B * L + 1:,}): add it together with more data.")
+        known[fp] = f"'{path}' given earlier in the same call"
+        entries.append({"kind": k, "name": str(path), "path": str(Path(path).resolve()),
+                        "token_dtype": str(tokens.dtype), "n_tokens": len(tokens), "fingerprint": fp,
+                        "quick": quick_fingerprint(tokens)})
+        total += batches
+    seed = secrets.randbits(63) if seed is None else int(seed)
+    name = journal.submit({"sources": entries, "seed": seed, "created": time.time()})
+    return {"request": name, "seed": seed, "sources": entries, "batches": total}

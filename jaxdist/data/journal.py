@@ -1,0 +1,164 @@
+"""The batch-list journal of a run: ``<run>/batchlist/``.
+
+* ``v000001.json``, ``v000002.json``, ...: one file per version
+  (:func:`~jaxdist.data.batchlist.encode`), never rewritten, written to a
+  temporary file, fsync'ed and renamed, carrying a SHA-256 checksum of its
+  content: a crash never leaves a half-written version, and a truncated or
+  altered file is refused with the way back to the previous version;
+* ``requests/``: additions waiting for the trainer (``applied/`` and
+  ``rejected/`` keep the settled ones);
+* ``cursor.json``: version and cursor of the newest checkpoint save.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from jaxdist.data.batchlist import FORMAT, BatchList, BatchListError, _canonical, decode, encode
+
+_VERSION_RE = re.compile(r"^v(\d{6})\.json$")
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file, fsync and rename (and fsync the directory)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    try:
+        fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems cannot fsync a directory
+        pass
+    finally:
+        os.close(fd)
+
+
+class Journal:
+    """The batch-list files of one run, under ``<run_dir>/batchlist/``."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.dir = self.run_dir / "batchlist"
+        self.requests_dir = self.dir / "requests"
+
+    def path(self, version: int) -> Path:
+        return self.dir / f"v{version:06d}.json"
+
+    def versions(self) -> list[int]:
+        """Versions on disk, oldest first (damaged ones included)."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _VERSION_RE.match(p.name)))
+
+    def latest(self) -> int | None:
+        vs = self.versions()
+        return vs[-1] if vs else None
+
+    def load(self, version: int | None = None) -> BatchList:
+        """Version ``version`` (default: the newest); BatchListError if it is missing or damaged."""
+        if version is None:
+            version = self.latest()
+            if version is None:
+                raise BatchListError(f"{self.run_dir} has no batch list ({self.dir} is empty or missing): "
+                                     "start training once with `jaxdist train` to create it.")
+        path = self.path(version)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise BatchListError(f"batch list version {version} does not exist in {self.dir} "
+                                 f"(versions: {self.versions() or 'none'}).") from None
+        try:
+            bl = decode(data, str(path))
+            if bl.version != version:
+                raise ValueError(f"it holds version {bl.version}")
+        except (ValueError, KeyError, TypeError, zlib.error) as e:
+            raise BatchListError(f"batch list version {version} ({path}) is damaged: {e}; "
+                                 f"{self._fallback_hint(version)}") from None
+        return bl
+
+    def _fallback_hint(self, version: int) -> str:
+        older = [v for v in self.versions() if v < version]
+        if older:
+            return (f"move that file aside to continue from version {older[-1]}, which stays usable "
+                    "(`jaxdist data verify` checks every version).")
+        return "delete the batchlist folder to rebuild version 1 from the config."
+
+    def write(self, bl: BatchList) -> BatchList:
+        """Append ``bl`` (its version must be new) and return it with its checksum set."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.path(bl.version)
+        assert not path.exists(), f"batch list version {bl.version} already exists: versions are never rewritten"
+        data, checksum = encode(bl)
+        atomic_write(path, data)
+        return dataclasses.replace(bl, checksum=checksum)
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: dict[str, Any]) -> str:
+        """Queue an addition for the trainer; returns the request's file name."""
+        self.requests_dir.mkdir(parents=True, exist_ok=True)
+        name = f"r{time.time_ns():020d}-{os.getpid()}.json"
+        body = {**request, "format": FORMAT + "/request"}
+        doc = {**body, "checksum": hashlib.sha256(_canonical(body)).hexdigest()}
+        atomic_write(self.requests_dir / name, json.dumps(doc, sort_keys=True).encode("utf-8") + b"\n")
+        return name
+
+    def pending(self) -> list[tuple[str, dict[str, Any] | None]]:
+        """Requests waiting, oldest first: (name, request or None if the file is damaged)."""
+        try:
+            names = sorted(n for n in os.listdir(self.requests_dir) if n.startswith("r") and n.endswith(".json"))
+        except FileNotFoundError:
+            return []
+        out = []
+        for name in names:
+            try:
+                doc = json.loads((self.requests_dir / name).read_text())
+                checksum = doc.pop("checksum")
+                out.append((name, doc if checksum == hashlib.sha256(_canonical(doc)).hexdigest() else None))
+            except (OSError, ValueError, KeyError):
+                out.append((name, None))
+        return out
+
+    def settle(self, name: str, outcome: str) -> None:
+        """Move a request to ``requests/applied/`` or ``requests/rejected/`` (kept for the record)."""
+        dest = self.requests_dir / outcome
+        dest.mkdir(exist_ok=True)
+        os.replace(self.requests_dir / name, dest / name)
+
+    def applied_requests(self) -> set[str]:
+        """Names of the requests some version already applied (read from every intact version)."""
+        out = set()
+        for v in self.versions():
+            try:
+                out.add(self.load(v).op.get("request"))
+            except BatchListError:
+                continue
+        return out - {None}
+
+    # ------------------------------------------------------------------ cursor
+
+    def write_cursor(self, version: int, cursor: int) -> None:
+        """Record the version and cursor of the newest checkpoint save (for ``jaxdist data show``)."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        atomic_write(self.dir / "cursor.json",
+                     json.dumps({"version": version, "cursor": cursor, "time": time.time()}).encode() + b"\n")
+
+    def read_cursor(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.dir / "cursor.json").read_text())
+        except (OSError, ValueError):
+            return None

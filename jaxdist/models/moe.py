@@ -1,0 +1,275 @@
+"""Mixture-of-experts feed-forward block: router, top-k, auxiliary losses,
+shared expert, and the per-shard expert computations.
+
+Everything here is a pure function of arrays.  Parameters carry logical names
+only (``expert`` for the expert dimension, ``expert_mlp`` for an expert's
+hidden width); which devices hold which experts, and how tokens travel to them,
+is decided in :mod:`jaxdist.parallel.moe`, which calls the per-shard kernels
+below (:func:`grouped_ffn`, :func:`capacity_slots`, :func:`dense_expert_ffn`)
+inside ``shard_map``.
+
+Shapes: ``N`` tokens (batch x seq flattened), ``d`` = d_model, ``E`` routed
+experts, ``k`` experts per token, ``f`` = one expert's hidden width.
+
+Routing (per token, float32):
+
+* ``softmax`` router: p = softmax(x W_r); the k largest p are the experts and
+  their weights (Mixtral).  ``sigmoid`` router: s = sigmoid(x W_r); the k
+  largest s (DeepSeek-V3).  With ``moe_renormalize`` the k weights are rescaled
+  to sum to 1.
+* load-balancing loss (Switch / GShard): E * sum_e share_e * P_e, where
+  share_e is the fraction of the N*k assignments that went to expert e (no
+  gradient) and P_e the mean router probability of e (sigmoid scores are
+  normalised per token first).  It is 1 when the load is perfectly even.
+* z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist.config import ModelConfig
+
+# Per-layer expert parameters and the dense MLP parameters an MoE layer replaces.
+EXPERT_KEYS = ("we_gate", "we_up", "we_down")
+SHARED_KEYS = ("ws_gate", "ws_up", "ws_down")
+DENSE_MLP_KEYS = ("w_gate", "w_up", "w_down")
+# Scalar metrics the model reports per step (means over MoE layers).
+MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_drop_rate", "moe_load_max", "moe_load_min")
+
+
+def expert_d_ff(cfg: ModelConfig) -> int:
+    """Hidden width of one routed expert (``moe_d_ff``, or ``d_ff`` when that is 0)."""
+    return cfg.moe_d_ff or cfg.d_ff
+
+
+def moe_layer_count(cfg: ModelConfig) -> int:
+    """Number of MoE blocks: every ``moe_every``-th block of ``n_layers`` (0 for a dense model)."""
+    return cfg.n_layers // cfg.moe_every if cfg.moe_experts else 0
+
+
+def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
+    """Whether block i (0-based) is an MoE block: the last block of each group of ``moe_every``."""
+    return bool(cfg.moe_experts) and (i + 1) % cfg.moe_every == 0
+
+
+def moe_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
+    """Shape and logical axes of one MoE block's weights (without the leading layers axis).
+
+    The router's expert dimension is left unnamed (replicated): every token
+    needs all E scores.
+    """
+    if not cfg.moe_experts:
+        return {}
+    d, e, f = cfg.d_model, cfg.moe_experts, expert_d_ff(cfg)
+    specs = {
+        "router": ((d, e), ("embed", None)),
+        "we_gate": ((e, d, f), ("expert", "embed", "expert_mlp")),
+        "we_up": ((e, d, f), ("expert", "embed", "expert_mlp")),
+        "we_down": ((e, f, d), ("expert", "expert_mlp", "embed")),
+    }
+    if cfg.moe_shared_d_ff:
+        fs = cfg.moe_shared_d_ff
+        specs.update({"ws_gate": ((d, fs), ("embed", "mlp")), "ws_up": ((d, fs), ("embed", "mlp")),
+                      "ws_down": ((fs, d), ("mlp", "embed"))})
+    return specs
+
+
+# --------------------------------------------------------------------------- routing
+
+class Routing(NamedTuple):
+    """A router's decision for N tokens."""
+
+    experts: jax.Array  # [N, k] int32 expert ids, best first
+    weights: jax.Array  # [N, k] float32 combine weights
+    probs: jax.Array    # [N, E] float32 router distribution (for the balance loss)
+    logits: jax.Array   # [N, E] float32 router logits (for the z-loss)
+
+
+def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig) -> Routing:
+    """Top-k routing of tokens x [N, d] with router weights [d, E], computed in float32."""
+    logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), w_router.astype(jnp.float32))
+    if cfg.moe_router == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        scores = probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(scores, cfg.moe_top_k)
+    if cfg.moe_renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(experts.astype(jnp.int32), weights, probs, logits)
+
+
+def expert_counts(experts: jax.Array, n_experts: int) -> jax.Array:
+    """Assignments per expert [E] (float32) of expert ids [N, k]."""
+    return jnp.zeros((n_experts,), jnp.float32).at[experts.reshape(-1)].add(1.0)
+
+
+def router_losses(r: Routing, n_experts: int) -> dict[str, jax.Array]:
+    """Load-balancing loss, z-loss (scalars) and the per-expert share of assignments [E] (sums to 1)."""
+    share = expert_counts(r.experts, n_experts) / r.experts.size
+    balance = n_experts * jnp.sum(jax.lax.stop_gradient(share) * jnp.mean(r.probs, axis=0))
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(r.logits, axis=-1)))
+    return {"balance": balance, "z": z, "share": share}
+
+
+# --------------------------------------------------------------------------- expert kernels
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
+    """SwiGLU FFN of rows x [..., d] with [d, f], [d, f], [f, d] weights."""
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def experts_reference(x: jax.Array, experts: jax.Array, weights: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    """Plain reference: every token through each of its k experts, weights gathered per token.
+
+    x [N, d], experts/weights [N, k], p with we_gate [E, d, f], we_up, we_down.
+    Returns [N, d].  Memory N*k*d*f: for tests and small shapes.
+    """
+    wg, wu, wd = (p[k][experts] for k in EXPERT_KEYS)  # [N, k, d, f], [N, k, d, f], [N, k, f, d]
+    h = jax.nn.silu(jnp.einsum("nd,nkdf->nkf", x, wg)) * jnp.einsum("nd,nkdf->nkf", x, wu)
+    y = jnp.einsum("nkf,nkfd->nkd", h, wd)
+    return jnp.einsum("nk,nkd->nd", weights.astype(y.dtype), y)
+
+
+def grouped_ffn(rows: jax.Array, expert: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array,
+                rows_sorted: bool = False) -> jax.Array:
+    """SwiGLU of each row [R, d] through its expert (ids [R] in 0..E_local; E_local marks padding).
+
+    Rows are grouped by expert and run through ``jax.lax.ragged_dot`` (one
+    grouped matmul per weight); padding rows come out zero.  With
+    ``rows_sorted`` the rows are already ordered by expert id.  The weights may
+    be a column slice (gate, up) / row slice (down) of each expert's hidden
+    width, in which case the result is a partial sum to be reduced by the caller.
+    """
+    n_local = wg.shape[0]
+    sizes = jnp.zeros((n_local,), jnp.int32).at[expert].add(1, mode="drop")
+    if rows_sorted:
+        h = rows
+    else:
+        order = jnp.argsort(expert, stable=True)
+        h = rows[order]
+    g = jax.lax.ragged_dot(h, wg.astype(h.dtype), sizes)
+    u = jax.lax.ragged_dot(h, wu.astype(h.dtype), sizes)
+    y = jax.lax.ragged_dot(jax.nn.silu(g) * u, wd.astype(h.dtype), sizes)
+    if rows_sorted:
+        return y
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def expert_capacity(n_tokens: int, k: int, n_experts: int, factor: float) -> int:
+    """Slots per expert for one group of ``n_tokens`` tokens: ceil(factor * n_tokens * k / n_experts)."""
+    return max(1, math.ceil(factor * n_tokens * k / n_experts - 1e-9))
+
+
+def capacity_slots(experts: jax.Array, n_experts: int, capacity: int) -> tuple[jax.Array, jax.Array]:
+    """(keep [N, k] bool, slot [N, k] int32) for capacity dispatch of expert ids [N, k].
+
+    Assignments claim their expert's slots in priority order: every token's
+    first choice (in token order) before any second choice, and so on.  The
+    first ``capacity`` claims of an expert are kept; ``slot`` = expert *
+    capacity + position, or ``n_experts * capacity`` for a dropped assignment.
+    """
+    n, k = experts.shape
+    by_choice = experts.T.reshape(-1)                                   # [k*N], choice-major
+    onehot = jax.nn.one_hot(by_choice, n_experts, dtype=jnp.int32)
+    position = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, by_choice[:, None], axis=1)[:, 0]
+    position = position.reshape(k, n).T
+    keep = position < capacity
+    slot = jnp.where(keep, experts * capacity + position, n_experts * capacity)
+    return keep, slot.astype(jnp.int32)
+
+
+def dense_expert_ffn(buf: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array) -> jax.Array:
+    """SwiGLU of slot buffers [E_local, C, d] through their experts' weights [E_local, d, f] / [E_local, f, d]."""
+    dt = buf.dtype
+    h = jax.nn.silu(jnp.einsum("ecd,edf->ecf", buf, wg.astype(dt))) * jnp.einsum("ecd,edf->ecf", buf, wu.astype(dt))
+    return jnp.einsum("ecf,efd->ecd", h, wd.astype(dt))
+
+
+# --------------------------------------------------------------------------- the block
+
+def moe_forward(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The MoE feed-forward of one block on normed activations x [B, T, d].
+
+    ``p`` holds the block's weights (router, we_*, optional ws_*) in their
+    storage dtype.  Returns (output [B, T, d] in x's dtype, aux) with aux
+    scalars ``balance``, ``z``, ``drop_rate`` (share of the N*k assignments
+    dropped; 0 in dropless mode) and ``share`` [E] (each expert's share of the
+    assignments).  The experts run through :func:`jaxdist.parallel.moe.run_experts`,
+    which spreads them over the devices when a mesh is active.
+    """
+    from jaxdist.parallel.moe import run_experts  # parallel.moe imports this module's kernels
+
+    b, t, d = x.shape
+    tokens = x.reshape(b * t, d)
+    r = route(tokens, p["router"], cfg)
+    y, keep = run_experts(tokens, r.experts, r.weights, {k: p[k] for k in EXPERT_KEYS}, cfg)
+    if cfg.moe_shared_d_ff:
+        y = y + swiglu(tokens, *(p[k].astype(x.dtype) for k in SHARED_KEYS))
+    aux = router_losses(r, cfg.moe_experts)
+    aux["drop_rate"] = 1.0 - jnp.mean(keep.astype(jnp.float32))
+    return y.reshape(b, t, d).astype(x.dtype), aux
+
+
+def summarize_aux(per_layer: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
+    """Model-level aux from per-MoE-layer aux stacked on a leading axis.
+
+    Returns the scalars of MOE_METRICS (means over MoE layers; load_max and
+    load_min are the largest / smallest expert share times E, 1 = even),
+    ``moe_loss`` = aux_coef * moe_aux_loss + z_coef * moe_z_loss (the term the
+    train step adds to the cross-entropy) and ``moe_expert_share`` [E].
+    """
+    share = jnp.mean(per_layer["share"], axis=0)
+    e = cfg.moe_experts
+    out = {
+        "moe_aux_loss": jnp.mean(per_layer["balance"]),
+        "moe_z_loss": jnp.mean(per_layer["z"]),
+        "moe_drop_rate": jnp.mean(per_layer["drop_rate"]),
+        "moe_load_max": e * jnp.mean(jnp.max(per_layer["share"], axis=-1)),
+        "moe_load_min": e * jnp.mean(jnp.min(per_layer["share"], axis=-1)),
+        "moe_expert_share": share,
+    }
+    out["moe_loss"] = cfg.moe_aux_loss_coef * out["moe_aux_loss"] + cfg.moe_z_loss_coef * out["moe_z_loss"]
+    return out
+
+
+def split_group(stacked: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
+    """Stacked layer weights reshaped to a leading [groups] axis for scanning groups of ``moe_every`` blocks.
+
+    Attention weights [L, ...] -> [G, k, ...]; dense MLP weights [G*(k-1), ...]
+    -> [G, k-1, ...]; MoE weights [G, ...] stay.  G = n_layers / moe_every.
+    """
+    k = cfg.moe_every
+    g = cfg.n_layers // k
+    moe_keys = set(moe_param_specs(cfg))
+    out = {}
+    for name, v in stacked.items():
+        if name in moe_keys:
+            out[name] = v
+        elif name in DENSE_MLP_KEYS:
+            out[name] = v.reshape(g, k - 1, *v.shape[1:])
+        else:
+            out[name] = v.reshape(g, k, *v.shape[1:])
+    return out
+
+
+def group_member(group: dict[str, jax.Array], j: int, cfg: ModelConfig) -> dict[str, Any]:
+    """Weights of block j (0-based) of one group from :func:`split_group` (one scan step)."""
+    moe_keys = set(moe_param_specs(cfg))
+    last = j == cfg.moe_every - 1
+    out = {}
+    for name, v in group.items():
+        if name in moe_keys:
+            if last:
+                out[name] = v
+        elif name in DENSE_MLP_KEYS:
+            if not last:
+                out[name] = v[j]
+        else:
+            out[name] = v[j]
+    return out

@@ -1,0 +1,139 @@
+"""Pipeline executor: one jitted program that runs a schedule over the ``pipeline`` mesh axis.
+
+The stacked ``layers`` axis of the parameters is sharded over ``pipeline``
+(logical ``layers`` -> mesh ``pipeline`` in DEFAULT_RULES), so stage k holds
+blocks ``k*L/p .. (k+1)*L/p - 1``.  :func:`pipeline_loss_and_grads` runs
+``shard_map`` manual over ``pipeline`` only: inside each stage the ``data``,
+``fsdp`` and ``tensor`` axes stay automatic, so the model's logical sharding
+(batch over data/fsdp, heads and MLP over tensor, weights over fsdp) applies
+within the stage exactly as without a pipeline.
+
+The program is a ``lax.scan`` over the ticks of a :class:`~jaxdist.parallel.
+schedule.Schedule` (the per-stage body is :mod:`jaxdist.parallel.pipeline_stage`).
+At each tick every stage first delivers the previous tick's output with
+``ppermute`` (an activation to the next stage, a gradient to the previous one;
+a receiving stage keeps it in a small receive buffer until its schedule
+consumes it), then looks up its action in the :class:`~jaxdist.parallel.
+schedule.ExecutorTables` and runs one branch of a ``lax.switch``: idle, forward
+of chunk c, or backward of chunk c.
+
+* Forward of a unit: each block runs :func:`~jaxdist.models.transformer.
+  block_forward_cached` under ``jax.vjp`` with the remat policy, and the
+  residuals the policy keeps are written to the unit's *stash slot*.  Residuals
+  that are the weights themselves, the rotary tables, or earlier chunks'
+  keys/values are not stored: the backward supplies them again.  Chunk c's
+  rotated keys and values go to a key/value stash that later chunks of the
+  same microbatch read (seq1f1b only).  The last stage also runs the final
+  norm, the output projection and the cross-entropy, forward and backward, and
+  keeps the gradient of its output for the unit's backward.
+* Backward of a unit: the stored residuals are put back into the vjp and the
+  blocks are run backward (reverse scan).  Gradients of earlier chunks'
+  keys/values accumulate in a buffer that their own backwards (which come
+  later: reverse chunk order) add to their keys'/values' cotangents.
+
+What a unit stashes is what the remat policy saves (``none``: every tagged
+intermediate; ``full``: each block's input), so activation memory is slots x
+per-unit residuals: p microbatches on stage 0 for 1f1b, s+p-1 chunks for
+seq1f1b.  Units are padded to the longest chunk so every slot has one shape.
+The loss is the mean next-token cross-entropy over the global batch, and the
+gradients equal the non-pipelined model's (tests compare to 1e-5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.config import ConfigError, ModelConfig
+from jaxdist.parallel.chunks import chunk_boundaries, chunk_cost_model
+from jaxdist.parallel.pipeline_stage import AXIS, run_stage, stage_remat_policy
+from jaxdist.parallel.rules import DEFAULT_RULES, Rules, constrain
+from jaxdist.parallel.schedule import ExecutorTables, Schedule, build_schedule, executor_tables
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A schedule, its executor tables and the chunk boundaries (token positions, ``chunks + 1``)."""
+
+    schedule: Schedule
+    tables: ExecutorTables
+    bounds: tuple[int, ...]
+
+    @property
+    def chunk_lengths(self) -> tuple[int, ...]:
+        """Tokens in each chunk."""
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
+
+
+def plan_pipeline(model: ModelConfig, stages: int, microbatches: int, seq_len: int, kind: str = "seq1f1b",
+                  chunks: int = 1, split: str = "cost") -> PipelinePlan:
+    """Schedule, tables and chunk boundaries for a model on ``stages`` stages (ValueError if impossible)."""
+    schedule = build_schedule(stages, microbatches, chunks, kind)
+    bounds = chunk_boundaries(seq_len, chunks, chunk_cost_model(model), split)
+    return PipelinePlan(schedule, executor_tables(schedule), bounds)
+
+
+# --------------------------------------------------------------------------- executor
+
+def pipeline_loss_and_grads(params: dict, tokens: jax.Array, *, model: ModelConfig, mesh, plan: PipelinePlan,
+                            remat: str = "none", rules: Rules = DEFAULT_RULES, with_trace: bool = False,
+                            tables: tuple[jax.Array, jax.Array] | None = None):
+    """(mean next-token loss, grads) of ``tokens`` [B, T+1], run as a pipeline over ``mesh``'s pipeline axis.
+
+    ``params`` is the model's pure parameter dict (``init_params``); the grads
+    have the same structure.  The batch is split into the plan's microbatches
+    (microbatch i holds rows i, i+m, i+2m, ..., as in ``loss_and_grads``).
+    With ``with_trace`` a third output [stages, ticks] int32 records the branch
+    each stage executed at each tick (0 idle, 1+c forward of chunk c, 1+s+c
+    backward of chunk c).  Call under ``jax.jit``.
+
+    ``tables``: (``ExecutorTables.stacked()``, ``unit_slot``) as arrays, to run
+    another schedule of the same stages, microbatches and chunks with this
+    compiled program (pass them as jit arguments; their buffer sizes must be
+    the plan's, see ``ExecutorTables.padded``).  By default the plan's tables
+    are constants of the program.
+    """
+    sch = plan.schedule
+    p, m = sch.stages, sch.microbatches
+    if dict(mesh.shape).get(AXIS, 1) != p:
+        raise ValueError(f"the plan has {p} stages but the mesh's pipeline axis has {dict(mesh.shape).get(AXIS, 1)}.")
+    if model.moe_experts:
+        raise ValueError("pipeline stages do not support MoE models yet: set mesh.pipeline=1.")
+    b, t1 = tokens.shape
+    assert b % m == 0 and t1 - 1 == plan.bounds[-1], (tokens.shape, m, plan.bounds)
+    mb_tokens = constrain(tokens.reshape(b // m, m, t1).swapaxes(0, 1), (None, "batch", "seq"))
+    shared = {k: v for k, v in params.items() if k != "layers"}
+    body = partial(run_stage, model=model, plan=plan, remat=remat, rules=rules, n_tokens=b * (t1 - 1))
+    if tables is None:
+        tables = (jnp.asarray(plan.tables.stacked()), jnp.asarray(plan.tables.unit_slot, jnp.int32))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(), P()),
+                       out_specs=(P(), P(AXIS), P(), P(AXIS)), axis_names={AXIS}, check_vma=False)
+    loss, g_layers, g_shared, trace = fn(params["layers"], shared, mb_tokens, tables)
+    grads = dict(g_shared, layers=g_layers)
+    return (loss, grads, trace) if with_trace else (loss, grads)
+
+
+def pipeline_grads_fn(config, mesh, rules: Rules = DEFAULT_RULES) -> Callable:
+    """``fn(params, tokens) -> (loss, {}, grads)`` for a whole Config (``train.pipeline_*``, ``train.remat``,
+    ``train.microbatches`` as pipeline microbatches); the Trainer uses it when mesh.pipeline > 1."""
+    t = config.train
+    chunks = t.pipeline_chunks if t.pipeline_schedule == "seq1f1b" else 1
+    try:
+        plan = plan_pipeline(config.model, config.mesh.pipeline, t.microbatches, t.seq_len,
+                             t.pipeline_schedule, chunks, t.pipeline_chunk_split)
+        stage_remat_policy(t.remat, chunks)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+    def fn(params, tokens):
+        loss, grads = pipeline_loss_and_grads(params, tokens, model=config.model, mesh=mesh, plan=plan,
+                                              remat=t.remat, rules=rules)
+        return loss, {}, grads
+
+    fn.plan = plan
+    return fn

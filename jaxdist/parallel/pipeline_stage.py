@@ -1,0 +1,366 @@
+"""The program one pipeline stage runs (inside ``shard_map``): see :mod:`jaxdist.parallel.pipeline`.
+
+:func:`run_stage` traces a ``lax.scan`` over the schedule's ticks.  Per tick a
+stage receives the previous tick's messages (``ppermute``), runs one branch of a
+``lax.switch`` (idle, forward of chunk c, backward of chunk c), and the last
+stage runs the loss head, the first the embedding's backward.  The state that
+travels through the ticks (the loop carry) holds the stash slots, receive
+buffers, key/value stash and gradient accumulators; each block writes and reads
+its own slice in place.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxdist.config import ModelConfig
+from jaxdist.models.transformer import CHECKPOINT_NAMES, _dtype, block_forward_cached, rms_norm, rotary_tables
+from jaxdist.parallel.rules import Rules, activation_sharding, constrain
+
+AXIS = "pipeline"
+
+
+def stage_remat_policy(remat: str, chunks: int = 1) -> Callable:
+    """The jax.checkpoint policy that decides what a unit stashes between its forward and backward.
+
+    ``none`` stashes every tagged intermediate (CHECKPOINT_NAMES; untagged
+    elementwise results are recomputed), ``full`` only each block's input,
+    ``save:A,B`` those names, any other name a ``jax.checkpoint_policies``
+    policy.  With chunks the key/value projections are left out: the
+    key/value stash already holds them.
+    """
+    cp = jax.checkpoint_policies
+    if remat in ("none", ""):
+        names = list(CHECKPOINT_NAMES)
+    elif remat == "full":
+        return cp.nothing_saveable
+    elif remat.startswith("save:"):
+        names = [n for n in remat[5:].split(",") if n]
+    else:
+        policy = getattr(cp, remat, None)
+        if policy is None or not callable(policy) or remat.startswith("save_"):
+            raise ValueError(f"remat policy '{remat}' is unknown: use none, full, save:NAME[,NAME] or a "
+                             "jax.checkpoint_policies name.")
+        return policy
+    if chunks > 1:
+        names = [n for n in names if n not in ("key_proj", "value_proj")]
+    return cp.save_only_these_names(*names)
+
+
+# --------------------------------------------------------------------------- residuals
+
+def _vjp_split(fn: Callable, args: tuple, resupplied: tuple):
+    """(out, kept residuals, treedef, layout): layout[i] is the index of residual i among the
+    leaves of ``resupplied`` (given again at the backward), or -1 if it must be stored."""
+    out, vjp = jax.vjp(fn, *args)
+    leaves, treedef = jax.tree.flatten(vjp)  # the vjp function is a pytree whose leaves are the residuals
+    ids = {id(v): i for i, v in enumerate(jax.tree.leaves(resupplied))}
+    layout = tuple(ids.get(id(leaf), -1) for leaf in leaves)
+    assert any(j >= 0 for j in layout), "jax.vjp no longer exposes its residuals as pytree leaves"
+    return out, [leaf for leaf, j in zip(leaves, layout) if j < 0], treedef, layout
+
+
+def _merge(kept: list, resupplied: tuple, layout: tuple) -> list:
+    again, it = jax.tree.leaves(resupplied), iter(kept)
+    return [next(it) if j < 0 else again[j] for j in layout]
+
+
+def _pad(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    if x.shape == tuple(shape):
+        return x
+    return jnp.pad(x, [(0, n - m) for n, m in zip(shape, x.shape)])
+
+
+def _take(x: jax.Array, i) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+
+
+def _put(x: jax.Array, v: jax.Array, i) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(x, v.astype(x.dtype), i, 0)
+
+
+def _at(x: jax.Array, index: tuple, shape: tuple[int, ...] = (), starts: tuple[int, ...] = ()) -> jax.Array:
+    """x[index] (dynamic leading indices), its first ``len(shape)`` axes cropped to ``shape`` from ``starts``."""
+    rest = x.shape[len(index):]
+    sizes = tuple(shape) + rest[len(shape):]
+    begin = tuple(index) + tuple(starts or (0,) * len(shape)) + (0,) * (len(rest) - len(shape))
+    return jax.lax.dynamic_slice(x, begin, (1,) * len(index) + sizes).reshape(sizes)
+
+
+def _set(x: jax.Array, index: tuple, v: jax.Array) -> jax.Array:
+    """x with x[index][:v.shape...] = v (leading dynamic indices, the rest from 0)."""
+    starts = tuple(index) + (0,) * v.ndim
+    return jax.lax.dynamic_update_slice(x, v.astype(x.dtype).reshape((1,) * len(index) + v.shape), starts)
+
+
+def _add(x: jax.Array, index: tuple, v: jax.Array) -> jax.Array:
+    return _set(x, index, _at(x, index, v.shape) + v.astype(x.dtype))
+
+
+def run_stage(layers: dict, shared: dict, tokens: jax.Array, tables, *, model: ModelConfig, plan, remat: str,
+              rules: Rules, n_tokens: int):
+    """One stage's program, inside ``shard_map`` manual over ``pipeline``.
+
+    ``layers``: this stage's blocks [L/p, ...]; ``shared``: embedding, final norm
+    (and lm_head); ``tokens`` [m, B/m, T+1]; ``tables``: (``ExecutorTables.
+    stacked()``, ``unit_slot``); ``plan``: a PipelinePlan (static shapes);
+    ``n_tokens``: predicted tokens of the global batch (the loss is their mean).
+    Returns (loss summed over stages, this stage's layer grads, shared grads
+    summed over stages, trace [1, ticks]).
+    """
+    with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
+        return _StageRun(layers, shared, tokens, tables, model, plan, remat, n_tokens).run()
+
+
+class _StageRun:
+    """Traces one stage's tick loop; a class only to share the many static pieces between branches."""
+
+    def __init__(self, layers, shared, tokens, tables, cfg: ModelConfig, plan, remat: str,
+                 n_tokens: int):
+        self.cfg, self.plan, self.n_tokens = cfg, plan, n_tokens
+        sch = plan.schedule
+        self.p, self.s = sch.stages, sch.chunks
+        self.dt = _dtype(cfg.dtype)
+        # Cast once per step, so every unit's vjp refers to these same arrays (not a copy per unit).
+        self.lp = {k: v.astype(self.dt) for k, v in layers.items()}
+        self.param_dtypes = {k: v.dtype for k, v in layers.items()}
+        self.shared, self.tokens = shared, tokens
+        self.stage = jax.lax.axis_index(AXIS)
+        self.is_first, self.is_last = self.stage == 0, self.stage == self.p - 1
+        self.n_layers = next(iter(layers.values())).shape[0]
+        self.batch = tokens.shape[1]
+        self.lengths = plan.chunk_lengths
+        self.tmax = max(self.lengths)
+        self.policy = stage_remat_policy(remat, self.s)
+        self.table, self.unit_slot = tables
+        self.res = [self._residual_layout(c) for c in range(self.s)]
+        n = len(self.res[0]["shapes"])
+        assert all(len(r["shapes"]) == n for r in self.res), "residual structure differs between chunks"
+        self.res_shapes = [tuple(max(r["shapes"][i][d] for r in self.res) for d in range(len(self.res[0]["shapes"][i])))
+                           for i in range(n)]
+        self.res_dtypes = self.res[0]["dtypes"]
+
+    # ---------------------------------------------------------------- per-chunk pieces
+
+    def _block(self, c: int) -> Callable:
+        cfg = self.cfg
+        if c == 0:
+            fn = lambda p, x, cos, sin: block_forward_cached(p, x, cos, sin, cfg)  # noqa: E731
+        else:
+            fn = lambda p, x, cos, sin, kp, vp: block_forward_cached(p, x, cos, sin, cfg, kp, vp)  # noqa: E731
+        return jax.checkpoint(fn, policy=self.policy)
+
+    def _rotary(self, c: int):
+        a, e = self.plan.bounds[c], self.plan.bounds[c + 1]
+        return rotary_tables(jnp.arange(a, e), self.cfg.head_dim, self.cfg.rope_theta)
+
+    def _args(self, c: int, p_l, x, cos, sin, kp, vp):
+        full = (p_l, x, cos, sin) if c == 0 else (p_l, x, cos, sin, kp, vp)
+        again = (p_l, cos, sin) if c == 0 else (p_l, cos, sin, kp, vp)
+        return full, again
+
+    def _residual_layout(self, c: int) -> dict:
+        """Shapes of the residuals a block of chunk c stores, its vjp treedef and layout (traced abstractly)."""
+        cfg, n, bsz = self.cfg, self.lengths[c], self.batch
+        a = self.plan.bounds[c]
+        sd = lambda shape: jax.ShapeDtypeStruct(shape, self.dt)  # noqa: E731
+        p_l = {k: sd(v.shape[1:]) for k, v in self.lp.items()}
+        kv = sd((bsz, a, cfg.n_kv_heads, cfg.head_dim))
+        out = {}
+
+        def trace(p_l, x, kp, vp):
+            cos, sin = self._rotary(c)
+            full, again = self._args(c, p_l, x, cos, sin, kp, vp)
+            _, kept, treedef, layout = _vjp_split(self._block(c), full, again)
+            out.update(treedef=treedef, layout=layout)
+            return kept
+
+        kept = jax.eval_shape(trace, p_l, sd((bsz, n, cfg.d_model)), kv, kv)
+        out.update(shapes=[k.shape for k in kept], dtypes=[k.dtype for k in kept])
+        return out
+
+    def _prefix_kv(self, carry, mb, c: int, layer):
+        """Keys and values of chunks 0..c-1 of microbatch mb in one block of this stage: [B, bounds[c], KV, D]."""
+        if c == 0:
+            return None, None
+        slots = [self.unit_slot[self.stage, mb, j] for j in range(c)]
+        ks = [_at(carry["kv_k"], (sl, layer), (self.batch, self.lengths[j])) for j, sl in enumerate(slots)]
+        vs = [_at(carry["kv_v"], (sl, layer), (self.batch, self.lengths[j])) for j, sl in enumerate(slots)]
+        return jnp.concatenate(ks, axis=1), jnp.concatenate(vs, axis=1)
+
+    # ---------------------------------------------------------------- embedding and head
+
+    def _embed(self, table, tok):
+        table = constrain(table, (None, None))
+        return constrain(jnp.take(table, tok, axis=0).astype(self.dt), ("batch", "seq", "embed"))
+
+    # ---------------------------------------------------------------- branches
+    # Row fields: 0 branch, 1 microbatch, 2 chunk, 3 slot, 4 in_slot, 5 recv_act, 6 recv_grad.
+
+    def _forward(self, c: int):
+        n = self.lengths[c]
+        block = self._block(c)
+
+        def branch(carry, row, x_in):
+            mb, slot = row[1], row[3]
+            cos, sin = self._rotary(c)
+
+            # The stash travels through the block loop so that each block's residuals are
+            # written into their slot in place (no stacked copy of a whole unit).
+            def layer(state, xs):
+                x, carry = state
+                p_l, l = xs
+                kp, vp = self._prefix_kv(carry, mb, c, l)
+                full, again = self._args(c, p_l, x, cos, sin, kp, vp)
+                (y, k, v), kept, _, layout = _vjp_split(block, full, again)
+                assert layout == self.res[c]["layout"], "residual layout differs from the plan"
+                carry = dict(carry, stash=[_set(st, (slot, l), _pad(r, shape))
+                                           for st, r, shape in zip(carry["stash"], kept, self.res_shapes)])
+                if self.s > 1:
+                    carry["kv_k"] = _set(carry["kv_k"], (slot, l), self._pad_tokens(k))
+                    carry["kv_v"] = _set(carry["kv_v"], (slot, l), self._pad_tokens(v))
+                return (y, carry), None
+
+            (y, carry), _ = jax.lax.scan(layer, (x_in[:, :n], carry), (self.lp, jnp.arange(self.n_layers)))
+            return carry, self._pad_tokens(y)
+
+        return branch
+
+    def _backward(self, c: int):
+        a, n, s = self.plan.bounds[c], self.lengths[c], self.s
+        treedef, layout = self.res[c]["treedef"], self.res[c]["layout"]
+        shapes = self.res[c]["shapes"]
+        kv_shape = (self.batch, n, self.cfg.n_kv_heads, self.cfg.head_dim)
+
+        def branch(carry, row, dy_in):
+            mb, slot = row[1], row[3]
+            cos, sin = self._rotary(c)
+
+            def layer(state, xs):
+                dx, carry = state
+                p_l, l = xs
+                kp, vp = self._prefix_kv(carry, mb, c, l)
+                kept = [_at(st, (slot, l), shape) for st, shape in zip(carry["stash"], shapes)]
+                if c < s - 1:  # cotangents of this chunk's keys/values from the later chunks' attention
+                    dke = _at(carry["dkv_k"], (l,), (self.batch, n), (0, a))
+                    dve = _at(carry["dkv_v"], (l,), (self.batch, n), (0, a))
+                else:
+                    dke = dve = jnp.zeros(kv_shape, self.dt)
+                _, again = self._args(c, p_l, None, cos, sin, kp, vp)
+                vjp = jax.tree.unflatten(treedef, _merge(kept, again, layout))
+                cts = vjp((dx, dke, dve))
+                carry = dict(carry, g_layers={k: _add(g, (l,), cts[0][k]) for k, g in carry["g_layers"].items()})
+                if c > 0:  # the first backward of a microbatch (c = s-1) starts the accumulation afresh
+                    upd = _set if c == s - 1 else _add
+                    carry["dkv_k"] = upd(carry["dkv_k"], (l,), cts[4])
+                    carry["dkv_v"] = upd(carry["dkv_v"], (l,), cts[5])
+                return (cts[1], carry), None
+
+            xs = (self.lp, jnp.arange(self.n_layers))
+            (dx, carry), _ = jax.lax.scan(layer, (dy_in[:, :n], carry), xs, reverse=True)
+            return carry, self._pad_tokens(dx)
+
+        return branch
+
+    def _head(self, carry, y, tok, n):
+        """Last stage, after a forward: loss of the unit and the gradient of its output (padded tokens masked)."""
+        hk = "embed" if self.cfg.tie_embeddings else "lm_head"
+        mask = jnp.arange(self.tmax) < n
+        labels = tok[:, 1:]
+
+        def loss_fn(y, norm, w):
+            x = rms_norm(y, norm, self.cfg.norm_eps)
+            head = w.T if hk == "embed" else w
+            logits = jnp.einsum("btd,dv->btv", x, head.astype(self.dt), preferred_element_type=jnp.float32)
+            logits = constrain(logits, ("batch", "seq", "vocab"))
+            # The label's logit by a masked sum, not a gather: XLA's SPMD partitioner aborts on a gather
+            # from vocab-sharded logits inside a shard_map that is manual over pipeline only.
+            hit = jnp.arange(logits.shape[-1]) == labels[..., None]
+            ce = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+            return jnp.sum(jnp.where(mask[None], ce, 0.0)) / self.n_tokens
+
+        loss, vjp = jax.vjp(loss_fn, y, self.shared["final_norm"], self.shared[hk])
+        dy, dnorm, dw = vjp(jnp.ones((), jnp.float32))
+        carry = dict(carry, loss=carry["loss"] + loss)
+        carry["g_final_norm"] = carry["g_final_norm"] + dnorm.astype(carry["g_final_norm"].dtype)
+        carry["g_" + hk] = carry["g_" + hk] + dw.astype(carry["g_" + hk].dtype)
+        return carry, dy
+
+    def _embed_grad(self, carry, dx, tok):
+        _, vjp = jax.vjp(lambda table: self._embed(table, tok[:, :-1]), self.shared["embed"])
+        return dict(carry, g_embed=carry["g_embed"] + vjp(dx)[0].astype(carry["g_embed"].dtype))
+
+    def _idle(self, carry, row, x):
+        return carry, jnp.zeros_like(x)
+
+    def _pad_tokens(self, x):
+        return _pad(x, (x.shape[0], self.tmax, *x.shape[2:]))
+
+    # ---------------------------------------------------------------- the loop
+
+    def _init_carry(self) -> dict:
+        tab, cfg, dt = self.plan.tables, self.cfg, self.dt
+        msg = jnp.zeros((self.batch, self.tmax, cfg.d_model), dt)
+        carry = {
+            "out": msg, "op": jnp.zeros((), jnp.int32),  # the last tick's output and branch, sent next tick
+            "act_in": jnp.zeros((tab.act_buffers + 1, *msg.shape), dt),
+            "grad_in": jnp.zeros((tab.grad_buffers + 1, *msg.shape), dt),
+            "dy": jnp.zeros((tab.slots, *msg.shape), dt),
+            "stash": [jnp.zeros((tab.slots, self.n_layers, *shape), dtype)
+                      for shape, dtype in zip(self.res_shapes, self.res_dtypes)],
+            "loss": jnp.zeros((), jnp.float32),
+            "g_layers": {k: jnp.zeros(v.shape, self.param_dtypes[k]) for k, v in self.lp.items()},
+        }
+        for k, v in self.shared.items():
+            carry["g_" + k] = jnp.zeros_like(v)
+        if self.s > 1:
+            kv = (self.n_layers, self.batch, self.tmax, cfg.n_kv_heads, cfg.head_dim)
+            carry["kv_k"] = carry["kv_v"] = jnp.zeros((tab.slots, *kv), dt)
+            acc = (self.n_layers, self.batch, self.plan.bounds[-2], cfg.n_kv_heads, cfg.head_dim)
+            carry["dkv_k"] = carry["dkv_v"] = jnp.zeros(acc, dt)
+        return carry
+
+    def run(self):
+        p, s, tm = self.p, self.s, self.tmax
+        branches = [self._idle] + [self._forward(c) for c in range(s)] + [self._backward(c) for c in range(s)]
+        starts = jnp.asarray(self.plan.bounds[:-1], jnp.int32)   # first token of each chunk
+        lengths = jnp.asarray(self.lengths, jnp.int32)
+        # Tokens padded so that a chunk's window [start, start + tmax + 1) never runs off the end.
+        tokens = jnp.pad(self.tokens, ((0, 0), (0, 0), (0, tm)))
+
+        def tick(carry, rows):
+            row = _take(rows, self.stage)
+            op, mb, chunk, slot = row[0], row[1], row[2], row[3]
+            is_f, is_b = (op >= 1) & (op <= s), op > s
+            # Deliver the previous tick's outputs first.  Sending at the top of the tick, from the
+            # loop carry, keeps every collective in one order on every device: XLA:CPU may start a
+            # send as soon as its operand is ready, even while another device still runs a
+            # conditional that holds the stage's data/tensor reductions, and then they deadlock.
+            prev, prev_op = carry["out"], carry["op"]
+            zeros = jnp.zeros_like(prev)
+            act = jax.lax.ppermute(jnp.where((prev_op >= 1) & (prev_op <= s), prev, zeros), AXIS,
+                                   [(k, k + 1) for k in range(p - 1)])
+            grad = jax.lax.ppermute(jnp.where(prev_op > s, prev, zeros), AXIS, [(k + 1, k) for k in range(p - 1)])
+            carry = dict(carry, act_in=_put(carry["act_in"], act, row[5]), grad_in=_put(carry["grad_in"], grad, row[6]))
+            tok = jax.lax.dynamic_slice_in_dim(_take(tokens, mb), starts[chunk], tm + 1, axis=1)
+            # Input of a forward (stage 0: the embedding) or of a backward (last stage: its stashed dy).
+            x_f = jnp.where(self.is_first, self._embed(self.shared["embed"], tok[:, :-1]),
+                            _take(carry["act_in"], row[4]))
+            x_b = jnp.where(self.is_last, _take(carry["dy"], slot), _take(carry["grad_in"], row[4]))
+            carry, out = jax.lax.switch(op, branches, carry, row, jnp.where(is_f, x_f, x_b))
+            carry, dy = jax.lax.cond(self.is_last & is_f, partial(self._head, tok=tok, n=lengths[chunk]),
+                                     lambda carry, y: (carry, jnp.zeros_like(y)), carry, out)
+            carry["dy"] = _put(carry["dy"], jnp.where(self.is_last & is_f, dy, _take(carry["dy"], slot)), slot)
+            carry = jax.lax.cond(self.is_first & is_b, partial(self._embed_grad, tok=tok),
+                                 lambda carry, dx: carry, carry, out)
+            carry["out"], carry["op"] = out, op
+            return carry, op
+
+        carry, trace = jax.lax.scan(tick, self._init_carry(), self.table)  # table: [ticks, stages, 7]
+        loss = jax.lax.psum(carry["loss"], AXIS)
+        g_shared = {k: jax.lax.psum(carry["g_" + k], AXIS).astype(v.dtype) for k, v in self.shared.items()}
+        return loss, carry["g_layers"], g_shared, trace[None]

@@ -1,0 +1,157 @@
+"""``jaxdist calibrate``: measure the present devices so the cost model's times match them.
+
+Two measurements, both on the devices JAX sees:
+
+* links: an all-reduce (``psum`` in ``shard_map``) over all devices at a small
+  and a large size, fitted to the ring model ``2(n-1) latency + 2(n-1)/n
+  bytes / bandwidth`` (latency in s, bandwidth in bytes/s per device);
+* efficiency and overheads: the Trainer's jitted step of a reference model
+  in three settings (:func:`reference_overrides`: data-parallel in one and in
+  many microbatches, fully sharded), timed round-robin
+  (``measure.measure_strategies``), fitted (:func:`fit`) to compute / efficiency
+  (against the cluster file's peak FLOP/s) + a fixed cost per block pass + a
+  fixed cost per collective + the predicted communication.
+
+The result is a :class:`~jaxdist.planner.cluster.Calibration`, written as
+JSON to ``calibration_path(device_kind)`` (``$JAXDIST_CALIBRATION_DIR``, else
+``~/.cache/jaxdist/calibration/``) where :func:`jaxdist.planner.plan` finds it
+for clusters of the same device kind.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+from typing import Sequence
+
+from jaxdist.planner.cluster import Calibration, load_calibration
+
+LINK_SIZES = (2**12, 2**22)   # bytes per device of the two all-reduces
+
+
+def calibration_dir() -> Path:
+    """Where calibrations live: ``$JAXDIST_CALIBRATION_DIR`` or ``~/.cache/jaxdist/calibration``."""
+    return Path(os.environ.get("JAXDIST_CALIBRATION_DIR") or Path.home() / ".cache" / "jaxdist" / "calibration")
+
+
+def calibration_path(device_kind: str) -> Path:
+    """The default calibration file for a device kind (e.g. ``.../nvidia-h100-80gb-hbm3.json``)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+    return calibration_dir() / f"{slug}.json"
+
+
+def default_calibration(device_kind: str) -> Calibration | None:
+    """The calibration ``jaxdist calibrate`` wrote for this device kind, or None if there is none."""
+    p = calibration_path(device_kind)
+    return load_calibration(p) if p.is_file() else None
+
+
+def measure_links(devices: Sequence | None = None, sizes: Sequence[int] = LINK_SIZES,
+                  repeats: int = 7) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of an all-reduce over ``devices``, fitted to the ring model."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    assert n > 1, "measuring links needs at least two devices"
+    mesh = Mesh(np.asarray(devices), ("x",))
+    f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    times = []
+    for nbytes in sizes:
+        x = jax.device_put(jnp.ones((n, nbytes // 4), jnp.float32), NamedSharding(mesh, P("x")))
+        f(x).block_until_ready()
+        samples = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(x).block_until_ready()
+            samples.append(time.perf_counter() - t0)
+        times.append(min(samples))
+    (b0, b1), (t0_, t1) = sizes, times
+    per_byte = max((t1 - t0_) / (b1 - b0), 1e-15)             # seconds per whole-buffer byte
+    bandwidth = 2 * (n - 1) / n / per_byte
+    latency = max((t0_ - 2 * (n - 1) / n * b0 / bandwidth) / (2 * (n - 1)), 1e-7)
+    return latency, bandwidth
+
+
+def reference_overrides(n_devices: int, model: str = "small", batch_per_device: int = 8,
+                        seq_len: int = 32) -> list[list[str]]:
+    """The three reference steps calibrate times, all on ``n_devices`` at one batch: data-parallel in one
+    microbatch, data-parallel in ``batch_per_device`` microbatches (many block passes), and fully sharded
+    in ``batch_per_device // 2`` microbatches (many collectives)."""
+    n, b = n_devices, batch_per_device
+    common = [f"model={model}", f"train.seq_len={seq_len}", f"train.batch_size={b * n}"]
+    return [common + [f"mesh.data={n}"],
+            common + [f"mesh.data={n}", f"train.microbatches={b}"],
+            common + ["mesh.data=1", f"mesh.fsdp={n}", f"train.microbatches={max(1, b // 2)}"]]
+
+
+def fit(times: Sequence[float], estimates: Sequence, peak: float) -> tuple[float, float, float]:
+    """(efficiency, pass_overhead s, collective_overhead s) that best explain measured step ``times``.
+
+    Each estimate must come from a cluster view with efficiency 1 and no
+    overheads: then time = compute / efficiency + passes * pass_overhead +
+    collectives * collective_overhead + communication, solved by non-negative
+    least squares (relative errors weighted alike).
+    """
+    import numpy as np
+    from scipy.optimize import nnls
+
+    rows, rhs = [], []
+    for t, e in zip(times, estimates):
+        rows.append([e.flops_per_device / peak / t, e.extra["passes"] / t, e.extra["collectives"] / t])
+        rhs.append((t - e.comm_time) / t)
+    x, _ = nnls(np.asarray(rows), np.asarray(rhs))
+    inv_eff, pass_overhead, collective_overhead = (float(v) for v in x)
+    return (1.0 / inv_eff if inv_eff > 0 else 1.0), pass_overhead, collective_overhead
+
+
+def calibration_from(cfgs: Sequence, times: Sequence[float], spec, n_devices: int, latency: float,
+                     bandwidth: float) -> Calibration:
+    """The Calibration that fits measured step ``times`` of ``cfgs`` on ``n_devices`` of cluster ``spec``."""
+    import dataclasses
+
+    from jaxdist.planner.cluster import cluster_view
+    from jaxdist.planner.computation import computation_view
+    from jaxdist.planner.cost import estimate
+    from jaxdist.planner.measure import strategy_of
+
+    linked = Calibration(device_kind=spec.device_kind, efficiency=1.0, intra_node_bandwidth=bandwidth,
+                         intra_node_latency=latency, collective_overhead=0.0, pass_overhead=0.0)
+    view = cluster_view(dataclasses.replace(spec, nodes=1, devices_per_node=n_devices), calibration=linked)
+    estimates = [estimate(computation_view(c.model, c.train.seq_len), view, strategy_of(c, n_devices),
+                          c.train.batch_size) for c in cfgs]
+    efficiency, pass_overhead, collective_overhead = fit(times, estimates, view.peak_flops(cfgs[0].model.dtype))
+    return dataclasses.replace(linked, efficiency=min(efficiency, 1.0), pass_overhead=pass_overhead,
+                               collective_overhead=collective_overhead)
+
+
+def calibrate(devices: Sequence | None = None, cluster: str = "cpu-8", model: str = "small",
+              batch_per_device: int = 8, seq_len: int = 32, rounds: int = 4) -> Calibration:
+    """Measure links, then fit efficiency and overheads to the reference steps on ``devices`` (default: all),
+    against the peak FLOP/s of the ``cluster`` file."""
+    import jax
+
+    from jaxdist.parallel.mesh import load_cluster
+    from jaxdist.planner.measure import measure_strategies, measurement_config
+
+    devices = list(devices if devices is not None else jax.devices())
+    n = len(devices)
+    latency, bandwidth = measure_links(devices) if n > 1 else (1e-6, 1e12)
+    cfgs = [measurement_config(o + [f"mesh.cluster={cluster}"])
+            for o in reference_overrides(n, model, batch_per_device, seq_len)]
+    times = [m.step_time for m in measure_strategies(cfgs, devices, rounds=rounds)]
+    return calibration_from(cfgs, times, load_cluster(cluster), n, latency, bandwidth)
+
+
+def write_calibration(cal: Calibration, path: str | Path | None = None) -> Path:
+    """Write ``cal`` as JSON (default: ``calibration_path(cal.device_kind)``); returns the path."""
+    p = Path(path) if path else calibration_path(cal.device_kind)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(cal.to_json() + "\n")
+    return p
+

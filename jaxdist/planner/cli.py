@@ -1,0 +1,116 @@
+"""``jaxdist plan`` and ``jaxdist calibrate`` (registered by jaxdist/cli.py; nothing heavy imported here).
+
+    jaxdist plan --model llama-70b --cluster meshes/h100x64.toml [--busy alloc.toml] [--out plan.toml]
+                 [--top 8] [--exhaustive] [--calibration FILE] [--config FILE] [KEY=VALUE ...]
+    jaxdist calibrate [--cluster cpu-8] [--model small] [--out FILE]
+
+``plan`` plans for ``train.batch_size`` sequences of ``train.seq_len`` tokens
+when ``train.seq_len`` is given (override or config file), else of the
+model's ``max_seq_len``.  It prints the best plans, explains the chosen one
+and writes it as a config that ``jaxdist train --config`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """Add the ``plan`` and ``calibrate`` subcommands to the jaxdist parser."""
+    p = sub.add_parser("plan", help="choose mesh, microbatches and remat for a model on a cluster")
+    p.add_argument("--config", help="TOML config file (model, batch, cluster)")
+    p.add_argument("--model", help="model preset (same as model=NAME)")
+    p.add_argument("--cluster", help="cluster: a name in meshes/, a TOML path (same as mesh.cluster=...), or live")
+    p.add_argument("--busy", help="devices other jobs hold: an allocation TOML file, or a list like 0:*,1:0-3,17")
+    p.add_argument("--calibration", help="calibration JSON from `jaxdist calibrate` (default: the saved one, if any)")
+    p.add_argument("--out", default="plan.toml", help="where to write the chosen plan's config (default plan.toml)")
+    p.add_argument("--top", type=int, default=8, help="plans to show (default 8)")
+    p.add_argument("--exhaustive", action="store_true", help="evaluate every candidate instead of searching")
+    p.add_argument("--axes", help="mesh axes the plan may use, e.g. data,fsdp,tensor (default: what train runs)")
+    p.set_defaults(fn=cmd_plan)
+
+    c = sub.add_parser("calibrate", help="measure the present devices' efficiency and links for the planner")
+    c.add_argument("--cluster", default="cpu-8", help="cluster file whose peak FLOP/s the efficiency refers to")
+    c.add_argument("--model", default="small", help="reference model preset timed on a data-parallel mesh")
+    c.add_argument("--out", help="calibration JSON to write (default: the planner's per-device-kind file)")
+    c.set_defaults(fn=cmd_calibrate)
+
+
+def _explicit_seq_len(args) -> bool:
+    if any(o.split("=", 1)[0].lstrip("-") == "train.seq_len" for o in args.overrides):
+        return True
+    if args.config:
+        try:
+            return "seq_len" in tomllib.loads(Path(args.config).read_text()).get("train", {})
+        except (OSError, tomllib.TOMLDecodeError):
+            return False  # load_config reports it
+    return False
+
+
+def cmd_plan(args) -> int:
+    """``jaxdist plan``: print the best plans and write the chosen one as a train config."""
+    from jaxdist.config import ConfigError, load_config
+
+    extra = ([f"model={args.model}"] if args.model else []) + ([f"mesh.cluster={args.cluster}"] if args.cluster else [])
+    cfg = load_config(args.config, extra + list(args.overrides))
+    seq_len = cfg.train.seq_len if _explicit_seq_len(args) else cfg.model.max_seq_len
+    cfg.train.seq_len = seq_len
+
+    from jaxdist.planner.cluster import load_calibration
+    from jaxdist.planner.plan import plan
+
+    busy = None
+    if args.busy:
+        busy = args.busy if Path(args.busy).suffix == ".toml" else [x for x in args.busy.split(",") if x]
+    axes = None
+    if args.axes:
+        axes = tuple(a.strip() for a in args.axes.split(",") if a.strip())
+        from jaxdist.config import MESH_AXES
+        bad = [a for a in axes if a not in MESH_AXES]
+        if bad:
+            raise ConfigError(f"--axes names unknown axes {', '.join(bad)}: use some of {', '.join(MESH_AXES)}.")
+    calibration = load_calibration(args.calibration) if args.calibration else None
+    p = plan(cfg.model, cfg.mesh.cluster, batch_size=cfg.train.batch_size, seq_len=seq_len, busy=busy,
+             calibration=calibration, axes=axes, enumerate_all=args.exhaustive)
+    m = cfg.model
+    from jaxdist.planner.computation import computation_view
+    n_params = computation_view(m, seq_len).param_count
+    cal = (f"calibrated: efficiency {p.cluster.efficiency:.1%}" if p.cluster.calibration
+           else f"uncalibrated: efficiency {p.cluster.efficiency:.0%} (run `jaxdist calibrate` on the devices)")
+    size = f"{n_params / 1e9:.3g}B" if n_params >= 1e9 else f"{n_params / 1e6:.3g}M"
+    print(f"model {m.preset}: {size} parameters, {m.dtype} compute; batch {cfg.train.batch_size} x "
+          f"{seq_len} = {cfg.train.batch_size * seq_len} tokens per step")
+    print(f"cluster {p.cluster.describe()}; {cal}")
+    searched = f"{p.evaluations} of {p.space} plans (exhaustive)" if p.space else f"{p.evaluations} plans searched"
+    print(f"{searched} in {p.seconds:.2f} s\n")
+    print(p.table(args.top))
+    print()
+    print(p.explain())
+    out = Path(args.out)
+    out.write_text(p.to_toml(cfg))
+    print(f"\nwrote {out}: run it with `jaxdist train --config {out}`")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    """``jaxdist calibrate``: measure efficiency and links on the devices present and save them."""
+    from jaxdist.cli import prepare_host_devices
+    from jaxdist.config import load_config
+
+    cfg = load_config(None, [f"mesh.cluster={args.cluster}"] + list(args.overrides))
+    prepare_host_devices(cfg)
+    import jax
+
+    from jaxdist.planner.calibrate import calibrate, write_calibration
+
+    devices = jax.devices()
+    print(f"calibrating on {len(devices)} x {devices[0].device_kind} against {args.cluster} ...", file=sys.stderr)
+    cal = calibrate(devices, cluster=args.cluster, model=args.model)
+    path = write_calibration(cal, args.out)
+    print(f"efficiency {cal.efficiency:.3f} of peak; all-reduce latency {cal.intra_node_latency * 1e6:.1f} us, "
+          f"bandwidth {cal.intra_node_bandwidth / 1e9:.2f} GB/s per device")
+    print(f"wrote {path}")
+    return 0

@@ -1,0 +1,153 @@
+"""Commit markers and checksums: damaged or incomplete checkpoints are found, named and skipped."""
+
+import json
+import logging
+import os
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jaxdist.checkpoint import CheckpointDamaged, RunCheckpointer, abstract_like, integrity
+
+
+def mesh():
+    return jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+
+
+def state(step: int) -> dict:
+    """Values in closed form of the step; sharded, replicated, odd-shaped and scalar leaves."""
+    m = mesh()
+    return {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8) * 0.5 + step, NamedSharding(m, P("fsdp"))),
+            "r": jax.device_put(jnp.arange(15.0).reshape(3, 5) - step, NamedSharding(m, P())),
+            "step": jax.device_put(jnp.int32(step), NamedSharding(m, P()))}
+
+
+def saved(tmp_path, steps=(1, 2, 3), keep=3) -> RunCheckpointer:
+    ck = RunCheckpointer(tmp_path / "ck", keep=keep)
+    for s in steps:
+        ck.save(s, state(s), {"step": s})
+    ck.wait()
+    return ck
+
+
+def biggest_data_file(step_dir):
+    files = json.loads((step_dir / integrity.COMMIT_FILE).read_text())["files"]
+    return step_dir / max((f for f in files if "/d/" in f), key=lambda f: files[f]["size"])
+
+
+def same(a, b):
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_commit_marker_records_every_file_with_its_size_and_crc(tmp_path):
+    ck = saved(tmp_path, steps=(1,))
+    step_dir = tmp_path / "ck" / "1"
+    marker = integrity.read_commit(step_dir)
+    assert marker["step"] == 1 and marker["num_processes"] == 1
+    assert sorted(marker["files"]) == integrity.data_files(step_dir)
+    for rel, f in marker["files"].items():
+        data = (step_dir / rel).read_bytes()
+        assert f["size"] == len(data) and f["crc32"] == f"{zlib.crc32(data):08x}"
+    assert marker["bytes_written_per_process"] == [sum(f["size"] for f in marker["files"].values())]
+    assert ck.stats[0].written_bytes == marker["bytes_written_per_process"]
+    assert ck.stats[0].planned_bytes == [64 * 4 + 15 * 4 + 4]
+    ck.close()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "delete"])
+def test_damaged_latest_is_skipped_with_a_warning_and_the_newest_good_one_restored(tmp_path, caplog, damage):
+    ck = saved(tmp_path)
+    f = biggest_data_file(tmp_path / "ck" / "3")
+    data = bytearray(f.read_bytes())
+    if damage == "truncate":
+        f.write_bytes(data[: len(data) // 2])
+    elif damage == "bitflip":
+        data[len(data) // 3] ^= 0x10
+        f.write_bytes(data)
+    else:
+        f.unlink()
+    with caplog.at_level(logging.WARNING, logger="jaxdist.checkpoint.manager"):
+        got, meta = ck.restore(abstract_like(state(0)))
+    assert meta["step"] == 2 and same(got, state(2))
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    rel = f.relative_to(tmp_path / "ck" / "3").as_posix()
+    assert f"checkpoint {tmp_path / 'ck' / '3'} is damaged: {rel}" in warning
+    expect = {"truncate": "bytes", "bitflip": "CRC-32", "delete": "is missing"}[damage]
+    assert expect in warning
+    # Set aside, so the step can be written again; the committed ones are untouched.
+    assert ck.all_steps() == [1, 2] and (tmp_path / "ck" / "3.damaged").is_dir()
+    assert ck.save(3, state(3), {"step": 3})
+    ck.wait()
+    assert ck.restore(abstract_like(state(0)))[1]["step"] == 3
+    ck.close()
+
+
+def test_explicit_damaged_step_raises_and_nothing_good_raises(tmp_path):
+    ck = saved(tmp_path, steps=(1, 2))
+    for step in (1, 2):
+        f = biggest_data_file(tmp_path / "ck" / str(step))
+        f.write_bytes(f.read_bytes()[:-1])
+    with pytest.raises(CheckpointDamaged, match=r"checkpoint .*/2 is damaged: .* bytes"):
+        ck.restore(abstract_like(state(0)), step=2)
+    with pytest.raises(FileNotFoundError, match="no good checkpoint"):
+        ck.restore(abstract_like(state(0)))
+    ck.close()
+
+
+def test_incomplete_save_is_ignored_then_set_aside(tmp_path, caplog):
+    ck = saved(tmp_path, steps=(1, 2))
+    ck.close()
+    (tmp_path / "ck" / "2" / integrity.COMMIT_FILE).unlink()  # as if killed before the commit
+    (tmp_path / "ck" / "5.orbax-checkpoint-tmp").mkdir()      # as if killed while orbax wrote
+    states = {f.path.name: f.state for f in integrity.scan(tmp_path / "ck")}
+    assert states == {"1": "committed", "2": "incomplete", "5.orbax-checkpoint-tmp": "temporary"}
+    with caplog.at_level(logging.WARNING, logger="jaxdist.checkpoint.manager"):
+        ck = RunCheckpointer(tmp_path / "ck")
+    text = caplog.text
+    assert f"ignoring {tmp_path / 'ck' / '2'}: no commit marker" in text and "moved to 2.incomplete" in text
+    assert f"removing {tmp_path / 'ck' / '5.orbax-checkpoint-tmp'}: a checkpoint save that never completed" in text
+    assert ck.latest_step() == 1 and sorted(os.listdir(tmp_path / "ck")) == ["1", "2.incomplete"]
+    assert integrity.scan(tmp_path / "ck")[1].state == "abandoned"
+    assert same(ck.restore(abstract_like(state(0)))[0], state(1))
+    assert ck.save(2, state(2), {"step": 2})  # the step can be written again
+    ck.close()
+
+
+def test_old_checkpoints_go_only_after_a_newer_one_committed(tmp_path):
+    ck = saved(tmp_path, steps=(1, 2, 3, 4), keep=2)
+    assert ck.all_steps() == [3, 4]
+    assert not ck.save(4, state(9), {"step": 4})  # a committed step is never overwritten
+    ck.close()
+
+
+def test_a_save_still_running_is_waited_for_and_reported_not_stacked(tmp_path, caplog, monkeypatch):
+    slow = integrity.record_own_checksums
+
+    def slowly(step_dir, process):
+        time.sleep(0.5)
+        return slow(step_dir, process)
+
+    monkeypatch.setattr(integrity, "record_own_checksums", slowly)
+    ck = RunCheckpointer(tmp_path / "ck")
+    ck.save(1, state(1), {"step": 1})
+    with caplog.at_level(logging.WARNING, logger="jaxdist.checkpoint.manager"):
+        ck.save(2, state(2), {"step": 2})
+    assert "checkpoint of step 1 is still being written when step 2 is due" in caplog.text
+    assert ck.busy_saves == 1 and ck.stats[1].waited_s >= 0.3
+    assert ck.all_steps() == [1]  # step 2 started only after 1 committed, and is not committed yet
+    ck.wait()
+    assert ck.all_steps() == [1, 2] and ck.stats[1].background_s >= 0.5
+    ck.close()
+
+
+def test_synchronous_save_is_committed_when_save_returns(tmp_path):
+    ck = RunCheckpointer(tmp_path / "ck", asynchronous=False)
+    assert ck.save(1, state(1), {"step": 1})
+    assert ck.all_steps() == [1] and ck.stats[0].written_bytes is not None
+    assert same(ck.restore(abstract_like(state(0)))[0], state(1))
+    ck.close()

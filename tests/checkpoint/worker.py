@@ -1,0 +1,190 @@
+"""One process of a multi-process checkpoint test or benchmark: ``worker.py MODE JSON``.
+
+Modes (JSON fields in brackets):
+
+* ``save`` [jobs: overrides, ckpt, seed, strategy, saves, keep]: build a
+  Trainer per job, fill its train state (params, Adam moments, counters)
+  with pseudo-random values from ``seed``, save with RunCheckpointer;
+  prints ``RESULT`` per job.
+* ``steps`` [overrides, ckpt, steps, every]: time training steps with and
+  without an async save in between (benchmark of the blocked time).
+* ``restore`` [jobs: overrides, ckpt, seed]: restore onto this job's mesh and
+  compare every shard with the values of ``seed`` bit for bit.
+* ``kill`` [ckpt, phase, keep]: commit steps 1 and 2 of a synthetic state,
+  then start step 3 and stall in ``phase`` ("write": orbax's array writes,
+  "checksum": jaxdist's commit) on process 1, printing ``SAVING 3`` /
+  ``STALLED 3`` so the parent can SIGKILL it there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+import time
+
+import numpy as np
+
+from jaxdist.train.distributed import initialize_from_env
+
+initialize_from_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+from jaxdist.checkpoint import RunCheckpointer, integrity  # noqa: E402
+from jaxdist.checkpoint.writer import named_leaves  # noqa: E402
+
+
+_T0 = time.perf_counter()
+
+
+def mark(what: str) -> None:
+    print(f"TIME {time.perf_counter() - _T0:7.2f} s {what}", flush=True)
+
+
+def result(obj) -> None:
+    print("RESULT " + json.dumps(obj), flush=True)
+
+
+def trainer_for(overrides):
+    from jaxdist.config import load_config
+    from jaxdist.train.trainer import Trainer
+
+    cfg = load_config(None, ["train.progress=false", "train.tensorboard=false", "checkpoint.enabled=false",
+                             "train.eval_every=0", *overrides])
+    return Trainer(cfg)
+
+
+def reference(abstract, seed: int) -> dict[str, np.ndarray]:
+    """Deterministic pseudo-random global values for every leaf of ``abstract`` (same on every process)."""
+    out = {}
+    for i, (name, a) in enumerate(named_leaves(abstract)):
+        rng = np.random.default_rng([seed, i])
+        if np.issubdtype(a.dtype, np.floating):
+            out[name] = rng.standard_normal(a.shape, dtype=np.float32).astype(a.dtype)
+        else:
+            out[name] = rng.integers(0, 2**31 - 1, size=a.shape).astype(a.dtype)
+    return out
+
+
+def random_state(abstract, seed: int):
+    """A train state laid out like ``abstract`` holding :func:`reference` values (no compilation)."""
+    ref = reference(abstract, seed)
+    leaves = [jax.make_array_from_callback(a.shape, a.sharding, lambda idx, v=ref[n]: v[idx])
+              for n, a in named_leaves(abstract)]
+    return jax.tree.unflatten(jax.tree.structure(abstract), leaves), ref
+
+
+def matches(state, ref: dict[str, np.ndarray]) -> bool:
+    """Every addressable shard of every leaf equals the reference bit for bit (dtype included)."""
+    return all(s.data.dtype == ref[n].dtype and np.array_equal(np.asarray(s.data), ref[n][s.index])
+               for n, a in named_leaves(state) for s in a.addressable_shards)
+
+
+def mode_save(spec) -> None:
+    for job in spec["jobs"]:
+        mark("start")
+        with trainer_for(job["overrides"]) as t:
+            state, _ = random_state(t.abstract_state(), job.get("seed", 0))
+            mark("state")
+            ck = RunCheckpointer(job["ckpt"], keep=job.get("keep", 3), strategy=job.get("strategy", "balanced"))
+            times = []
+            for s in range(job.get("saves", 1)):
+                t0 = time.perf_counter()
+                ck.save(s + 1, state, {"step": s + 1})
+                blocked = time.perf_counter() - t0
+                ck.wait()
+                times.append((blocked, time.perf_counter() - t0))
+            ck.close()
+            mark("saved")
+            result({"ckpt": job["ckpt"], "save_s": times, "planned": ck.stats[-1].planned_bytes,
+                    "written": ck.stats[-1].written_bytes, "process": jax.process_index()})
+
+
+def train(t, steps: int):
+    state = t.init_state()
+    for i in range(steps):
+        state, m = t.train_step(state, t.batch(i))
+    jax.block_until_ready(state)
+    return state
+
+
+def mode_steps(spec) -> None:
+    with trainer_for(spec["overrides"]) as t:
+        state = train(t, 2)  # compiled and warm
+        ck = RunCheckpointer(spec["ckpt"], keep=2)
+        ck.save(0, state, {"step": 0})  # orbax's first-save warm-up, not timed
+        ck.wait()
+        step_s = []
+        for i in range(spec["steps"]):
+            t0 = time.perf_counter()
+            state, m = t.train_step(state, t.batch(i))
+            jax.block_until_ready(m)
+            step_s.append(time.perf_counter() - t0)
+            if (i + 1) % spec["every"] == 0:
+                ck.save(i + 1, state, {"step": i + 1})
+        ck.close()
+        timed = ck.stats[1:]
+        result({"step_s": step_s, "blocked_s": [s.blocked_s for s in timed], "waited_s": [s.waited_s for s in timed],
+                "busy": ck.busy_saves, "background_s": [s.background_s for s in timed]})
+
+
+def mode_restore(spec) -> None:
+    for job in spec["jobs"]:
+        with trainer_for(job["overrides"]) as t:
+            target = t.abstract_state()
+            state, meta = RunCheckpointer(job["ckpt"]).restore(target)
+            on_target = all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(target)))
+            result({"ckpt": job["ckpt"], "equal": matches(state, reference(target, job.get("seed", 0))),
+                    "on_target": on_target, "step": meta["step"], "process": jax.process_index()})
+
+
+def synthetic_state(step: int, mesh) -> dict:
+    """A state whose values are a closed-form function of ``step``."""
+    def make(shape, spec, scale):
+        fn = lambda: jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) * scale + step
+        return jax.jit(fn, out_shardings=NamedSharding(mesh, spec))()
+    return {"w": make((16, 24), P("fsdp"), 0.5), "r": make((6, 10), P(), 1.0),
+            "s": jax.jit(lambda: jnp.int32(step), out_shardings=NamedSharding(mesh, P()))()}
+
+
+def mode_kill(spec) -> None:
+    n = jax.device_count()
+    mesh = jax.make_mesh((2, n // 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    ck = RunCheckpointer(spec["ckpt"], keep=spec.get("keep", 1))
+    for step in (1, 2):
+        ck.save(step, synthetic_state(step, mesh), {"step": step})
+        ck.wait()
+    print("COMMITTED 2", flush=True)
+    stall = jax.process_index() == 1
+    if stall and spec["phase"] == "write":
+        from orbax.checkpoint._src.serialization import serialization
+
+        original = serialization.async_serialize_from_host
+        calls = []
+
+        async def slow(*args, **kwargs):  # write one array, then hang like a stuck disk
+            calls.append(1)
+            if len(calls) > 1:
+                print("STALLED 3", flush=True)
+                await asyncio.sleep(3600)
+            return await original(*args, **kwargs)
+
+        serialization.async_serialize_from_host = slow
+    if stall and spec["phase"] == "checksum":
+        def stuck(step_dir, process):
+            print("STALLED 3", flush=True)
+            threading.Event().wait(3600)
+
+        integrity.record_own_checksums = stuck
+    ck.save(3, synthetic_state(3, mesh), {"step": 3})
+    print("SAVING 3", flush=True)
+    time.sleep(3600)
+
+
+if __name__ == "__main__":
+    {"save": mode_save, "steps": mode_steps, "restore": mode_restore, "kill": mode_kill}[sys.argv[1]](
+        json.loads(sys.argv[2]))

@@ -1,0 +1,107 @@
+"""A JAX-free stand-in for ``jaxdist train`` that behaves like a worker group (controller tests).
+
+Run by node agents through ``controller.worker_command="{python} .../stub_worker.py"``
+with the job's config arguments.  It uses the real worker agent (heartbeats,
+warm-up, assignment), then "trains": every rank waits for all ranks at each
+step (a file barrier, so a dead or stopped peer makes the others hang, as a
+JAX collective does), the state is a hash chain over the batches
+(``state = sha256(state | "batch-<i>")``), and rank 0 checkpoints it every
+step under ``checkpoints/<step>/`` with a ``jaxdist_commit.json`` marker.  A
+restarted group resumes from the newest committed step, so a batch skipped or
+repeated changes the final hash.
+
+Environment: ``JAXDIST_STUB_STEP_S`` (seconds per step, default 0.05),
+``JAXDIST_STUB_WARM_S`` (seconds of warm-up, default 0.2),
+``JAXDIST_STUB_SLOW_FROM`` / ``JAXDIST_STUB_SLOW_S`` (from that step on, each
+step takes that long: a slow cluster), ``JAXDIST_STUB_HANG_AT`` (the first
+group to reach that step stops stepping but keeps heartbeating: a deadlock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from jaxdist.config import load_config
+from jaxdist.controller.agent import agent_from_env, record_step
+
+GENESIS = "genesis"
+
+
+def advance(state: str, step: int) -> str:
+    """The state after training step ``step`` (1-based) on batch ``step - 1``."""
+    return hashlib.sha256(f"{state}|batch-{step - 1}".encode()).hexdigest()
+
+
+def expected_final(steps: int) -> str:
+    state = GENESIS
+    for s in range(1, steps + 1):
+        state = advance(state, s)
+    return state
+
+
+def _latest(ckpt: Path) -> tuple[int, str]:
+    steps = sorted(int(p.parent.name) for p in ckpt.glob("*/jaxdist_commit.json"))
+    if not steps:
+        return 0, GENESIS
+    return steps[-1], json.loads((ckpt / str(steps[-1]) / "state.json").read_text())["state"]
+
+
+def _barrier(d: Path, step: int, rank: int, n: int) -> None:
+    (d / f"{step}.{rank}").touch()
+    while not all((d / f"{step}.{r}").exists() for r in range(n)):
+        time.sleep(0.003)
+
+
+def main(argv: list[str]) -> int:
+    path = argv[argv.index("--config") + 1] if "--config" in argv else None
+    overrides = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
+    cfg = load_config(path, overrides)
+    agent = agent_from_env()
+    assert agent is not None, "the stub worker runs under a node agent"
+    a = agent.wait_for_rank(warm=lambda: time.sleep(float(os.environ.get("JAXDIST_STUB_WARM_S", "0.2"))))
+    rank, n = a.rank, a.num_processes
+    run = cfg.run_dir
+    ckpt = run / "checkpoints"
+    group = run / "stub" / f"gen{a.generation}"
+    group.mkdir(parents=True, exist_ok=True)
+    agent.update(state="restoring", mesh_device_order=list(range(n)))
+    start, state = _latest(ckpt)
+    _barrier(group, -1, rank, n)  # like jax.distributed.initialize: everyone is there
+    step_s = float(os.environ.get("JAXDIST_STUB_STEP_S", "0.05"))
+    slow_from = int(os.environ.get("JAXDIST_STUB_SLOW_FROM", "0")) or None
+    hang_at = int(os.environ.get("JAXDIST_STUB_HANG_AT", "0")) or None
+    for step in range(start + 1, cfg.train.steps + 1):
+        t0 = time.perf_counter()
+        if step == hang_at and not (run / "stub" / "hung").exists():
+            time.sleep(0.5)
+            (run / "stub" / "hung").touch()
+            time.sleep(3600)
+        slow = slow_from is not None and step >= slow_from
+        time.sleep(float(os.environ.get("JAXDIST_STUB_SLOW_S", "0.3")) if slow else step_s)
+        state = advance(state, step)
+        _barrier(group, step, rank, n)
+        if rank == 0:
+            d = ckpt / str(step)
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "state.json").write_text(json.dumps({"step": step, "state": state}))
+            (d / "jaxdist_commit.json").write_text("{}")
+            record_step(run, a.generation, step, None)
+            for old in ckpt.glob("*"):
+                if old.name.isdigit() and int(old.name) < step - 3:
+                    shutil.rmtree(old, ignore_errors=True)
+        dt = time.perf_counter() - t0
+        agent.on_step(None, step, {"tokens_per_s": 1000.0 / dt, "step_time": dt})
+    if rank == 0:
+        (run / "stub" / "final.json").write_text(json.dumps({"step": cfg.train.steps, "state": state}))
+    agent.finished()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

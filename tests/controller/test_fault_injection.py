@@ -1,0 +1,203 @@
+"""Fault injection with real JAX workers: 4 processes x 2 CPU devices plus 1 warm standby.
+
+Two jobs of the same cluster setup run one after the other under the controller:
+
+* ``ref``: uninterrupted (and cold: it builds the setup cache entry and fills
+  the compilation cache);
+* ``faulty``: the same job resubmitted (it finds the cached setup), with a
+  SIGKILL of rank 0 and a SIGSTOP of a random other rank, each at a random step.
+
+The faulty job's final parameters must equal the reference's bit for bit, its
+per-step losses too (the generation that survived is the one that counts),
+and its generations must together have trained each batch exactly once.  The
+default run has these 2 injections; ``test_ten_injections`` (``@slow``) has 10
+random ones, rank 0 included, and kills the controller mid-run as well.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from jaxdist.controller.local import LocalJob
+from jaxdist.controller.policy import lineage
+from jaxdist.controller.timeline import generations_trained
+
+from .helpers import listening
+
+STEPS = 14
+COMMON = ["model=tiny", "mesh.cluster=cpu-4x2", "mesh.fsdp=2", "train.batch_size=16", "train.seq_len=32",
+          "data.max_bytes=300000", "train.progress=false", "train.tensorboard=false", "checkpoint.every=1",
+          "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.runs_dir=runs",
+          "controller.min_nodes=4", "controller.max_nodes=4"]
+JOB_TIMEOUT = 600
+
+
+def _events(job: LocalJob, kind: str) -> list[dict]:
+    return [e for e in job.events() if e["event"] == kind]
+
+
+def _segments(job: LocalJob) -> list[list[tuple[int, float]]]:
+    """Per generation (in order), the (step, loss) its process 0 trained."""
+    return list(generations_trained(job.run_dir).values())
+
+
+def _run_faulty(job: LocalJob, injections: list[tuple[int, int]], rng: random.Random,
+                kill_controller_after: int | None = None) -> list[dict]:
+    """Start the job (the standby a moment later, so the cached layout is reused) and inject (rank, signal)s."""
+    job.start(late=1, timeout=JOB_TIMEOUT)
+    s = job.wait_until(lambda s: s["phase"] == "running", JOB_TIMEOUT, "generation 0 running")
+    job.listening = {pid: listening(pid) for pid in s["pids"].values()}  # what the workers listen on
+    done = []
+    for k, (rank, sig) in enumerate(injections):
+        gen = len(done)
+        base = job.wait_until(lambda s: s["generation"] == gen and s["phase"] == "running", JOB_TIMEOUT,
+                              f"generation {gen} running")["last_step"]
+        target = base + rng.randint(1, 2)
+        job.wait_until(lambda s: s["last_step"] >= target or s["phase"] != "running", JOB_TIMEOUT, f"step {target}")
+        job.wait_until(lambda s: s["standbys"] or s["phase"] != "running", JOB_TIMEOUT, "a warm standby")
+        done.append(job.inject(rank, sig))
+        if kill_controller_after == k:
+            job.wait_until(lambda s: s["generation"] == gen + 1 and s["phase"] == "running", JOB_TIMEOUT,
+                           "the recovery")
+            job.kill_controller()
+            time.sleep(2.0)
+            job.start_controller()
+    assert job.wait(JOB_TIMEOUT) == 0, job.summary()
+    return done
+
+
+def _params(run_dir, step):
+    import jax
+
+    from jaxdist.checkpoint import RunCheckpointer
+    from jaxdist.config import load_config
+    from jaxdist.train.trainer import Trainer
+
+    cfg = load_config(None, [o for o in COMMON if not o.startswith(("checkpoint.", "controller."))]
+                      + ["checkpoint.enabled=false", "mesh.cluster=cpu-8", f"train.runs_dir={run_dir}/x"])
+    with Trainer(cfg) as t:
+        target = t.abstract_state()
+    state, meta = RunCheckpointer(run_dir / "checkpoints").restore(target, step)
+    return jax.device_get(state["params"]), meta
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("faults")
+    rng = random.Random(9)
+    ref = LocalJob([*COMMON, f"train.steps={STEPS}", "train.name=ref", "controller.standbys=0"], nodes=4, cwd=cwd)
+    try:
+        ref.start()
+        assert ref.wait(JOB_TIMEOUT) == 0, ref.summary()
+    finally:
+        ref.close()
+    faulty = LocalJob([*COMMON, f"train.steps={STEPS}", "train.name=faulty"], nodes=5, cwd=cwd)
+    try:
+        injections = _run_faulty(faulty, [(0, signal.SIGKILL), (rng.randint(1, 3), signal.SIGSTOP)], rng)
+    finally:
+        faulty.close()
+    return {"ref": ref, "faulty": faulty, "injections": injections}
+
+
+def test_final_parameters_are_bit_identical_to_the_uninterrupted_run(jobs):
+    ref, faulty = jobs["ref"], jobs["faulty"]
+    want, meta_ref = _params(ref.run_dir, STEPS)
+    got, meta = _params(faulty.run_dir, STEPS)
+    assert meta["data"]["position"] == meta_ref["data"]["position"] == STEPS
+    import jax
+
+    leaves = jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got, want))
+    assert leaves and all(leaves), "final parameters differ from the uninterrupted run"
+
+
+def test_every_batch_trained_once_with_the_reference_losses(jobs):
+    ref_segs, segs = _segments(jobs["ref"]), _segments(jobs["faulty"])
+    assert len(ref_segs) == 1 and [s for s, _ in ref_segs[0]] == list(range(1, STEPS + 1))
+    reference = dict(ref_segs[0])
+    assert len(segs) == 3, [[s for s, _ in g] for g in segs]  # two failures: three generations
+    assert lineage([(g[0][0] - 1, g[-1][0]) for g in segs], STEPS) == list(range(STEPS))
+    resumes = [e["resume_step"] for e in _events(jobs["faulty"], "first_step")]
+    assert resumes == [g[0][0] - 1 for g in segs]
+    for g in segs:  # every step each generation trained, the recomputed ones too, has the reference loss
+        for step, loss in g:
+            assert loss == reference[step], (step, loss, reference[step])
+
+
+def test_failures_are_detected_and_a_standby_takes_the_rank(jobs):
+    faulty, inj = jobs["faulty"], jobs["injections"]
+    failures = _events(faulty, "failure")
+    assert [f["kinds"] for f in failures] == [["exit"], ["silent"]], [f["detail"] for f in failures]
+    assert [f["ranks"] for f in failures] == [[0], [inj[1]["rank"]]]
+    detect = [f["time"] - i["time"] for f, i in zip(failures, inj)]
+    firsts = _events(faulty, "first_step")[1:]
+    to_step = [fs["time"] - f["time"] for fs, f in zip(firsts, failures)]
+    segs = _segments(faulty)
+    lost = [segs[i][-1][0] - (segs[i + 1][0][0] - 1) for i in range(2)]
+    starts = _events(faulty, "start")
+    print(f"\ndetect {[round(d, 2) for d in detect]} s; detection to first step {[round(t, 1) for t in to_step]} s; "
+          f"steps lost {lost}; processes warm for {[st['warm_for_s'] for st in starts[1:]]} s before assignment")
+    assert detect[0] < 1.0 and detect[1] < 2.5  # SIGSTOP: heartbeat timeout 1.5 s
+    assert all(0 <= x <= 1 for x in lost)
+    # the standby (local-4) took rank 0 of the failed node
+    assert starts[1]["members"]["0"] == "local-4" and starts[0]["members"]["0"] != "local-4"
+    # the workers (JAX's coordination service, gloo) listen on loopback only
+    addrs = [a for pid_addrs in faulty.listening.values() for a in pid_addrs]
+    assert addrs and all(a.startswith("127.0.0.1:") for a in addrs), faulty.listening
+    for st in starts[1:]:
+        assert min(st["warm_for_s"].values()) > 0
+
+
+def test_resubmitted_job_reuses_the_cached_setup(jobs):
+    ref, faulty = jobs["ref"], jobs["faulty"]
+    cold, warm = _events(ref, "start")[0], _events(faulty, "start")[0]
+    assert cold["setup"] == "built" and warm["setup"] == "reused" and cold["setup_key"] == warm["setup_key"]
+    assert warm["members"] == cold["members"]  # the cached rank -> host assignment
+    cold_first, warm_first = _events(ref, "first_step")[0], _events(faulty, "first_step")[0]
+    print(f"\ntime from assignment to first step: cold {cold_first['since_assign_s']:.1f} s, resubmitted "
+          f"{warm_first['since_assign_s']:.1f} s; compilation cache hits/misses per rank: cold "
+          f"{cold_first['cache_hits']}/{cold_first['cache_misses']}, resubmitted "
+          f"{warm_first['cache_hits']}/{warm_first['cache_misses']}")
+    assert min(cold_first["cache_misses"]) > 0
+    assert warm_first["cache_misses"] == [0, 0, 0, 0] and min(warm_first["cache_hits"]) > 0
+    # after the swap the host set (so the key) changed: a new layout entry, the same compiled programs
+    swapped = _events(faulty, "start")[1]
+    assert swapped["setup"] == "built" and swapped["setup_key"] != warm["setup_key"]
+    firsts = _events(faulty, "first_step")
+    # the first restore compiles its one program the uninterrupted runs never needed; the next finds it too
+    assert firsts[1]["cache_misses"] == [1, 1, 1, 1] and firsts[2]["cache_misses"] == [0, 0, 0, 0]
+
+
+@pytest.mark.slow
+def test_ten_injections(tmp_path):
+    """10 random injections (rank 0 included, SIGKILL and SIGSTOP) and the controller killed mid-run."""
+    steps = 60  # the job trains on while the controller is away: room for the injections after it
+    rng = random.Random(10)
+    ref = LocalJob([*COMMON, f"train.steps={steps}", "train.name=ref", "controller.standbys=0"], nodes=4,
+                   cwd=tmp_path)
+    try:
+        ref.start()
+        assert ref.wait(JOB_TIMEOUT) == 0
+    finally:
+        ref.close()
+    plan = [(0, signal.SIGKILL)] + [(rng.randint(0, 3), rng.choice([signal.SIGKILL, signal.SIGSTOP]))
+                                    for _ in range(9)]
+    job = LocalJob([*COMMON, f"train.steps={steps}", "train.name=ten", "controller.max_failures=6"], nodes=5,
+                   cwd=tmp_path)
+    try:
+        inj = _run_faulty(job, plan, rng, kill_controller_after=4)
+    finally:
+        job.close()
+    assert len(inj) == 10 and len(_events(job, "failure")) == 10
+    want, _ = _params(ref.run_dir, steps)
+    got, meta = _params(job.run_dir, steps)
+    import jax
+
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got, want)))
+    segs = _segments(job)
+    assert lineage([(g[0][0] - 1, g[-1][0]) for g in segs], steps) == list(range(steps))
+    assert _events(job, "attached")

@@ -1,0 +1,84 @@
+"""Launchers: hosts files, the SSH command, the Slurm script, the Kubernetes manifest, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxdist.config import ConfigError
+from jaxdist.controller.launch import SSHLauncher, kubernetes_manifest, read_hosts, sbatch_script
+
+
+def test_hosts_file(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# training nodes\nnode-a\nnode-b  # rack 2\n\nnode-c\n")
+    assert read_hosts(f) == ["node-a", "node-b", "node-c"]
+    f.write_text("a\nb\na\n")
+    with pytest.raises(ConfigError, match="lists a host twice: each host runs one node agent"):
+        read_hosts(f)
+    f.write_text("# nothing\n")
+    with pytest.raises(ConfigError, match="lists no host"):
+        read_hosts(f)
+    with pytest.raises(ConfigError, match="does not exist: set controller.hosts_file"):
+        read_hosts(tmp_path / "missing")
+
+
+def test_ssh_command_tunnels_back_and_keeps_the_token_off_the_command_line():
+    ssh = SSHLauncher(["gpu-7"], 7470, "s3cret-token", "/work/job", "/work/job/runs/x", python="/opt/py")
+    argv = ssh.command("gpu-7")
+    assert argv[:2] == ["ssh", "-o"] and "-R" in argv and argv[argv.index("-R") + 1] == "7470:127.0.0.1:7470"
+    assert argv[-2] == "gpu-7"
+    remote = argv[-1]
+    assert "s3cret-token" not in " ".join(argv)
+    assert remote.startswith("cd /work/job && IFS= read -r JAXDIST_JOB_TOKEN && export JAXDIST_JOB_TOKEN && exec ")
+    assert "/opt/py -m jaxdist.controller.node --controller 127.0.0.1:7470 --node gpu-7 --host gpu-7" in remote
+
+
+def test_sbatch_script_is_valid_bash_and_runs_controller_and_agents(tmp_path):
+    text = sbatch_script(["--config", "/c.toml", "train.steps=9"], nodes=5, port=7470, run_dir="/runs/x",
+                         gpus_per_node=8)
+    f = tmp_path / "job.sbatch"
+    f.write_text(text)
+    assert subprocess.run(["bash", "-n", str(f)]).returncode == 0
+    lines = text.splitlines()
+    assert "#SBATCH --nodes=5" in lines and "#SBATCH --gpus-per-node=8" in lines
+    ctl = next(l for l in lines if " -m jaxdist.cli controller " in l)
+    assert ctl.endswith("controller.bind=0.0.0.0 controller.allow_remote=true controller.port=7470 &")
+    assert "--config /c.toml train.steps=9" in ctl
+    srun = next(l for l in lines if l.startswith("srun "))
+    assert "--ntasks-per-node=1" in srun and '--controller "$CONTROLLER_HOST:7470"' in srun
+    assert "secrets.token_hex(32)" in text  # generated inside the job, never written into the script
+
+
+def test_kubernetes_manifest():
+    docs = [json.loads(d) for d in kubernetes_manifest(["model=tiny"], nodes=5, image="reg/jaxdist:1",
+                                                       gpus_per_node=8).split("\n---\n")]
+    assert [d["kind"] for d in docs] == ["Service", "Pod", "Job"]
+    job = docs[2]["spec"]
+    assert job["completions"] == job["parallelism"] == 5 and job["completionMode"] == "Indexed"
+    node = job["template"]["spec"]["containers"][0]
+    assert node["resources"] == {"limits": {"nvidia.com/gpu": 8}} and node["image"] == "reg/jaxdist:1"
+    assert "--controller jaxdist-controller:7470" in node["command"][-1]
+    for c in (node, docs[1]["spec"]["containers"][0]):
+        token = next(e for e in c["env"] if e["name"] == "JAXDIST_JOB_TOKEN")
+        assert token["valueFrom"]["secretKeyRef"] == {"name": "jaxdist-token", "key": "token"}
+    assert "controller.allow_remote=true" in docs[1]["spec"]["containers"][0]["args"]
+
+
+def _cli(*args, cwd):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "jaxdist.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_cli_prints_slurm_script_and_refuses_print_for_local(tmp_path):
+    out = _cli("launch", "--print", "controller.launcher=slurm", "mesh.cluster=cpu-4x2", "model=tiny", cwd=tmp_path)
+    assert out.returncode == 0 and "#SBATCH --nodes=5" in out.stdout  # 4 nodes + 1 standby
+    out = _cli("launch", "--print", "mesh.cluster=cpu-4x2", cwd=tmp_path)
+    assert out.returncode == 2 and "--print is for the slurm and kubernetes launchers, not 'local'" in out.stderr
+    out = _cli("launch", "controller.launcher=ssh", "controller.hosts_file=nope", cwd=tmp_path)
+    assert out.returncode == 2 and "hosts file 'nope' does not exist" in out.stderr

@@ -1,0 +1,145 @@
+"""The controller's pure decisions against brute force and hand-worked cases."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from jaxdist.config import load_config
+from jaxdist.controller.policy import (Failure, WorkerView, choose_group_size, find_failures, group_size_error,
+                                       lineage, lost_steps, plan_replacement, slow_nodes, throughput_anomaly,
+                                       valid_group_sizes)
+
+TIMEOUTS = dict(heartbeat_timeout=1.5, progress_timeout=30.0, start_timeout=100.0)
+
+
+def _brute_valid(fsdp: int, tensor: int, batch: int, per_node: int, n: int) -> bool:
+    """Plain statement of the rule: data fills the devices; the batch splits over data*fsdp;
+    tensor stays inside a node; data*fsdp splits over the nodes."""
+    devices = n * per_node
+    if devices % (fsdp * tensor):
+        return False
+    data = devices // (fsdp * tensor)
+    return batch % (data * fsdp) == 0 and per_node % tensor == 0 and (data * fsdp) % n == 0
+
+
+@pytest.mark.parametrize("fsdp,tensor,batch,per_node", [(1, 1, 16, 2), (2, 1, 16, 2), (1, 2, 16, 2),
+                                                        (2, 2, 24, 4), (1, 4, 12, 2), (4, 1, 16, 2)])
+def test_valid_group_sizes_match_brute_force(fsdp, tensor, batch, per_node):
+    cfg = load_config(None, ["model=tiny", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}",
+                             f"train.batch_size={batch}", "train.seq_len=32"])
+    got = valid_group_sizes(cfg, per_node, 8)
+    want = [n for n in range(1, 9) if _brute_valid(fsdp, tensor, batch, per_node, n)]
+    assert got == want
+
+
+def test_group_size_error_says_why():
+    cfg = load_config(None, ["model=tiny", "train.batch_size=16", "train.seq_len=32"])
+    assert group_size_error(cfg, 4, 2) is None
+    assert "not divisible by the data axes data*fsdp=6" in group_size_error(cfg, 3, 2)
+    cfg = load_config(None, ["model=tiny", "mesh.tensor=4", "train.batch_size=16", "train.seq_len=32"])
+    assert "does not fit in a node of 2 devices" in group_size_error(cfg, 2, 2)
+
+
+def test_choose_group_size_is_the_largest_valid_count_in_range():
+    valid = [1, 2, 4, 8]
+    for ready, lo, hi in itertools.product(range(0, 10), range(1, 5), range(1, 9)):
+        if hi < lo:
+            continue
+        got = choose_group_size(ready, lo, hi, valid)
+        fits = [n for n in valid if lo <= n <= min(ready, hi)]
+        assert got == (max(fits) if fits else None), (ready, lo, hi)
+    assert choose_group_size(3, 2, 4, valid) == 2  # 3 ready, 3 does not fit: start with 2, the third is a standby
+    assert choose_group_size(3, 3, 4, valid) is None  # and with min_nodes=3: wait for the 4th
+
+
+def _w(rank, hb, **kw):
+    return WorkerView(rank, f"n{rank}", hb, **kw)
+
+
+def test_find_failures_blames_exits_and_silence():
+    ws = [_w(0, 10.0, step=5, state="training"), _w(1, 8.0, step=5), _w(2, 10.0, exit_code=-9, exited_at=9.0),
+          _w(3, 10.0, exit_code=0)]
+    got = find_failures(10.0, ws, started_at=0.0, progress_at=9.0, **TIMEOUTS)
+    assert [(f.kind, f.node, f.rank) for f in got] == [("silent", "n1", 1), ("exit", "n2", 2)]
+    assert "killed by signal 9" in got[1].detail and "no heartbeat for 2.0 s" in got[0].detail
+    assert "exit code 3" in find_failures(1.0, [_w(0, 1.0, exit_code=3)], started_at=0, progress_at=None,
+                                          **TIMEOUTS)[0].detail
+    # exactly at the timeout: still alive
+    assert find_failures(11.5, [_w(0, 10.0)], started_at=0.0, progress_at=11.0, **TIMEOUTS) == []
+
+
+def test_find_failures_tells_a_busy_process_from_a_stopped_one():
+    kw = dict(started_at=0.0, progress_at=99.0, heartbeat_grace=15.0, **TIMEOUTS)
+    # heartbeats 5 s late, but the connection still answers ZeroMQ heartbeats: busy (GIL held), not failed
+    assert find_failures(100.0, [_w(0, 95.0, state="training", connected=True)], **kw) == []
+    assert [f.kind for f in find_failures(100.0, [_w(0, 84.0, state="training", connected=True)], **kw)] == ["silent"]
+    # the same lateness without a connection to vouch for it: failed after heartbeat_timeout
+    assert [f.kind for f in find_failures(100.0, [_w(0, 98.0, state="training")], **kw)] == ["silent"]
+    # starting (importing, compiling): the grace applies
+    assert find_failures(100.0, [_w(0, 90.0, state="restoring")], **kw) == []
+    # the connection dropped (a stopped process): failed once the node had time to report an exit
+    stopped = _w(0, 99.5, state="training", connected=False, disconnected_at=99.9)
+    assert find_failures(100.0, [stopped], **kw) == []
+    got = find_failures(100.3, [stopped], **kw)
+    assert [f.kind for f in got] == ["silent"] and "stopped answering heartbeats" in got[0].detail
+    # done: silence and exit codes no longer matter
+    assert find_failures(200.0, [_w(0, 10.0, state="done"), _w(1, 10.0, state="done", exit_code=-9)], **kw) == []
+
+
+def test_find_failures_group_stall_and_start_timeout_blame_no_node():
+    ws = [_w(0, 50.0, step=7), _w(1, 50.0, step=7)]
+    assert find_failures(50.0, ws, started_at=0.0, progress_at=19.0, **TIMEOUTS) == [
+        Failure("stalled", None, None, "no step progress for 31 s")]
+    assert find_failures(50.0, ws, started_at=0.0, progress_at=21.0, **TIMEOUTS) == []
+    assert [f.kind for f in find_failures(150.0, [_w(0, 150.0)], started_at=49.0, progress_at=None,
+                                          **TIMEOUTS)] == ["start_timeout"]
+    # one finished, the other not yet: the job is ending, nothing failed
+    assert find_failures(99.0, [_w(0, 99.0, exit_code=0), _w(1, 99.0)], started_at=0, progress_at=1.0, **TIMEOUTS) == []
+
+
+def test_plan_replacement():
+    members = {0: "a", 1: "b", 2: "c", 3: "d"}
+    # the standby takes the failed rank; the others keep theirs
+    assert plan_replacement(members, {"a"}, ["s1", "s2"], set()) == {0: "s1", 1: "b", 2: "c", 3: "d"}
+    assert plan_replacement(members, {"b", "d"}, ["s1", "s2"], set()) == {0: "a", 1: "s1", 2: "c", 3: "s2"}
+    # banned candidates are skipped; with no standby left the failed node takes its rank back
+    assert plan_replacement(members, {"c"}, ["s1"], {"s1"}) == {0: "a", 1: "b", 2: "c", 3: "d"}
+    # ... unless it is banned too
+    assert plan_replacement(members, {"c"}, ["s1"], {"s1", "c"}) is None
+    # a group failure without blame restarts the same nodes
+    assert plan_replacement(members, set(), ["s1"], set()) == members
+    # a member is never doubled
+    assert plan_replacement(members, {"a"}, ["b", "s1"], set()) == {0: "s1", 1: "b", 2: "c", 3: "d"}
+
+
+def test_throughput_anomaly():
+    assert not throughput_anomaly([100.0] * 9)  # too few to judge
+    assert not throughput_anomaly([100.0] * 10 + [60.0] * 5)
+    assert throughput_anomaly([100.0] * 10 + [40.0] * 5)
+    assert not throughput_anomaly([100.0] * 10 + [40.0] * 2 + [100.0] * 3)  # a blip is not slowness
+
+
+def test_slow_nodes_finds_the_node_in_every_slow_pair():
+    nodes = ["a", "b", "c", "d"]
+    rtt = {(x, y): 0.001 for x in nodes for y in nodes}
+    assert slow_nodes(rtt) == []
+    for x in nodes:
+        rtt[(x, "c")] = rtt[("c", x)] = 0.05
+    assert slow_nodes(rtt) == ["c"]
+    assert slow_nodes({("a", "b"): 1.0, ("b", "a"): 1.0}) == []  # two nodes: cannot tell which
+
+
+def test_lineage_is_each_batch_once_exactly_when_resumes_are_consistent():
+    # uninterrupted
+    assert lineage([(0, 20)], 20) == list(range(20))
+    # failed at step 9 with step 8 committed, resumed from 8; then failed at 15, resumed from 15
+    assert lineage([(0, 9), (8, 15), (15, 20)], 20) == list(range(20))
+    # resuming from an older checkpoint recomputes, still each batch once in the final lineage
+    assert lineage([(0, 9), (5, 20)], 20) == list(range(20))
+    # a group that resumed beyond what was ever trained would skip batches: the gap shows
+    got = lineage([(0, 9), (11, 20)], 20)
+    assert sorted(set(range(20)) - set(got)) == [9, 10]
+    assert lost_steps(9, 8) == 1 and lost_steps(8, 8) == 0 and math.isclose(lost_steps(3, 5), 0)

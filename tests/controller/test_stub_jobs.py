@@ -1,0 +1,196 @@
+"""The controller with real processes (controller, node agents, workers) and a JAX-free worker.
+
+The workers are ``stub_worker.py``: the real worker agent around a hash-chain
+"training" whose ranks wait for each other every step (a dead or stopped peer
+makes the others hang, as a JAX collective does) and checkpoint every step.
+Its final state is ``expected_final(steps)`` exactly when every batch was
+applied once, in order.  The same failures with JAX workers are in
+test_fault_injection.py (slower).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from jaxdist.controller.local import LocalJob
+from jaxdist.controller.policy import lineage
+from jaxdist.controller.protocol import Peer
+from jaxdist.controller.timeline import generations_trained
+
+from .helpers import listening
+from .stub_worker import expected_final
+
+STUB = Path(__file__).with_name("stub_worker.py")
+
+
+def stub_args(name: str, steps: int, *extra: str) -> list[str]:
+    return ["model=tiny", "mesh.cluster=cpu-4x2", "train.batch_size=16", "train.seq_len=32", f"train.steps={steps}",
+            "train.runs_dir=runs", f"train.name={name}", f"controller.worker_command={{python}} {STUB}",
+            "controller.heartbeat_timeout=1.0", *extra]
+
+
+def final_state(job: LocalJob) -> str:
+    import json
+
+    return json.loads((job.run_dir / "stub" / "final.json").read_text())["state"]
+
+
+def trained_steps(job: LocalJob) -> list[list[int]]:
+    """Per generation, the steps its rank 0 trained (``trained.jsonl``)."""
+    return [[s for s, _ in g] for g in generations_trained(job.run_dir).values()]
+
+
+def events_of(job: LocalJob, kind: str) -> list[dict]:
+    return [e for e in job.events() if e["event"] == kind]
+
+
+def test_elastic_start_with_nodes_arriving_one_by_one(tmp_path):
+    steps = 40
+    job = LocalJob(stub_args("elastic", steps, "controller.min_nodes=2", "controller.max_nodes=3"), nodes=4,
+                   cwd=tmp_path, env={"JAXDIST_STUB_STEP_S": "0.2"})
+    try:
+        job.start_controller()
+        for i in range(2):
+            job.start_node(f"local-{i}")
+            job.wait_until(lambda s: len(events_of(job, "node_ready")) > i, 60, f"node {i} ready", need_state=False)
+            time.sleep(0.5)
+        job.start_node("local-2")
+        job.start_node("local-3")
+        job.wait_until(lambda s: len(events_of(job, "node_ready")) == 4, 60, "4 nodes ready", need_state=False)
+        assert job.state()["phase"] == "running"
+        assert job.wait(90) == 0
+    finally:
+        job.close()
+    ready = events_of(job, "node_ready")
+    start = events_of(job, "start")
+    assert len(start) == 1 and len(ready) == 4
+    # 2 ready: valid counts for 16 sequences on 2-device nodes are 1, 2, 4: start with 2 (3 does not fit)
+    assert start[0]["members"] == {"0": ready[0]["node"], "1": ready[1]["node"]} and start[0]["ready"] == 2
+    delay = start[0]["time"] - ready[1]["time"]
+    print(f"\nelastic start: {delay * 1e3:.0f} ms after the 2nd ready node; first step "
+          f"{events_of(job, 'first_step')[0]['time'] - ready[1]['time']:.2f} s after it")
+    assert 0 <= delay < 1.0
+    assert all(e["time"] > start[0]["time"] for e in ready[2:])  # the later nodes became standbys
+    assert final_state(job) == expected_final(steps)
+
+
+def _fake_ssh(bindir: Path) -> None:
+    """An `ssh` that runs the remote command here (options skipped, stdin passed through): a "remote"
+    host whose address is 127.0.0.1."""
+    f = bindir / "ssh"
+    f.write_text('#!/bin/bash\n'
+                 'while [[ "$1" == -* ]]; do case "$1" in -o|-R|-L|-p|-i) shift 2;; *) shift;; esac; done\n'
+                 'host="$1"; shift; cmd="$*"\nexec bash -c "${cmd//--host $host/--host 127.0.0.1}"\n')
+    f.chmod(f.stat().st_mode | stat.S_IEXEC)
+
+
+def test_failures_hang_and_controller_restart(tmp_path):
+    """SIGKILL of rank 0, SIGSTOP of another rank, a forged message and the controller killed mid-run."""
+    steps = 150
+    job = LocalJob(stub_args("faults", steps, "controller.min_nodes=4", "controller.max_nodes=4"), nodes=5,
+                   cwd=tmp_path)
+    rng = random.Random(0)
+    try:
+        job.start()
+        s = job.wait_until(lambda s: s.get("last_step", 0) >= 8 and s["phase"] == "running", 90, "step 8")
+        kill = job.inject(0, signal.SIGKILL)
+        s = job.wait_until(lambda s: s["generation"] == 1 and s["phase"] == "running"
+                           and s["last_step"] >= kill["step"] + 8, 90, "generation 1")
+        stop = job.inject(rng.randint(1, 3), signal.SIGSTOP)
+        job.wait_until(lambda s: s["generation"] == 2 and s["phase"] == "running", 90, "generation 2")
+
+        intruder = Peer("not-the-job-token", job.endpoint(), "n:intruder")
+        intruder.send({"t": "node_hb", "node": "intruder", "procs": []})
+        job.wait_until(lambda s: s.get("rejected_messages", 0) >= 1, 10, "the forged message")
+        intruder.close()
+        ports = [a for pid in [job.controller.pid, *[p.pid for p in job.launcher.procs.values()]]
+                 for a in listening(pid)]
+
+        job.kill_controller()
+        ckpts = job.run_dir / "checkpoints"
+        before = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+        time.sleep(1.5)
+        after = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
+        job.start_controller()
+        assert job.wait(120) == 0
+    finally:
+        job.close()
+
+    assert after > before, "training stopped while the controller was away"
+    assert final_state(job) == expected_final(steps)
+    state = job.state()
+    gens = trained_steps(job)  # what rank 0 of each generation actually trained
+    assert lineage([(g[0] - 1, g[-1]) for g in gens], steps) == list(range(steps))
+    failures = events_of(job, "failure")
+    assert [f["kinds"] for f in failures] == [["exit"], ["silent"]]
+    assert failures[0]["ranks"] == [0] and failures[1]["ranks"] == [stop["rank"]]
+    detect = [f["time"] - i["time"] for f, i in zip(failures, (kill, stop))]
+    starts = events_of(job, "start")[1:]
+    firsts = events_of(job, "first_step")[1:3]
+    recover = [fs["time"] - f["time"] for fs, f in zip(firsts, failures)]
+    lost = [gens[i][-1] - (gens[i + 1][0] - 1) for i in range(2)]
+    print(f"\ndetect {[round(d, 2) for d in detect]} s, to first step {[round(r, 2) for r in recover]} s, "
+          f"lost {lost} steps, warm for {[s['warm_for_s'] for s in starts]}")
+    # exit: at once; SIGSTOP: when its connection stops answering ZeroMQ heartbeats (0.5 s) plus 0.25 s
+    assert detect[0] < 0.5 and 0.5 <= detect[1] < 2.0
+    assert all(l <= 1 for l in lost)
+    # every process of a recovered generation was warm before the failure
+    for st, f in zip(starts, failures):
+        assert min(st["warm_for_s"].values()) > 0, st
+    assert set(starts[0]["members"].values()) != set(events_of(job, "start")[0]["members"].values())  # swapped
+    assert events_of(job, "attached")[0]["gen"] == 2
+    assert state["rejected_messages"] >= 1 and state["phase"] == "done"
+    log = (job.dir / "controller.1.log").read_text()
+    assert "rejected a message from n:intruder: bad signature (wrong job token?)" in log
+    assert ports and all(a.startswith("127.0.0.1:") for a in ports), ports
+
+
+def test_slow_steps_are_located_and_a_stalled_group_restarts(tmp_path):
+    steps = 72
+    job = LocalJob(stub_args("health", steps, "train.batch_size=24", "controller.min_nodes=3",
+                             "controller.max_nodes=3", "controller.standbys=0", "controller.progress_timeout=2"),
+                   nodes=3, cwd=tmp_path, env={"JAXDIST_STUB_SLOW_FROM": "60", "JAXDIST_STUB_SLOW_S": "0.6",
+                                               "JAXDIST_STUB_HANG_AT": "67"})
+    try:
+        job.start_controller()
+        job.start_node("local-0")
+        job.start_node("local-1", env={"JAXDIST_FAULT_PROBE_DELAY": "0.3"})  # a slow link
+        job.start_node("local-2")
+        assert job.wait(120) == 0
+    finally:
+        job.close()
+    anomaly, probe = events_of(job, "throughput_anomaly"), events_of(job, "probe")
+    assert anomaly and probe[0]["slow_nodes"] == ["local-1"]
+    failure = events_of(job, "failure")
+    assert [f["kinds"] for f in failure] == [["stalled"]] and failure[0]["nodes"] == []
+    assert events_of(job, "start")[1]["members"] == events_of(job, "start")[0]["members"]  # no node blamed
+    assert final_state(job) == expected_final(steps)
+
+
+def test_launch_over_ssh(tmp_path):
+    """`jaxdist launch` with the SSH launcher (a fake ssh that runs the command here)."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    _fake_ssh(bindir)
+    (tmp_path / "hosts").write_text("host-a\nhost-b\nhost-c\n")
+    steps = 20
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXDIST_JOB_TOKEN")}
+    env["PATH"] = f"{bindir}:{env['PATH']}"
+    out = subprocess.run([sys.executable, "-m", "jaxdist.cli", "launch",
+                          *stub_args("ssh", steps, "mesh.cluster=cpu-2x4", "controller.launcher=ssh",
+                                     "controller.hosts_file=hosts", "controller.min_nodes=2",
+                                     "controller.max_nodes=2")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "done gen=0 step=20" in out.stderr
+    job = LocalJob(stub_args("ssh", steps, "mesh.cluster=cpu-2x4"), nodes=0, cwd=tmp_path)
+    start = events_of(job, "start")[0]
+    assert set(start["members"].values()) <= {"host-a", "host-b", "host-c"} and len(start["members"]) == 2
+    assert final_state(job) == expected_final(steps)

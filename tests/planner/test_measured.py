@@ -1,0 +1,74 @@
+"""The planner's predictions against the Trainer's compiled step on 8 simulated CPU devices.
+
+One module-scoped measurement compiles 12 (model, strategy) pairs: the three
+reference steps ``jaxdist calibrate`` fits, eight other strategies of the
+tiny model whose step times are ranked, and one pair of the small preset.  Each
+pair's memory per device is compared with ``compiled.memory_analysis()``
+(arguments + outputs + temp - aliased) and its collective bytes with the
+collectives parsed from ``compiled.as_text()``.
+"""
+
+import jax
+import pytest
+from scipy.stats import spearmanr
+
+from jaxdist.parallel.mesh import load_cluster
+from jaxdist.planner.calibrate import calibration_from, measure_links, reference_overrides
+from jaxdist.planner.cluster import cluster_view
+from jaxdist.planner.computation import computation_view
+from jaxdist.planner.cost import estimate
+from jaxdist.planner.measure import measure_strategies, measurement_config, strategy_of
+
+TINY = ["model=tiny", "train.batch_size=64", "train.seq_len=32"]
+RANKING = [
+    ["mesh.data=8", "train.microbatches=4"],
+    ["mesh.data=1", "mesh.fsdp=8"],
+    ["mesh.data=1", "mesh.fsdp=8", "train.microbatches=8"],
+    ["mesh.data=4", "mesh.tensor=2"],
+    ["mesh.data=4", "mesh.tensor=2", "train.microbatches=8"],
+    ["mesh.data=2", "mesh.fsdp=4", "train.microbatches=2"],
+    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4"],
+    ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "train.microbatches=8"],
+]
+SMALL = [["model=small", "train.batch_size=32", "train.seq_len=64", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+          "train.remat=full"]]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    runs = str(tmp_path_factory.mktemp("measure"))
+    refs = [measurement_config(o, runs) for o in reference_overrides(8, "tiny", 8, 32)]
+    ranking = [measurement_config(TINY + o, runs) for o in RANKING]
+    small = [measurement_config(o, runs) for o in SMALL]
+    latency, bandwidth = measure_links(jax.devices()[:8])
+    timed = measure_strategies(refs + ranking, rounds=4, steps_per_round=2, warmup=1)
+    untimed = measure_strategies(small, rounds=0)
+    spec = load_cluster("cpu-8")
+    cal = calibration_from(refs, [m.step_time for m in timed[:3]], spec, 8, latency, bandwidth)
+    view = cluster_view(spec, calibration=cal)
+    cfgs = refs + ranking + small
+    estimates = [estimate(computation_view(c.model, c.train.seq_len), view, strategy_of(c, 8), c.train.batch_size)
+                 for c in cfgs]
+    return {"cfgs": cfgs, "measured": timed + untimed, "estimates": estimates, "calibration": cal}
+
+
+def test_memory_within_ten_percent_of_xla(measured):
+    pairs = {(c.model.preset, strategy_of(c, 8)) for c in measured["cfgs"]}
+    assert len(pairs) == len(measured["cfgs"]) == 12
+    errors = [e.memory.total / m.memory_bytes - 1 for e, m in zip(measured["estimates"], measured["measured"])]
+    assert max(abs(x) for x in errors) < 0.10, errors
+
+
+def test_collective_bytes_within_five_percent_of_the_compiled_program(measured):
+    errors = [e.comm_bytes / m.collective_bytes["total"] - 1 for e, m in zip(measured["estimates"], measured["measured"])]
+    assert max(abs(x) for x in errors) < 0.05, errors
+
+
+def test_calibrated_step_times_rank_like_the_measured_ones(measured):
+    cal = measured["calibration"]
+    assert 0 < cal.efficiency <= 1 and cal.pass_overhead >= 0 and cal.collective_overhead >= 0
+    lo, hi = 3, 3 + len(RANKING)
+    predicted = [e.step_time for e in measured["estimates"][lo:hi]]
+    observed = [m.step_time for m in measured["measured"][lo:hi]]
+    rho = spearmanr(predicted, observed)[0]
+    assert rho >= 0.8, list(zip(predicted, observed))
