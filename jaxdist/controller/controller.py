@@ -313,6 +313,7 @@ class Controller(GenerationLifecycle):
             self.state.rejected_messages = self.rejected_before + self.endpoint.verifier.rejected
             members = set(self.state.members.values())
             self.state.standbys = [v.name for v in self._ready_nodes() if v.name not in members]
+            self.state.warm_nodes = sorted(v.name for v in self._live_nodes() if self._warm_worker(v.name))
             self.state.save(self.dir / "state.json")
             self.last_save = now
 

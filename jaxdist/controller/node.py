@@ -47,6 +47,7 @@ class _Proc:
     rank: int = -1
     exit_code: int | None = None
     reported: bool = False
+    killed: bool = False
 
 
 def self_check(work_dir: Path, expected_devices: int, device_kind: str) -> dict[str, Any]:
@@ -125,13 +126,14 @@ class NodeAgent:
     def replenish(self) -> None:
         if self.welcome is None:
             return
-        live_spares = [p for p in self.procs.values() if p.role == "spare" and p.exit_code is None]
+        live_spares = [p for p in self.procs.values() if p.role == "spare" and p.exit_code is None and not p.killed]
         for _ in range(int(self.welcome.get("spares", 1)) - len(live_spares)):
             self.spawn()
 
     def kill(self, pids: list[int] | None) -> None:
         for pid, p in self.procs.items():
             if p.exit_code is None and (pids is None or pid in pids):
+                p.killed = True
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

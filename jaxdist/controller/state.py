@@ -40,7 +40,8 @@ class Generation:
 @dataclass
 class JobState:
     """The persisted state (see the module docstring); ``phase``: waiting, starting, running, recovering, done,
-    failed; ``standbys``: ready nodes outside the group (warm process waiting)."""
+    failed; ``standbys``: ready nodes outside the group (warm process waiting); ``warm_nodes``: nodes with a
+    warm process (a restart now would wait for no import)."""
 
     job: str
     phase: str = "waiting"
@@ -52,6 +53,7 @@ class JobState:
     banned: list[str] = field(default_factory=list)
     last_failed: list[str] = field(default_factory=list)
     standbys: list[str] = field(default_factory=list)
+    warm_nodes: list[str] = field(default_factory=list)
     last_step: int = 0
     last_good_step: int = 0
     restarts: int = 0
