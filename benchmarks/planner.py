@@ -33,7 +33,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from jaxdist.config import ModelConfig, load_config  # noqa: E402
 
-TINY = ["model=tiny", "train.batch_size=64", "train.seq_len=32"]
 SMALL = ["model=small", "train.batch_size=32", "train.seq_len=128"]
 # (model settings, mesh and strategy overrides): the pairs of table 1 beyond the ranking strategies.
 PAIRS = [
@@ -41,19 +40,6 @@ PAIRS = [
     (SMALL, ["mesh.data=1", "mesh.fsdp=8", "train.remat=full"]),
     (SMALL, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=2"]),
 ]
-# Table 2: 8 strategies of the tiny model (batch 64 x 32 tokens).
-RANKING = [
-    ["mesh.data=8", "train.microbatches=4"],
-    ["mesh.data=1", "mesh.fsdp=8"],
-    ["mesh.data=1", "mesh.fsdp=8", "train.microbatches=8"],
-    ["mesh.data=4", "mesh.tensor=2"],
-    ["mesh.data=4", "mesh.tensor=2", "train.microbatches=8"],
-    ["mesh.data=2", "mesh.fsdp=4", "train.microbatches=2"],
-    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4"],
-    ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "train.microbatches=8"],
-]
-
-
 def predicted(cfg, cluster_view_):
     from jaxdist.planner.computation import computation_view
     from jaxdist.planner.cost import estimate
@@ -70,10 +56,10 @@ def measured_vs_predicted(rounds: int = 5) -> dict:
     from jaxdist.parallel.mesh import load_cluster
     from jaxdist.planner.calibrate import calibration_from, measure_links, reference_overrides
     from jaxdist.planner.cluster import cluster_view
-    from jaxdist.planner.measure import measure_strategies, measurement_config
+    from jaxdist.planner.measure import RANKING_MODEL, RANKING_STRATEGIES, measure_strategies, measurement_config
 
     refs = [measurement_config(o) for o in reference_overrides(8, "tiny", 8, 32)]
-    ranking = [measurement_config(TINY + o) for o in RANKING]
+    ranking = [measurement_config(RANKING_MODEL + o) for o in RANKING_STRATEGIES]
     pairs = [measurement_config(m + o) for m, o in PAIRS]
     latency, bandwidth = measure_links(jax.devices())
     timed = measure_strategies(refs + ranking, rounds=rounds)

@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--split", default="cost", choices=("cost", "equal"), help="chunk boundaries: equal cost or tokens")
     pl.set_defaults(fn=cmd_pipeline)
 
-    from jaxdist.planner.cli import add_parsers as add_planner_parsers  # plan, calibrate
+    from jaxdist.cli_planner import add_parsers as add_planner_parsers  # plan, calibrate
     add_planner_parsers(sub)
     return p
 

@@ -22,28 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxdist.config import ModelConfig
 from jaxdist.models.moe import (DENSE_MLP_KEYS, group_member, moe_forward, moe_layer_count, moe_param_specs,
                                 split_group, summarize_aux)
+from jaxdist.models.names import CHECKPOINT_NAMES, block_param_specs
 from jaxdist.parallel.rules import constrain
-
-# Names of the tagged intermediates, in the order they appear in a block.  A remat
-# policy saves a subset of these (jax.checkpoint_policies.save_only_these_names).
-CHECKPOINT_NAMES = ("attn_norm", "query_proj", "key_proj", "value_proj", "attn_context",
-                    "attn_out", "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
-
-# Shape and logical axes of each per-layer weight (without the leading layers axis).
-def _block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-    d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
-    return {
-        "attn_norm": ((d,), ("norm",)),
-        "wq": ((d, h, hd), ("embed", "heads", "head_dim")),
-        "wk": ((d, kv, hd), ("embed", "kv_heads", "head_dim")),
-        "wv": ((d, kv, hd), ("embed", "kv_heads", "head_dim")),
-        "wo": ((h, hd, d), ("heads", "head_dim", "embed")),
-        "mlp_norm": ((d,), ("norm",)),
-        "w_gate": ((d, f), ("embed", "mlp")),
-        "w_up": ((d, f), ("embed", "mlp")),
-        "w_down": ((f, d), ("mlp", "embed")),
-    }
-
 
 def _dtype(name: str):
     return jnp.bfloat16 if name == "bfloat16" else jnp.float32
@@ -188,7 +168,7 @@ class Transformer(nnx.Module):
         self.embed = param((cfg.vocab_size, cfg.d_model), ("vocab", "embed"))
         layers = {}
         n_moe = moe_layer_count(cfg)  # MoE blocks keep attention but replace the dense MLP weights
-        for name, (shape, names) in _block_param_specs(cfg).items():
+        for name, (shape, names) in block_param_specs(cfg).items():
             count = cfg.n_layers - n_moe if name in DENSE_MLP_KEYS else cfg.n_layers
             if count == 0:
                 continue

@@ -20,16 +20,17 @@ from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
 from jaxdist.config import MESH_AXES
-from jaxdist.models.transformer import CHECKPOINT_NAMES
+from jaxdist.models.names import CHECKPOINT_NAMES
 from jaxdist.planner.computation import ComputationView
 
-# Pipeline schedules the cost model knows: bubble (p-1)/(m+p-1) for both;
-# gpipe keeps all m microbatches' activations in flight, 1f1b at most p.  These
-# are the closed forms of jaxdist.parallel.schedule (bubble_formula,
-# peak_in_flight_formula; a test keeps them equal); its sequence-chunked
-# seq1f1b can join here with s chunks: bubble (p-1)/(s*m+p-1), in flight
-# min(s+p-1, s*m) chunks.
-SCHEDULES = ("gpipe", "1f1b")
+# Pipeline schedules the cost model knows: bubble (p-1)/(m+p-1) for gpipe and
+# 1f1b, (p-1)/(s*m+p-1) for seq1f1b with s chunks per sequence; in flight on
+# stage 0: m microbatches (gpipe), min(p, m) (1f1b), min(s+p-1, s*m) chunks of
+# 1/s of a sequence (seq1f1b).  These are the closed forms of
+# jaxdist.parallel.schedule (bubble_formula, peak_in_flight_formula; a test
+# keeps them equal).
+SCHEDULES = ("gpipe", "1f1b", "seq1f1b")
+CHUNK_CHOICES = (2, 4)  # sequence chunks the planner tries for seq1f1b
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Strategy:
     microbatches: int = 1
     schedule: str = "none"
     remat: str = "none"
+    chunks: int = 1  # seq1f1b: chunks per sequence; 1 for every other schedule
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -106,6 +108,8 @@ class Strategy:
         """Short text, e.g. ``fsdp=8 tensor=8 | mb 4 | remat full``."""
         axes = " ".join(f"{a}={s}" for a, s in self.mesh.items() if s != 1) or "single device"
         sched = f" {self.schedule}" if self.pipeline > 1 else ""
+        if self.schedule == "seq1f1b":
+            sched += f" x{self.chunks}"
         return f"{axes} | mb {self.microbatches}{sched} | remat {self.remat}"
 
 
@@ -139,6 +143,8 @@ def mesh_allowed(view: ComputationView, sizes: dict[str, int], nodes: int, per_n
         return f"expert={e} needs a multiple of it as the expert count (the model has {view.n_experts})"
     if m.n_layers % p:
         return f"pipeline={p} does not divide the {m.n_layers} layers"
+    if p > 1 and view.n_experts:
+        return "pipeline stages do not run MoE models yet"
     return None
 
 
@@ -160,13 +166,35 @@ def candidates(view: ComputationView, n_devices: int, nodes: int, per_node: int,
         if mesh_allowed(view, sizes, nodes, per_node) is not None:
             continue
         batch_ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-        schedules = SCHEDULES if sizes["pipeline"] > 1 else ("none",)
+        schedules = _schedules(view) if sizes["pipeline"] > 1 else [("none", 1)]
         for m in _divisors(batch_size):
             if m > max_microbatches or (batch_size // m) % batch_ways:
                 continue
-            for sched in schedules:
+            for sched, chunks in schedules:
+                if sched == "1f1b" and m < sizes["pipeline"]:
+                    continue  # the trainer's 1f1b needs a microbatch per stage
                 for r in remat:
-                    yield Strategy(**sizes, microbatches=m, schedule=sched, remat=r.name)
+                    yield Strategy(**sizes, microbatches=m, schedule=sched, remat=r.name, chunks=chunks)
+
+
+def _schedules(view: ComputationView) -> list[tuple[str, int]]:
+    """(schedule, chunks) pairs for a pipelined mesh: seq1f1b with each chunk count that divides the sequence."""
+    out = [(x, 1) for x in SCHEDULES if x != "seq1f1b"]
+    return out + [("seq1f1b", c) for c in CHUNK_CHOICES if view.seq_len % c == 0 and view.seq_len // c >= 1]
+
+
+def with_pipeline(s: Strategy, view: ComputationView, **sizes: int) -> list[Strategy]:
+    """``s`` with new axis sizes and the schedules worth trying there: none without a pipeline; for a new
+    pipeline depth, the current schedule if it still applies, else 1f1b (a microbatch per stage) and
+    seq1f1b with the most chunks.  Other schedules are one more move away (:func:`neighbours`)."""
+    new = replace(s, **sizes)
+    if new.pipeline == 1:
+        return [replace(new, schedule="none", chunks=1)]
+    if s.pipeline > 1 and (s.schedule != "1f1b" or new.microbatches >= new.pipeline):
+        return [new]
+    out = [replace(new, schedule="1f1b", chunks=1)] if new.microbatches >= new.pipeline else []
+    chunked = [(x, c) for x, c in _schedules(view) if x == "seq1f1b"]
+    return out + [replace(new, schedule="seq1f1b", chunks=chunked[-1][1])] if chunked else out
 
 
 def neighbours(s: Strategy, view: ComputationView, nodes: int, per_node: int, batch_size: int,
@@ -187,15 +215,13 @@ def neighbours(s: Strategy, view: ComputationView, nodes: int, per_node: int, ba
                 new = dict(sizes)
                 new[src] //= q
                 new[dst] *= q
-                out.append(replace(s, **new, schedule=s.schedule if new["pipeline"] > 1 else "none"))
-                if new["pipeline"] > 1 and s.pipeline == 1:
-                    out.append(replace(s, **new, schedule=SCHEDULES[-1]))
+                out.extend(with_pipeline(s, view, **new))
     m = s.microbatches
     for m2 in {m * 2, m // 2, m * 3, max(1, m // 3), s.pipeline, 2 * s.pipeline}:
         if m2 >= 1:
             out.append(replace(s, microbatches=m2))
     if s.pipeline > 1:
-        out.extend(replace(s, schedule=x) for x in SCHEDULES if x != s.schedule)
+        out.extend(replace(s, schedule=x, chunks=c) for x, c in _schedules(view) if (x, c) != (s.schedule, s.chunks))
     out.extend(replace(s, remat=r.name) for r in remat if r.name != s.remat)
     seen = set()
     for c in out:
@@ -203,8 +229,6 @@ def neighbours(s: Strategy, view: ComputationView, nodes: int, per_node: int, ba
             continue
         seen.add(c)
         if valid(c, view, nodes, per_node, batch_size, max_microbatches):
-            if c.pipeline == 1 and c.schedule != "none":
-                continue
             yield c
 
 
@@ -216,7 +240,11 @@ def valid(s: Strategy, view: ComputationView, nodes: int, per_node: int, batch_s
     m = s.microbatches
     if m < 1 or m > max_microbatches or batch_size % m or (batch_size // m) % (s.data * s.fsdp * s.expert):
         return False
-    return (s.schedule == "none") == (s.pipeline == 1)
+    if (s.schedule == "none") != (s.pipeline == 1) or (s.schedule == "1f1b" and m < s.pipeline):
+        return False
+    if s.schedule == "seq1f1b":
+        return s.chunks in CHUNK_CHOICES and view.seq_len % s.chunks == 0
+    return s.chunks == 1
 
 
 def _prime_factors(n: int) -> list[int]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from jaxdist.config import ModelConfig
 from jaxdist.models.moe import DENSE_MLP_KEYS, moe_param_specs
-from jaxdist.models.transformer import _block_param_specs
+from jaxdist.models.names import block_param_specs
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -144,7 +144,7 @@ class ComputationView:
 
 def _attention(m: ModelConfig, t: int, a: int) -> tuple[list[ParamTensor], list[ActivationTensor], tuple[str, ...]]:
     d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-    params = [ParamTensor(name, shape, axes) for name, (shape, axes) in _block_param_specs(m).items()
+    params = [ParamTensor(name, shape, axes) for name, (shape, axes) in block_param_specs(m).items()
               if name not in DENSE_MLP_KEYS]
     acts = [
         ActivationTensor("layer_input", (d,), ("embed",), a),
@@ -187,7 +187,7 @@ def computation_view(model: ModelConfig, seq_len: int) -> ComputationView:
     blocks = []
     experts = int(getattr(m, "moe_experts", 0) or 0)
     n_moe = m.n_layers // m.moe_every if experts else 0
-    specs = _block_param_specs(m)
+    specs = block_param_specs(m)
     if m.n_layers - n_moe:
         params, acts, saved = _attention(m, t, a)
         params += [ParamTensor(name, *specs[name]) for name in DENSE_MLP_KEYS]

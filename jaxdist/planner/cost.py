@@ -4,7 +4,8 @@ Pure functions of (computation view, cluster view, strategy, batch): nothing
 here touches a device.  :func:`estimate` returns an :class:`Estimate` whose
 parts can be printed: compute time (FLOPs / peak / efficiency, plus a fixed
 cost per block pass), every collective (:class:`CommItem`: kind, mesh axes,
-bytes, count, seconds), the pipeline bubble ``(p-1)/(m+p-1)``, and memory
+bytes, count, seconds), the pipeline bubble ``(p-1)/(s*m+p-1)`` (s sequence
+chunks for seq1f1b, else 1), and memory
 per device (parameters, optimizer state, gradients, kept activations,
 working buffers).
 
@@ -225,33 +226,82 @@ def _batch_ways(s: Strategy) -> int:
     return s.data * s.fsdp * s.expert
 
 
-def memory(view: ComputationView, s: Strategy, batch_size: int,
-           coeff: MemoryCoefficients = XLA_CPU_MEMORY) -> Memory:
-    """Predicted bytes per device of strategy ``s`` at global batch ``batch_size`` sequences."""
+@dataclass(frozen=True)
+class MemoryTerms:
+    """Per-device memory of one strategy split into what is known exactly and what the coefficients scale.
+
+    ``fixed``: bytes that need no coefficient (parameters, optimizer state,
+    one copy of the gradients, kept activations, the batch).  ``scaled``:
+    per :class:`MemoryCoefficients` field name (``layer_working:<remat>`` for
+    the per-remat entries), the quantity that field multiplies.  The
+    prediction is linear in the coefficients, which is what lets
+    :func:`jaxdist.planner.fit.fit_memory_coefficients` fit them exactly.
+    """
+
+    params: float
+    activations: float
+    batch: float
+    scaled: dict
+
+    def memory(self, coeff: MemoryCoefficients) -> Memory:
+        """Bytes per device under ``coeff``."""
+        def c(name: str) -> float:
+            if name.startswith("layer_working:"):
+                return coeff.working(name.split(":", 1)[1])
+            return getattr(coeff, name)
+
+        extra_grads = c("grad_copies") * self.scaled.get("grad_copies", 0.0)
+        working = sum(c(k) * v for k, v in self.scaled.items() if k != "grad_copies")
+        return Memory(params=self.params, optimizer=2 * self.params, grads=self.params + extra_grads,
+                      activations=self.activations, working=working, batch=self.batch)
+
+
+def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryTerms:
+    """The :class:`MemoryTerms` of strategy ``s`` at global batch ``batch_size`` sequences."""
     sizes = tuple(s.mesh.items())
     pb, T = view.param_bytes, view.seq_len
     remat = remat_choice(s.remat)
     rows_mb = batch_size // s.microbatches                  # sequences per microbatch, whole job
     tokens = rows_mb // _batch_ways(s) * T                  # tokens per microbatch on one device
-    inflight = 1 if s.pipeline == 1 else (s.microbatches if s.schedule == "gpipe" else min(s.microbatches, s.pipeline))
+    chunks, units = in_flight(s)                           # units of 1/chunks of a microbatch on stage 0
+    held = math.ceil(units / chunks)                        # microbatches with a chunk in flight
     params = sum(_local(p, sizes) for p in view.other_params) * pb
     activations = working_layer = gathered = 0.0
     for b in view.blocks:
         layers = math.ceil(b.count / s.pipeline)           # blocks on one pipeline stage
         matmul, norms, full = _block_weights(b, sizes)
         params += layers * (matmul + norms) * pb
-        activations += layers * tokens * _per_token_bytes(view, b, _kept(b, remat), sizes, rows_mb) * inflight
+        activations += layers * tokens / chunks * _per_token_bytes(view, b, _kept(b, remat), sizes, rows_mb) * units
+        if chunks > 1:  # seq1f1b: a microbatch's earlier chunks' keys and values stay until its backward
+            kv = [n for n in ("key_rotated", "value") if any(a.name == n for a in b.activations)]
+            activations += layers * tokens * _per_token_bytes(view, b, kv, sizes, rows_mb) * held
         working_layer = max(working_layer, tokens * _per_token_bytes(view, b, b.saved_without_remat, sizes, rows_mb))
         gathered = max(gathered, full * pb)
     vocab_local = view.model.vocab_size / _shards(("vocab",), (view.model.vocab_size,), sizes)[0]
-    factor = coeff.working(s.remat) + (coeff.microbatch_working if s.microbatches > 1 else 0.0)
-    working = factor * working_layer + coeff.logits_working * tokens * vocab_local * 4
-    if s.fsdp > 1:
-        working += coeff.gathered_weights * gathered
-    grads = params * (1 + (coeff.grad_copies if s.microbatches > 1 else 0.0))
-    batch = batch_size // _batch_ways(s) * (T + 1) * 4
-    return Memory(params=params, optimizer=2 * params, grads=grads, activations=activations,
-                  working=working, batch=batch)
+    scaled = {f"layer_working:{s.remat}": working_layer,
+              "microbatch_working": working_layer if s.microbatches > 1 else 0.0,
+              "logits_working": tokens * vocab_local * 4,
+              "gathered_weights": gathered if s.fsdp > 1 else 0.0,
+              "grad_copies": params if s.microbatches > 1 else 0.0}
+    return MemoryTerms(params=params, activations=activations, batch=batch_size // _batch_ways(s) * (T + 1) * 4,
+                       scaled=scaled)
+
+
+def in_flight(s: Strategy) -> tuple[int, int]:
+    """(chunks per microbatch, chunks in flight on pipeline stage 0) of the schedule (1, 1 without a pipeline)."""
+    if s.pipeline == 1:
+        return 1, 1
+    if s.schedule == "gpipe":
+        return 1, s.microbatches
+    if s.schedule == "seq1f1b":
+        return s.chunks, min(s.chunks + s.pipeline - 1, s.chunks * s.microbatches)
+    return 1, min(s.microbatches, s.pipeline)
+
+
+def memory(view: ComputationView, s: Strategy, batch_size: int,
+           coeff: MemoryCoefficients = XLA_CPU_MEMORY) -> Memory:
+    """Predicted bytes per device of strategy ``s`` at global batch ``batch_size`` sequences."""
+    return memory_terms(view, s, batch_size).memory(coeff)
 
 
 def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[CommItem]:
@@ -272,6 +322,8 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
             items.append(CommItem(name, kind, tuple(axes), group, float(nbytes), int(count),
                                   overlappable=overlappable))
 
+    chunks = s.chunks if s.schedule == "seq1f1b" else 1   # seq1f1b: every block pass is over 1/chunks of a sequence
+    X_chunk = X / chunks
     for b in view.blocks:
         per_layer = math.ceil(b.count / p) * m
         matmul, norms, gathered = _block_weights(b, sizes)
@@ -283,7 +335,8 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
         # Tensor parallel: two forward all-reduces per block, one per input projection backward;
         # a full-remat backward recomputes the attention output (the MLP output is not needed).
         bwd = 5 + (1 if remat.recompute == 1.0 else 0)
-        add("tensor activation all-reduce", "all-reduce", ("tensor",), X, (2 + bwd) * per_layer, overlappable=False)
+        add("tensor activation all-reduce", "all-reduce", ("tensor",), X_chunk, (2 + bwd) * per_layer * chunks,
+            overlappable=False)
         # Gradients, every microbatch: full size over fsdp, then the shard over data.
         if F > 1 and D > 1:
             add("gradient reduce (fsdp)", "all-reduce", ("fsdp",), gathered * pb, per_layer)
@@ -304,7 +357,7 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
     add("embedding gradient reduce", "all-reduce", ("data", "fsdp"), E + E / vocab_shards + d * pb, m)
     if p > 1:
         # Stage boundaries: activations forward, their gradients backward, per microbatch.
-        add("pipeline send/recv", "collective-permute", ("pipeline",), X, 2 * m, overlappable=False)
+        add("pipeline send/recv", "collective-permute", ("pipeline",), X_chunk, 2 * m * chunks, overlappable=False)
     return items
 
 
@@ -338,12 +391,14 @@ def estimate(view: ComputationView, cluster: ClusterView, s: Strategy, batch_siz
     flops_dev = local_tokens * (layer_flops + 3.0 * view.head_flops_fwd) / s.tensor
     peak = cluster.peak_flops(view.model.dtype)
     # Fixed cost per block pass (forward, backward, recomputed forward) per microbatch, and the head's two.
-    passes = s.microbatches * (2 + sum(b.count / s.pipeline * (2 + (1 if rec[b.name] else 0)) for b in view.blocks))
+    chunks = in_flight(s)[0]
+    passes = s.microbatches * (2 + chunks * sum(b.count / s.pipeline * (2 + (1 if rec[b.name] else 0))
+                                                for b in view.blocks))
     compute = flops_dev / (peak * cluster.efficiency) + passes * cluster.pass_overhead
     critical = sum(c.seconds for c in timed if not c.overlappable)
     hidden = sum(c.seconds for c in timed if c.overlappable)
     comm = critical + max(0.0, hidden - cluster.overlap * compute)
-    bubble = (compute + critical) * (s.pipeline - 1) / s.microbatches
+    bubble = (compute + critical) * (s.pipeline - 1) / (s.microbatches * chunks)  # (p-1)/(s*m+p-1) of the step
     step = compute + comm + bubble
     limit = memory_fraction * cluster.memory_bytes
     fits = mem.total <= limit

@@ -46,9 +46,32 @@ def strategy_of(cfg: Config, n_devices: int) -> Strategy:
     """The planner's Strategy for a config's mesh, microbatches and remat (``train.remat`` must be a planner choice)."""
     sizes = cfg.mesh.resolved(n_devices)
     remat = remat_choice(cfg.train.remat).name  # ValueError if the planner does not know it
-    return Strategy(**sizes, microbatches=cfg.train.microbatches,
-                    schedule="none" if sizes["pipeline"] == 1 else "1f1b", remat=remat)
+    if sizes["pipeline"] == 1:
+        schedule, chunks = "none", 1
+    else:
+        schedule = cfg.train.pipeline_schedule
+        chunks = cfg.train.pipeline_chunks if schedule == "seq1f1b" else 1
+        if chunks == 1 and schedule == "seq1f1b":
+            schedule = "1f1b"  # seq1f1b with one chunk is 1f1b
+    return Strategy(**sizes, microbatches=cfg.train.microbatches, schedule=schedule, remat=remat, chunks=chunks)
 
+
+# The strategies whose measured step times the planner must rank (tests/planner, benchmarks/planner.py):
+# the tiny model at batch 64 x 32 tokens on 8 devices.
+RANKING_MODEL = ["model=tiny", "train.batch_size=64", "train.seq_len=32"]
+RANKING_STRATEGIES = [
+    ["mesh.data=8", "train.microbatches=4"],
+    ["mesh.data=1", "mesh.fsdp=8"],
+    ["mesh.data=1", "mesh.fsdp=8", "train.microbatches=8"],
+    ["mesh.data=4", "mesh.tensor=2"],
+    ["mesh.data=4", "mesh.tensor=2", "train.microbatches=8"],
+    ["mesh.data=2", "mesh.fsdp=4", "train.microbatches=2"],
+    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4"],
+    ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "train.microbatches=8"],
+]
+# One pair of the small preset the memory and collective checks add to those.
+SMALL_CHECK = ["model=small", "train.batch_size=32", "train.seq_len=64", "mesh.data=2", "mesh.fsdp=2",
+               "mesh.tensor=2", "train.remat=full"]
 
 _RUNS = itertools.count()  # one run directory per measured config: each keeps its own batch list
 

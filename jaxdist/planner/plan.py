@@ -72,7 +72,7 @@ class Plan:
             s = e.strategy
             mesh = " ".join(f"{a}={v}" for a, v in s.mesh.items() if v != 1) or "single device"
             if s.pipeline > 1:
-                mesh += f" ({s.schedule})"
+                mesh += f" ({s.schedule}{f' x{s.chunks}' if s.schedule == 'seq1f1b' else ''})"
             lines.append(f"{i:>2}  {mesh:<34} {s.microbatches:>4} {s.remat:<6} {e.step_time:>9.4g} "
                          f"{e.tokens_per_s:>10.4g} {e.mfu:>6.1%} {e.memory.total / GIB:>8.2f}  {e.dominant}")
         rejected = [e for e in self.ranked if not e.fits]
@@ -107,12 +107,11 @@ class Plan:
         if cluster == "live":  # no file describes the live devices: keep the base config's cluster
             cluster = cfg.mesh.cluster
         mesh = dataclasses.replace(cfg.mesh, cluster=cluster, **{a: getattr(s, a) for a in MESH_AXES})
-        if hasattr(mesh, "auto"):
-            mesh = dataclasses.replace(mesh, auto=False)
+        mesh = dataclasses.replace(mesh, auto=False)
         train = dataclasses.replace(cfg.train, batch_size=self.batch_size, seq_len=self.seq_len,
                                     microbatches=s.microbatches, remat=remat)
-        if s.pipeline > 1 and hasattr(train, "pipeline_schedule"):
-            train = dataclasses.replace(train, pipeline_schedule=s.schedule)
+        if s.pipeline > 1:
+            train = dataclasses.replace(train, pipeline_schedule=s.schedule, pipeline_chunks=max(1, s.chunks))
         return dataclasses.replace(cfg, model=dataclasses.replace(self.model), mesh=mesh, train=train)
 
     def to_toml(self, base: Config | None = None) -> str:

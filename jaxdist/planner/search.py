@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
 from jaxdist.config import MESH_AXES
-from jaxdist.planner.candidates import (REMAT_CHOICES, RematChoice, Strategy, candidates, neighbours, valid)
+from jaxdist.planner.candidates import (REMAT_CHOICES, RematChoice, Strategy, candidates, neighbours, valid,
+                                        with_pipeline)
 from jaxdist.planner.computation import ComputationView
 from jaxdist.planner.cost import Estimate
 
@@ -99,7 +100,7 @@ def start_points(view: ComputationView, nodes: int, per_node: int, batch_size: i
 def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, nodes: int, per_node: int,
            batch_size: int, remat: Sequence[RematChoice] = REMAT_CHOICES, axes: Sequence[str] = MESH_AXES,
            max_microbatches: int = 64, budget: int = 2000, beam: int = 3, patience: int = 1,
-           seed: int = 0) -> SearchResult:
+           seed: int = 0, repair: int = 1) -> SearchResult:
     """Local search over evaluation points; returns every point it evaluated, best first.
 
     ``budget`` caps the evaluations, ``beam`` is how many of the best points
@@ -119,8 +120,8 @@ def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, node
     run(starts)
     if not seen:
         raise ValueError("no valid strategy for this model, batch and cluster")
-    # A start point that does not fit gets more microbatches until it does (fewer activations in flight).
-    for s in starts:
+    def until_it_fits(s: Strategy) -> None:
+        """More microbatches (fewer activations in flight) for a point that does not fit, until it does."""
         m = s.microbatches
         while s in seen and not seen[s].fits and len(seen) < budget:
             bigger = [c for c in _fix_microbatches(replace(s, microbatches=2 * m), batch_size, max_microbatches)
@@ -129,6 +130,9 @@ def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, node
                 break
             s, m = bigger[0], bigger[0].microbatches
             run([s])
+
+    for s in starts:
+        until_it_fits(s)
     best = min(seen.values(), key=objective)
     expanded: set[Strategy] = set()
     stale = rounds = 0
@@ -141,10 +145,15 @@ def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, node
             expanded.add(s)
             moves = list(neighbours(s, view, nodes, per_node, batch_size, remat, axes, max_microbatches))
             # A mesh move that breaks the microbatch divisibility gets the nearest valid microbatch counts.
-            for c in _mesh_moves(s, axes):
+            for c in _mesh_moves(s, view, axes):
                 moves += [f for f in _fix_microbatches(c, batch_size, max_microbatches)
                           if valid(f, view, nodes, per_node, batch_size, max_microbatches)]
             run(moves)
+            # a faster move that runs out of memory may fit with more microbatches: repair the nearest to fitting
+            over = sorted((seen[c] for c in moves if c in seen and not seen[c].fits and seen[c].step_time
+                           < seen[s].step_time), key=lambda e: e.memory.total)
+            for e in over[:repair]:
+                until_it_fits(e.strategy)
         new_best = min(seen.values(), key=objective)
         if objective(new_best) < objective(best):
             best, stale = new_best, 0
@@ -153,7 +162,7 @@ def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, node
     return SearchResult(tuple(sorted(seen.values(), key=objective)), len(seen), rounds)
 
 
-def _mesh_moves(s: Strategy, axes: Sequence[str]) -> list[Strategy]:
+def _mesh_moves(s: Strategy, view: ComputationView, axes: Sequence[str]) -> list[Strategy]:
     out = []
     sizes = s.mesh
     for src in axes:
@@ -164,8 +173,5 @@ def _mesh_moves(s: Strategy, axes: Sequence[str]) -> list[Strategy]:
             new = dict(sizes)
             new[src] //= q
             new[dst] *= q
-            sched = s.schedule if new["pipeline"] > 1 else "none"
-            if new["pipeline"] > 1 and sched == "none":
-                sched = "1f1b"
-            out.append(replace(s, **new, schedule=sched))
+            out.extend(with_pipeline(s, view, **new))
     return out

@@ -9,7 +9,7 @@ from jaxdist.planner.candidates import REMAT_CHOICES, Strategy, candidates, neig
 from jaxdist.planner.computation import computation_view
 
 
-def brute_force(m, nodes, per_node, batch, max_mb=64):
+def brute_force(m, nodes, per_node, batch, max_mb=64, seq=64):
     n = nodes * per_node
     divs = [d for d in range(1, n + 1) if n % d == 0]
     out = set()
@@ -22,14 +22,17 @@ def brute_force(m, nodes, per_node, batch, max_mb=64):
             continue
         if expert > 1 and (not m.moe_experts or m.moe_experts % expert):
             continue
-        if m.n_layers % pipe:
+        if m.n_layers % pipe or (pipe > 1 and m.moe_experts):
             continue
         for mb in range(1, min(batch, max_mb) + 1):
             if batch % mb or (batch // mb) % (data * fsdp * expert):
                 continue
-            for sched in (("gpipe", "1f1b") if pipe > 1 else ("none",)):
+            scheds = [("gpipe", 1), ("1f1b", 1)] + [("seq1f1b", c) for c in (2, 4) if seq % c == 0]
+            for sched, chunks in (scheds if pipe > 1 else [("none", 1)]):
+                if sched == "1f1b" and mb < pipe:
+                    continue
                 for r in REMAT_CHOICES:
-                    out.add(Strategy(data, fsdp, tensor, expert, pipe, mb, sched, r.name))
+                    out.add(Strategy(data, fsdp, tensor, expert, pipe, mb, sched, r.name, chunks))
     return out
 
 

@@ -17,29 +17,16 @@ from jaxdist.planner.calibrate import calibration_from, measure_links, reference
 from jaxdist.planner.cluster import cluster_view
 from jaxdist.planner.computation import computation_view
 from jaxdist.planner.cost import estimate
-from jaxdist.planner.measure import measure_strategies, measurement_config, strategy_of
-
-TINY = ["model=tiny", "train.batch_size=64", "train.seq_len=32"]
-RANKING = [
-    ["mesh.data=8", "train.microbatches=4"],
-    ["mesh.data=1", "mesh.fsdp=8"],
-    ["mesh.data=1", "mesh.fsdp=8", "train.microbatches=8"],
-    ["mesh.data=4", "mesh.tensor=2"],
-    ["mesh.data=4", "mesh.tensor=2", "train.microbatches=8"],
-    ["mesh.data=2", "mesh.fsdp=4", "train.microbatches=2"],
-    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=4"],
-    ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "train.microbatches=8"],
-]
-SMALL = [["model=small", "train.batch_size=32", "train.seq_len=64", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
-          "train.remat=full"]]
+from jaxdist.planner.measure import (RANKING_MODEL, RANKING_STRATEGIES, SMALL_CHECK, measure_strategies,
+                                     measurement_config, strategy_of)
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     runs = str(tmp_path_factory.mktemp("measure"))
     refs = [measurement_config(o, runs) for o in reference_overrides(8, "tiny", 8, 32)]
-    ranking = [measurement_config(TINY + o, runs) for o in RANKING]
-    small = [measurement_config(o, runs) for o in SMALL]
+    ranking = [measurement_config(RANKING_MODEL + o, runs) for o in RANKING_STRATEGIES]
+    small = [measurement_config(SMALL_CHECK, runs)]
     latency, bandwidth = measure_links(jax.devices()[:8])
     timed = measure_strategies(refs + ranking, rounds=4, steps_per_round=2, warmup=1)
     untimed = measure_strategies(small, rounds=0)
@@ -69,7 +56,7 @@ def test_collective_bytes_within_five_percent_of_the_compiled_program(measured):
 def test_calibrated_step_times_rank_like_the_measured_ones(measured):
     cal = measured["calibration"]
     assert 0 < cal.efficiency <= 1 and cal.pass_overhead >= 0 and cal.collective_overhead >= 0
-    lo, hi = 3, 3 + len(RANKING)
+    lo, hi = 3, 3 + len(RANKING_STRATEGIES)
     predicted = [e.step_time for e in measured["estimates"][lo:hi]]
     observed = [m.step_time for m in measured["measured"][lo:hi]]
     rho = spearmanr(predicted, observed)[0]

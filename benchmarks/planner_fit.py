@@ -1,0 +1,130 @@
+"""Fit the planner's memory coefficients to XLA:CPU and check them on settings the fit never saw.
+
+Compiles the Trainer's step for a random sample of (model, batch, sequence,
+mesh, remat, microbatches) settings on 8 simulated CPU devices, reads
+``compiled.memory_analysis()`` (arguments + outputs + temp - aliased), fits
+:class:`jaxdist.planner.cost.MemoryCoefficients` on the first part by the
+minimax linear programme of :mod:`jaxdist.planner.fit`, and prints the
+relative error of the fitted and of the shipped coefficients on
+
+* the fit set (in-sample),
+* a held-out sample of other settings,
+* the 12 pairs tests/planner/test_measured.py checks (never in the fit set).
+
+    python benchmarks/planner_fit.py              # 48 fit + 24 held-out settings (~5 min on 2 cores)
+    python benchmarks/planner_fit.py --fit 24 --held-out 12
+
+Paste the printed coefficients into ``XLA_CPU_MEMORY`` (jaxdist/planner/cost.py) to ship them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import random
+import sys
+
+os.environ["XLA_FLAGS"] = " ".join(
+    [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    + ["--xla_force_host_platform_device_count=8"])
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+MESHES = [["mesh.data=8"], ["mesh.data=1", "mesh.fsdp=8"], ["mesh.data=4", "mesh.tensor=2"],
+          ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
+          ["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=4", "mesh.fsdp=2"]]
+MODELS = [["model=tiny"], ["model=small"], ["model=small", "model.n_layers=2", "model.d_ff=256"]]
+
+
+def test_pairs() -> list[list[str]]:
+    """The overrides of the 12 pairs tests/planner/test_measured.py compares with XLA."""
+    from jaxdist.planner.calibrate import reference_overrides
+    from jaxdist.planner.measure import RANKING_MODEL, RANKING_STRATEGIES, SMALL_CHECK
+
+    return reference_overrides(8, "tiny", 8, 32) + [RANKING_MODEL + o for o in RANKING_STRATEGIES] + [SMALL_CHECK]
+
+
+def grid() -> list[list[str]]:
+    """Every setting of the sampling grid (batch divisible by the batch ways and the microbatches)."""
+    from jaxdist.planner.candidates import REMAT_CHOICES
+
+    out = []
+    for model, mesh, remat, batch, seq, m in itertools.product(
+            MODELS, MESHES, REMAT_CHOICES, (32, 64), (32, 64), (1, 2, 4, 8)):
+        ways = 1
+        for o in mesh:
+            if o.startswith(("mesh.data=", "mesh.fsdp=")):
+                ways *= int(o.split("=")[1])
+        if (batch // m) % ways or batch % m:
+            continue
+        out.append(model + mesh + [f"train.batch_size={batch}", f"train.seq_len={seq}",
+                                   f"train.microbatches={m}", f"train.remat={remat.train_remat}"])
+    return out
+
+
+def _key(overrides: list[str]):
+    from jaxdist.planner.measure import measurement_config, strategy_of
+
+    c = measurement_config(overrides)
+    return (c.model, c.train.batch_size, c.train.seq_len, strategy_of(c, 8))
+
+
+def measure(settings: list[list[str]]):
+    """(config, MemoryTerms, measured bytes) per setting."""
+    from jaxdist.planner.computation import computation_view
+    from jaxdist.planner.cost import memory_terms
+    from jaxdist.planner.measure import measure_strategies, measurement_config, strategy_of
+
+    cfgs = [measurement_config(o) for o in settings]
+    found = measure_strategies(cfgs, rounds=0)
+    terms = [memory_terms(computation_view(c.model, c.train.seq_len), strategy_of(c, 8), c.train.batch_size)
+             for c in cfgs]
+    return cfgs, terms, [m.memory_bytes for m in found]
+
+
+def report(name: str, cfgs, terms, measured, coeffs: dict, verbose: bool = False) -> None:
+    from jaxdist.planner.fit import relative_errors
+    from jaxdist.planner.measure import strategy_of
+
+    errs = {k: relative_errors(terms, measured, c) for k, c in coeffs.items()}
+    if verbose:
+        print(f"{'model / strategy':<62} {'XLA MiB':>8} " + " ".join(f"{k:>9}" for k in coeffs))
+        for i, c in enumerate(cfgs):
+            label = f"{c.model.preset} L{c.model.n_layers} b{c.train.batch_size}x{c.train.seq_len} " \
+                    f"{strategy_of(c, 8).describe()}"
+            print(f"{label:<62} {measured[i] / 2**20:>8.2f} " + " ".join(f"{e[i]:>+9.1%}" for e in errs.values()))
+    print(f"{name:<28} n={len(cfgs):<3} worst |error|: "
+          + ", ".join(f"{k} {max(abs(x) for x in e):.1%}" for k, e in errs.items())
+          + "; mean |error|: " + ", ".join(f"{k} {sum(abs(x) for x in e) / len(e):.1%}" for k, e in errs.items()))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fit", type=int, default=48, help="settings to fit on")
+    ap.add_argument("--held-out", type=int, default=24, help="other settings to check the fit on")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verbose", action="store_true", help="one row per setting")
+    args = ap.parse_args(argv)
+
+    from jaxdist.planner.cost import XLA_CPU_MEMORY
+    from jaxdist.planner.fit import fit_memory_coefficients
+
+    checked = test_pairs()
+    excluded = {_key(o) for o in checked}
+    pool = [o for o in grid() if _key(o) not in excluded]
+    random.Random(args.seed).shuffle(pool)
+    fit_set, held = pool[:args.fit], pool[args.fit:args.fit + args.held_out]
+    print(f"grid of {len(pool)} settings (the {len(checked)} test pairs left out); fitting on {len(fit_set)}, "
+          f"checking on {len(held)} held out and the {len(checked)} test pairs; 8 CPU devices")
+    sets = {"fit (in-sample)": measure(fit_set), "held out": measure(held), "test pairs": measure(checked)}
+    fitted = fit_memory_coefficients(sets["fit (in-sample)"][1], sets["fit (in-sample)"][2])
+    coeffs = {"fitted": fitted.coefficients, "shipped": XLA_CPU_MEMORY}
+    print(f"\nfitted coefficients (minimax LP, in-sample worst {fitted.max_error:.1%}):\n  {fitted.coefficients}")
+    print(f"shipped coefficients:\n  {XLA_CPU_MEMORY}\n")
+    for name, (cfgs, terms, measured) in sets.items():
+        report(name, cfgs, terms, measured, coeffs, args.verbose)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
