@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import random
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
@@ -63,23 +65,28 @@ def grid() -> list[list[str]]:
 
 
 def _key(overrides: list[str]):
-    from jaxdist.planner.measure import measurement_config, strategy_of
+    from jaxdist.config import load_config
+    from jaxdist.planner.measure import strategy_of
 
-    c = measurement_config(overrides)
-    return (c.model, c.train.batch_size, c.train.seq_len, strategy_of(c, 8))
+    c = load_config(None, overrides)
+    return (repr(c.model), c.train.batch_size, c.train.seq_len, strategy_of(c, 8))
 
 
-def measure(settings: list[list[str]]):
-    """(config, MemoryTerms, measured bytes) per setting."""
+def measure(settings: list[list[str]], known: dict[str, int]):
+    """(config, MemoryTerms, measured bytes) per setting; ``known`` (overrides joined by spaces -> bytes)
+    saves compiling settings measured before and receives the new ones."""
     from jaxdist.planner.computation import computation_view
     from jaxdist.planner.cost import memory_terms
     from jaxdist.planner.measure import measure_strategies, measurement_config, strategy_of
 
-    cfgs = [measurement_config(o) for o in settings]
-    found = measure_strategies(cfgs, rounds=0)
+    runs = tempfile.mkdtemp(prefix="jaxdist-fit-")
+    cfgs = [measurement_config(o, runs) for o in settings]
+    todo = [i for i, o in enumerate(settings) if " ".join(o) not in known]
+    for i, m in zip(todo, measure_strategies([cfgs[i] for i in todo], rounds=0)):
+        known[" ".join(settings[i])] = m.memory_bytes
     terms = [memory_terms(computation_view(c.model, c.train.seq_len), strategy_of(c, 8), c.train.batch_size)
              for c in cfgs]
-    return cfgs, terms, [m.memory_bytes for m in found]
+    return cfgs, terms, [known[" ".join(o)] for o in settings]
 
 
 def report(name: str, cfgs, terms, measured, coeffs: dict, verbose: bool = False) -> None:
@@ -104,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--held-out", type=int, default=24, help="other settings to check the fit on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true", help="one row per setting")
+    ap.add_argument("--measurements", help="JSON file of measured bytes per setting: read if it exists, "
+                    "then written with the new ones (refit without compiling again)")
     args = ap.parse_args(argv)
 
     from jaxdist.planner.cost import XLA_CPU_MEMORY
@@ -116,7 +125,15 @@ def main(argv=None) -> int:
     fit_set, held = pool[:args.fit], pool[args.fit:args.fit + args.held_out]
     print(f"grid of {len(pool)} settings (the {len(checked)} test pairs left out); fitting on {len(fit_set)}, "
           f"checking on {len(held)} held out and the {len(checked)} test pairs; 8 CPU devices")
-    sets = {"fit (in-sample)": measure(fit_set), "held out": measure(held), "test pairs": measure(checked)}
+    known = {}
+    if args.measurements and os.path.exists(args.measurements):
+        with open(args.measurements) as f:
+            known = json.load(f)
+    sets = {"fit (in-sample)": measure(fit_set, known), "held out": measure(held, known),
+            "test pairs": measure(checked, known)}
+    if args.measurements:
+        with open(args.measurements, "w") as f:
+            json.dump(known, f, indent=0)
     fitted = fit_memory_coefficients(sets["fit (in-sample)"][1], sets["fit (in-sample)"][2])
     coeffs = {"fitted": fitted.coefficients, "shipped": XLA_CPU_MEMORY}
     print(f"\nfitted coefficients (minimax LP, in-sample worst {fitted.max_error:.1%}):\n  {fitted.coefficients}")

@@ -5,7 +5,8 @@ import dataclasses
 import pytest
 
 from jaxdist.config import (MODEL_PRESETS, Config, ConfigError, from_dict, load_config, parse_overrides,
-                            reference_markdown, validate)
+                            reference_markdown)
+from jaxdist.config_checks import validate
 
 
 def test_defaults_are_valid_and_small():

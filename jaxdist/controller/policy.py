@@ -16,7 +16,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from jaxdist.config import Config, ConfigError, validate
+from jaxdist.config import Config, ConfigError
+from jaxdist.config_checks import validate
 
 NODE_LOCAL_AXES = ("tensor", "expert", "pipeline")  # as jaxdist.parallel.mesh (which imports JAX)
 

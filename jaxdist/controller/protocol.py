@@ -31,7 +31,8 @@ from typing import Any
 
 import zmq
 
-from jaxdist.config import ConfigError, is_loopback
+from jaxdist.config import ConfigError
+from jaxdist.config_checks import is_loopback
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxdist.config import ModelConfig
 from jaxdist.models.moe import (DENSE_MLP_KEYS, group_member, moe_forward, moe_layer_count, moe_param_specs,
                                 split_group, summarize_aux)
-from jaxdist.models.names import CHECKPOINT_NAMES, block_param_specs
+from jaxdist.models.names import CHECKPOINT_NAMES, block_param_specs  # noqa: F401  (re-exported)
 from jaxdist.parallel.rules import constrain
 
 def _dtype(name: str):

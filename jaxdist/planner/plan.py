@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from jaxdist.config import MESH_AXES, Config, ConfigError, ModelConfig, validate
+from jaxdist.config import MESH_AXES, Config, ConfigError, ModelConfig
+from jaxdist.config_checks import validate
 from jaxdist.parallel.mesh import MESHES_DIR, ClusterSpec, load_cluster
 from jaxdist.planner.calibrate import default_calibration
 from jaxdist.planner.candidates import REMAT_CHOICES, RematChoice, candidates, register_remat_choice, remat_choice

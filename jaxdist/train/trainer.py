@@ -16,15 +16,15 @@ import dataclasses
 import json
 import logging
 import time
-from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdist.checkpoint import RunCheckpointer
-from jaxdist.config import Config, ConfigError, validate
+from jaxdist.config import Config, ConfigError
+from jaxdist.config_checks import validate
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.models import create_abstract, init_params
 from jaxdist.parallel.mesh import build_mesh, describe_mesh, load_cluster

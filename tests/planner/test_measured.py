@@ -5,7 +5,9 @@ reference steps ``jaxdist calibrate`` fits, eight other strategies of the
 tiny model whose step times are ranked, and one pair of the small preset.  Each
 pair's memory per device is compared with ``compiled.memory_analysis()``
 (arguments + outputs + temp - aliased) and its collective bytes with the
-collectives parsed from ``compiled.as_text()``.
+collectives parsed from ``compiled.as_text()``.  The memory model's
+coefficients were fitted (benchmarks/planner_fit.py) on other settings: none
+of these 12 pairs was in the fit, so the memory check is out of sample.
 """
 
 import jax
