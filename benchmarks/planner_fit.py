@@ -11,7 +11,7 @@ relative error of the fitted and of the shipped coefficients on
 * a held-out sample of other settings,
 * the 12 pairs tests/planner/test_measured.py checks (never in the fit set).
 
-    python benchmarks/planner_fit.py              # 48 fit + 24 held-out settings (~5 min on 2 cores)
+    python benchmarks/planner_fit.py              # 96 fit + 48 held-out settings (~12 min on 2 cores)
     python benchmarks/planner_fit.py --fit 24 --held-out 12
 
 Paste the printed coefficients into ``XLA_CPU_MEMORY`` (jaxdist/planner/cost.py) to ship them.
@@ -35,7 +35,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 MESHES = [["mesh.data=8"], ["mesh.data=1", "mesh.fsdp=8"], ["mesh.data=4", "mesh.tensor=2"],
           ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
           ["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=4", "mesh.fsdp=2"]]
-MODELS = [["model=tiny"], ["model=small"], ["model=small", "model.n_layers=2", "model.d_ff=256"]]
+# The presets, a shallower small model, and larger vocabularies (so the logits' share of memory is identifiable).
+MODELS = [["model=tiny"], ["model=small"], ["model=small", "model.n_layers=2", "model.d_ff=256"],
+          ["model=tiny", "model.vocab_size=4096"], ["model=small", "model.n_layers=2", "model.vocab_size=2048"]]
 
 
 def test_pairs() -> list[list[str]]:
@@ -107,8 +109,8 @@ def report(name: str, cfgs, terms, measured, coeffs: dict, verbose: bool = False
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fit", type=int, default=48, help="settings to fit on")
-    ap.add_argument("--held-out", type=int, default=24, help="other settings to check the fit on")
+    ap.add_argument("--fit", type=int, default=96, help="settings to fit on")
+    ap.add_argument("--held-out", type=int, default=48, help="other settings to check the fit on")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true", help="one row per setting")
     ap.add_argument("--measurements", help="JSON file of measured bytes per setting: read if it exists, "

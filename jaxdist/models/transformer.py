@@ -72,6 +72,35 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: int = 0
     return out.reshape(b, tq, h, dh).astype(q.dtype)
 
 
+def _attention_inputs(w: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
+                      cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Norm, q/k/v projections and rotary of one block: (q [B,T,H,D], k, v [B,T,KV,D]), named and constrained."""
+    h = checkpoint_name(rms_norm(x, w["attn_norm"], cfg.norm_eps), "attn_norm")
+    q = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wq"]), "query_proj")
+    k = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wk"]), "key_proj")
+    v = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wv"]), "value_proj")
+    q = constrain(apply_rotary(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
+    k = constrain(apply_rotary(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
+    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    return q, k, v
+
+
+def _attention_residual(w: dict[str, jax.Array], x: jax.Array, ctx: jax.Array) -> jax.Array:
+    """x plus the output projection of the attention context ctx [B,T,H,D]."""
+    ctx = constrain(checkpoint_name(ctx, "attn_context"), ("batch", "seq", "heads", "head_dim"))
+    attn = checkpoint_name(jnp.einsum("bthk,hkd->btd", ctx, w["wo"]), "attn_out")
+    return constrain(x + attn, ("batch", "seq", "embed"))
+
+
+def _mlp_residual(w: dict[str, jax.Array], x: jax.Array, h: jax.Array) -> jax.Array:
+    """x plus the SwiGLU MLP of its normed h."""
+    gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlp_gate")
+    up = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_up"]), "mlp_up")
+    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
+    out = checkpoint_name(jnp.einsum("btf,fd->btd", hidden, w["w_down"]), "mlp_out")
+    return constrain(x + out, ("batch", "seq", "embed"))
+
+
 def block_forward(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
                   cfg: ModelConfig, with_aux: bool = False) -> jax.Array:
     """One transformer block on activations x [B, T, d_model]; p holds one layer's weights.
@@ -82,29 +111,14 @@ def block_forward(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: ja
     """
     dt = x.dtype
     w = {k: v.astype(dt) for k, v in p.items()}
-
-    h = checkpoint_name(rms_norm(x, w["attn_norm"], cfg.norm_eps), "attn_norm")
-    q = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wq"]), "query_proj")
-    k = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wk"]), "key_proj")
-    v = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wv"]), "value_proj")
-    q = constrain(apply_rotary(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
-    k = constrain(apply_rotary(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
-    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
-    ctx = checkpoint_name(causal_attention(q, k, v), "attn_context")
-    ctx = constrain(ctx, ("batch", "seq", "heads", "head_dim"))
-    attn = checkpoint_name(jnp.einsum("bthk,hkd->btd", ctx, w["wo"]), "attn_out")
-    x = constrain(x + attn, ("batch", "seq", "embed"))
-
+    q, k, v = _attention_inputs(w, x, cos, sin, cfg)
+    x = _attention_residual(w, x, causal_attention(q, k, v))
     h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
     if "router" in p:  # MoE block: routed experts (with their own dtype handling) replace the MLP
         out, aux = moe_forward(p, h, cfg)
         x = constrain(x + checkpoint_name(out, "mlp_out"), ("batch", "seq", "embed"))
         return (x, aux) if with_aux else x
-    gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlp_gate")
-    up = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_up"]), "mlp_up")
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    out = checkpoint_name(jnp.einsum("btf,fd->btd", hidden, w["w_down"]), "mlp_out")
-    x = constrain(x + out, ("batch", "seq", "embed"))
+    x = _mlp_residual(w, x, h)
     return (x, {}) if with_aux else x
 
 
@@ -125,28 +139,13 @@ def block_forward_cached(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, 
     """
     dt = x.dtype
     w = {k: v if v.dtype == dt else v.astype(dt) for k, v in p.items()}
-
-    h = checkpoint_name(rms_norm(x, w["attn_norm"], cfg.norm_eps), "attn_norm")
-    q = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wq"]), "query_proj")
-    k = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wk"]), "key_proj")
-    v = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wv"]), "value_proj")
-    q = constrain(apply_rotary(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
-    k = constrain(apply_rotary(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
-    v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
+    q, k, v = _attention_inputs(w, x, cos, sin, cfg)
     offset = 0 if k_prefix is None else k_prefix.shape[1]
     keys = k if k_prefix is None else jnp.concatenate([k_prefix, k], axis=1)
     values = v if v_prefix is None else jnp.concatenate([v_prefix, v], axis=1)
-    ctx = checkpoint_name(causal_attention(q, keys, values, offset), "attn_context")
-    ctx = constrain(ctx, ("batch", "seq", "heads", "head_dim"))
-    attn = checkpoint_name(jnp.einsum("bthk,hkd->btd", ctx, w["wo"]), "attn_out")
-    x = constrain(x + attn, ("batch", "seq", "embed"))
-
+    x = _attention_residual(w, x, causal_attention(q, keys, values, offset))
     h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
-    gate = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_gate"]), "mlp_gate")
-    up = checkpoint_name(jnp.einsum("btd,df->btf", h, w["w_up"]), "mlp_up")
-    hidden = constrain(jax.nn.silu(gate) * up, ("batch", "seq", "mlp"))
-    out = checkpoint_name(jnp.einsum("btf,fd->btd", hidden, w["w_down"]), "mlp_out")
-    return constrain(x + out, ("batch", "seq", "embed")), k, v
+    return _mlp_residual(w, x, h), k, v
 
 
 class Transformer(nnx.Module):

@@ -54,6 +54,8 @@ class MemoryCoefficients:
     logits_working: float = 2.0
     gathered_weights: float = 1.0
     grad_copies: float = 2.0
+    gathered_embedding: float = 0.0
+    fixed: float = 0.0
 
     def working(self, remat: str) -> float:
         """The ``layer_working`` multiple for a remat choice name."""
@@ -282,7 +284,10 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
               "microbatch_working": working_layer if s.microbatches > 1 else 0.0,
               "logits_working": tokens * vocab_local * 4,
               "gathered_weights": gathered if s.fsdp > 1 else 0.0,
-              "grad_copies": params if s.microbatches > 1 else 0.0}
+              "grad_copies": params if s.microbatches > 1 else 0.0,
+              "gathered_embedding": sum(p.size for p in view.other_params if p.axes != ("norm",)) * pb
+              if s.fsdp * s.tensor > 1 else 0.0,
+              "fixed": 1.0}
     return MemoryTerms(params=params, activations=activations, batch=batch_size // _batch_ways(s) * (T + 1) * 4,
                        scaled=scaled)
 

@@ -5,7 +5,9 @@ The planner's memory prediction is linear in :class:`MemoryCoefficients`
 minimise the largest relative error over a set of measured settings are the
 solution of a linear programme::
 
-    minimise t  subject to  |fixed_i + sum_j c_j x_ij - m_i| <= t m_i,  0 <= c_j <= c_max
+    minimise t  subject to  |known_i + sum_j c_j x_ij - m_i| <= t m_i,  0 <= c_j <= c_max
+
+(``fixed``, a constant in bytes, has no upper bound)
 
 (``m_i``: bytes from ``compiled.memory_analysis()``).  scipy's HiGHS solves it
 exactly.  ``benchmarks/planner_fit.py`` measures a grid of settings, fits on
@@ -63,8 +65,8 @@ def fit_memory_coefficients(terms: list[MemoryTerms], measured: list[float], c_m
     cost[-1] = 1.0
     # scale each column so the solver sees numbers near 1 (bytes differ by orders of magnitude)
     scale = np.maximum(np.abs(a_ub).max(axis=0), 1e-30)
-    res = linprog(cost, A_ub=a_ub / scale, b_ub=b_ub, bounds=[(0, c_max * s) for s in scale[:k]] + [(0, None)],
-                  method="highs")
+    bounds = [(0, None if n == "fixed" else c_max * s) for n, s in zip(names, scale[:k])]  # fixed: bytes
+    res = linprog(cost, A_ub=a_ub / scale, b_ub=b_ub, bounds=bounds + [(0, None)], method="highs")
     if not res.success:
         raise RuntimeError(f"the memory fit did not solve: {res.message}")
     c = res.x[:k] / scale[:k]
@@ -89,4 +91,4 @@ def relative_errors(terms: list[MemoryTerms], measured: list[float], coeff: Memo
 
 
 _ZERO = MemoryCoefficients(layer_working=(), default_working=0.0, microbatch_working=0.0, logits_working=0.0,
-                           gathered_weights=0.0, grad_copies=0.0)
+                           gathered_weights=0.0, grad_copies=0.0, gathered_embedding=0.0, fixed=0.0)
