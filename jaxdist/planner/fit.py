@@ -41,14 +41,23 @@ def _names(terms: list[MemoryTerms]) -> list[str]:
     return names
 
 
+# Physical floors: at the loss, a microbatch's float32 logits and their gradient are both live; with the
+# embedding split over fsdp or tensor, the gathered table and its full-size gradient are.  Settings with
+# small vocabularies cannot tell these terms apart; large-vocabulary models depend on them.
+LOWER_BOUNDS = {"logits_working": 2.0, "gathered_embedding": 2.0}
+
+
 def fit_memory_coefficients(terms: list[MemoryTerms], measured: list[float], c_max: float = 8.0,
-                            base: MemoryCoefficients | None = None) -> MemoryFit:
+                            base: MemoryCoefficients | None = None,
+                            lower: dict[str, float] | None = None) -> MemoryFit:
     """Coefficients minimising the largest relative error of ``terms`` against ``measured`` bytes.
 
-    A coefficient whose term is zero in every setting keeps its value from
-    ``base`` (default: the shipped one).  Raises ValueError on mismatched or
+    Each coefficient lies in [``lower`` (default :data:`LOWER_BOUNDS`), ``c_max``];
+    one whose term is zero in every setting keeps its value from ``base``
+    (default: the shipped one).  Raises ValueError on mismatched or
     non-positive input.
     """
+    lower = LOWER_BOUNDS if lower is None else lower
     if len(terms) != len(measured) or not terms:
         raise ValueError(f"need one measurement per setting, got {len(terms)} settings and {len(measured)} values")
     m = np.asarray(measured, dtype=float)
@@ -65,7 +74,8 @@ def fit_memory_coefficients(terms: list[MemoryTerms], measured: list[float], c_m
     cost[-1] = 1.0
     # scale each column so the solver sees numbers near 1 (bytes differ by orders of magnitude)
     scale = np.maximum(np.abs(a_ub).max(axis=0), 1e-30)
-    bounds = [(0, None if n == "fixed" else c_max * s) for n, s in zip(names, scale[:k])]  # fixed: bytes
+    bounds = [(lower.get(n, 0.0) * s, None if n == "fixed" else c_max * s)  # fixed: bytes, no upper bound
+              for n, s in zip(names, scale[:k])]
     res = linprog(cost, A_ub=a_ub / scale, b_ub=b_ub, bounds=bounds + [(0, None)], method="highs")
     if not res.success:
         raise RuntimeError(f"the memory fit did not solve: {res.message}")

@@ -99,7 +99,7 @@ def start_points(view: ComputationView, nodes: int, per_node: int, batch_size: i
 
 def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, nodes: int, per_node: int,
            batch_size: int, remat: Sequence[RematChoice] = REMAT_CHOICES, axes: Sequence[str] = MESH_AXES,
-           max_microbatches: int = 64, budget: int = 2000, beam: int = 3, patience: int = 1,
+           max_microbatches: int = 64, budget: int = 2000, beam: int = 2, patience: int = 2,
            seed: int = 0, repair: int = 1) -> SearchResult:
     """Local search over evaluation points; returns every point it evaluated, best first.
 
