@@ -117,6 +117,8 @@ def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, node
                 seen[s] = evaluate(s)
 
     starts = start_points(view, nodes, per_node, batch_size, remat, axes, max_microbatches, seed=seed)
+    if not starts:  # e.g. axes without data and fsdp, where no canonical mesh applies: random candidates
+        starts = start_points(view, nodes, per_node, batch_size, remat, axes, max_microbatches, n_random=8, seed=seed)
     run(starts)
     if not seen:
         raise ValueError("no valid strategy for this model, batch and cluster")

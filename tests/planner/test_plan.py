@@ -111,3 +111,17 @@ def test_cli_plan_then_train_runs_the_planned_config(tmp_path):
     shape = " ".join(f"{a}={n}" for a, n in planned.mesh.sizes().items() if n != 1)
     assert f"mesh {shape} (8 devices" in run.stderr
     assert "steps 1..2: loss" in run.stderr
+
+
+def test_a_pipelined_plan_writes_its_schedule_and_chunks():
+    m = load_config(None, ["model=small", "model.n_layers=8"]).model
+    p = plan(m, "cpu-8", batch_size=16, seq_len=64, axes=("pipeline",))
+    s = p.best.strategy
+    assert s.pipeline == 8 and s.schedule in ("gpipe", "1f1b", "seq1f1b")
+    cfg = p.to_config()
+    validate(cfg, 8)
+    assert cfg.train.pipeline_schedule == s.schedule and cfg.mesh.pipeline == 8
+    if s.schedule == "seq1f1b":
+        assert cfg.train.pipeline_chunks == s.chunks > 1 and f"seq1f1b x{s.chunks}" in p.table(1)
+    seq = [e.strategy for e in p.ranked if e.strategy.schedule == "seq1f1b"]
+    assert seq and {x.chunks for x in seq} <= {2, 4}
