@@ -111,8 +111,8 @@ def cmd_train(args) -> int:
         if start and jax.process_index() == 0:
             print(f"resuming at step {start}", file=sys.stderr)
         history = trainer.fit()
-        # evaluate() is a collective over every process's devices: all processes call it.
-        eval_loss = trainer.evaluate() if history else float("nan")
+        # fit() evaluated at its last step (every process: evaluate() is a collective)
+        eval_loss = trainer.last_eval[1] if history and trainer.last_eval else float("nan")
         if jax.process_index() == 0 and history:
             first, last = history[0], history[-1]
             print(f"steps {first['step']}..{last['step']}: loss {first['loss']:.3f} -> {last['loss']:.3f}, "

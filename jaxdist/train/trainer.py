@@ -106,6 +106,7 @@ class Trainer:
         self.peak_flops = peak * len(self.devices)
 
         self.hooks: list[_HookEntry] = []
+        self.last_eval: tuple[int, float] | None = None  # (step, eval loss) of the latest evaluation in fit
         self.state: dict | None = None
         self.checkpointer = (RunCheckpointer(self.run_dir / "checkpoints", c.checkpoint.keep,
                                              c.checkpoint.asynchronous) if c.checkpoint.enabled else None)
@@ -267,7 +268,8 @@ class Trainer:
                     for h in hooks_now:
                         h.fn(self, done, last)
                 if c.train.eval_every and done % c.train.eval_every == 0 or done == end:
-                    self.metrics.write("eval", done, {"loss": self.evaluate()})
+                    self.last_eval = (done, self.evaluate())
+                    self.metrics.write("eval", done, {"loss": self.last_eval[1]})
                 if self.checkpointer is not None and (done % c.checkpoint.every == 0 or done == end):
                     self.save(done)
                     t_last = time.perf_counter()
