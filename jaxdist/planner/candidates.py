@@ -180,7 +180,7 @@ def candidates(view: ComputationView, n_devices: int, nodes: int, per_node: int,
 def _schedules(view: ComputationView) -> list[tuple[str, int]]:
     """(schedule, chunks) pairs for a pipelined mesh: seq1f1b with each chunk count that divides the sequence."""
     out = [(x, 1) for x in SCHEDULES if x != "seq1f1b"]
-    return out + [("seq1f1b", c) for c in CHUNK_CHOICES if view.seq_len % c == 0 and view.seq_len // c >= 1]
+    return out + [("seq1f1b", c) for c in CHUNK_CHOICES if view.seq_len % c == 0]
 
 
 def with_pipeline(s: Strategy, view: ComputationView, **sizes: int) -> list[Strategy]:
@@ -193,8 +193,10 @@ def with_pipeline(s: Strategy, view: ComputationView, **sizes: int) -> list[Stra
     if s.pipeline > 1 and (s.schedule != "1f1b" or new.microbatches >= new.pipeline):
         return [new]
     out = [replace(new, schedule="1f1b", chunks=1)] if new.microbatches >= new.pipeline else []
-    chunked = [(x, c) for x, c in _schedules(view) if x == "seq1f1b"]
-    return out + [replace(new, schedule="seq1f1b", chunks=chunked[-1][1])] if chunked else out
+    chunks = [c for x, c in _schedules(view) if x == "seq1f1b"]
+    if chunks:
+        out.append(replace(new, schedule="seq1f1b", chunks=chunks[-1]))
+    return out
 
 
 def neighbours(s: Strategy, view: ComputationView, nodes: int, per_node: int, batch_size: int,

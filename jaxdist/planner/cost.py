@@ -240,8 +240,9 @@ def _batch_ways(s: Strategy) -> int:
 class MemoryTerms:
     """Per-device memory of one strategy split into what is known exactly and what the coefficients scale.
 
-    ``fixed``: bytes that need no coefficient (parameters, optimizer state,
-    one copy of the gradients, kept activations, the batch).  ``scaled``:
+    ``params``, ``activations``, ``batch``: bytes that need no coefficient
+    (the parameters, hence the optimizer state and one copy of the gradients;
+    the kept activations; the batch).  ``scaled``:
     per :class:`MemoryCoefficients` field name (``layer_working:<remat>`` for
     the per-remat entries), the quantity that field multiplies.  The
     prediction is linear in the coefficients, which is what lets
@@ -335,7 +336,7 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
             items.append(CommItem(name, kind, tuple(axes), group, float(nbytes), int(count),
                                   overlappable=overlappable))
 
-    chunks = s.chunks if s.schedule == "seq1f1b" else 1   # seq1f1b: every block pass is over 1/chunks of a sequence
+    chunks = in_flight(s)[0]                    # seq1f1b: every block pass is over 1/chunks of a sequence
     X_chunk = X / chunks
     for b in view.blocks:
         per_layer = math.ceil(b.count / p) * m

@@ -5,14 +5,13 @@ The planner's memory prediction is linear in :class:`MemoryCoefficients`
 minimise the largest relative error over a set of measured settings are the
 solution of a linear programme::
 
-    minimise t  subject to  |known_i + sum_j c_j x_ij - m_i| <= t m_i,  0 <= c_j <= c_max
+    minimise t  subject to  |known_i + sum_j c_j x_ij - m_i| <= t m_i,  lower_j <= c_j <= c_max
 
-(``fixed``, a constant in bytes, has no upper bound)
-
-(``m_i``: bytes from ``compiled.memory_analysis()``).  scipy's HiGHS solves it
-exactly.  ``benchmarks/planner_fit.py`` measures a grid of settings, fits on
-part of them and reports the error on the rest; the shipped
-:data:`~jaxdist.planner.cost.XLA_CPU_MEMORY` comes from it.
+(``m_i``: bytes from ``compiled.memory_analysis()``; ``known_i``: the bytes
+no coefficient scales; ``fixed``, a constant in bytes, has no upper bound).
+scipy's HiGHS solves it exactly.  ``benchmarks/planner_fit.py`` measures a
+sample of settings, cross-validates the fit and prints the coefficients; the
+shipped :data:`~jaxdist.planner.cost.XLA_CPU_MEMORY` comes from it.
 """
 
 from __future__ import annotations
@@ -64,12 +63,12 @@ def fit_memory_coefficients(terms: list[MemoryTerms], measured: list[float], c_m
     if (m <= 0).any():
         raise ValueError("measured memory must be positive bytes")
     names = _names(terms)
-    fixed = np.array([t.memory(_ZERO).total for t in terms])
+    known = np.array([t.memory(_ZERO).total for t in terms])
     x = np.array([[t.scaled.get(n, 0.0) for n in names] for t in terms])
     k = len(names)
-    # variables: c_1..c_k, t.  fixed + x c - m <= t m  and  m - fixed - x c <= t m
+    # variables: c_1..c_k, t.  known + x c - m <= t m  and  m - known - x c <= t m
     a_ub = np.vstack([np.hstack([x, -m[:, None]]), np.hstack([-x, -m[:, None]])])
-    b_ub = np.concatenate([m - fixed, fixed - m])
+    b_ub = np.concatenate([m - known, known - m])
     cost = np.zeros(k + 1)
     cost[-1] = 1.0
     # scale each column so the solver sees numbers near 1 (bytes differ by orders of magnitude)

@@ -122,6 +122,7 @@ def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, node
     run(starts)
     if not seen:
         raise ValueError("no valid strategy for this model, batch and cluster")
+
     def until_it_fits(s: Strategy) -> None:
         """More microbatches (fewer activations in flight) for a point that does not fit, until it does."""
         m = s.microbatches
