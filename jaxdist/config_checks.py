@@ -87,6 +87,11 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie strictly between 0 and 1.")
     if cfg.checkpoint.every <= 0 or cfg.checkpoint.keep <= 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be positive.")
+    if cfg.checkpoint.local_dir and (cfg.checkpoint.local_every <= 0 or cfg.checkpoint.local_keep <= 0):
+        raise ConfigError("checkpoint.local_every and checkpoint.local_keep must be positive.")
+    if cfg.checkpoint.local_dir and not cfg.checkpoint.enabled:
+        raise ConfigError("checkpoint.local_dir needs checkpoint.enabled=true (the local tier sits beside the "
+                          "persistent checkpoints, not instead of them).")
     # Mesh checks that need no device count.
     sizes = cfg.mesh.checked_sizes()
     if m.n_heads % sizes["tensor"]:

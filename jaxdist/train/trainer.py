@@ -6,12 +6,16 @@
 
 A Trainer resumes from the newest checkpoint in its run directory (unless
 ``checkpoint.resume=false``), so the same command continues a stopped run and
-produces the parameters of an uninterrupted one.
+produces the parameters of an uninterrupted one.  With
+``checkpoint.local_dir`` it also saves every ``checkpoint.local_every`` steps
+to the fast node-local tier (jaxdist/checkpoint/local.py) and resumes from
+there when that step is at least as new as the persistent one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import dataclasses
 import json
 import logging
@@ -23,6 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdist.checkpoint import RunCheckpointer
+from jaxdist.checkpoint.local import LocalTier, resolve_dir
 from jaxdist.config import Config, ConfigError
 from jaxdist.config_checks import validate
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
@@ -108,8 +113,13 @@ class Trainer:
         self.hooks: list[_HookEntry] = []
         self.last_eval: tuple[int, float] | None = None  # (step, eval loss) of the latest evaluation in fit
         self.state: dict | None = None
+        self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
         self.checkpointer = (RunCheckpointer(self.run_dir / "checkpoints", c.checkpoint.keep,
                                              c.checkpoint.asynchronous) if c.checkpoint.enabled else None)
+        self.local = None
+        if c.checkpoint.enabled and c.checkpoint.local_dir:  # per run: a hash of the run directory keeps runs apart
+            tag = hashlib.sha256(str(self.run_dir.absolute()).encode()).hexdigest()[:8]
+            self.local = LocalTier(resolve_dir(c.checkpoint.local_dir, f"{c.train.name}-{tag}"), c.checkpoint.local_keep)
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.train.tensorboard)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -162,7 +172,17 @@ class Trainer:
     def init_state(self) -> dict:
         """Restore the newest checkpoint of the run if allowed and present, else initialise."""
         ck = self.checkpointer
-        if ck is not None and self.config.checkpoint.resume and ck.latest_step() is not None:
+        resume = ck is not None and self.config.checkpoint.resume
+        if resume and self.local is not None:  # the local tier, if its step is at least as new
+            latest = ck.latest_step()
+            restored = self.local.restore(self.abstract_state(), newer_than=-1 if latest is None else latest - 1)
+            if restored is not None:
+                self.state, meta = restored
+                self._check_resume(meta)
+                self.resumed_from = ("local", int(meta["step"]))
+                log.info("resumed from step %d in the local tier %s", int(meta["step"]), self.local.directory)
+                return self.state
+        if resume and ck.latest_step() is not None:
             step = ck.latest_step()
             try:  # the newest checkpoint whose checksums hold; damaged ones are skipped with a warning
                 state, meta = ck.restore(self.abstract_state())
@@ -175,9 +195,12 @@ class Trainer:
                                   "set checkpoint.resume=false to start over.") from None
             step = int(meta["step"])
             self._check_resume(meta)
+            self.resumed_from = ("persistent", step)
             log.info("resumed from step %d in %s", step, ck.directory)
             self.state = state
         else:
+            if self.local is not None:  # a run that starts over must never restore an older run's local steps
+                self.local.clear()
             with self._tracing():
                 self.state = self._init_fn()
         return self.state
@@ -255,8 +278,9 @@ class Trainer:
                     bar.update(1)
                 hooks_now = [h for h in self.hooks if done % h.every == 0]
                 saving = self.checkpointer is not None and done % c.checkpoint.every == 0
+                local_due = self.local is not None and done % c.checkpoint.local_every == 0
                 # Log before a save, so no checkpointed step is missing from the log after a kill.
-                if done % c.train.log_every == 0 or done == end or hooks_now or saving:
+                if done % c.train.log_every == 0 or done == end or hooks_now or saving or local_due:
                     records = self._flush(pending, time.perf_counter() - t_last)
                     history.extend(records)
                     t_last = time.perf_counter()
@@ -272,6 +296,9 @@ class Trainer:
                     self.metrics.write("eval", done, {"loss": self.last_eval[1]})
                 if self.checkpointer is not None and (done % c.checkpoint.every == 0 or done == end):
                     self.save(done)
+                    t_last = time.perf_counter()
+                elif local_due:
+                    self.save_local(done)
                     t_last = time.perf_counter()
         finally:
             prefetch.close()
@@ -302,8 +329,17 @@ class Trainer:
             s = self.checkpointer.stats[-1]  # seconds the loop was blocked by the save / by the previous one
             self.metrics.write("checkpoint", step, {"blocked_s": s.blocked_s, "waited_s": s.waited_s})
 
+    def save_local(self, step: int) -> None:
+        """Save the current state to the fast node-local tier (collective; files written in the background)."""
+        self.local.save(step, self.state, {"step": step, "data": self._data_meta(step),
+                                           "config": self.config.to_dict()})
+        s = self.local.stats[-1]
+        self.metrics.write("checkpoint_local", step, {"blocked_s": s.blocked_s, "replicate_s": s.replicate_s})
+
     def close(self) -> None:
         """Wait for pending checkpoint writes and close files."""
+        if self.local is not None:
+            self.local.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
         self.metrics.close()

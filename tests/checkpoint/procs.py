@@ -50,17 +50,22 @@ def env_for(process: int, num: int, devices: int, port: int) -> dict[str, str]:
 class Group:
     """``num`` worker processes with ``devices`` CPU devices each; use as a context manager."""
 
-    def __init__(self, workdir: Path, num: int, devices: int, args: list[str], tag: str = "w"):
+    def __init__(self, workdir: Path, num: int, devices: int, args: list[str], tag: str = "w",
+                 nodes: list[str] | None = None):
         self.workdir, self.num, self.devices, self.args, self.tag = Path(workdir), num, devices, args, tag
+        self.nodes = nodes  # $JAXDIST_NODE of each process (the node it pretends to run on)
         self.procs: list[subprocess.Popen] = []
         self.logs = [self.workdir / f"{tag}.{i}.log" for i in range(num)]
 
     def __enter__(self) -> "Group":
         port = free_port()
         for i in range(self.num):
+            env = env_for(i, self.num, self.devices, port)
+            if self.nodes is not None:
+                env["JAXDIST_NODE"] = self.nodes[i]
             with open(self.logs[i], "w") as f:
                 self.procs.append(subprocess.Popen([sys.executable, str(WORKER), *self.args],
-                                                   cwd=self.workdir, env=env_for(i, self.num, self.devices, port),
+                                                   cwd=self.workdir, env=env,
                                                    stdout=f, stderr=subprocess.STDOUT))
         return self
 
@@ -71,15 +76,15 @@ class Group:
         lines = [l for l in self.log(i).splitlines() if "Involuntary full rematerialization" not in l]
         return f"--- {self.tag}.{i} ---\n" + "\n".join(lines[-n:])
 
-    def wait(self, timeout: float) -> None:
-        """Wait for every process to exit 0 (AssertionError with the logs otherwise)."""
+    def wait(self, timeout: float, code: int = 0) -> None:
+        """Wait for every process to exit with ``code`` (AssertionError with the logs otherwise)."""
         deadline = time.monotonic() + timeout
         for i, p in enumerate(self.procs):
             try:
                 rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"{self.tag}.{i} still running after {timeout} s\n" + self.tail(i)) from None
-            assert rc == 0, f"{self.tag}.{i} exited with {rc}\n" + "\n".join(self.tail(j) for j in range(self.num))
+            assert rc == code, f"{self.tag}.{i} exited with {rc}\n" + "\n".join(self.tail(j) for j in range(self.num))
 
     def wait_for_line(self, i: int, text: str, timeout: float) -> None:
         """Poll process ``i``'s log until a line contains ``text``."""

@@ -10,6 +10,10 @@ Modes (JSON fields in brackets):
   without an async save in between (benchmark of the blocked time).
 * ``restore`` [jobs: overrides, ckpt, seed]: restore onto this job's mesh and
   compare every shard with the values of ``seed`` bit for bit.
+* ``fit`` [overrides, crash_at]: ``Trainer.fit`` (checkpoints on); with
+  ``crash_at``, every process exits with code 17 at that step, once the
+  previous step's local checkpoint is on disk; prints ``RESULT`` with where
+  it resumed from and a SHA-256 of the whole final state.
 * ``kill`` [ckpt, phase, keep]: commit steps 1 and 2 of a synthetic state,
   then start step 3 and stall in ``phase`` ("write": orbax's array writes,
   "checksum": jaxdist's commit) on process 1, printing ``SAVING 3`` /
@@ -151,6 +155,37 @@ def synthetic_state(step: int, mesh) -> dict:
             "s": jax.jit(lambda: jnp.int32(step), out_shardings=NamedSharding(mesh, P()))()}
 
 
+def mode_fit(spec) -> None:
+    import hashlib
+    import os
+
+    from jaxdist.config import load_config
+    from jaxdist.train.trainer import Trainer
+    from jax.experimental import multihost_utils
+
+    cfg = load_config(None, ["train.progress=false", "train.tensorboard=false", "train.eval_every=0", *spec["overrides"]])
+    with Trainer(cfg) as t:
+        crash_at = spec.get("crash_at")
+
+        def crash(tr, step, _):
+            if step == crash_at:
+                tr.local.wait()
+                print(f"CRASH {step}", flush=True)
+                os._exit(17)
+
+        t.add_hook(crash)
+        t.init_state()
+        resumed = t.resumed_from
+        print(f"RESUMED {json.dumps(resumed)}", flush=True)
+        t.fit()
+        digest = hashlib.sha256()
+        for name, leaf in named_leaves(multihost_utils.process_allgather(t.state, tiled=True)):
+            digest.update(name.encode() + np.ascontiguousarray(leaf).tobytes())
+        result({"resumed_from": resumed, "digest": digest.hexdigest(), "step": int(jax.device_get(t.state["step"])),
+                "shift": t.local.shift if t.local else None,
+                "local_steps": sorted(t.local._own_steps()) if t.local else None})
+
+
 def mode_kill(spec) -> None:
     n = jax.device_count()
     mesh = jax.make_mesh((2, n // 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -186,5 +221,5 @@ def mode_kill(spec) -> None:
 
 
 if __name__ == "__main__":
-    {"save": mode_save, "steps": mode_steps, "restore": mode_restore, "kill": mode_kill}[sys.argv[1]](
+    {"save": mode_save, "steps": mode_steps, "restore": mode_restore, "kill": mode_kill, "fit": mode_fit}[sys.argv[1]](
         json.loads(sys.argv[2]))

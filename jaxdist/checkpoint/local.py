@@ -1,0 +1,375 @@
+"""The fast tier: a checkpoint every step on node-local disk, replicated to one peer node.
+
+Writing the whole train state to shared storage every step is too slow for a
+large job; losing up to ``checkpoint.every`` steps on every failure is too
+costly.  :class:`LocalTier` sits between: every ``checkpoint.local_every``
+steps each process
+
+* copies the shards its devices hold (each distinct piece once) to the host
+  and packs them, with the step's metadata, into one payload;
+* sends that payload to the process ``shift`` ranks on, which runs on another
+  node (a collective-permute over one device per process: the job's own
+  interconnect, no extra service), and receives the payload of the process
+  ``shift`` ranks back;
+* writes both to its node-local directory in a background thread
+  (``<dir>/<step>/r<data rank>.w<writer rank>.bin`` and a ``.json`` marker
+  with size, CRC-32 and the layout's signature, written last, atomically).
+
+So after a node is lost, its ranks' shards still exist on the next node.  A
+restore (collective, all processes) agrees on the newest step that every rank
+can get -- from its own node, or from the peer holding its replica, which
+sends it back the same way -- and rebuilds the arrays on the same mesh and
+process layout (the layout signature must match; anything else goes through
+the persistent tier).  Two neighbouring nodes lost together, a changed mesh or
+a damaged file make that step unavailable, and the Trainer falls back to the
+persistent checkpoint.  Steps newer than the one restored are deleted: they
+belong to a future the job abandoned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxdist.checkpoint.writer import named_leaves
+
+log = logging.getLogger(__name__)
+
+FORMAT = "jaxdist-local-v1"
+MAX_STEPS = 16  # newest local steps a process reports when the group agrees on a restore step
+CHUNK_BYTES = 256 * 2**20  # largest block sent in one collective
+_ALIGN = 64 * 2**10  # payload lengths are rounded up to this, so a few compiled shapes serve every step
+_HEADER = 8  # bytes: length of the JSON metadata that opens a payload
+
+Index = tuple[tuple[int, int], ...]
+
+
+def node_name() -> str:
+    """This node's name: ``$JAXDIST_NODE`` (set by the node agent), else the host name."""
+    return os.environ.get("JAXDIST_NODE") or socket.gethostname()
+
+
+def resolve_dir(template: str, run_name: str) -> Path:
+    """``checkpoint.local_dir`` with ``{node}`` replaced, plus the run's own sub-folder."""
+    return Path(template.replace("{node}", node_name())).expanduser().absolute() / run_name
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    name: str
+    index: Index
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def _index(slices: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+    return tuple(s.indices(n)[:2] for s, n in zip(slices, shape))
+
+
+def _entries(tree: Any) -> list[_Entry]:
+    """The distinct pieces this process's devices hold, in a fixed order (arrays or ShapeDtypeStructs)."""
+    out = []
+    for name, leaf in named_leaves(tree):
+        shape = tuple(leaf.shape)
+        idx = {_index(s, shape) for s in leaf.sharding.addressable_devices_indices_map(shape).values()}
+        for i in sorted(idx):
+            out.append(_Entry(name, i, tuple(b - a for a, b in i), np.dtype(leaf.dtype)))
+    return out
+
+
+def signature(tree: Any) -> str:
+    """A hash of every array's name, shape, dtype and placement (mesh axes, device ids, spec) and the process count."""
+    parts: list[Any] = [jax.process_count()]
+    for name, leaf in named_leaves(tree):
+        sh = leaf.sharding
+        devices = [[d.id, d.process_index] for d in np.ravel(sh.mesh.devices)] if hasattr(sh, "mesh") else []
+        parts.append([name, list(leaf.shape), str(np.dtype(leaf.dtype)), str(getattr(sh, "spec", sh)),
+                      list(getattr(getattr(sh, "mesh", None), "axis_names", ())), devices])
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
+@dataclasses.dataclass
+class LocalStats:
+    """One local save: seconds the caller was blocked (host copy + replication), bytes sent, background seconds."""
+
+    step: int
+    blocked_s: float
+    replicate_s: float
+    payload_bytes: int
+    background_s: float | None = None
+
+
+class LocalTier:
+    """Per-node checkpoints of one run under ``directory`` (node-local); all processes call save/restore together.
+
+    ``keep``: newest steps kept on disk per process (at least 1).  Replication
+    needs processes on at least two nodes; on one node the tier still saves
+    (a restarted process finds its files) but a lost node loses them.
+    """
+
+    def __init__(self, directory: str | Path, keep: int = 2):
+        if keep < 1:
+            raise ValueError("checkpoint.local_keep must be at least 1")
+        self.directory, self.keep = Path(directory), keep
+        self.rank, self.num = jax.process_index(), jax.process_count()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.shift = self._peer_shift()
+        self.stats: list[LocalStats] = []
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._mesh_sharding = None
+        self._roll_fns: dict[int, Any] = {}
+
+    # ------------------------------------------------------------------ peers
+
+    def _peer_shift(self) -> int:
+        """Smallest k >= 1 with rank r+k on another node than r for every r (0: all on one node)."""
+        if self.num == 1:
+            return 0
+        from jax.experimental import multihost_utils
+
+        mine = np.frombuffer(hashlib.sha256(node_name().encode()).digest()[:8], np.int64)
+        nodes = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
+        for k in range(1, self.num):
+            if all(nodes[r] != nodes[(r + k) % self.num] for r in range(self.num)):
+                return k
+        return 0
+
+    @property
+    def source(self) -> int | None:
+        """The rank whose replica this process keeps (None without replication)."""
+        return (self.rank - self.shift) % self.num if self.shift else None
+
+    def _roll(self, payload: np.ndarray, shift: int) -> np.ndarray:
+        """Send ``payload`` to rank+shift; return what rank-shift sent (collective: every process calls it)."""
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+        if self._mesh_sharding is None:
+            firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
+                      for p in range(self.num)]
+            self._mesh_sharding = NamedSharding(Mesh(np.array(firsts), ("process",)), P("process"))
+        sh = self._mesh_sharding
+        if shift not in self._roll_fns:
+            self._roll_fns[shift] = jax.jit(lambda x: jax.numpy.roll(x, shift, axis=0), out_shardings=sh)
+        roll = self._roll_fns[shift]
+        sizes = self._allgather(np.array([payload.size], np.int64))[:, 0]
+        length, total = int(sizes[(self.rank - shift) % self.num]), int(sizes.max())  # one shape on every process
+        width = min(CHUNK_BYTES, -(-max(total, 1) // _ALIGN) * _ALIGN)
+        out = np.empty(-(-total // width) * width, np.uint8)
+        for off in range(0, out.size, width):
+            block = np.zeros((1, width), np.uint8)
+            part = payload[off:off + width]
+            block[0, :part.size] = part
+            arr = jax.make_array_from_process_local_data(sh, block, (self.num, width))
+            out[off:off + width] = np.asarray(roll(arr).addressable_shards[0].data)[0]
+        return out[:length]
+
+    def _allgather(self, values: np.ndarray) -> np.ndarray:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(values)).reshape(self.num, *values.shape)
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
+        """Copy ``state`` to the host, replicate it to the peer and write both in the background."""
+        self._finish_previous()
+        t0 = time.perf_counter()
+        entries = _entries(state)
+        named = dict(named_leaves(state))
+        pieces = {(n, _index(s.index, named[n].shape)): s.data for n, a in named.items()
+                  for s in a.addressable_shards}
+        host = jax.device_get([pieces[(e.name, e.index)] for e in entries])
+        sig = signature(state)
+        payload = _pack(meta, host)
+        t1 = time.perf_counter()
+        replica, t2 = None, t1
+        if self.shift:
+            replica = self._roll(payload, self.shift)
+            t2 = time.perf_counter()
+        stats = LocalStats(step, t2 - t0, t2 - t1, int(payload.size))
+        self.stats.append(stats)
+        files = [(self.rank, payload)] + ([(self.source, replica)] if replica is not None else [])
+        self._thread = threading.Thread(target=self._write, args=(step, sig, files, stats, t0),
+                                        name=f"jaxdist-local-{step}", daemon=True)
+        self._thread.start()
+
+    def _write(self, step: int, sig: str, files: list[tuple[int, np.ndarray]], stats: LocalStats, t0: float) -> None:
+        try:
+            folder = self.directory / str(step)
+            folder.mkdir(parents=True, exist_ok=True)
+            for data_rank, payload in files:
+                stem = f"r{data_rank}.w{self.rank}"
+                _write_atomic(folder / f"{stem}.bin", payload.tobytes())
+                marker = {"format": FORMAT, "step": step, "rank": data_rank, "writer": self.rank, "signature": sig,
+                          "bytes": int(payload.size), "crc32": zlib.crc32(payload)}
+                _write_atomic(folder / f"{stem}.json", json.dumps(marker).encode())
+            self._collect_garbage()
+            stats.background_s = time.perf_counter() - t0 - stats.blocked_s
+        except BaseException as e:  # reported by the next save/wait on the main thread
+            log.error("local checkpoint of step %d in %s failed: %s", step, self.directory, e)
+            self._error = e
+
+    def _collect_garbage(self) -> None:
+        steps = sorted(self._own_steps())
+        for s in steps[:-self.keep]:
+            self._remove_step(s)
+
+    def _own_steps(self) -> set[int]:
+        return {int(p.name) for p in self.directory.iterdir() if p.name.isdigit()
+                and any(p.glob(f"r*.w{self.rank}.json"))}
+
+    def _remove_step(self, step: int) -> None:
+        folder = self.directory / str(step)
+        for f in folder.glob(f"r*.w{self.rank}.*"):
+            f.unlink(missing_ok=True)
+        try:
+            folder.rmdir()  # only once no other writer's files are left in it
+        except OSError:
+            pass
+
+    def _finish_previous(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise RuntimeError(f"a local checkpoint save in {self.directory} failed: {e}") from e
+
+    def wait(self) -> None:
+        """Block until the background write has finished; raises if it failed."""
+        self._finish_previous()
+
+    def close(self) -> None:
+        self._finish_previous()
+
+    # ------------------------------------------------------------------ restore
+
+    def _available(self, sig: str) -> dict[int, dict[int, Path]]:
+        """{data rank: {step: .bin path}} of this process's good files (own rank and its replica's source)."""
+        found: dict[int, dict[int, Path]] = {}
+        wanted = {self.rank, self.source}
+        for marker in self.directory.glob("*/r*.w*.json"):
+            try:
+                m = json.loads(marker.read_text())
+                step, rank = int(m["step"]), int(m["rank"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            if m.get("format") != FORMAT or m.get("signature") != sig or rank not in wanted:
+                continue
+            data = marker.with_name(marker.name[:-len(".json")] + ".bin")
+            try:
+                ok = data.stat().st_size == m["bytes"] and zlib.crc32(data.read_bytes()) == m["crc32"]
+            except OSError:
+                ok = False
+            if not ok:
+                log.warning("local checkpoint file %s does not match its size or checksum; not using it", data)
+                continue
+            found.setdefault(rank, {})[step] = data
+        return found
+
+    def restore(self, abstract_state: Any, newer_than: int = -1) -> tuple[Any, dict[str, Any]] | None:
+        """(state, meta) of the newest step every rank can get, if newer than ``newer_than``; else None.
+
+        Collective.  ``abstract_state``: ShapeDtypeStructs with shardings, as
+        :meth:`~jaxdist.train.trainer.Trainer.abstract_state` gives.
+        """
+        self._finish_previous()
+        sig = signature(abstract_state)
+        avail = self._available(sig)
+        own = sorted(avail.get(self.rank, {}), reverse=True)[:MAX_STEPS]
+        rep = sorted(avail.get(self.source, {}), reverse=True)[:MAX_STEPS] if self.source is not None else []
+        table = np.full((2, MAX_STEPS), -1, np.int64)
+        table[0, :len(own)], table[1, :len(rep)] = own, rep
+        everyone = self._allgather(table) if self.num > 1 else table[None]
+        has_own = [set(everyone[r, 0]) - {-1} for r in range(self.num)]
+        # rank r's replica is held by rank r + shift
+        has_rep = [set(everyone[(r + self.shift) % self.num, 1]) - {-1} if self.shift else set()
+                   for r in range(self.num)]
+        feasible = [s for s in set().union(*has_own, *has_rep)
+                    if s > newer_than and all(s in has_own[r] or s in has_rep[r] for r in range(self.num))]
+        if not feasible:
+            return None
+        step = max(feasible)
+        need = [step not in has_own[r] for r in range(self.num)]
+        t0 = time.perf_counter()
+        payload = None if need[self.rank] else np.fromfile(avail[self.rank][step], np.uint8)
+        if any(need):  # the holders send replicas back to the ranks that lost theirs
+            send = (np.fromfile(avail[self.source][step], np.uint8)
+                    if self.source is not None and need[self.source] else np.zeros(0, np.uint8))
+            got = self._roll(send, -self.shift)
+            if need[self.rank]:
+                payload = got
+        meta, arrays = _unpack(payload, _entries(abstract_state))
+        state = _build(abstract_state, arrays)
+        self._remove_newer(step)
+        log.info("restored step %d from the local tier in %s (%.2f s; from peers: ranks %s)", step,
+                 self.directory, time.perf_counter() - t0, [r for r in range(self.num) if need[r]] or "none")
+        return state, meta
+
+    def _remove_newer(self, step: int) -> None:
+        for s in self._own_steps():
+            if s > step:
+                self._remove_step(s)
+
+    def clear(self) -> None:
+        """Delete this process's files (a run that starts over must not restore an older run's steps)."""
+        self._finish_previous()
+        for s in self._own_steps():
+            self._remove_step(s)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _pack(meta: dict[str, Any], arrays: list[np.ndarray]) -> np.ndarray:
+    head = json.dumps(meta).encode()
+    head += b" " * (-(len(head) + _HEADER) % 16)  # arrays start 16-byte aligned
+    parts = [np.frombuffer(len(head).to_bytes(_HEADER, "little"), np.uint8), np.frombuffer(head, np.uint8)]
+    parts += [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    return np.concatenate(parts)
+
+
+def _unpack(payload: np.ndarray, entries: list[_Entry]) -> tuple[dict[str, Any], dict[tuple[str, Index], np.ndarray]]:
+    n = int.from_bytes(payload[:_HEADER].tobytes(), "little")
+    meta = json.loads(payload[_HEADER:_HEADER + n].tobytes())
+    off, arrays = _HEADER + n, {}
+    for e in entries:
+        arrays[(e.name, e.index)] = payload[off:off + e.nbytes].view(e.dtype).reshape(e.shape)
+        off += e.nbytes
+    if off != payload.size:
+        raise ValueError(f"a local checkpoint payload holds {payload.size} bytes where this layout needs {off}")
+    return meta, arrays
+
+
+def _build(abstract_state: Any, arrays: dict[tuple[str, Index], np.ndarray]) -> Any:
+    names = iter(name for name, _ in named_leaves(abstract_state))
+
+    def one(leaf):
+        name, shape = next(names), tuple(leaf.shape)
+        return jax.make_array_from_callback(shape, leaf.sharding, lambda s: arrays[(name, _index(s, shape))])
+
+    return jax.tree.map(one, abstract_state)

@@ -1,0 +1,122 @@
+"""The fast local tier in one process (8 devices): resume from it, fall back from it, never reuse a stale one.
+
+The multi-node part (replication to a peer node, a replaced node restored
+from its peer) is in test_local_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdist.config import ConfigError, load_config
+from jaxdist.train.metrics import read_metrics
+from jaxdist.train.trainer import Trainer
+
+STEPS = 10
+
+
+def config(tmp_path, name, extra=()):
+    return load_config(None, [
+        "model=tiny", f"train.steps={STEPS}", "train.seq_len=32", "train.batch_size=8",
+        "train.log_every=5", "train.eval_every=0", "train.eval_batches=1", "train.progress=false",
+        "train.tensorboard=false", "checkpoint.every=4", "data.max_bytes=400000",
+        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.warmup_steps=3",
+        f"train.runs_dir={tmp_path}", f"train.name={name}",
+        f"checkpoint.local_dir={tmp_path}/local/{{node}}", *extra])
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at(step):
+    def hook(t, done, _):
+        if done == step:
+            t.local.wait()  # the previous step's local files are on disk, this step's state is not saved
+            raise Crash(done)
+    return hook
+
+
+def run_until_crash(cfg, step):
+    t = Trainer(cfg)
+    t.add_hook(crash_at(step))
+    with pytest.raises(Crash):
+        t.fit()
+    t.close()
+    return t
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref")
+    with Trainer(config(tmp, "full", ["checkpoint.local_dir="])) as t:
+        t.fit()
+        return jax.device_get(t.state), [(r["step"], r["loss"]) for r in read_metrics(tmp / "full")]
+
+
+def test_resume_from_local_tier_is_bit_identical(tmp_path, reference):
+    full, losses = reference
+    cfg = config(tmp_path, "crash")
+    t = run_until_crash(cfg, 8)  # persistent at 4; local at 5, 6, 7 (keep 2: 6 and 7 on disk)
+    assert t.checkpointer.latest_step() == 4
+    assert sorted(t.local._own_steps()) == [6, 7]
+    stats = t.local.stats
+    assert [s.step for s in stats] == [1, 2, 3, 5, 6, 7] and all(s.replicate_s == 0 for s in stats)
+
+    with Trainer(config(tmp_path, "crash")) as t2:
+        t2.init_state()
+        assert int(t2.state["step"]) == 7 and t2.resumed_from == ("local", 7)
+        t2.fit()
+        resumed = jax.device_get(t2.state)
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(a, b)
+    logged = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "crash")]
+    assert sorted(set(logged)) == losses  # the same loss at every step, step 8 (lost in the crash) twice
+    assert len(logged) == len(losses) + 1 and [s for s, _ in logged].count(8) == 2
+
+
+def test_damaged_or_foreign_local_files_fall_back(tmp_path, reference):
+    cfg = config(tmp_path, "damaged")
+    t = run_until_crash(cfg, 7)  # local 5 and 6 on disk, persistent 4
+    newest = sorted(t.local.directory.glob("6/r0.w0.bin"))
+    assert newest
+    data = bytearray(newest[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest[0].write_bytes(bytes(data))
+    with Trainer(config(tmp_path, "damaged")) as t2:
+        t2.init_state()
+        assert t2.resumed_from == ("local", 5)  # step 6 failed its checksum: the older local step
+    # Another mesh: the local files do not fit it; the persistent checkpoint (any mesh) is used.
+    other = ["mesh.data=4", "mesh.fsdp=2", "mesh.tensor=1"]
+    with Trainer(config(tmp_path, "damaged", other)) as t3:
+        t3.init_state()
+        assert t3.resumed_from == ("persistent", 4)
+
+
+def test_a_fresh_start_clears_the_local_tier(tmp_path):
+    run_until_crash(config(tmp_path, "fresh"), 3)
+    with Trainer(config(tmp_path, "fresh", ["checkpoint.resume=false"])) as t:
+        assert t.local._own_steps() == {1, 2}
+        t.init_state()
+        assert int(t.state["step"]) == 0 and t.local._own_steps() == set()
+
+
+def test_local_tier_config_errors(tmp_path):
+    from jaxdist.config_checks import validate
+
+    with pytest.raises(ConfigError, match="local_every"):
+        validate(config(tmp_path, "x", ["checkpoint.local_every=0"]), 8)
+    with pytest.raises(ConfigError, match="checkpoint.enabled"):
+        validate(config(tmp_path, "x", ["checkpoint.enabled=false"]), 8)
+
+
+def test_marker_records_size_crc_and_layout(tmp_path):
+    t = run_until_crash(config(tmp_path, "marker"), 2)
+    marker = json.loads(next(t.local.directory.glob("1/r0.w0.json")).read_text())
+    assert marker["step"] == 1 and marker["rank"] == 0 and marker["writer"] == 0
+    assert marker["bytes"] == (t.local.directory / "1" / "r0.w0.bin").stat().st_size
+    assert len(marker["signature"]) == 32
