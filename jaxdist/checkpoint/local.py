@@ -143,10 +143,8 @@ class LocalTier:
         """Smallest k >= 1 with rank r+k on another node than r for every r (0: all on one node)."""
         if self.num == 1:
             return 0
-        from jax.experimental import multihost_utils
-
         mine = np.frombuffer(hashlib.sha256(node_name().encode()).digest()[:8], np.int64)
-        nodes = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1)
+        nodes = self._allgather(mine).reshape(-1)
         for k in range(1, self.num):
             if all(nodes[r] != nodes[(r + k) % self.num] for r in range(self.num)):
                 return k
@@ -182,9 +180,12 @@ class LocalTier:
         return out[:length]
 
     def _allgather(self, values: np.ndarray) -> np.ndarray:
+        """Every process's int64 ``values`` (sent as bytes: without jax_enable_x64 JAX would narrow them)."""
         from jax.experimental import multihost_utils
 
-        return np.asarray(multihost_utils.process_allgather(values)).reshape(self.num, *values.shape)
+        raw = np.ascontiguousarray(values, np.int64).reshape(-1).view(np.uint8)
+        got = np.asarray(multihost_utils.process_allgather(raw)).reshape(self.num, -1)
+        return np.ascontiguousarray(got).view(np.int64).reshape(self.num, *values.shape)
 
     # ------------------------------------------------------------------ save
 
