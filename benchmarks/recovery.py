@@ -2,7 +2,8 @@
 
 Real processes on this machine: a controller, ``--nodes`` node agents (one
 more as a standby) and JAX workers of ``--devices`` simulated CPU devices each
-(the tiny model, a checkpoint every step).  Into one running job per mode,
+(the tiny model; a checkpoint every step in the fast node-local tier, every
+50 steps in the run directory).  Into one running job per mode,
 ``--injections`` failures are injected one after the other, each at a random
 step of a random rank (rank 0 included): SIGKILL, and every ``--stop-every``-th
 a SIGSTOP (a hang, found by heartbeat timeout).
@@ -42,7 +43,8 @@ from jaxdist.controller.state import read_events
 from jaxdist.controller.timeline import recoveries, summary
 
 COMMON = ["model=tiny", "train.batch_size=16", "train.seq_len=32", "data.max_bytes=300000",
-          "train.progress=false", "train.tensorboard=false", "checkpoint.every=1", "train.log_every=1",
+          "train.progress=false", "train.tensorboard=false", "checkpoint.every=50", "train.log_every=1",
+          "checkpoint.local_dir=local/{node}", "checkpoint.local_every=1",
           "train.eval_every=0", "train.eval_batches=1", "train.runs_dir=runs"]
 
 
@@ -115,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 def report(cwd: Path, modes: list[str], nodes: int, devices: int) -> None:
     """Print the tables from the runs under ``cwd`` (``runs/cold``, ``runs/bench-<mode>``)."""
     results = {m: recoveries(cwd / "runs" / f"bench-{m}") for m in modes}
-    print(f"\nrecovery, {nodes} nodes x {devices} CPU devices + 1 standby, tiny model, checkpoint every step; "
+    print(f"\nrecovery, {nodes} nodes x {devices} CPU devices + 1 standby, tiny model, local checkpoint every step; "
           "each cell median / p90 / max (n)")
     print(f"{'':<34}" + "".join(f"{m:<34}" for m in modes))
     metrics = [("time to detect (s)", "detect_s", None, ".2f"),
@@ -126,6 +128,11 @@ def report(cwd: Path, modes: list[str], nodes: int, devices: int) -> None:
     for label, key, sig, fmt in metrics:
         cells = [_cell([r[key] for r in results[m] if sig is None or r["signal"] == sig], fmt) for m in modes]
         print(f"{label:<34}" + "".join(f"{c:<34}" for c in cells))
+    cells = []
+    for m in modes:
+        tiers = [r.get("resumed_from") for r in results[m]]
+        cells.append(", ".join(f"{t} {tiers.count(t)}" for t in sorted(set(tiers), key=str)))
+    print(f"{'restored from (checkpoint tier)':<34}" + "".join(f"{c:<34}" for c in cells))
     print("targets: detect <= 2 s, detection -> first step <= 10 s, <= 1 step lost")
 
     first = read_events(cwd / "runs" / f"bench-{modes[0]}" / "controller" / "events.jsonl")

@@ -154,7 +154,8 @@ class WorkerAgent:
         info: dict[str, Any] = {"step": int(step), "tokens_per_s": float(metrics.get("tokens_per_s", 0.0)),
                                 "step_time": float(metrics.get("step_time", 0.0)), "step_at": now}
         if self._first_step:  # hooks run after every step, so the first call is the first step of this process
-            info.update(state="training", resume_step=int(step) - 1)
+            source = getattr(trainer, "resumed_from", None)  # ("local" | "persistent", step) or None
+            info.update(state="training", resume_step=int(step) - 1, resumed_from=source[0] if source else "init")
             self._first_step = False
         self.update(**info)
         if trainer is not None and self._info["rank"] == 0:

@@ -191,7 +191,7 @@ class Controller(GenerationLifecycle):
             w.warm_at = now
         w.state, w.gen, w.rank, w.step = str(msg["state"]), int(msg["gen"]), int(msg["rank"]), int(msg["step"])
         w.resume_step, w.tokens_per_s = msg.get("resume_step"), float(msg.get("tokens_per_s", 0.0))
-        for k in ("versions", "cache_hits", "cache_misses", "mesh_device_order", "step_time"):
+        for k in ("versions", "cache_hits", "cache_misses", "mesh_device_order", "step_time", "resumed_from"):
             if k in msg:
                 w.info[k] = msg[k]
         s = self.state
@@ -217,6 +217,7 @@ class Controller(GenerationLifecycle):
         self.rates, self.rate_step = [], 0
         members = [self._member_worker(r) for r in self.state.members]
         self.events.add("first_step", gen=g.gen, step=w.step, resume_step=g.resume_step,
+                        resumed_from=w.info.get("resumed_from"),
                         since_assign_s=g.first_step_at - g.assigned_at,
                         cache_hits=[m.info.get("cache_hits") if m else None for m in members],
                         cache_misses=[m.info.get("cache_misses") if m else None for m in members])

@@ -28,7 +28,8 @@ def recoveries(run_dir: str | Path) -> list[dict[str, Any]]:
 
     ``detect_s``: injection to detection (seconds; None without a recorded injection),
     ``to_first_step_s``: detection to the first step of the next generation (seconds),
-    ``lost_steps``: steps the failed generation completed beyond the checkpoint the next one resumed from.
+    ``lost_steps``: steps the failed generation completed beyond the checkpoint the next one resumed from,
+    ``resumed_from``: "local" (the node-local tier), "persistent" or "init".
     """
     ctl = Path(run_dir) / "controller"
     events = read_events(ctl / "events.jsonl")
@@ -48,7 +49,8 @@ def recoveries(run_dir: str | Path) -> list[dict[str, Any]]:
                      "signal": inj["signal"] if inj else None,
                      "detect_s": f["time"] - inj["time"] if inj else None,
                      "to_first_step_s": nxt["time"] - f["time"] if nxt else None,
-                     "lost_steps": lost, "resume_step": nxt["resume_step"] if nxt else None, "swapped": swapped})
+                     "lost_steps": lost, "resume_step": nxt["resume_step"] if nxt else None, "swapped": swapped,
+                     "resumed_from": nxt.get("resumed_from") if nxt else None})
     return rows
 
 

@@ -10,6 +10,10 @@ Two jobs of the same cluster setup run one after the other under the controller:
   After the fifth recovery the controller itself is killed and restarted; the
   job trains on meanwhile.
 
+Both save to the fast node-local tier every step (``local/<node>/``) and to
+the run directory every 8 steps: a failed rank's new node has no local files
+and gets its shards back from the node holding their replica.
+
 The faulty job's final parameters must equal the reference's bit for bit, its
 per-step losses too (every generation's, the recomputed steps included), and
 its generations must together have trained each batch exactly once.
@@ -34,7 +38,8 @@ from .helpers import listening
 STEPS = 80  # at most ~5 steps per injection and ~10 while the controller is away: room to spare
 INJECTIONS = 10
 COMMON = ["model=tiny", "mesh.cluster=cpu-4x2", "mesh.fsdp=2", "train.batch_size=16", "train.seq_len=32",
-          "data.max_bytes=300000", "train.progress=false", "train.tensorboard=false", "checkpoint.every=1",
+          "data.max_bytes=300000", "train.progress=false", "train.tensorboard=false", "checkpoint.every=8",
+          "checkpoint.local_dir=local/{node}", "checkpoint.local_every=1",
           "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.runs_dir=runs",
           "controller.min_nodes=4", "controller.max_nodes=4"]
 JOB_TIMEOUT = 600
@@ -141,8 +146,10 @@ def test_every_batch_trained_once_with_the_reference_losses(jobs):
     reference = dict(ref_segs[0])
     assert len(segs) == INJECTIONS + 1, [[s for s, _ in g] for g in segs]  # one generation more than failures
     assert lineage([(g[0][0] - 1, g[-1][0]) for g in segs], STEPS) == list(range(STEPS))
-    resumes = [e["resume_step"] for e in _events(jobs["faulty"], "first_step")]
-    assert resumes == [g[0][0] - 1 for g in segs]
+    firsts = _events(jobs["faulty"], "first_step")
+    assert [e["resume_step"] for e in firsts] == [g[0][0] - 1 for g in segs]
+    # every recovery restored from the fast local tier (a failed rank's shards from its peer's node)
+    assert [e["resumed_from"] for e in firsts] == ["init"] + ["local"] * INJECTIONS
     for g in segs:  # every step each generation trained, the recomputed ones too, has the reference loss
         for step, loss in g:
             assert loss == reference[step], (step, loss, reference[step])
