@@ -136,6 +136,7 @@ class LocalTier:
         self._error: BaseException | None = None
         self._mesh_sharding = None
         self._roll_fns: dict[int, Any] = {}
+        self._compiled: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------------ peers
 
@@ -164,12 +165,16 @@ class LocalTier:
                       for p in range(self.num)]
             self._mesh_sharding = NamedSharding(Mesh(np.array(firsts), ("process",)), P("process"))
         sh = self._mesh_sharding
-        if shift not in self._roll_fns:
-            self._roll_fns[shift] = jax.jit(lambda x: jax.numpy.roll(x, shift, axis=0), out_shardings=sh)
+        for s in (shift, -shift):
+            if s not in self._roll_fns:
+                self._roll_fns[s] = jax.jit(lambda x, s=s: jax.numpy.roll(x, s, axis=0), out_shardings=sh)
         roll = self._roll_fns[shift]
         sizes = self._allgather(np.array([payload.size], np.int64))[:, 0]
         length, total = int(sizes[(self.rank - shift) % self.num]), int(sizes.max())  # one shape on every process
         width = min(CHUNK_BYTES, -(-max(total, 1) // _ALIGN) * _ALIGN)
+        if (-shift, width) not in self._compiled:  # the way back, which a restore takes: compiled now, cached on disk
+            self._compiled.add((-shift, width))
+            self._roll_fns[-shift].lower(jax.ShapeDtypeStruct((self.num, width), np.uint8, sharding=sh)).compile()
         out = np.empty(-(-total // width) * width, np.uint8)
         for off in range(0, out.size, width):
             block = np.zeros((1, width), np.uint8)
@@ -180,12 +185,20 @@ class LocalTier:
         return out[:length]
 
     def _allgather(self, values: np.ndarray) -> np.ndarray:
-        """Every process's int64 ``values`` (sent as bytes: without jax_enable_x64 JAX would narrow them)."""
+        """Every process's int64 ``values`` (at most ``2 * MAX_STEPS``).
+
+        Sent as bytes (without jax_enable_x64 JAX would narrow int64) in one
+        fixed-size block, so a single compiled program serves every call: the
+        one a restore makes after a failure is already in the compilation cache.
+        """
         from jax.experimental import multihost_utils
 
-        raw = np.ascontiguousarray(values, np.int64).reshape(-1).view(np.uint8)
-        got = np.asarray(multihost_utils.process_allgather(raw)).reshape(self.num, -1)
-        return np.ascontiguousarray(got).view(np.int64).reshape(self.num, *values.shape)
+        flat = np.ascontiguousarray(values, np.int64).reshape(-1)
+        block = np.zeros(2 * MAX_STEPS, np.int64)
+        block[:flat.size] = flat
+        got = np.asarray(multihost_utils.process_allgather(block.view(np.uint8))).reshape(self.num, -1)
+        got = np.ascontiguousarray(got).view(np.int64)[:, :flat.size]
+        return got.reshape(self.num, *values.shape)
 
     # ------------------------------------------------------------------ save
 

@@ -215,6 +215,6 @@ def test_resubmitted_job_reuses_the_cached_setup(jobs):
     swapped = _events(faulty, "start")[1]
     assert swapped["setup"] == "built" and swapped["setup_key"] != warm["setup_key"]
     firsts = _events(faulty, "first_step")
-    # the first restore compiles its one program the uninterrupted runs never needed; the later ones find it too
-    assert firsts[1]["cache_misses"] == [1, 1, 1, 1]
-    assert all(f["cache_misses"] == [0, 0, 0, 0] for f in firsts[2:]), [f["cache_misses"] for f in firsts]
+    # every program a recovery runs (the restore's too) was compiled before the first failure: no generation
+    # compiles anything, the standby's rank included
+    assert all(f["cache_misses"] == [0, 0, 0, 0] for f in firsts[1:]), [f["cache_misses"] for f in firsts]
