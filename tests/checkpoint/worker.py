@@ -14,6 +14,11 @@ Modes (JSON fields in brackets):
   ``crash_at``, every process exits with code 17 at that step, once the
   previous step's local checkpoint is on disk; prints ``RESULT`` with where
   it resumed from and a SHA-256 of the whole final state.
+* ``tiers`` [overrides, ckpt, local, steps]: time ``steps`` training steps
+  with no checkpoint, with a persistent (orbax, async) save after every step
+  and with a local-tier save after every step; then restore both, the local
+  one with rank 2's own files deleted (a replaced node: its shards come from
+  its peer); prints ``RESULT`` with the times.
 * ``kill`` [ckpt, phase, keep]: commit steps 1 and 2 of a synthetic state,
   then start step 3 and stall in ``phase`` ("write": orbax's array writes,
   "checksum": jaxdist's commit) on process 1, printing ``SAVING 3`` /
@@ -186,6 +191,60 @@ def mode_fit(spec) -> None:
                 "local_steps": sorted(t.local._own_steps()) if t.local else None})
 
 
+def mode_tiers(spec) -> None:
+    from pathlib import Path
+
+    from jaxdist.checkpoint.local import LocalTier
+
+    with trainer_for(spec["overrides"]) as t:
+        state = train(t, 2)  # compiled and warm
+        ck = RunCheckpointer(spec["ckpt"], keep=2)
+        local = LocalTier(Path(spec["local"]) / f"rank{jax.process_index()}", keep=2)
+        for s in (1, 2):  # first saves (orbax set-up, compiling the ring transfer): not timed
+            ck.save(s, state, {"step": s})
+            local.save(s, state, {"step": s})
+        ck.wait()
+        local.wait()
+        out = {}
+        for name, save in (("none", None), ("persistent", ck.save), ("local", local.save)):
+            times = []
+            for i in range(spec["steps"]):
+                t0 = time.perf_counter()
+                state, m = t.train_step(state, t.batch(i))
+                jax.block_until_ready(m)
+                if save is not None:
+                    save(100 + i, state, {"step": 100 + i})
+                times.append(time.perf_counter() - t0)
+            ck.wait()
+            local.wait()
+            out[name] = times
+        n = spec["steps"]
+        out["persistent_blocked"] = [x.blocked_s + x.waited_s for x in ck.stats[-n:]]
+        out["persistent_background"] = [x.background_s for x in ck.stats[-n:]]
+        out["local_blocked"] = [x.blocked_s for x in local.stats[-n:]]
+        out["local_replicate"] = [x.replicate_s for x in local.stats[-n:]]
+        out["local_background"] = [x.background_s for x in local.stats[-n:]]
+        out["local_payload"] = local.stats[-1].payload_bytes
+        abstract = t.abstract_state()
+        if jax.process_index() == 2:  # rank 2's node is "replaced": its own files are gone
+            for f in local.directory.glob("*/r2.w2.*"):
+                f.unlink()
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        restored, meta = local.restore(abstract)
+        jax.block_until_ready(restored)
+        out["local_restore_s"] = time.perf_counter() - t0
+        assert meta["step"] == 99 + n and all(np.array_equal(np.asarray(a.addressable_shards[0].data),
+                                                        np.asarray(b.addressable_shards[0].data))
+                                         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
+        t0 = time.perf_counter()
+        restored, meta = ck.restore(abstract)
+        jax.block_until_ready(restored)
+        out["persistent_restore_s"] = time.perf_counter() - t0
+        ck.close()
+        result(out)
+
+
 def mode_kill(spec) -> None:
     n = jax.device_count()
     mesh = jax.make_mesh((2, n // 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -221,5 +280,6 @@ def mode_kill(spec) -> None:
 
 
 if __name__ == "__main__":
-    {"save": mode_save, "steps": mode_steps, "restore": mode_restore, "kill": mode_kill, "fit": mode_fit}[sys.argv[1]](
+    {"save": mode_save, "steps": mode_steps, "restore": mode_restore, "kill": mode_kill, "fit": mode_fit,
+     "tiers": mode_tiers}[sys.argv[1]](
         json.loads(sys.argv[2]))
