@@ -10,7 +10,9 @@ steps each process
 * sends that payload to the process ``shift`` ranks on, which runs on another
   node (a collective-permute over one device per process: the job's own
   interconnect, no extra service), and receives the payload of the process
-  ``shift`` ranks back;
+  ``shift`` ranks back.  Pieces the receiver holds itself (parameters
+  replicated over a ``data`` axis that crosses the nodes) are not sent: its
+  own file of the same step has them;
 * writes both to its node-local directory in a background thread
   (``<dir>/<step>/r<data rank>.w<writer rank>.bin`` and a ``.json`` marker
   with size, CRC-32 and the layout's signature, written last, atomically).
@@ -83,12 +85,14 @@ def _index(slices: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
     return tuple(s.indices(n)[:2] for s, n in zip(slices, shape))
 
 
-def _entries(tree: Any) -> list[_Entry]:
-    """The distinct pieces this process's devices hold, in a fixed order (arrays or ShapeDtypeStructs)."""
+def _entries(tree: Any, process: int | None = None) -> list[_Entry]:
+    """The distinct pieces ``process``'s (default: this one's) devices hold, in a fixed order."""
+    process = jax.process_index() if process is None else process
     out = []
     for name, leaf in named_leaves(tree):
         shape = tuple(leaf.shape)
-        idx = {_index(s, shape) for s in leaf.sharding.addressable_devices_indices_map(shape).values()}
+        idx = {_index(s, shape) for d, s in leaf.sharding.devices_indices_map(shape).items()
+               if d.process_index == process}
         for i in sorted(idx):
             out.append(_Entry(name, i, tuple(b - a for a, b in i), np.dtype(leaf.dtype)))
     return out
@@ -113,6 +117,7 @@ class LocalStats:
     blocked_s: float
     replicate_s: float
     payload_bytes: int
+    sent_bytes: int = 0
     background_s: float | None = None
 
 
@@ -137,6 +142,7 @@ class LocalTier:
         self._mesh_sharding = None
         self._roll_fns: dict[int, Any] = {}
         self._compiled: set[tuple[int, int]] = set()
+        self._shared: dict[tuple[str, int], set] = {}
 
     # ------------------------------------------------------------------ peers
 
@@ -150,6 +156,14 @@ class LocalTier:
             if all(nodes[r] != nodes[(r + k) % self.num] for r in range(self.num)):
                 return k
         return 0
+
+    def _shared_with_holder(self, tree: Any, sig: str, rank: int) -> set[tuple[str, Index]]:
+        """Pieces of ``rank`` that the holder of its replica (rank + shift) holds too: never sent."""
+        if (sig, rank) not in self._shared:
+            mine = {(e.name, e.index) for e in _entries(tree, rank)}
+            theirs = {(e.name, e.index) for e in _entries(tree, (rank + self.shift) % self.num)}
+            self._shared[(sig, rank)] = mine & theirs
+        return self._shared[(sig, rank)]
 
     @property
     def source(self) -> int | None:
@@ -214,11 +228,14 @@ class LocalTier:
         sig = signature(state)
         payload = _pack(meta, host)
         t1 = time.perf_counter()
-        replica, t2 = None, t1
+        replica, t2, sent = None, t1, 0
         if self.shift:
-            replica = self._roll(payload, self.shift)
-            t2 = time.perf_counter()
-        stats = LocalStats(step, t2 - t0, t2 - t1, int(payload.size))
+            shared = self._shared_with_holder(state, sig, self.rank)
+            send = payload if not shared else _pack(meta, [a for e, a in zip(entries, host)
+                                                           if (e.name, e.index) not in shared])
+            replica = self._roll(send, self.shift)
+            t2, sent = time.perf_counter(), int(send.size)
+        stats = LocalStats(step, t2 - t0, t2 - t1, int(payload.size), sent)
         self.stats.append(stats)
         files = [(self.rank, payload)] + ([(self.source, replica)] if replica is not None else [])
         self._thread = threading.Thread(target=self._write, args=(step, sig, files, stats, t0),
@@ -314,9 +331,13 @@ class LocalTier:
         table[0, :len(own)], table[1, :len(rep)] = own, rep
         everyone = self._allgather(table) if self.num > 1 else table[None]
         has_own = [set(everyone[r, 0]) - {-1} for r in range(self.num)]
-        # rank r's replica is held by rank r + shift
-        has_rep = [set(everyone[(r + self.shift) % self.num, 1]) - {-1} if self.shift else set()
-                   for r in range(self.num)]
+        has_rep = []  # rank r's replica is held by rank r + shift; shared pieces are in that rank's own file
+        for r in range(self.num):
+            holder = (r + self.shift) % self.num
+            steps = set(everyone[holder, 1]) - {-1} if self.shift else set()
+            if steps and self._shared_with_holder(abstract_state, sig, r):
+                steps &= has_own[holder]
+            has_rep.append(steps)
         feasible = [s for s in set().union(*has_own, *has_rep)
                     if s > newer_than and all(s in has_own[r] or s in has_rep[r] for r in range(self.num))]
         if not feasible:
@@ -326,8 +347,9 @@ class LocalTier:
         t0 = time.perf_counter()
         payload = None if need[self.rank] else np.fromfile(avail[self.rank][step], np.uint8)
         if any(need):  # the holders send replicas back to the ranks that lost theirs
-            send = (np.fromfile(avail[self.source][step], np.uint8)
-                    if self.source is not None and need[self.source] else np.zeros(0, np.uint8))
+            send = np.zeros(0, np.uint8)
+            if self.source is not None and need[self.source]:
+                send = self._replica_payload(abstract_state, sig, avail, step)
             got = self._roll(send, -self.shift)
             if need[self.rank]:
                 payload = got
@@ -337,6 +359,17 @@ class LocalTier:
         log.info("restored step %d from the local tier in %s (%.2f s; from peers: ranks %s)", step,
                  self.directory, time.perf_counter() - t0, [r for r in range(self.num) if need[r]] or "none")
         return state, meta
+
+    def _replica_payload(self, abstract_state: Any, sig: str, avail: dict, step: int) -> np.ndarray:
+        """The whole payload of ``self.source`` at ``step``: its replica file plus the pieces shared with this rank."""
+        stored = np.fromfile(avail[self.source][step], np.uint8)
+        shared = self._shared_with_holder(abstract_state, sig, self.source)
+        if not shared:
+            return stored
+        theirs = _entries(abstract_state, self.source)
+        meta, sent = _unpack(stored, [e for e in theirs if (e.name, e.index) not in shared])
+        _, mine = _unpack(np.fromfile(avail[self.rank][step], np.uint8), _entries(abstract_state))
+        return _pack(meta, [sent[k] if k in sent else mine[k] for k in ((e.name, e.index) for e in theirs)])
 
     def _remove_newer(self, step: int) -> None:
         for s in self._own_steps():
@@ -351,11 +384,12 @@ class LocalTier:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Write under a temporary name, then rename.  No fsync: a crashed process leaves the page cache
+    intact, a crashed node is replaced (its data comes from the peer), and a file torn by a reboot
+    fails its CRC-32 and is not used."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -225,6 +225,7 @@ def mode_tiers(spec) -> None:
         out["local_replicate"] = [x.replicate_s for x in local.stats[-n:]]
         out["local_background"] = [x.background_s for x in local.stats[-n:]]
         out["local_payload"] = local.stats[-1].payload_bytes
+        out["local_sent"] = local.stats[-1].sent_bytes
         abstract = t.abstract_state()
         if jax.process_index() == 2:  # rank 2's node is "replaced": its own files are gone
             for f in local.directory.glob("*/r2.w2.*"):
