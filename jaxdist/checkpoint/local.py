@@ -170,8 +170,13 @@ class LocalTier:
         """The rank whose replica this process keeps (None without replication)."""
         return (self.rank - self.shift) % self.num if self.shift else None
 
-    def _roll(self, payload: np.ndarray, shift: int) -> np.ndarray:
-        """Send ``payload`` to rank+shift; return what rank-shift sent (collective: every process calls it)."""
+    def _roll(self, payload: np.ndarray, shift: int, full: int = 0) -> np.ndarray:
+        """Send ``payload`` to rank+shift; return what rank-shift sent (collective: every process calls it).
+
+        ``full`` (saves): this process's whole payload size (a save sends less when the peer holds
+        pieces itself); the way back, which a restore takes with whole payloads, is compiled for it
+        now, so that a recovering job finds it in the compilation cache.
+        """
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
         if self._mesh_sharding is None:
@@ -183,12 +188,13 @@ class LocalTier:
             if s not in self._roll_fns:
                 self._roll_fns[s] = jax.jit(lambda x, s=s: jax.numpy.roll(x, s, axis=0), out_shardings=sh)
         roll = self._roll_fns[shift]
-        sizes = self._allgather(np.array([payload.size], np.int64))[:, 0]
-        length, total = int(sizes[(self.rank - shift) % self.num]), int(sizes.max())  # one shape on every process
-        width = min(CHUNK_BYTES, -(-max(total, 1) // _ALIGN) * _ALIGN)
-        if (-shift, width) not in self._compiled:  # the way back, which a restore takes: compiled now, cached on disk
-            self._compiled.add((-shift, width))
-            self._roll_fns[-shift].lower(jax.ShapeDtypeStruct((self.num, width), np.uint8, sharding=sh)).compile()
+        sizes = self._allgather(np.array([payload.size, max(full, payload.size)], np.int64))
+        length, total = int(sizes[(self.rank - shift) % self.num, 0]), int(sizes[:, 0].max())  # one shape everywhere
+        width = _width(total)
+        back = _width(int(sizes[:, 1].max()))
+        if full and (-shift, back) not in self._compiled:
+            self._compiled.add((-shift, back))
+            self._roll_fns[-shift].lower(jax.ShapeDtypeStruct((self.num, back), np.uint8, sharding=sh)).compile()
         out = np.empty(-(-total // width) * width, np.uint8)
         for off in range(0, out.size, width):
             block = np.zeros((1, width), np.uint8)
@@ -233,7 +239,7 @@ class LocalTier:
             shared = self._shared_with_holder(state, sig, self.rank)
             send = payload if not shared else _pack(meta, [a for e, a in zip(entries, host)
                                                            if (e.name, e.index) not in shared])
-            replica = self._roll(send, self.shift)
+            replica = self._roll(send, self.shift, full=int(payload.size))
             t2, sent = time.perf_counter(), int(send.size)
         stats = LocalStats(step, t2 - t0, t2 - t1, int(payload.size), sent)
         self.stats.append(stats)
@@ -381,6 +387,11 @@ class LocalTier:
         self._finish_previous()
         for s in self._own_steps():
             self._remove_step(s)
+
+
+def _width(total: int) -> int:
+    """Bytes per collective block for a payload of ``total`` bytes: rounded up, so few shapes are compiled."""
+    return min(CHUNK_BYTES, -(-max(total, 1) // _ALIGN) * _ALIGN)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
