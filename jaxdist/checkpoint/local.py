@@ -254,7 +254,7 @@ class LocalTier:
             folder.mkdir(parents=True, exist_ok=True)
             for data_rank, payload in files:
                 stem = f"r{data_rank}.w{self.rank}"
-                _write_atomic(folder / f"{stem}.bin", payload.tobytes())
+                _write_atomic(folder / f"{stem}.bin", payload)
                 marker = {"format": FORMAT, "step": step, "rank": data_rank, "writer": self.rank, "signature": sig,
                           "bytes": int(payload.size), "crc32": zlib.crc32(payload)}
                 _write_atomic(folder / f"{stem}.json", json.dumps(marker).encode())
@@ -394,7 +394,7 @@ def _width(total: int) -> int:
     return min(CHUNK_BYTES, -(-max(total, 1) // _ALIGN) * _ALIGN)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes | np.ndarray) -> None:
     """Write under a temporary name, then rename.  No fsync: a crashed process leaves the page cache
     intact, a crashed node is replaced (its data comes from the peer), and a file torn by a reboot
     fails its CRC-32 and is not used."""

@@ -334,7 +334,8 @@ class Trainer:
         self.local.save(step, self.state, {"step": step, "data": self._data_meta(step),
                                            "config": self.config.to_dict()})
         s = self.local.stats[-1]
-        self.metrics.write("checkpoint_local", step, {"blocked_s": s.blocked_s, "replicate_s": s.replicate_s})
+        self.metrics.write("checkpoint_local", step, {"blocked_s": s.blocked_s, "replicate_s": s.replicate_s,
+                                                      "payload_bytes": s.payload_bytes, "sent_bytes": s.sent_bytes})
 
     def close(self) -> None:
         """Wait for pending checkpoint writes and close files."""
