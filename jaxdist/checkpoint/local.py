@@ -361,7 +361,7 @@ class LocalTier:
                 payload = got
         meta, arrays = _unpack(payload, _entries(abstract_state))
         state = _build(abstract_state, arrays)
-        self._remove_newer(step)
+        self.discard_after(step)
         log.info("restored step %d from the local tier in %s (%.2f s; from peers: ranks %s)", step,
                  self.directory, time.perf_counter() - t0, [r for r in range(self.num) if need[r]] or "none")
         return state, meta
@@ -377,7 +377,9 @@ class LocalTier:
         _, mine = _unpack(np.fromfile(avail[self.rank][step], np.uint8), _entries(abstract_state))
         return _pack(meta, [sent[k] if k in sent else mine[k] for k in ((e.name, e.index) for e in theirs)])
 
-    def _remove_newer(self, step: int) -> None:
+    def discard_after(self, step: int) -> None:
+        """Delete this process's files of steps after ``step`` (the job resumed from ``step``)."""
+        self._finish_previous()
         for s in self._own_steps():
             if s > step:
                 self._remove_step(s)

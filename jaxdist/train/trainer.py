@@ -15,8 +15,8 @@ there when that step is at least as new as the persistent one.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -196,6 +196,8 @@ class Trainer:
             step = int(meta["step"])
             self._check_resume(meta)
             self.resumed_from = ("persistent", step)
+            if self.local is not None:  # local steps past it were not usable and belong to an abandoned future
+                self.local.discard_after(step)
             log.info("resumed from step %d in %s", step, ck.directory)
             self.state = state
         else:

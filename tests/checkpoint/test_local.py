@@ -95,6 +95,7 @@ def test_damaged_or_foreign_local_files_fall_back(tmp_path, reference):
     with Trainer(config(tmp_path, "damaged", other)) as t3:
         t3.init_state()
         assert t3.resumed_from == ("persistent", 4)
+        assert t3.local._own_steps() == set()  # local step 5 came after the step resumed from: deleted
 
 
 def test_a_fresh_start_clears_the_local_tier(tmp_path):
