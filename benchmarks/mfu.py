@@ -8,10 +8,12 @@ vocabulary, which does not change the step's cost).  After a warmup it times
 ``--steps`` steps dispatched back to back, as ``Trainer.fit`` does, and prints
 tokens/s, step time, model TFLOP/s and MFU against the device's dense bf16 peak
 from ``meshes/*.toml`` (the preset whose ``device_kind`` matches
-``jax.devices()[0].device_kind``).
+``jax.devices()[0].device_kind``), and beside it the hardware FLOP utilisation
+(HFU): the FLOPs the compiled step executes by XLA's ``cost_analysis()``
+(each loop body once per trip; recomputation included) over the same peak.
 
 Model FLOPs follow PaLM: 6 x matmul parameters + 12 x layers x heads x
-head_dim x seq_len per token (``jaxdist.train.step.model_flops_per_token``);
+head_dim x seq_len per token (``jaxdist.models.arithmetic.train_flops_per_token``);
 recomputation (remat) is not counted, so remat lowers MFU.
 
 The default remat policy, ``dots_with_no_batch_dims_saveable``, keeps the
@@ -39,6 +41,7 @@ import tempfile
 import time
 
 from jaxdist.config import load_config  # jax-free: safe before the platform is chosen
+from jaxdist.models.arithmetic import param_count  # jax-free too
 
 # --cpu-smoke: the llama-1b structure (GQA 4:1, SwiGLU, tied embeddings, bf16) at a size a CPU runs in seconds.
 SMOKE_MODEL = ["model.vocab_size=1024", "model.d_model=128", "model.n_layers=2", "model.n_heads=4",
@@ -90,7 +93,8 @@ def device_peak(devices) -> tuple[str, float, float]:
     describes gets the nominal figures of ``cluster_from_devices`` and the
     name ``"<kind> (no preset: nominal peak)"``.
     """
-    from jaxdist.parallel.mesh import cluster_from_devices, list_clusters, load_cluster
+    from jaxdist.cluster import list_clusters, load_cluster
+    from jaxdist.parallel.mesh import cluster_from_devices
 
     kind = devices[0].device_kind
     for name in list_clusters():
@@ -112,17 +116,8 @@ def peak_memory_bytes(device) -> int | None:
 
 def memory_plan(trainer) -> list[tuple[str, str]]:
     """Table rows with XLA's per-device memory plan of the train step (bytes -> GiB); allocates nothing."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdist.parallel.rules import activation_sharding
-
-    c = trainer.config.train
-    batch = jax.ShapeDtypeStruct((c.batch_size, c.seq_len + 1), jnp.int32, sharding=trainer.batch_sharding)
     t0 = time.perf_counter()
-    # The Trainer traces its step under activation_sharding; lower it the same way.
-    with activation_sharding(trainer.mesh, trainer.rules):
-        compiled = trainer._train_step.lower(trainer.abstract_state(), batch).compile()
+    compiled = trainer.compile_train_step()  # the step fit() runs, its sharding applied inside
     seconds = time.perf_counter() - t0
     m = compiled.memory_analysis()
     total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
@@ -164,7 +159,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
     head = [
         ("device", f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})"),
         ("model", f"{m.preset}{' shrunk (--cpu-smoke)' if args.cpu_smoke else ''}: "
-                  f"{m.num_params() / 1e6:,.1f}M params, compute {m.dtype}, master weights {m.param_dtype}"),
+                  f"{param_count(m) / 1e6:,.1f}M params, compute {m.dtype}, master weights {m.param_dtype}"),
         ("batch", f"{args.batch} x {args.seq} = {args.batch * args.seq:,} tokens/step, "
                   f"microbatches {args.microbatches}, remat {args.remat}"),
     ]
@@ -194,6 +189,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
             step_s = (time.perf_counter() - t0) / args.steps
             loss = float(metrics["loss"])
             flops_per_step = trainer.flops_per_step
+            hardware_flops = trainer.hardware_flops_per_step()  # XLA's count of the compiled step, recompute in
     finally:
         shutil.rmtree(runs, ignore_errors=True)
 
@@ -211,6 +207,10 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
         ("model FLOP/s", f"{si(achieved, 'FLOP/s')} per device"),
         ("peak FLOP/s", f"{si(peak, 'FLOP/s')} per device, dense {m.dtype}, from {cluster}{nominal}"),
         ("MFU", f"{100 * achieved / peak:.1f} %"),
+        ("hardware FLOPs", f"{si(hardware_flops, 'FLOP')}/step (XLA cost_analysis, loop trips counted; "
+                           f"{hardware_flops / flops_per_step:.3f} x model)" if hardware_flops else "not reported"),
+        ("HFU", f"{100 * hardware_flops / step_s / n / peak:.1f} % (counts recomputation)" if hardware_flops
+         else "not reported"),
         ("peak memory", f"{mem / GIB:.2f} GiB on device 0" if mem is not None else "not reported by this runtime"),
         ("last loss", f"{loss:.3f} nats/token"),
     ]

@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from jaxdist.models.arithmetic import param_count
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -34,7 +35,7 @@ MESHES = [  # (label, overrides); the last keeps attention at tensor=4, experts 
     ("tensor=4 expert=2 expert_tensor=2", ["mesh.data=1", "mesh.tensor=4", "mesh.expert=2", "mesh.expert_tensor=2"]),
 ]
 MODEL = ["model=moe-tiny", "model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.head_dim=32",
-         "model.moe_experts=8", "model.moe_top_k=2", "model.moe_d_ff=256", "model.max_seq_len=128"]
+         "model.moe.experts=8", "model.moe.top_k=2", "model.moe.d_ff=256", "model.max_seq_len=128"]
 
 
 def config(overrides, steps, runs, batch, seq):
@@ -46,12 +47,7 @@ def config(overrides, steps, runs, batch, seq):
 
 
 def compiled_step_text(trainer) -> str:
-    import jax
-    import jax.numpy as jnp
-    c = trainer.config.train
-    batch = jax.ShapeDtypeStruct((c.batch_size, c.seq_len + 1), jnp.int32, sharding=trainer.batch_sharding)
-    with trainer._tracing():
-        return trainer._train_step.lower(trainer.abstract_state(), batch).compile().as_text()
+    return trainer.compile_train_step().as_text()
 
 
 def accounting(runs: str, batch: int, seq: int) -> list[list[str]]:
@@ -100,7 +96,7 @@ def throughput(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
     from jaxdist.train.trainer import Trainer
 
     k, f = 2, 256
-    dense = [o for o in MODEL if not o.startswith("model.moe")] + ["model.moe_experts=0", f"model.d_ff={k * f}"]
+    dense = [o for o in MODEL if not o.startswith("model.moe")] + ["model.moe.experts=0", f"model.d_ff={k * f}"]
     cases = [("MoE 8x256 top-2", MODEL + mesh, label) for label, mesh in MESHES[:3]]
     cases.append(("MoE 8x256 top-2", MODEL + ["mesh.data=8"], "data=8 (no expert parallelism)"))
     cases.append(("dense d_ff=512", dense + ["mesh.data=8"], "data=8"))
@@ -119,8 +115,8 @@ def throughput(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
                 if i >= 2:
                     times.append(time.perf_counter() - t0)
             med = statistics.median(times)
-            rows.append([model, label, f"{cfg.model.num_params(active=True) / 1e6:.3f}M",
-                         f"{cfg.model.num_params() / 1e6:.3f}M", f"{1e3 * med:.0f}", f"{batch * seq / med:,.0f}"])
+            rows.append([model, label, f"{param_count(cfg.model, active=True) / 1e6:.3f}M",
+                         f"{param_count(cfg.model) / 1e6:.3f}M", f"{1e3 * med:.0f}", f"{batch * seq / med:,.0f}"])
     return rows
 
 

@@ -8,10 +8,15 @@ the same buffer donation:
 - ``trainer``: ``trainer.train_step(state, batch)``, exactly as ``fit`` calls it;
 - ``hand``: what a user would write without jaxdist (``jaxdist.models.apply``,
   a plain cross-entropy, ``jax.value_and_grad``, optax gradient clipping +
-  AdamW with the same schedule, no metrics beyond the loss), traced under the
-  same activation constraints as the Trainer: the like-for-like baseline;
+  AdamW with the same schedule, no metrics beyond the loss), bound to the
+  Trainer's parallelism (``trainer.parallelism.bind``): the like-for-like baseline;
 - ``plain``: the same hand-written step without activation constraints (the
   compiler propagates shardings from the inputs alone).
+
+Then the whole loop: two more Trainers run ``fit`` in turns of 5 steps, one
+with the controller agent's heartbeat callback attached (a real WorkerAgent,
+rank 0, recording every flushed step), and their logged step times (the
+device finished) are compared (target: with / without <= 1.03).
 
 The steps are timed in rotation (no variant always runs first) after a
 warmup, each waited on with ``block_until_ready``.  The table shows median
@@ -36,6 +41,7 @@ import tempfile
 import time
 
 from jaxdist.config import MESH_AXES, MODEL_PRESETS, load_config  # jax-free: safe before XLA_FLAGS is set
+from jaxdist.models.arithmetic import param_count
 
 MIB = 2**20
 
@@ -92,7 +98,8 @@ def make_baseline(trainer):
     """
     import jax
     import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxdist.models import apply
 
@@ -130,11 +137,10 @@ def make_baseline(trainer):
     return step, jit_kw, init
 
 
-def compile_stats(jitted, args: tuple, tracing) -> dict[str, float]:
+def compile_stats(jitted, args: tuple) -> dict[str, float]:
     """Seconds to trace, lower and compile ``jitted`` for ``args``, and its per-device memory plan (bytes)."""
     t0 = time.perf_counter()
-    with tracing():
-        compiled = jitted.lower(*args).compile()
+    compiled = jitted.lower(*args).compile()
     seconds = time.perf_counter() - t0
     m = compiled.memory_analysis()
     temp, arg, out, alias = (m.temp_size_in_bytes, m.argument_size_in_bytes,
@@ -151,13 +157,9 @@ VARIANTS = (("trainer", "jaxdist Trainer step"),
 
 def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Time the three steps; returns {variant: stats} (seconds, bytes) and "_info"."""
-    import contextlib
-    import functools
-
     import jax
 
     from jaxdist.parallel.mesh import describe_mesh
-    from jaxdist.parallel.rules import activation_sharding
     from jaxdist.train.trainer import Trainer
 
     sizes = {a: 1 for a in MESH_AXES}
@@ -172,26 +174,23 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     trainer = Trainer(cfg)
     trainer_state = trainer.init_state()
     step, jit_kw, init = make_baseline(trainer)
-    # The Trainer traces its step inside activation_sharding(mesh, rules), which pins the
-    # activations the model constrain()s; "hand" is traced the same way, "plain" without.
-    constrained = functools.partial(activation_sharding, trainer.mesh, trainer.rules)
-    fns = {"trainer": trainer._train_step,
-           "hand": jax.jit(functools.partial(step), **jit_kw),  # partial: a trace of its own
+    # The Trainer's step traces with its parallelism bound (the activations the model constrains are
+    # pinned, MoE experts dispatched); "hand" is bound the same way, "plain" is not.
+    fns = {"trainer": trainer._train_step,  # compile_stats compiles it afresh, like the others
+           "hand": jax.jit(trainer.parallelism.bind(step), **jit_kw),
            "plain": jax.jit(step, **jit_kw)}
-    tracing = {"trainer": constrained, "hand": constrained, "plain": contextlib.nullcontext}
     carries = {"trainer": trainer_state, "hand": init(), "plain": init()}
     batches = [trainer.batch(i) for i in range(4)]
     jax.block_until_ready((carries, batches))
 
-    stats = {k: compile_stats(fns[k], (carries[k], batches[0]), tracing[k]) for k, _ in VARIANTS}
+    stats = {k: compile_stats(fns[k], (carries[k], batches[0])) for k, _ in VARIANTS}
 
     def one_step(key: str, i: int) -> None:
         batch = batches[i % len(batches)]
         if key == "trainer":
-            carries[key], out = trainer.train_step(carries[key], batch)  # exactly what fit() calls
+            carries[key], out = trainer.train_step(carries[key], batch)  # the compiled step fit() calls
         else:
-            with tracing[key]():
-                carries[key], out = fns[key](carries[key], batch)
+            carries[key], out = fns[key](carries[key], batch)
         jax.block_until_ready((carries[key], out))
 
     keys = [k for k, _ in VARIANTS]
@@ -204,15 +203,52 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
                 times[key].append(time.perf_counter() - t0)
     trainer.close()
     shutil.rmtree(runs, ignore_errors=True)  # only metrics.jsonl and config.json
+    stats.update(fit_loop(cfg, args))
 
     for key, ts in times.items():
         stats[key].update(median_s=statistics.median(ts), iqr_s=_iqr(ts))
     stats["_info"] = {"describe": f"{describe_mesh(trainer.mesh)}, model {cfg.model.preset} "
-                                  f"({cfg.model.num_params() / 1e6:.2f}M params, {cfg.model.dtype}), "
+                                  f"({param_count(cfg.model) / 1e6:.2f}M params, {cfg.model.dtype}), "
                                   f"batch {cfg.train.batch_size}x{cfg.train.seq_len}, "
                                   f"{args.steps} timed steps each after {args.warmup} warmup, "
                                   f"jax {jax.__version__} on {jax.devices()[0].platform}"}
     return stats
+
+
+FIT_VARIANTS = (("fit", "Trainer.fit loop"), ("fit_agent", "Trainer.fit + controller agent heartbeat"))
+
+
+def fit_loop(cfg, args: argparse.Namespace, chunk: int = 5) -> dict[str, dict[str, float]]:
+    """Seconds per step of ``Trainer.fit`` (callbacks included) with and without the controller agent's
+    heartbeat callback attached: two Trainers, ``chunk`` steps of fit() each in turn, the logged step
+    times (the device finished, evaluation excluded) summed per chunk; medians per step."""
+    import dataclasses
+
+    from jaxdist.controller.agent import WorkerAgent
+    from jaxdist.train.trainer import Trainer
+
+    runs = tempfile.mkdtemp(prefix="jaxdist-overhead-fit-")
+    steps = args.warmup * chunk + args.steps
+    train = dataclasses.replace(cfg.train, steps=steps + chunk, runs_dir=runs, eval_batches=1, eval_every=0,
+                                log_every=10)
+    trainers = {k: Trainer(dataclasses.replace(cfg, train=dataclasses.replace(train, name=k))) for k, _ in FIT_VARIANTS}
+    # A real worker agent (rank 0: it records every flushed step), heartbeating to a port nobody listens on.
+    agent = WorkerAgent("127.0.0.1:9", "overhead-benchmark-token", "bench", interval=0.25)
+    agent.update(rank=0, gen=0)
+    agent.attach(trainers["fit_agent"])
+    per_step = {k: [] for k in trainers}
+    done = 0
+    while done < steps:
+        for k, t in (list(trainers.items()) if (done // chunk) % 2 == 0 else list(trainers.items())[::-1]):
+            records = t.fit(steps=chunk)
+            if done >= args.warmup * chunk:
+                per_step[k].append(sum(r["step_time"] for r in records) / len(records))
+        done += chunk
+    agent.close()
+    for t in trainers.values():
+        t.close()
+    shutil.rmtree(runs, ignore_errors=True)
+    return {k: {"median_s": statistics.median(v), "iqr_s": _iqr(v)} for k, v in per_step.items()}
 
 
 def _iqr(xs: list[float]) -> float:
@@ -243,6 +279,12 @@ def format_table(stats: dict) -> str:
     out = [stats["_info"]["describe"], "", line(rows[0]), line(["-" * w for w in widths])]
     out += [line(r) for r in rows[1:]]
     ratio = stats["trainer"]["median_s"] / stats["hand"]["median_s"]
+    fit_ratio = stats["fit_agent"]["median_s"] / stats["fit"]["median_s"]
+    out += ["", "the whole loop (log_every=10; logged step times, which wait for the device):"]
+    out += [f"  {label:<42} median {1e3 * stats[k]['median_s']:.2f} ms/step, IQR {1e3 * stats[k]['iqr_s']:.2f}"
+            for k, label in FIT_VARIANTS]
+    out += [f"  ratio with heartbeat / without = {fit_ratio:.3f} (target <= 1.03: "
+            f"{'met' if fit_ratio <= 1.03 else 'NOT met'})"]
     out += ["", f"overhead: Trainer step / hand-written step with the same constraints = {ratio:.3f} "
                 f"(target <= 1.03: {'met' if ratio <= 1.03 else 'NOT met'})",
             "memory per device as XLA plans it; peak = temp + args + out "

@@ -41,9 +41,9 @@ PAIRS = [
     (SMALL, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.microbatches=2"]),
 ]
 def predicted(cfg, cluster_view_):
+    from jaxdist.planner.candidates import strategy_of
     from jaxdist.planner.computation import computation_view
     from jaxdist.planner.cost import estimate
-    from jaxdist.planner.measure import strategy_of
 
     return estimate(computation_view(cfg.model, cfg.train.seq_len), cluster_view_, strategy_of(cfg, 8),
                     cfg.train.batch_size)
@@ -53,10 +53,11 @@ def measured_vs_predicted(rounds: int = 5) -> dict:
     """Compile (and time) the calibration references, the ranking strategies and the extra pairs."""
     import jax
 
-    from jaxdist.parallel.mesh import load_cluster
-    from jaxdist.planner.calibrate import calibration_from, measure_links, reference_overrides
+    from jaxdist.cluster import load_cluster
+    from jaxdist.measure.calibrate import measure_links
+    from jaxdist.measure.steps import RANKING_MODEL, RANKING_STRATEGIES, measure_strategies, measurement_config
+    from jaxdist.planner.calibrate import calibration_from, reference_overrides
     from jaxdist.planner.cluster import cluster_view
-    from jaxdist.planner.measure import RANKING_MODEL, RANKING_STRATEGIES, measure_strategies, measurement_config
 
     refs = [measurement_config(o) for o in reference_overrides(8, "tiny", 8, 32)]
     ranking = [measurement_config(RANKING_MODEL + o) for o in RANKING_STRATEGIES]
@@ -73,7 +74,7 @@ def measured_vs_predicted(rounds: int = 5) -> dict:
 
 
 def _label(cfg) -> str:
-    from jaxdist.planner.measure import strategy_of
+    from jaxdist.planner.candidates import strategy_of
 
     return f"{cfg.model.preset:5s} {strategy_of(cfg, 8).describe()}"
 
@@ -112,10 +113,10 @@ def table_ranking(r: dict) -> float:
 
 def random_case(rng: random.Random):
     """A random dense model, cluster and batch whose candidate space is enumerable."""
-    from jaxdist.parallel.mesh import ClusterSpec
+    from jaxdist.cluster import ClusterSpec
 
     heads = rng.choice([8, 16, 32, 64])
-    model = ModelConfig(preset=f"random", vocab_size=rng.choice([32000, 50304, 128256]),
+    model = ModelConfig(preset="random", vocab_size=rng.choice([32000, 50304, 128256]),
                         d_model=heads * 128, n_layers=rng.choice([8, 12, 16, 24, 32, 48]), n_heads=heads,
                         n_kv_heads=rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0]), head_dim=128,
                         d_ff=heads * 128 * rng.choice([3, 4]), max_seq_len=4096, dtype="bfloat16")
@@ -169,7 +170,7 @@ def table_search(n: int = 30) -> None:
 
 
 def table_scale() -> None:
-    from jaxdist.parallel.mesh import ClusterSpec, load_cluster
+    from jaxdist.cluster import ClusterSpec, load_cluster
     from jaxdist.planner import plan
 
     print("\n4. planning time")

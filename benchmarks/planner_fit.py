@@ -44,8 +44,8 @@ OTHER_VOCAB_MODELS = [["model=tiny", "model.vocab_size=4096"], ["model=small", "
 
 def test_pairs() -> list[list[str]]:
     """The overrides of the 12 pairs tests/planner/test_measured.py compares with XLA."""
+    from jaxdist.measure.steps import RANKING_MODEL, RANKING_STRATEGIES, SMALL_CHECK
     from jaxdist.planner.calibrate import reference_overrides
-    from jaxdist.planner.measure import RANKING_MODEL, RANKING_STRATEGIES, SMALL_CHECK
 
     return reference_overrides(8, "tiny", 8, 32) + [RANKING_MODEL + o for o in RANKING_STRATEGIES] + [SMALL_CHECK]
 
@@ -70,7 +70,7 @@ def grid(models: list[list[str]]) -> list[list[str]]:
 
 def _key(overrides: list[str]):
     from jaxdist.config import load_config
-    from jaxdist.planner.measure import strategy_of
+    from jaxdist.planner.candidates import strategy_of
 
     c = load_config(None, overrides)
     return (repr(c.model), c.train.batch_size, c.train.seq_len, strategy_of(c, 8))
@@ -79,9 +79,10 @@ def _key(overrides: list[str]):
 def measure(settings: list[list[str]], known: dict[str, int]):
     """(config, MemoryTerms, measured bytes) per setting; ``known`` (overrides joined by spaces -> bytes)
     saves compiling settings measured before and receives the new ones."""
+    from jaxdist.measure.steps import measure_strategies, measurement_config
+    from jaxdist.planner.candidates import strategy_of
     from jaxdist.planner.computation import computation_view
     from jaxdist.planner.cost import memory_terms
-    from jaxdist.planner.measure import measure_strategies, measurement_config, strategy_of
 
     runs = tempfile.mkdtemp(prefix="jaxdist-fit-")
     cfgs = [measurement_config(o, runs) for o in settings]
@@ -94,8 +95,8 @@ def measure(settings: list[list[str]], known: dict[str, int]):
 
 
 def report(name: str, cfgs, terms, measured, coeffs: dict, verbose: bool = False) -> None:
+    from jaxdist.planner.candidates import strategy_of
     from jaxdist.planner.fit import relative_errors
-    from jaxdist.planner.measure import strategy_of
 
     errs = {k: relative_errors(terms, measured, c) for k, c in coeffs.items()}
     if verbose:

@@ -51,7 +51,7 @@ def pareto_table(args) -> bool:
     from jaxdist.config import load_config
     from jaxdist.parallel.mesh import build_mesh
     from jaxdist.remat import budget_range, named_policies, plan_remat, policy_point, profile_block
-    from jaxdist.remat.measure import dominated_by, measure_policies
+    from jaxdist.measure.remat import dominated_by, measure_policies
 
     cfg = load_config(None, [f"model={args.preset}", f"model.n_layers={args.layers}", "model.max_seq_len=4096"]
                       + [f"mesh.{k}={v}" for k, v in parse_mesh(args.mesh).items()])

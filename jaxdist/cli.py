@@ -24,48 +24,20 @@ Overrides are dotted keys: ``train.steps=200 mesh.tensor=2 model=tiny``.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import sys
-import tomllib
 from pathlib import Path
 
-from jaxdist.config import Config, ConfigError, load_config, reference_markdown
+from jaxdist.cli_planner import add_parsers as add_planner_parsers  # plan, calibrate (JAX-free to register)
+from jaxdist.cluster import prepare_host_devices
+from jaxdist.config import PIPELINE_SCHEDULES, Config, ConfigError, load_config, reference_markdown
+from jaxdist.controller.agent import agent_from_env
+from jaxdist.controller.commands import controller, launch
+from jaxdist.data import add_data, load_source
+from jaxdist.data.audit import describe, verify
 
-MESHES_DIR = Path(__file__).resolve().parents[1] / "meshes"
-
-
-def _simulated_devices(cfg: Config) -> int | None:
-    """Host devices to simulate for a CPU cluster description (per process), else None."""
-    path = Path(cfg.mesh.cluster)
-    if not path.suffix:
-        path = MESHES_DIR / f"{cfg.mesh.cluster}.toml"
-    try:
-        spec = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError):
-        return None  # load_cluster reports the problem with a proper message later
-    if str(spec.get("device_kind", "")).lower() != "cpu":
-        return None
-    return int(spec.get("devices_per_node", 1))
-
-
-def prepare_host_devices(cfg: Config) -> None:
-    """Before JAX is imported: make XLA simulate the CPU devices the cluster file describes."""
-    n = _simulated_devices(cfg)
-    flags = os.environ.get("XLA_FLAGS", "")
-    if n and "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-
-
-def _toml(d: dict, prefix: str = "") -> str:
-    out = []
-    for section, values in d.items():
-        out.append(f"[{section}]")
-        for k, v in values.items():
-            out.append(f"{k} = {json.dumps(v)}")
-        out.append("")
-    return "\n".join(out)
+# The commands import JAX-heavy modules inside their functions: `jaxdist --help`, `jaxdist config`,
+# `jaxdist data` and the controller never load JAX, and `jaxdist train` sets XLA_FLAGS before it does.
 
 
 def cmd_config(args) -> int:
@@ -73,14 +45,13 @@ def cmd_config(args) -> int:
         print(reference_markdown())
         return 0
     cfg = load_config(args.config, args.overrides)
-    print(_toml(cfg.to_dict()))
+    print(cfg.to_toml())
     return 0
 
 
 def _warm_up(cfg: Config) -> None:
     """What a standby does before it has a rank: import JAX and the trainer, read the data."""
     import jaxdist.train.trainer  # noqa: F401  (JAX, flax, optax, orbax: seconds)
-    from jaxdist.data import load_source
 
     load_source(cfg.data)
 
@@ -88,20 +59,21 @@ def _warm_up(cfg: Config) -> None:
 def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     prepare_host_devices(cfg)
-    from jaxdist.controller.agent import agent_from_env
-
     # Started by a node agent: heartbeat from now on, warm up, then wait for a rank (sets JAX_* env).
     agent = agent_from_env()
     if agent is not None:
-        agent.wait_for_rank(warm=lambda: _warm_up(cfg))
-    from jaxdist.train.distributed import initialize_from_env
+        from jaxdist.train.compile_cache import configure_compile_cache  # JAX-free until JAX is loaded
+
+        agent.wait_for_rank(warm=lambda: _warm_up(cfg), configure_cache=configure_compile_cache)
+    from jaxdist.train.distributed import initialize_from_env  # JAX, after XLA_FLAGS
 
     initialize_from_env()
     import jax
 
+    from jaxdist.resolve import resolve
     from jaxdist.train.trainer import Trainer
 
-    with Trainer(cfg) as trainer:
+    with Trainer(resolve(cfg, jax.devices())) as trainer:
         if agent is not None:
             agent.attach(trainer)
         if jax.process_index() == 0:
@@ -110,6 +82,9 @@ def cmd_train(args) -> int:
         start = int(jax.device_get(trainer.state["step"]))
         if start and jax.process_index() == 0:
             print(f"resuming at step {start}", file=sys.stderr)
+        notice = trainer.bf16_notice()
+        if notice and jax.process_index() == 0:
+            print(f"jaxdist: note: {notice}", file=sys.stderr)
         history = trainer.fit()
         # fit() evaluated at its last step (every process: evaluate() is a collective)
         eval_loss = trainer.last_eval[1] if history and trainer.last_eval else float("nan")
@@ -124,7 +99,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_ckpt(args) -> int:
-    from jaxdist.checkpoint import report
+    from jaxdist.checkpoint import report  # orbax and JAX
 
     if args.overrides:
         raise ConfigError(f"`jaxdist ckpt {args.action}` takes no overrides, got {' '.join(args.overrides)}: "
@@ -148,9 +123,6 @@ def cmd_ckpt(args) -> int:
 
 
 def cmd_data(args) -> int:
-    from jaxdist.data import add_data
-    from jaxdist.data.audit import describe, verify
-
     if args.overrides:
         raise ConfigError(f"jaxdist data does not take '{args.overrides[0]}': see `jaxdist data --help`.")
     run = Path(args.run_dir)
@@ -188,7 +160,7 @@ def cmd_remat(args) -> int:
 
 def cmd_pipeline(args) -> int:
     cfg = load_config(args.config, args.overrides)
-    from jaxdist.parallel.chunks import chunk_boundaries, chunk_cost_model, chunk_costs
+    from jaxdist.parallel.chunks import chunk_boundaries, chunk_cost_model, chunk_costs  # JAX
     from jaxdist.parallel.schedule import activation_memory_ratio, build_schedule
 
     kind = args.kind or ("seq1f1b" if args.chunks > 1 else "1f1b")
@@ -211,14 +183,10 @@ def cmd_pipeline(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    from jaxdist.controller.commands import launch
-
     return launch(args.config, args.overrides, print_only=args.print, image=args.image)
 
 
 def cmd_controller(args) -> int:
-    from jaxdist.controller.commands import controller
-
     return controller(args.config, args.overrides)
 
 
@@ -281,12 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--stages", type=int, required=True, help="pipeline stages p")
     pl.add_argument("--microbatches", type=int, required=True, help="microbatches m per step")
     pl.add_argument("--chunks", type=int, default=1, help="sequence chunks s per microbatch (seq1f1b)")
-    pl.add_argument("--kind", choices=("gpipe", "1f1b", "seq1f1b"),
+    pl.add_argument("--kind", choices=PIPELINE_SCHEDULES,
                     help="schedule (default: seq1f1b with chunks, else 1f1b)")
     pl.add_argument("--split", default="cost", choices=("cost", "equal"), help="chunk boundaries: equal cost or tokens")
     pl.set_defaults(fn=cmd_pipeline)
 
-    from jaxdist.cli_planner import add_parsers as add_planner_parsers  # plan, calibrate
     add_planner_parsers(sub)
     return p
 

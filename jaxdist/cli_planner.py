@@ -17,6 +17,10 @@ import sys
 import tomllib
 from pathlib import Path
 
+from jaxdist.cluster import prepare_host_devices
+from jaxdist.config import MESH_AXES, ConfigError, load_config
+from jaxdist.models.arithmetic import param_count
+
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     """Add the ``plan`` and ``calibrate`` subcommands to the jaxdist parser."""
@@ -52,14 +56,12 @@ def _explicit_seq_len(args) -> bool:
 
 def cmd_plan(args) -> int:
     """``jaxdist plan``: print the best plans and write the chosen one as a train config."""
-    from jaxdist.config import ConfigError, load_config
-
     extra = ([f"model={args.model}"] if args.model else []) + ([f"mesh.cluster={args.cluster}"] if args.cluster else [])
     cfg = load_config(args.config, extra + list(args.overrides))
     seq_len = cfg.train.seq_len if _explicit_seq_len(args) else cfg.model.max_seq_len
-    cfg.train.seq_len = seq_len
+    cfg = cfg.replace(**{"train.seq_len": seq_len})
 
-    from jaxdist.planner.cluster import load_calibration
+    from jaxdist.planner.cluster import load_calibration  # the planner imports JAX: not at registration
     from jaxdist.planner.plan import plan
 
     busy = None
@@ -68,7 +70,6 @@ def cmd_plan(args) -> int:
     axes = None
     if args.axes:
         axes = tuple(a.strip() for a in args.axes.split(",") if a.strip())
-        from jaxdist.config import MESH_AXES
         bad = [a for a in axes if a not in MESH_AXES]
         if bad:
             raise ConfigError(f"--axes names unknown axes {', '.join(bad)}: use some of {', '.join(MESH_AXES)}.")
@@ -76,8 +77,7 @@ def cmd_plan(args) -> int:
     p = plan(cfg.model, cfg.mesh.cluster, batch_size=cfg.train.batch_size, seq_len=seq_len, busy=busy,
              calibration=calibration, axes=axes, enumerate_all=args.exhaustive)
     m = cfg.model
-    from jaxdist.planner.computation import computation_view
-    n_params = computation_view(m, seq_len).param_count
+    n_params = param_count(m)
     cal = (f"calibrated: efficiency {p.cluster.efficiency:.1%}" if p.cluster.calibration
            else f"uncalibrated: efficiency {p.cluster.efficiency:.0%} (run `jaxdist calibrate` on the devices)")
     size = f"{n_params / 1e9:.3g}B" if n_params >= 1e9 else f"{n_params / 1e6:.3g}M"
@@ -97,14 +97,12 @@ def cmd_plan(args) -> int:
 
 def cmd_calibrate(args) -> int:
     """``jaxdist calibrate``: measure efficiency and links on the devices present and save them."""
-    from jaxdist.cli import prepare_host_devices
-    from jaxdist.config import load_config
-
     cfg = load_config(None, [f"mesh.cluster={args.cluster}"] + list(args.overrides))
     prepare_host_devices(cfg)
     import jax
 
-    from jaxdist.planner.calibrate import calibrate, write_calibration
+    from jaxdist.measure.calibrate import calibrate
+    from jaxdist.planner.calibrate import write_calibration
 
     devices = jax.devices()
     print(f"calibrating on {len(devices)} x {devices[0].device_kind} against {args.cluster} ...", file=sys.stderr)

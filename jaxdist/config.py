@@ -14,17 +14,31 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+import json
 import math
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from jaxdist.config_checks import (check_checkpoint, check_controller, check_data, check_mesh, check_model, check_moe,
+                                   check_pipeline, check_train, validate)
+from jaxdist.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A user-caused configuration mistake, reported as one sentence."""
+# Every choice a config field offers, defined once (the checks and the CLI read them with `choices`).
+DType = Literal["float32", "bfloat16"]
+Router = Literal["softmax", "sigmoid"]
+Dispatch = Literal["dropless", "capacity"]
+PipelineSchedule = Literal["gpipe", "1f1b", "seq1f1b"]
+ChunkSplit = Literal["cost", "equal"]
+DataSource = Literal["stdlib", "text_dir", "tokens"]
+TokenDType = Literal["uint16", "uint32"]
+Launcher = Literal["local", "ssh", "slurm", "kubernetes"]
+Recovery = Literal["standby", "requeue"]
+PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
 
 def _f(default, help: str, **kw):
@@ -35,7 +49,29 @@ def _f(default, help: str, **kw):
 
 # --------------------------------------------------------------------------- model
 
-@dataclass
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture of experts (the ``[model.moe]`` table): routed experts per MoE block; experts = 0 makes a dense model."""
+
+    experts: int = _f(0, "Routed experts per MoE block; 0 makes a dense model.")
+    top_k: int = _f(2, "Experts each token is routed to (the k of top-k), 1..experts.")
+    d_ff: int = _f(0, "Hidden width of one expert's SwiGLU FFN; 0 uses d_ff.")
+    every: int = _f(1, "Every k-th block is an MoE block (blocks k-1, 2k-1, ...), the others keep the dense MLP; must divide n_layers.")
+    shared_d_ff: int = _f(0, "Hidden width of a shared expert every token also goes through (0: none).")
+    router: Router = _f("softmax", "Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3).")
+    renormalize: bool = _f(True, "Rescale each token's k expert weights to sum to 1.")
+    dispatch: Dispatch = _f("dropless", "dropless (tokens sorted by expert, grouped matmul, none dropped) or capacity (fixed slots per expert, overflow dropped).")
+    capacity_factor: float = _f(1.25, "Capacity mode: slots per expert = ceil(factor x tokens x k / experts), counted over each device's tokens.")
+    aux_loss_coef: float = _f(0.01, "Weight of the load-balancing loss (mean over MoE blocks) in the training objective.")
+    z_loss_coef: float = _f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of the router logits) in the training objective.")
+
+
+    def check(self) -> None:
+        """ConfigError (one sentence) for MoE settings that cannot work by themselves."""
+        check_moe(self)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Decoder-only transformer shape and numerics."""
 
@@ -51,41 +87,14 @@ class ModelConfig:
     rope_theta: float = _f(10000.0, "Rotary embedding base.")
     norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
     tie_embeddings: bool = _f(True, "Share the input embedding with the output projection.")
-    dtype: str = _f("float32", "Compute dtype of activations and matmuls: float32 or bfloat16.")
-    param_dtype: str = _f("float32", "Storage dtype of the master weights: float32 (recommended with bf16 compute) or bfloat16.")
+    dtype: DType = _f("float32", "Compute dtype of activations and matmuls: float32 or bfloat16.")
+    param_dtype: DType = _f("float32", "Storage dtype of the master weights: float32 (recommended with bf16 compute) or bfloat16.")
     init_std: float = _f(0.02, "Standard deviation of the normal weight initialiser.")
-    moe_experts: int = _f(0, "Routed experts per MoE block; 0 makes a dense model.")
-    moe_top_k: int = _f(2, "Experts each token is routed to (the k of top-k), 1..moe_experts.")
-    moe_d_ff: int = _f(0, "Hidden width of one expert's SwiGLU FFN; 0 uses d_ff.")
-    moe_every: int = _f(1, "Every k-th block is an MoE block (blocks k-1, 2k-1, ...), the others keep the dense MLP; must divide n_layers.")
-    moe_shared_d_ff: int = _f(0, "Hidden width of a shared expert every token also goes through (0: none).")
-    moe_router: str = _f("softmax", "Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3).")
-    moe_renormalize: bool = _f(True, "Rescale each token's k expert weights to sum to 1.")
-    moe_dispatch: str = _f("dropless", "dropless (tokens sorted by expert, grouped matmul, none dropped) or capacity (fixed slots per expert, overflow dropped).")
-    moe_capacity_factor: float = _f(1.25, "Capacity mode: slots per expert = ceil(factor x tokens x k / experts), counted over each device's tokens.")
-    moe_aux_loss_coef: float = _f(0.01, "Weight of the load-balancing loss (mean over MoE blocks) in the training objective.")
-    moe_z_loss_coef: float = _f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of the router logits) in the training objective.")
+    moe: "MoEConfig" = field(default_factory=lambda: MoEConfig(), metadata={"help": "Mixture of experts: the `[model.moe]` table (below)."})
 
-    def ffn_params(self, active: bool = False) -> int:
-        """Matmul parameters of all feed-forward blocks (dense MLPs, routers, experts, shared experts).
-
-        ``active=True`` counts only the moe_top_k experts one token runs through.
-        """
-        d, L = self.d_model, self.n_layers
-        if not self.moe_experts:
-            return L * 3 * d * self.d_ff
-        n_moe = L // self.moe_every
-        experts = self.moe_top_k if active else self.moe_experts
-        moe = d * self.moe_experts + experts * 3 * d * (self.moe_d_ff or self.d_ff) + 3 * d * self.moe_shared_d_ff
-        return (L - n_moe) * 3 * d * self.d_ff + n_moe * moe
-
-    def num_params(self, active: bool = False) -> int:
-        """Parameter count (embedding included, tied output counted once); ``active``: per token (MoE)."""
-        d, v, L = self.d_model, self.vocab_size, self.n_layers
-        attn = d * self.n_heads * self.head_dim * 2 + d * self.n_kv_heads * self.head_dim * 2
-        block = attn + 2 * d
-        out = 0 if self.tie_embeddings else d * v
-        return v * d + L * block + self.ffn_params(active) + d + out
+    def check(self) -> None:
+        """ConfigError (one sentence) for model settings that cannot work by themselves."""
+        check_model(self)
 
 
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
@@ -107,16 +116,15 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                       tie_embeddings=False, dtype="bfloat16"),
     # Mixture of experts.  Tests and `jaxdist train model=moe-tiny`: 8 experts, top-2.
     "moe-tiny": dict(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                     d_ff=128, max_seq_len=128, moe_experts=8, moe_top_k=2, moe_d_ff=64),
+                     d_ff=128, max_seq_len=128, moe=dict(experts=8, top_k=2, d_ff=64)),
     # Real shapes, for planning: Mixtral-8x7B (8 experts, top-2, 46.7B params, 12.9B active).
     "mixtral-8x7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                          head_dim=128, d_ff=14336, max_seq_len=32768, rope_theta=1e6,
-                         tie_embeddings=False, dtype="bfloat16", moe_experts=8, moe_top_k=2),
+                         tie_embeddings=False, dtype="bfloat16", moe=dict(experts=8, top_k=2)),
     # Fine-grained experts shaped like DeepSeekMoE-16B: 64 small experts, top-6, 2 shared (as one of width 2x1408).
     "deepseek-moe-16b": dict(vocab_size=102400, d_model=2048, n_layers=28, n_heads=16, n_kv_heads=16,
                              head_dim=128, d_ff=10944, max_seq_len=4096, tie_embeddings=False,
-                             dtype="bfloat16", moe_experts=64, moe_top_k=6, moe_d_ff=1408,
-                             moe_shared_d_ff=2816),
+                             dtype="bfloat16", moe=dict(experts=64, top_k=6, d_ff=1408, shared_d_ff=2816)),
 }
 
 
@@ -125,7 +133,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 MESH_AXES = ("data", "fsdp", "tensor", "expert", "pipeline")
 
 
-@dataclass
+@dataclass(frozen=True)
 class MeshConfig:
     """Device mesh shape and the cluster it runs on."""
 
@@ -168,10 +176,54 @@ class MeshConfig:
                 f"make the axis sizes multiply to {n_devices} (or set mesh.data=-1).")
         return sizes
 
+    def check(self) -> None:
+        """ConfigError (one sentence) for mesh settings that cannot work by themselves."""
+        check_mesh(self)
+
+
+# --------------------------------------------------------------------------- remat
+
+@dataclass(frozen=True)
+class Remat:
+    """``train.remat`` parsed once: what each scanned block saves for its backward pass.
+
+    ``kind``: ``none`` (no recomputation), ``full`` (save nothing but the block
+    input), ``auto`` (the remat selector chooses, jaxdist.remat.policy), ``names``
+    (save the checkpoint_name tags in ``names``) or ``policy`` (the
+    ``jax.checkpoint_policies`` function called ``policy``).  The model's
+    scanned blocks (jaxdist.remat.named.remat_policy) and the pipeline stage
+    (jaxdist.parallel.pipeline_stage.stage_remat_policy) both take this value.
+    """
+
+    kind: Literal["none", "full", "auto", "names", "policy"]
+    names: tuple[str, ...] = ()
+    policy: str = ""
+
+    @classmethod
+    def parse(cls, value: str) -> "Remat":
+        """The value of a ``train.remat`` string; ConfigError (one sentence) for one that cannot be one."""
+        if value in ("none", ""):
+            return cls("none")
+        if value in ("full", "auto"):
+            return cls(value)
+        if value.startswith("save:"):
+            names = tuple(n for n in value[5:].split(",") if n)
+            if not names:
+                raise ConfigError(f"train.remat='{value}' names no checkpoint tags: write save:NAME[,NAME], "
+                                  "e.g. save:attn_out.")
+            return cls("names", names=names)
+        if not value.isidentifier() or value.startswith("save_"):
+            raise ConfigError(f"train.remat='{value}' is unknown: use none, full, auto, save:NAME[,NAME] or one of "
+                              "nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.")
+        return cls("policy", policy=value)
+
+    def __str__(self) -> str:
+        return {"names": "save:" + ",".join(self.names), "policy": self.policy}.get(self.kind, self.kind)
+
 
 # --------------------------------------------------------------------------- train
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     """Optimisation, schedule, logging and where the run lives."""
 
@@ -196,28 +248,54 @@ class TrainConfig:
     eval_batches: int = _f(4, "Held-out batches per evaluation.")
     progress: bool = _f(True, "Show a progress bar on the console (process 0 only).")
     tensorboard: bool = _f(True, "Write TensorBoard event files under <run>/tb/.")
-    pipeline_schedule: str = _f("seq1f1b", "Pipeline schedule when mesh.pipeline > 1: gpipe, 1f1b, or seq1f1b (1F1B over sequence chunks); train.microbatches is the number of pipeline microbatches.")
-    pipeline_chunks: int = _f(2, "seq1f1b: chunks each sequence is split into along the sequence axis (1 makes it 1f1b); the other schedules ignore it.")
-    pipeline_chunk_split: str = _f("cost", "seq1f1b chunk boundaries: cost (equal attention + MLP FLOPs per chunk, later chunks shorter) or equal (equal token counts).")
+
+    @functools.cached_property
+    def remat_spec(self) -> Remat:
+        """``remat`` parsed (once per config; ConfigError if it cannot be parsed)."""
+        return Remat.parse(self.remat)
+
+    def check(self) -> None:
+        """ConfigError (one sentence) for train settings that cannot work by themselves."""
+        check_train(self)
+        self.remat_spec  # noqa: B018  (parses train.remat: a bad value fails at load time)
+
+
+# --------------------------------------------------------------------------- pipeline
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline schedule when mesh.pipeline > 1 (train.microbatches is the number of pipeline microbatches)."""
+
+    schedule: PipelineSchedule = _f("seq1f1b", "Pipeline schedule when mesh.pipeline > 1: gpipe, 1f1b, or seq1f1b (1F1B over sequence chunks); train.microbatches is the number of pipeline microbatches.")
+    chunks: int = _f(2, "seq1f1b: chunks each sequence is split into along the sequence axis (1 makes it 1f1b); the other schedules ignore it.")
+    chunk_split: ChunkSplit = _f("cost", "seq1f1b chunk boundaries: cost (equal attention + MLP FLOPs per chunk, later chunks shorter) or equal (equal token counts).")
+
+    def check(self) -> None:
+        """ConfigError (one sentence) for pipeline settings that cannot work by themselves."""
+        check_pipeline(self)
 
 
 # --------------------------------------------------------------------------- data
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     """Where tokens come from and how they are split."""
 
-    source: str = _f("stdlib", "stdlib (the Python standard library's .py files, byte-tokenized), text_dir (a directory of text files) or tokens (a flat token file).")
+    source: DataSource = _f("stdlib", "stdlib (the Python standard library's .py files, byte-tokenized), text_dir (a directory of text files) or tokens (a flat token file).")
     path: str = _f("", "Directory (text_dir) or file (tokens); unused for stdlib.")
-    token_dtype: str = _f("uint16", "Element type of a token file: uint16 or uint32.")
+    token_dtype: TokenDType = _f("uint16", "Element type of a token file: uint16 or uint32.")
     eval_fraction: float = _f(0.05, "Share of files (or of the token file's tail) held out for evaluation.")
     seed: int = _f(0, "Seed of the sample order.")
     max_bytes: int = _f(0, "Read at most this many bytes of text (0: all); keeps tests small.")
 
+    def check(self) -> None:
+        """ConfigError (one sentence) for data settings that cannot work by themselves."""
+        check_data(self)
+
 
 # --------------------------------------------------------------------------- checkpoint
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpointing of params, optimizer state, step, RNG and data position."""
 
@@ -230,21 +308,25 @@ class CheckpointConfig:
     local_every: int = _f(1, "With local_dir: save to the fast local tier every N steps.")
     local_keep: int = _f(2, "With local_dir: newest local steps each process keeps.")
 
+    def check(self) -> None:
+        """ConfigError (one sentence) for checkpoint settings that cannot work by themselves."""
+        check_checkpoint(self)
+
 
 # --------------------------------------------------------------------------- controller
 
-CONTROLLER_LAUNCHERS = ("local", "ssh", "slurm", "kubernetes")
-CONTROLLER_RECOVERY = ("standby", "requeue")
+CONTROLLER_LAUNCHERS: tuple[str, ...] = typing.get_args(Launcher)
+CONTROLLER_RECOVERY: tuple[str, ...] = typing.get_args(Recovery)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ControllerConfig:
     """`jaxdist launch` / `jaxdist controller`: membership, health checks and recovery (jaxdist/controller/)."""
 
     bind: str = _f("127.0.0.1", "Address the controller listens on; anything but loopback needs controller.allow_remote=true.")
     port: int = _f(0, "TCP port of the controller (0: a free one, written to <run>/controller/endpoint).")
     allow_remote: bool = _f(False, "Allow listening beyond loopback (multi-host without SSH tunnels); every message stays HMAC-authenticated with the job token.")
-    launcher: str = _f("local", "Where `jaxdist launch` starts node agents: local, ssh, slurm or kubernetes.")
+    launcher: Launcher = _f("local", "Where `jaxdist launch` starts node agents: local, ssh, slurm or kubernetes.")
     hosts_file: str = _f("", "SSH launcher: a file with one host per line.")
     min_nodes: int = _f(1, "Training starts as soon as this many nodes are ready.")
     max_nodes: int = _f(0, "Train on at most this many nodes (0: the cluster description's node count); the others wait as standbys.")
@@ -255,21 +337,26 @@ class ControllerConfig:
     progress_timeout: float = _f(120.0, "A training group whose step does not advance for this long (seconds) is declared failed.")
     start_timeout: float = _f(900.0, "Seconds a group may take from its assignment to its first step (join, restore, compile).")
     max_failures: int = _f(2, "A node that failed this many times is not used again.")
-    recovery: str = _f("standby", "After a failure: standby (restart the group from warm processes, a standby in the failed rank) or requeue (every process restarted cold, like a requeued job).")
+    recovery: Recovery = _f("standby", "After a failure: standby (restart the group from warm processes, a standby in the failed rank) or requeue (every process restarted cold, like a requeued job).")
     warm_spares: int = _f(1, "Warm worker processes (JAX imported, data loaded, waiting for a rank) each node agent keeps ready.")
     setup_cache: str = _f("", "Directory of the cluster setup cache (rank layout, coordinator, compilation cache, NCCL files); empty: <runs_dir>/.setup_cache.")
     worker_command: str = _f("", "Command a node agent runs for one worker, the job's config arguments appended; empty: python -m jaxdist.cli train.")
 
+    def check(self) -> None:
+        """ConfigError (one sentence) for controller settings that cannot work by themselves."""
+        check_controller(self)
+
 
 # --------------------------------------------------------------------------- whole
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     """A whole training job."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     controller: ControllerConfig = field(default_factory=ControllerConfig)
@@ -277,24 +364,71 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def to_toml(self) -> str:
+        """The whole config as TOML that :func:`load_config` reads back to an equal Config."""
+        out: list[str] = []
+
+        def table(name: str, values: dict[str, Any]) -> None:
+            out.append(f"[{name}]")
+            out.extend(f"{k} = {json.dumps(v)}" for k, v in values.items() if not isinstance(v, dict))
+            out.append("")
+            for k, v in values.items():
+                if isinstance(v, dict):
+                    table(f"{name}.{k}", v)
+
+        for section, values in self.to_dict().items():
+            table(section, values)
+        return "\n".join(out)
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with dotted keys changed, e.g. ``cfg.replace(**{"train.seq_len": 64})`` (checked like overrides)."""
+        cfg = self
+        for k, v in changes.items():
+            cfg = _set(cfg, k, v)
+        return cfg
+
     @property
     def run_dir(self) -> Path:
         return Path(self.train.runs_dir) / self.train.name
 
 
+# Every table of a config: its dotted path -> its dataclass (nested tables after their parent).
+_SECTION_CLASSES = {"model": ModelConfig, "model.moe": MoEConfig, "mesh": MeshConfig, "train": TrainConfig,
+                    "pipeline": PipelineConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
+                    "controller": ControllerConfig}
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
-_SECTION_CLASSES = {"model": ModelConfig, "mesh": MeshConfig, "train": TrainConfig,
-                    "data": DataConfig, "checkpoint": CheckpointConfig, "controller": ControllerConfig}
+
+# Keys that moved to a table of their own: old key -> new key.
+MOVED_KEYS = {**{f"model.moe_{f.name}": f"model.moe.{f.name}" for f in dataclasses.fields(MoEConfig)},
+              "train.pipeline_schedule": "pipeline.schedule", "train.pipeline_chunks": "pipeline.chunks",
+              "train.pipeline_chunk_split": "pipeline.chunk_split"}
 
 
 def _all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)]
+    return [f"{s}.{f.name}" for s, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)
+            if f"{s}.{f.name}" not in _SECTION_CLASSES]
 
 
 def _unknown(key: str) -> ConfigError:
+    if key in MOVED_KEYS:
+        return ConfigError(f"config key '{key}' is now '{MOVED_KEYS[key]}': rename it.")
     close = difflib.get_close_matches(key, _all_keys() + list(_SECTION_CLASSES), n=1)
     hint = f"; did you mean '{close[0]}'?" if close else "; see the configuration reference in README.md."
     return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _section(cfg: Config, path: str) -> Any:
+    obj: Any = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _with_section(cfg: Any, path: str, value: Any) -> Any:
+    """``cfg`` with the table at dotted ``path`` replaced by ``value`` (frozen dataclasses all the way down)."""
+    head, _, rest = path.partition(".")
+    inner = value if not rest else _with_section(getattr(cfg, head), rest, value)
+    return dataclasses.replace(cfg, **{head: inner})
 
 
 def _field_type(cls, name: str):
@@ -310,6 +444,8 @@ def _coerce(key: str, value: Any, typ) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         typ = args[0]
+    if typing.get_origin(typ) is Literal:  # a choice: a string here, checked against its values by validate()
+        typ = str
     try:
         if typ is bool:
             if isinstance(value, bool):
@@ -343,27 +479,23 @@ def apply_preset(model: ModelConfig, name: str) -> ModelConfig:
     """A ModelConfig with the preset's fields (others keep their values)."""
     if name not in MODEL_PRESETS:
         raise ConfigError(f"unknown model preset '{name}': choose one of {', '.join(MODEL_PRESETS)}.")
-    return dataclasses.replace(model, preset=name, **MODEL_PRESETS[name])
+    fields = dict(MODEL_PRESETS[name])
+    moe = dataclasses.replace(model.moe, **fields.pop("moe", {}))
+    return dataclasses.replace(model, preset=name, moe=moe, **fields)
 
 
-def _set(cfg: Config, key: str, value: Any) -> None:
-    if key == "model":
-        cfg.model = apply_preset(cfg.model, str(value))
-        return
+def _set(cfg: Config, key: str, value: Any) -> Config:
+    """``cfg`` with dotted ``key`` set to ``value`` (coerced to the field's type); ConfigError for a bad key."""
+    if key in ("model", "model.preset"):
+        return dataclasses.replace(cfg, model=apply_preset(cfg.model, str(value)))
     if key == "mesh" and str(value).lower() == "auto":  # mesh=auto: the planner picks the mesh
-        cfg.mesh.auto = True
-        return
-    parts = key.split(".")
-    if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
+        return _with_section(cfg, "mesh", dataclasses.replace(cfg.mesh, auto=True))
+    path, _, name = key.rpartition(".")
+    cls = _SECTION_CLASSES.get(path)
+    if cls is None or key in _SECTION_CLASSES or name not in {f.name for f in dataclasses.fields(cls)}:
         raise _unknown(key)
-    section, name = parts
-    cls = _SECTION_CLASSES[section]
-    if name not in {f.name for f in dataclasses.fields(cls)}:
-        raise _unknown(key)
-    if section == "model" and name == "preset":
-        cfg.model = apply_preset(cfg.model, str(value))
-        return
-    setattr(getattr(cfg, section), name, _coerce(key, value, _field_type(cls, name)))
+    section = dataclasses.replace(_section(cfg, path), **{name: _coerce(key, value, _field_type(cls, name))})
+    return _with_section(cfg, path, section)
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
@@ -416,23 +548,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file '{p}' is not valid TOML ({e}): fix the syntax.") from None
         for k, v in _ordered(_flatten(data)):
-            _set(cfg, k, v)
+            cfg = _set(cfg, k, v)
     for k, v in _ordered(parse_overrides(list(overrides or []))):
-        _set(cfg, k, v)
-    from jaxdist.config_checks import validate  # here: config_checks imports this module
-
+        cfg = _set(cfg, k, v)
     validate(cfg)
     return cfg
 
 
 def from_dict(d: dict[str, Any]) -> Config:
-    """Rebuild a Config from ``Config.to_dict()`` output (as stored with a run)."""
+    """Rebuild a Config from ``Config.to_dict()`` output (as stored with a run; older runs' moved keys too)."""
     cfg = Config()
     for k, v in _flatten(d):
-        if k == "model.preset":
-            cfg.model.preset = v
+        k = MOVED_KEYS.get(k, k)
+        if k == "model.preset":  # the stored fields follow; the preset only names where they came from
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, preset=v))
             continue
-        _set(cfg, k, v)
+        cfg = _set(cfg, k, v)
     return cfg
 
 
@@ -449,6 +580,9 @@ def reference_markdown() -> str:
         default = cls()
         for f in dataclasses.fields(cls):
             v = getattr(default, f.name)
+            if f"{section}.{f.name}" in _SECTION_CLASSES:  # a nested table: its keys follow in its own section
+                lines.append(f"| `{section}.{f.name}` | table | {f.metadata['help']} |")
+                continue
             lines.append(f"| `{section}.{f.name}` | `{v!r}` | {f.metadata['help']} |")
         lines.append("")
     lines.append("Model presets: " + ", ".join(f"`{k}`" for k in MODEL_PRESETS) + ".")

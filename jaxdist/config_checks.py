@@ -1,16 +1,37 @@
-"""What cannot work: validation of a whole Config, one sentence per problem saying what to change.
+"""What cannot work: one sentence per problem, saying what to change.
 
-``validate(cfg)`` runs without devices when a config is loaded
-(:func:`jaxdist.config.load_config`); ``validate(cfg, n_devices)`` adds the
-checks that need the device count (mesh product, batch divisibility).
+Each section checks itself (``check_model``, ``check_moe``, ``check_mesh``,
+``check_train``, ``check_pipeline``, ``check_data``, ``check_checkpoint``,
+``check_controller``; the sections' ``check()`` methods call them), and the
+rules that join sections stay in one place, :func:`validate`.  It runs
+without devices when a config is loaded (:func:`jaxdist.config.load_config`);
+:func:`validate_devices` adds the checks that need the device count (mesh
+product, batch divisibility), once, in :func:`jaxdist.resolve.resolve`.
+
+This module imports nothing from config.py (which imports it): a choice's
+values are read from its field's ``Literal`` type with :func:`choices`.
 """
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from jaxdist.config import (CONTROLLER_LAUNCHERS, CONTROLLER_RECOVERY, Config, ConfigError, ControllerConfig,
-                            MeshConfig, ModelConfig)
+from jaxdist.errors import ConfigError
+
+if TYPE_CHECKING:  # config.py imports this module to validate what it loads
+    from jaxdist.config import (CheckpointConfig, Config, ControllerConfig, DataConfig, MeshConfig, ModelConfig,
+                                MoEConfig, PipelineConfig, TrainConfig)
+
+
+def choices(section: object, name: str) -> tuple[str, ...]:
+    """The values a Literal-typed config field allows, read from its dataclass (defined once, in config.py)."""
+    return typing.get_args(typing.get_type_hints(type(section))[name])
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    return ", ".join(values[:-1]) + f" or {values[-1]}" if len(values) > 1 else values[0]
 
 
 def is_loopback(host: str) -> bool:
@@ -18,17 +39,116 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def _validate_controller(c: ControllerConfig) -> None:
+def check_model(m: ModelConfig) -> None:
+    """Model shape and numerics, the MoE table included (ConfigError, one sentence)."""
+    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "max_seq_len"):
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive.")
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}: "
+                          "choose n_kv_heads that divides n_heads.")
+    for name in ("dtype", "param_dtype"):
+        if getattr(m, name) not in choices(m, name):
+            raise ConfigError(f"model.{name}='{getattr(m, name)}' is not supported: use {_one_of(choices(m, name))}.")
+    m.moe.check()
+    if m.moe.experts and (m.moe.every <= 0 or m.n_layers % m.moe.every):
+        raise ConfigError(f"model.moe.every={m.moe.every} does not divide model.n_layers={m.n_layers}: "
+                          "choose an MoE interval that divides the number of blocks.")
+
+
+def check_moe(e: MoEConfig) -> None:
+    """The ``[model.moe]`` table by itself (ConfigError, one sentence); a dense model (experts = 0) passes."""
+    if e.experts < 0:
+        raise ConfigError(f"model.moe.experts={e.experts} must be positive (or 0 for a dense model).")
+    if not e.experts:
+        return
+    if not 1 <= e.top_k <= e.experts:
+        raise ConfigError(f"model.moe.top_k={e.top_k} must lie between 1 and model.moe.experts={e.experts}: "
+                          "route each token to at most as many experts as there are.")
+    for name in ("d_ff", "shared_d_ff"):
+        if getattr(e, name) < 0:
+            raise ConfigError(f"model.moe.{name}={getattr(e, name)} must be positive (or 0).")
+    if e.every <= 0:
+        raise ConfigError(f"model.moe.every={e.every} must be positive: every k-th block is an MoE block.")
+    if e.router not in choices(e, "router"):
+        raise ConfigError(f"model.moe.router='{e.router}' is unknown: use {_one_of(choices(e, 'router'))}.")
+    if e.dispatch not in choices(e, "dispatch"):
+        raise ConfigError(f"model.moe.dispatch='{e.dispatch}' is unknown: use {_one_of(choices(e, 'dispatch'))}.")
+    if e.dispatch == "capacity" and not e.capacity_factor > 0:
+        raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be positive in capacity mode: "
+                          "use e.g. 1.25, or set model.moe.dispatch=dropless.")
+
+
+def check_mesh(mesh: MeshConfig) -> None:
+    """Axis sizes by themselves (ConfigError, one sentence): positive, or -1 for data."""
+    mesh.checked_sizes()
+    if mesh.expert_tensor < 0:
+        raise ConfigError(f"mesh.expert_tensor={mesh.expert_tensor} must be positive (or 0 to use all of mesh.tensor).")
+
+
+def check_train(t: TrainConfig) -> None:
+    """Optimisation and logging settings by themselves (ConfigError, one sentence)."""
+    for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be positive.")
+    if t.batch_size % t.microbatches:
+        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}: "
+                          "choose a microbatch count that divides the batch.")
+
+
+def check_pipeline(p: PipelineConfig) -> None:
+    """The ``[pipeline]`` table by itself (ConfigError, one sentence)."""
+    if p.schedule not in choices(p, "schedule"):
+        raise ConfigError(f"pipeline.schedule='{p.schedule}' is unknown: use {_one_of(choices(p, 'schedule'))}.")
+    if p.chunk_split not in choices(p, "chunk_split"):
+        raise ConfigError(f"pipeline.chunk_split='{p.chunk_split}' is unknown: "
+                          f"use {_one_of(choices(p, 'chunk_split'))}.")
+    if p.chunks <= 0:
+        raise ConfigError(f"pipeline.chunks={p.chunks} must be positive.")
+
+
+def check_data(d: DataConfig) -> None:
+    """Where tokens come from (ConfigError, one sentence): the source, its path, its element type."""
+    if d.source not in choices(d, "source"):
+        raise ConfigError(f"data.source='{d.source}' is unknown: use {_one_of(choices(d, 'source'))}.")
+    if d.source in ("text_dir", "tokens"):
+        if not d.path:
+            raise ConfigError(f"data.source='{d.source}' needs data.path: set it to the "
+                              + ("directory of text files." if d.source == "text_dir" else "token file."))
+        p = Path(d.path)
+        if d.source == "text_dir" and not p.is_dir():
+            raise ConfigError(f"data.path '{p}' is not a directory: point it at a directory of text files.")
+        if d.source == "tokens" and not p.is_file():
+            raise ConfigError(f"data.path '{p}' does not exist: point it at a flat token file.")
+    if d.token_dtype not in choices(d, "token_dtype"):
+        raise ConfigError(f"data.token_dtype='{d.token_dtype}' is not supported: "
+                          f"use {_one_of(choices(d, 'token_dtype'))}.")
+    if not 0 < d.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie strictly between 0 and 1.")
+
+
+def check_checkpoint(c: CheckpointConfig) -> None:
+    """Checkpoint intervals and the local tier (ConfigError, one sentence)."""
+    if c.every <= 0 or c.keep <= 0:
+        raise ConfigError("checkpoint.every and checkpoint.keep must be positive.")
+    if c.local_dir and (c.local_every <= 0 or c.local_keep <= 0):
+        raise ConfigError("checkpoint.local_every and checkpoint.local_keep must be positive.")
+    if c.local_dir and not c.enabled:
+        raise ConfigError("checkpoint.local_dir needs checkpoint.enabled=true (the local tier sits beside the "
+                          "persistent checkpoints, not instead of them).")
+
+
+def check_controller(c: ControllerConfig) -> None:
     """Controller settings that cannot work (ConfigError, one sentence)."""
     if not is_loopback(c.bind) and not c.allow_remote:
         raise ConfigError(f"controller.bind='{c.bind}' is not a loopback address: set controller.allow_remote=true "
                           "to listen beyond this machine, or keep 127.0.0.1 (SSH jobs tunnel to it).")
     if not 0 <= c.port <= 65535:
         raise ConfigError(f"controller.port={c.port} is not a TCP port: use 1..65535, or 0 for a free one.")
-    if c.launcher not in CONTROLLER_LAUNCHERS:
-        raise ConfigError(f"controller.launcher='{c.launcher}' is unknown: use {', '.join(CONTROLLER_LAUNCHERS)}.")
-    if c.recovery not in CONTROLLER_RECOVERY:
-        raise ConfigError(f"controller.recovery='{c.recovery}' is unknown: use standby or requeue.")
+    if c.launcher not in choices(c, "launcher"):
+        raise ConfigError(f"controller.launcher='{c.launcher}' is unknown: use {', '.join(choices(c, 'launcher'))}.")
+    if c.recovery not in choices(c, "recovery"):
+        raise ConfigError(f"controller.recovery='{c.recovery}' is unknown: use {_one_of(choices(c, 'recovery'))}.")
     if c.min_nodes < 1 or c.max_nodes < 0 or (c.max_nodes and c.max_nodes < c.min_nodes):
         raise ConfigError(f"controller.min_nodes={c.min_nodes} and max_nodes={c.max_nodes} are inconsistent: "
                           "use min_nodes >= 1 and max_nodes >= min_nodes (or 0).")
@@ -43,56 +163,18 @@ def _validate_controller(c: ControllerConfig) -> None:
                           "controller.heartbeat_grace at least controller.heartbeat_timeout (seconds).")
 
 
-
-
 def validate(cfg: Config, n_devices: int | None = None) -> None:
     """Raise ConfigError, one sentence saying what to change, for settings that cannot work.
 
-    Checks that need the device count (mesh product, batch divisibility by the
-    data axes) run only when ``n_devices`` is given.
+    Every section checks itself, then the rules that join sections run here.
+    Checks that need the device count run only when ``n_devices`` is given.
     """
-    m, t, d = cfg.model, cfg.train, cfg.data
-    for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "vocab_size", "max_seq_len"):
-        if getattr(m, name) <= 0:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive.")
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}: "
-                          "choose n_kv_heads that divides n_heads.")
-    for name in ("dtype", "param_dtype"):
-        if getattr(m, name) not in ("float32", "bfloat16"):
-            raise ConfigError(f"model.{name}='{getattr(m, name)}' is not supported: use float32 or bfloat16.")
-    for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every"):
-        if getattr(t, name) <= 0:
-            raise ConfigError(f"train.{name}={getattr(t, name)} must be positive.")
+    for section in (cfg.model, cfg.train, cfg.data, cfg.checkpoint, cfg.mesh, cfg.controller, cfg.pipeline):
+        section.check()
+    m, t = cfg.model, cfg.train
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}: "
                           "lower train.seq_len or raise model.max_seq_len.")
-    if t.batch_size % t.microbatches:
-        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}: "
-                          "choose a microbatch count that divides the batch.")
-    if d.source not in ("stdlib", "text_dir", "tokens"):
-        raise ConfigError(f"data.source='{d.source}' is unknown: use stdlib, text_dir or tokens.")
-    if d.source in ("text_dir", "tokens"):
-        if not d.path:
-            raise ConfigError(f"data.source='{d.source}' needs data.path: set it to the "
-                              + ("directory of text files." if d.source == "text_dir" else "token file."))
-        p = Path(d.path)
-        if d.source == "text_dir" and not p.is_dir():
-            raise ConfigError(f"data.path '{p}' is not a directory: point it at a directory of text files.")
-        if d.source == "tokens" and not p.is_file():
-            raise ConfigError(f"data.path '{p}' does not exist: point it at a flat token file.")
-    if d.token_dtype not in ("uint16", "uint32"):
-        raise ConfigError(f"data.token_dtype='{d.token_dtype}' is not supported: use uint16 or uint32.")
-    if not 0 < d.eval_fraction < 1:
-        raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie strictly between 0 and 1.")
-    if cfg.checkpoint.every <= 0 or cfg.checkpoint.keep <= 0:
-        raise ConfigError("checkpoint.every and checkpoint.keep must be positive.")
-    if cfg.checkpoint.local_dir and (cfg.checkpoint.local_every <= 0 or cfg.checkpoint.local_keep <= 0):
-        raise ConfigError("checkpoint.local_every and checkpoint.local_keep must be positive.")
-    if cfg.checkpoint.local_dir and not cfg.checkpoint.enabled:
-        raise ConfigError("checkpoint.local_dir needs checkpoint.enabled=true (the local tier sits beside the "
-                          "persistent checkpoints, not instead of them).")
-    # Mesh checks that need no device count.
     sizes = cfg.mesh.checked_sizes()
     if m.n_heads % sizes["tensor"]:
         raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by mesh.tensor={sizes['tensor']}: "
@@ -100,87 +182,87 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     if m.n_kv_heads % sizes["tensor"] and sizes["tensor"] % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} and mesh.tensor={sizes['tensor']} do not divide "
                           "one another: choose a tensor size that divides n_kv_heads or is a multiple of it.")
-    if (not m.moe_experts or m.moe_every > 1) and m.d_ff % sizes["tensor"]:
+    if (not m.moe.experts or m.moe.every > 1) and m.d_ff % sizes["tensor"]:
         raise ConfigError(f"model.d_ff={m.d_ff} is not divisible by mesh.tensor={sizes['tensor']}: "
                           "choose a tensor size that divides d_ff.")
-    _validate_moe(m, cfg.mesh, sizes)
-    _validate_controller(cfg.controller)
-    _validate_pipeline(cfg, sizes["pipeline"])
+    _moe_on_mesh(m, cfg.mesh, sizes)
+    _pipeline_on_model(cfg, sizes["pipeline"])
     if n_devices is not None:
-        resolved = cfg.mesh.resolved(n_devices)
-        batch_ways = resolved["data"] * resolved["fsdp"] * resolved["expert"]  # attention splits tokens over expert too
-        micro = t.batch_size // t.microbatches
-        if micro % batch_ways:
-            raise ConfigError(
-                f"the microbatch of {micro} sequences (train.batch_size={t.batch_size} / "
-                f"train.microbatches={t.microbatches}) is not divisible by the data axes "
-                f"data*fsdp{'*expert' if resolved['expert'] > 1 else ''}={batch_ways}: "
-                f"make the batch a multiple of {batch_ways * t.microbatches}.")
+        validate_devices(cfg, n_devices)
 
 
-def _validate_pipeline(cfg: Config, stages: int) -> None:
-    """Pipeline settings and their fit to the model (ConfigError, one sentence)."""
-    m, t = cfg.model, cfg.train
-    if t.pipeline_schedule not in ("gpipe", "1f1b", "seq1f1b"):
-        raise ConfigError(f"train.pipeline_schedule='{t.pipeline_schedule}' is unknown: use gpipe, 1f1b or seq1f1b.")
-    if t.pipeline_chunk_split not in ("cost", "equal"):
-        raise ConfigError(f"train.pipeline_chunk_split='{t.pipeline_chunk_split}' is unknown: use cost or equal.")
-    if t.pipeline_chunks <= 0:
-        raise ConfigError(f"train.pipeline_chunks={t.pipeline_chunks} must be positive.")
+def mark_resolved(cfg: Config, n_devices: int) -> None:
+    """Note on ``cfg`` (an attribute, not a field: never saved or compared) that it was resolved and validated
+    for ``n_devices`` devices (jaxdist.resolve.resolve)."""
+    object.__setattr__(cfg, "_resolved_for", n_devices)
+
+
+def is_resolved(cfg: Config, n_devices: int) -> bool:
+    """Whether ``cfg`` was resolved and validated for ``n_devices`` devices."""
+    return getattr(cfg, "_resolved_for", None) == n_devices
+
+
+def validate_devices(cfg: Config, n_devices: int) -> None:
+    """The checks that need the device count: the mesh product and the batch's divisibility by the data axes."""
+    t = cfg.train
+    resolved = cfg.mesh.resolved(n_devices)
+    batch_ways = resolved["data"] * resolved["fsdp"] * resolved["expert"]  # attention splits tokens over expert too
+    micro = t.batch_size // t.microbatches
+    if micro % batch_ways:
+        raise ConfigError(
+            f"the microbatch of {micro} sequences (train.batch_size={t.batch_size} / "
+            f"train.microbatches={t.microbatches}) is not divisible by the data axes "
+            f"data*fsdp{'*expert' if resolved['expert'] > 1 else ''}={batch_ways}: "
+            f"make the batch a multiple of {batch_ways * t.microbatches}.")
+
+
+# Why an MoE model has no pipeline stages yet (jaxdist.parallel.pipeline raises the same).
+MOE_NOT_PIPELINED = ("pipeline stages do not support MoE models yet: a stage runs the dense sequence-chunked block "
+                     "only, and the router losses of every stage's MoE layers would have to join the last stage's "
+                     "loss: set mesh.pipeline=1 or model.moe.experts=0.")
+
+
+def _pipeline_on_model(cfg: Config, stages: int) -> None:
+    """The pipeline's fit to the model and the batch (ConfigError, one sentence)."""
+    m, t, p = cfg.model, cfg.train, cfg.pipeline
     if stages == 1:
         return
-    if m.moe_experts:
-        raise ConfigError("pipeline stages do not support MoE models yet: set mesh.pipeline=1 or model.moe_experts=0.")
+    if m.moe.experts:
+        raise ConfigError(MOE_NOT_PIPELINED)
     if m.n_layers % stages:
         raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by mesh.pipeline={stages}: "
                           "choose a number of stages that divides the number of layers.")
-    chunks = t.pipeline_chunks if t.pipeline_schedule == "seq1f1b" else 1  # the other schedules ignore chunks
+    chunks = p.chunks if p.schedule == "seq1f1b" else 1  # the other schedules ignore chunks
     if t.seq_len % chunks:
-        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible into train.pipeline_chunks={chunks} chunks: "
+        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible into pipeline.chunks={chunks} chunks: "
                           f"choose a sequence length that is a multiple of {chunks}, or fewer chunks.")
-    if t.pipeline_schedule == "1f1b" and t.microbatches < stages:
+    if p.schedule == "1f1b" and t.microbatches < stages:
         raise ConfigError(f"the 1f1b schedule needs train.microbatches >= mesh.pipeline, got {t.microbatches} < "
                           f"{stages}: set train.microbatches={stages} or more, or use gpipe or seq1f1b.")
 
 
-def _validate_moe(m: ModelConfig, mesh: MeshConfig, sizes: dict[str, int]) -> None:
-    """MoE settings and their fit to the mesh (ConfigError, one sentence)."""
-    if not m.moe_experts:
+def _moe_on_mesh(m: ModelConfig, mesh: MeshConfig, sizes: dict[str, int]) -> None:
+    """The MoE layers' fit to the mesh (ConfigError, one sentence)."""
+    e = m.moe
+    if not e.experts:
         if sizes["expert"] > 1:
-            raise ConfigError(f"mesh.expert={sizes['expert']} needs an MoE model: set model.moe_experts "
+            raise ConfigError(f"mesh.expert={sizes['expert']} needs an MoE model: set model.moe.experts "
                               "(or model=moe-tiny), or set mesh.expert=1.")
         return
-    if m.moe_experts < 0:
-        raise ConfigError(f"model.moe_experts={m.moe_experts} must be positive (or 0 for a dense model).")
-    if not 1 <= m.moe_top_k <= m.moe_experts:
-        raise ConfigError(f"model.moe_top_k={m.moe_top_k} must lie between 1 and model.moe_experts={m.moe_experts}: "
-                          "route each token to at most as many experts as there are.")
-    for name in ("moe_d_ff", "moe_shared_d_ff"):
-        if getattr(m, name) < 0:
-            raise ConfigError(f"model.{name}={getattr(m, name)} must be positive (or 0).")
-    if m.moe_every <= 0 or m.n_layers % m.moe_every:
-        raise ConfigError(f"model.moe_every={m.moe_every} does not divide model.n_layers={m.n_layers}: "
-                          "choose an MoE interval that divides the number of blocks.")
-    if m.moe_router not in ("softmax", "sigmoid"):
-        raise ConfigError(f"model.moe_router='{m.moe_router}' is unknown: use softmax or sigmoid.")
-    if m.moe_dispatch not in ("dropless", "capacity"):
-        raise ConfigError(f"model.moe_dispatch='{m.moe_dispatch}' is unknown: use dropless or capacity.")
-    if m.moe_dispatch == "capacity" and not m.moe_capacity_factor > 0:
-        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be positive in capacity mode: "
-                          "use e.g. 1.25, or set model.moe_dispatch=dropless.")
     tensor = sizes["tensor"]
     etp = mesh.expert_tensor or tensor
-    if mesh.expert_tensor < 0 or tensor % etp:
+    if tensor % etp:
         raise ConfigError(f"mesh.expert_tensor={mesh.expert_tensor} does not divide mesh.tensor={tensor}: "
                           "choose a divisor of the tensor size (or 0 to use all of it).")
     ep = sizes["expert"] * (tensor // etp)
-    if m.moe_experts % ep:
-        how = f"mesh.expert={sizes['expert']}" + (f" x mesh.tensor/mesh.expert_tensor={tensor // etp}" if ep != sizes["expert"] else "")
-        raise ConfigError(f"model.moe_experts={m.moe_experts} is not divisible by the expert-parallel size {ep} "
+    if e.experts % ep:
+        how = f"mesh.expert={sizes['expert']}" + (f" x mesh.tensor/mesh.expert_tensor={tensor // etp}"
+                                                   if ep != sizes["expert"] else "")
+        raise ConfigError(f"model.moe.experts={e.experts} is not divisible by the expert-parallel size {ep} "
                           f"({how}): choose a number of experts that is a multiple of {ep}, or a smaller mesh.expert.")
-    if (m.moe_d_ff or m.d_ff) % etp:
-        raise ConfigError(f"the expert width {m.moe_d_ff or m.d_ff} (model.moe_d_ff, or d_ff) is not divisible by "
+    if (e.d_ff or m.d_ff) % etp:
+        raise ConfigError(f"the expert width {e.d_ff or m.d_ff} (model.moe.d_ff, or d_ff) is not divisible by "
                           f"the expert tensor size {etp}: choose a width or mesh.expert_tensor that divides it.")
-    if m.moe_shared_d_ff % tensor:
-        raise ConfigError(f"model.moe_shared_d_ff={m.moe_shared_d_ff} is not divisible by mesh.tensor={tensor}: "
+    if e.shared_d_ff % tensor:
+        raise ConfigError(f"model.moe.shared_d_ff={e.shared_d_ff} is not divisible by mesh.tensor={tensor}: "
                           "choose a shared-expert width that the tensor size divides.")

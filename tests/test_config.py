@@ -7,12 +7,13 @@ import pytest
 from jaxdist.config import (MODEL_PRESETS, Config, ConfigError, from_dict, load_config, parse_overrides,
                             reference_markdown)
 from jaxdist.config_checks import validate
+from jaxdist.models.arithmetic import param_count
 
 
 def test_defaults_are_valid_and_small():
     cfg = load_config()
     assert cfg.model.preset == "small"
-    assert cfg.model.num_params() < 2_000_000
+    assert param_count(cfg.model) < 2_000_000
     validate(cfg, n_devices=8)
     assert cfg.mesh.resolved(8) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1, "pipeline": 1}
 
@@ -36,7 +37,7 @@ def test_model_preset_override_then_field():
 def test_llama_presets_have_their_published_sizes():
     for name, billions in (("llama-1b", 1.24), ("llama-8b", 8.03), ("llama-70b", 70.6)):
         cfg = load_config(None, [f"model={name}"])
-        assert abs(cfg.model.num_params() / 1e9 - billions) / billions < 0.02, name
+        assert abs(param_count(cfg.model) / 1e9 - billions) / billions < 0.02, name
 
 
 def test_roundtrip_dict():
@@ -97,3 +98,65 @@ def test_reference_lists_every_field():
         for f in dataclasses.fields(sub):
             assert f"`{section}.{f.name}`" in ref
             assert f.metadata["help"]
+
+
+def test_sections_are_frozen_and_replace_is_checked_like_overrides():
+    cfg = load_config(None, ["model=moe-tiny"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.train.steps = 5
+    changed = cfg.replace(**{"train.steps": 5, "model.moe.top_k": 1, "pipeline.chunks": 4})
+    assert (changed.train.steps, changed.model.moe.top_k, changed.pipeline.chunks) == (5, 1, 4)
+    assert (cfg.train.steps, cfg.model.moe.top_k, cfg.pipeline.chunks) == (300, 2, 2)  # the original is untouched
+    with pytest.raises(ConfigError, match="unknown config key 'train.stepz'; did you mean 'train.steps'"):
+        cfg.replace(**{"train.stepz": 5})
+
+
+@pytest.mark.parametrize("old, new, value", [("model.moe_experts", "model.moe.experts", 4),
+                                             ("model.moe_capacity_factor", "model.moe.capacity_factor", 2.0),
+                                             ("train.pipeline_schedule", "pipeline.schedule", "gpipe"),
+                                             ("train.pipeline_chunks", "pipeline.chunks", 4),
+                                             ("train.pipeline_chunk_split", "pipeline.chunk_split", "equal")])
+def test_a_moved_key_names_its_new_home(tmp_path, old, new, value):
+    with pytest.raises(ConfigError, match=f"config key '{old}' is now '{new}': rename it"):
+        load_config(None, [f"{old}={value}"])
+    section, key = old.split(".")
+    path = tmp_path / "old.toml"
+    path.write_text(f"[{section}]\n{key} = {value!r}\n".replace("'", '"'))
+    with pytest.raises(ConfigError, match=f"'{old}' is now '{new}'"):
+        load_config(path)
+    # A config stored with a run before the move still reads back: from_dict translates its keys.
+    assert from_dict({section: {key: value}}) == load_config(None, [f"{new}={value}"])
+
+
+def test_toml_round_trip_with_the_nested_moe_table(tmp_path):
+    cfg = load_config(None, ["model=deepseek-moe-16b", "pipeline.schedule=gpipe", "train.remat=save:attn_out"])
+    text = cfg.to_toml()
+    assert "[model.moe]\nexperts = 64\n" in text and "[pipeline]\nschedule = \"gpipe\"\n" in text
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load_config(path) == cfg
+    assert from_dict(cfg.to_dict()) == cfg
+
+
+def test_remat_is_parsed_once_into_one_value():
+    from jaxdist.config import Remat
+
+    t = load_config(None, ["train.remat=save:attn_out,mlp_norm"]).train
+    assert t.remat_spec == Remat("names", names=("attn_out", "mlp_norm")) and t.remat_spec is t.remat_spec
+    assert str(t.remat_spec) == t.remat
+    for value, kind in (("none", "none"), ("full", "full"), ("auto", "auto"), ("dots_saveable", "policy")):
+        assert Remat.parse(value).kind == kind and str(Remat.parse(value)) == value
+    for bad, message in (("save:", "names no checkpoint tags"), ("dots saveable", "is unknown")):
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, [f"train.remat={bad}"])
+
+
+def test_validation_is_one_pass_of_section_checks_and_cross_section_rules():
+    cfg = Config()
+    for section in (cfg.model, cfg.model.moe, cfg.mesh, cfg.train, cfg.pipeline, cfg.data, cfg.checkpoint,
+                    cfg.controller):
+        section.check()  # each section checks itself
+    bad = cfg.replace(**{"train.seq_len": 4096})  # fine by itself, too long for the model
+    bad.train.check()
+    with pytest.raises(ConfigError, match="train.seq_len=4096 is longer than model.max_seq_len=128"):
+        validate(bad)

@@ -35,9 +35,7 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import socket
-import threading
 import time
 import zlib
 from pathlib import Path
@@ -45,7 +43,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxdist.checkpoint.background import BackgroundWriter
 from jaxdist.checkpoint.writer import named_leaves
 
 log = logging.getLogger(__name__)
@@ -137,8 +138,7 @@ class LocalTier:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.shift = self._peer_shift()
         self.stats: list[LocalStats] = []
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._writer = BackgroundWriter(f"a local checkpoint save in {self.directory}")
         self._mesh_sharding = None
         self._roll_fns: dict[int, Any] = {}
         self._compiled: set[tuple[int, int]] = set()
@@ -177,7 +177,6 @@ class LocalTier:
         pieces itself); the way back, which a restore takes with whole payloads, is compiled for it
         now, so that a recovering job finds it in the compilation cache.
         """
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
         if self._mesh_sharding is None:
             firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
@@ -211,7 +210,6 @@ class LocalTier:
         fixed-size block, so a single compiled program serves every call: the
         one a restore makes after a failure is already in the compilation cache.
         """
-        from jax.experimental import multihost_utils
 
         flat = np.ascontiguousarray(values, np.int64).reshape(-1)
         block = np.zeros(2 * MAX_STEPS, np.int64)
@@ -244,9 +242,7 @@ class LocalTier:
         stats = LocalStats(step, t2 - t0, t2 - t1, int(payload.size), sent)
         self.stats.append(stats)
         files = [(self.rank, payload)] + ([(self.source, replica)] if replica is not None else [])
-        self._thread = threading.Thread(target=self._write, args=(step, sig, files, stats, t0),
-                                        name=f"jaxdist-local-{step}", daemon=True)
-        self._thread.start()
+        self._writer.submit(self._write, step, sig, files, stats, t0, name=f"jaxdist-local-{step}")
 
     def _write(self, step: int, sig: str, files: list[tuple[int, np.ndarray]], stats: LocalStats, t0: float) -> None:
         try:
@@ -260,9 +256,9 @@ class LocalTier:
                 _write_atomic(folder / f"{stem}.json", json.dumps(marker).encode())
             self._collect_garbage()
             stats.background_s = time.perf_counter() - t0 - stats.blocked_s
-        except BaseException as e:  # reported by the next save/wait on the main thread
+        except BaseException as e:  # the writer re-raises it at the next save/wait on the main thread
             log.error("local checkpoint of step %d in %s failed: %s", step, self.directory, e)
-            self._error = e
+            raise
 
     def _collect_garbage(self) -> None:
         steps = sorted(self._own_steps())
@@ -283,12 +279,7 @@ class LocalTier:
             pass
 
     def _finish_previous(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise RuntimeError(f"a local checkpoint save in {self.directory} failed: {e}") from e
+        self._writer.wait()
 
     def wait(self) -> None:
         """Block until the background write has finished; raises if it failed."""

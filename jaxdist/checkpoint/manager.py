@@ -27,7 +27,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,9 +34,11 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from jaxdist.checkpoint import integrity, writer
-from jaxdist.checkpoint.plan import WritePlan, assign_bytes, plan_writes
+from jaxdist.checkpoint.background import BackgroundWriter
+from jaxdist.checkpoint.plan import WritePlan, assign_bytes, layout_from_spec, plan_writes
 
 log = logging.getLogger(__name__)
 
@@ -76,20 +77,23 @@ class RunCheckpointer:
         self.keep, self.asynchronous, self.strategy, self.verify = keep, asynchronous, strategy, verify
         self.process, self.num_processes = jax.process_index(), jax.process_count()
         self.stats: list[SaveStats] = []
-        self.busy_saves = 0  # saves that found the previous one still running
         handler = ocp.CompositeCheckpointHandler(
             state=ocp.PyTreeCheckpointHandler(type_handler_registry=writer.type_registry(strategy)),
             meta=ocp.JsonCheckpointHandler())
         self._orbax = ocp.AsyncCheckpointer(handler) if asynchronous else ocp.Checkpointer(handler)
         self._sync = ocp.multihost.get_barrier_sync_fn()
         self._seq = 0
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._writer = BackgroundWriter(f"a checkpoint save in {self.directory}")
         self._plans: dict[Any, tuple[WritePlan, dict]] = {}
         if self.process == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self._remove_unfinished()
         self._barrier("init")
+
+    @property
+    def busy_saves(self) -> int:
+        """Saves that found the previous one still being written (and waited for it)."""
+        return self._writer.busy_waits
 
     # ------------------------------------------------------------------ steps
 
@@ -154,12 +158,9 @@ class RunCheckpointer:
                 "planned_bytes_per_process": stats.planned_bytes, "layout": layout,
                 "versions": {"jax": jax.__version__, "orbax": ocp.__version__}}
         if self.asynchronous:
-            self._thread = threading.Thread(target=self._commit, args=(step_dir, stats, info, self._seq, t1),
-                                            name=f"jaxdist-ckpt-{step}", daemon=True)
-            self._thread.start()
+            self._writer.submit(self._commit, step_dir, stats, info, self._seq, t1, name=f"jaxdist-ckpt-{step}")
         else:
-            self._commit(step_dir, stats, info, self._seq, t1)
-            self._raise_error()
+            self._writer.run(self._commit, step_dir, stats, info, self._seq, t1)
         return True
 
     def _commit(self, step_dir: Path, stats: SaveStats, info: dict, seq: int, t_start: float) -> None:
@@ -180,9 +181,9 @@ class RunCheckpointer:
             if failed is not None:
                 raise failed
             stats.background_s = time.perf_counter() - t_start - stats.blocked_s
-        except BaseException as e:  # reported by the next save/wait on the main thread
+        except BaseException as e:  # the writer re-raises it at the next save/wait on the main thread
             log.error("checkpoint of step %d in %s failed: %s", stats.step, self.directory, e)
-            self._error = e
+            raise
 
     def _collect_garbage(self) -> None:
         committed = [f for f in integrity.scan(self.directory) if f.state == "committed"]
@@ -190,22 +191,13 @@ class RunCheckpointer:
             shutil.rmtree(f.path, ignore_errors=True)
 
     def _finish_previous(self, due: int | None = None) -> float:
-        """Join the running background save (reporting it if ``due`` is a step waiting for it); seconds waited."""
-        t0 = time.perf_counter()
-        if self._thread is not None:
-            if self._thread.is_alive() and due is not None:
-                self.busy_saves += 1
-                log.warning("checkpoint of step %d is still being written when step %d is due: waiting for it "
-                            "(saves are not stacked); consider a larger checkpoint.every", self.stats[-1].step, due)
-            self._thread.join()
-            self._thread = None
-        self._raise_error()
-        return time.perf_counter() - t0
+        """Wait for the running background save (reporting it if ``due`` is a step waiting for it); seconds waited."""
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            e, self._error = self._error, None
-            raise RuntimeError(f"a checkpoint save in {self.directory} failed: {e}") from e
+        def report_busy() -> None:
+            log.warning("checkpoint of step %d is still being written when step %d is due: waiting for it "
+                        "(saves are not stacked); consider a larger checkpoint.every", self.stats[-1].step, due)
+
+        return self._writer.wait(on_busy=report_busy if due is not None else None)
 
     def wait(self) -> None:
         """Block until the background save (if any) has committed; raises if it failed."""
@@ -227,7 +219,6 @@ class RunCheckpointer:
             return integrity.verify_files(folder.path, files)
         share = assign_bytes({k: v["size"] for k, v in files.items()}, self.num_processes)
         mine = integrity.verify_files(folder.path, files, [k for k, p in share.items() if p == self.process])
-        from jax.experimental import multihost_utils
 
         counts = np.asarray(multihost_utils.process_allgather(np.int32(len(mine))))
         if counts.sum() and not mine:
@@ -311,7 +302,6 @@ def describe_layout(named: list[tuple[str, jax.Array]]) -> dict[str, Any]:
 
 def plan_from_layout(layout: dict[str, Any], num_processes: int, strategy: str = "balanced") -> WritePlan:
     """Recompute a checkpoint's write plan from the layout its commit marker records (no devices needed)."""
-    from jaxdist.checkpoint.plan import layout_from_spec
 
     meshes = layout["meshes"]
     lays = []

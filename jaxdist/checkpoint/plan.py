@@ -31,6 +31,8 @@ import math
 from collections import defaultdict
 from typing import Iterable, Sequence
 
+import numpy as np
+
 Index = tuple[tuple[int, int], ...]
 
 
@@ -259,7 +261,6 @@ def layout_from_spec(name: str, shape: Sequence[int], itemsize: int, spec: Seque
     order; ``process_of``: device id -> process.  Replica ids are numbered in
     the grid's row-major order, as JAX numbers them.
     """
-    import numpy as np
 
     grid = np.asarray(device_grid, dtype=np.int64)
     mesh_shape = dict(zip(axis_names, grid.shape))

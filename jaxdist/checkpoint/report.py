@@ -11,7 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from jaxdist.checkpoint import integrity
+from jaxdist.checkpoint.manager import plan_from_layout
 from jaxdist.checkpoint.plan import max_over_mean
 
 
@@ -63,7 +66,6 @@ def inspect_text(ckdir: Path, step: int | None = None) -> str:
         lines.append(f"data: {json.dumps(meta.get('data', {}), sort_keys=True)}")
     layout = m.get("layout", {})
     for mesh in layout.get("meshes", []):
-        import numpy as np
 
         shape = dict(zip(mesh["axis_names"], np.shape(mesh["devices"])))
         lines.append("mesh: " + " ".join(f"{k}={v}" for k, v in shape.items()))
@@ -101,7 +103,6 @@ def verify_text(ckdir: Path, step: int | None = None) -> tuple[bool, str]:
 
 def plan_text(ckdir: Path, step: int | None = None, strategy: str = "balanced", top: int = 0) -> str:
     """The write plan recomputed from a committed step's recorded layout, next to the bytes its files hold."""
-    from jaxdist.checkpoint.manager import plan_from_layout
 
     f = _committed(ckdir, step)
     m: dict[str, Any] = f.marker

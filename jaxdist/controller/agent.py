@@ -4,7 +4,7 @@
     if agent is not None:
         agent.wait_for_rank(warm)       # heartbeats now; warm up; wait for a rank (sets JAX_* env)
     ... jax.distributed.initialize, Trainer ...
-    agent.attach(trainer)               # a hook reports every step
+    agent.attach(trainer)               # a loop callback reports progress, never waiting for the device
     agent.finished()
 
 A background thread owns the socket: it sends a heartbeat every
@@ -31,15 +31,17 @@ than compiling it.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 from jaxdist.controller.protocol import TOKEN_ENV, Peer
+from jaxdist.controller.setup_cache import library_versions
 
 log = logging.getLogger(__name__)
 
@@ -117,12 +119,15 @@ class WorkerAgent:
         with self._lock:
             self._info.update(info)
 
-    def wait_for_rank(self, warm: Callable[[], None] | None = None, timeout: float | None = None) -> Assignment:
+    def wait_for_rank(self, warm: Callable[[], None] | None = None, timeout: float | None = None,
+                      configure_cache: Callable[[str, Callable[..., None]], None] | None = None) -> Assignment:
         """Run ``warm()``, report "warm", block until the controller assigns a rank; export its environment.
 
-        Sets the compilation cache directory (``JAXDIST_COMPILE_CACHE`` of the
-        assignment or of the process) before returning, so the first compile
-        already reads it.
+        Then ``configure_cache(directory, count_event)`` points the compilation
+        cache at ``JAXDIST_COMPILE_CACHE`` (of the assignment or of the process)
+        before returning, so the first compile already reads it; the worker
+        passes jaxdist.train.compile_cache.configure_compile_cache (this module
+        never imports JAX) and ``count_event`` counts its hits and misses.
         """
         self.update(versions=_versions())
         if warm is not None:
@@ -134,32 +139,43 @@ class WorkerAgent:
         assert a is not None
         os.environ.update(a.process_env())
         cache = os.environ.get("JAXDIST_COMPILE_CACHE")
-        if cache:
-            configure_compile_cache(cache, self)
+        if cache and configure_cache is not None:
+            configure_cache(cache, self.count_cache_event)
         return a
 
     def attach(self, trainer: Any) -> None:
-        """Report every step of ``trainer`` (a hook) and its mesh's device order."""
-        trainer.add_hook(self.on_step, every=1)
+        """Report the progress of ``trainer`` (a loop callback that never waits for the device) and its mesh's
+        device order."""
+        trainer.add_callback(_ProgressReport(self))
         order = [int(d.id) for d in trainer.mesh.devices.flat]
         self.update(state="restoring", mesh_device_order=order)
 
     def on_step(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        """Trainer hook: the step just completed and its throughput.
-
-        Rank 0 also appends ``{time, gen, step, loss}`` to ``<run>/controller/trained.jsonl``: which
-        generation trained which step, the ground truth behind lineage checks and timelines.
-        """
+        """A step is complete, with its metrics: report it and record it."""
         now = time.time()
-        info: dict[str, Any] = {"step": int(step), "tokens_per_s": float(metrics.get("tokens_per_s", 0.0)),
-                                "step_time": float(metrics.get("step_time", 0.0)), "step_at": now}
-        if self._first_step:  # hooks run after every step, so the first call is the first step of this process
-            source = getattr(trainer, "resumed_from", None)  # ("local" | "persistent", step) or None
-            info.update(state="training", resume_step=int(step) - 1, resumed_from=source[0] if source else "init")
-            self._first_step = False
-        self.update(**info)
+        self.progress(trainer, step, metrics, now)
+        self.record(trainer, step, metrics, now)
+
+    def record(self, trainer: Any, step: int, metrics: dict[str, float], now: float | None = None) -> None:
+        """Rank 0 appends ``{time, gen, step, loss}`` to ``<run>/controller/trained.jsonl``: which
+        generation trained which step, the ground truth behind lineage checks and timelines."""
         if trainer is not None and self._info["rank"] == 0:
             record_step(trainer.run_dir, self._info["gen"], int(step), metrics.get("loss"), now)
+
+    def progress(self, trainer: Any, step: int, metrics: dict[str, float] | None, now: float | None = None,
+                 start: int | None = None) -> None:
+        """Step ``step`` finished on the device (``metrics``: the newest on the host, maybe of an earlier step;
+        ``start``: the step this process resumed from, default ``step - 1``)."""
+        now = time.time() if now is None else now
+        metrics = metrics or {}
+        info: dict[str, Any] = {"step": int(step), "step_at": now}
+        if "tokens_per_s" in metrics:
+            info.update(tokens_per_s=float(metrics["tokens_per_s"]), step_time=float(metrics["step_time"]))
+        if self._first_step:  # the first step this process finished
+            source = getattr(trainer, "resumed_from", None)  # ("local" | "persistent", step) or None
+            info.update(state="training", resume_step=int(step) - 1 if start is None else int(start), resumed_from=source[0] if source else "init")
+            self._first_step = False
+        self.update(**info)
 
     def finished(self, final_step: int | None = None) -> None:
         """Report "done".  Heartbeats go on until the process exits: JAX's shutdown barrier
@@ -169,7 +185,8 @@ class WorkerAgent:
         self._beat_now.set()  # now: the process may exit before the next beat is due
         self._beat_sent.wait(timeout=2.0)
 
-    def _count_cache_event(self, event: str, **_: Any) -> None:
+    def count_cache_event(self, event: str, **_: Any) -> None:
+        """A jax.monitoring event listener: counts persistent compilation-cache hits and misses."""
         key = {"/jax/compilation_cache/cache_hits": "cache_hits",
                "/jax/compilation_cache/cache_misses": "cache_misses"}.get(event)
         if key is not None:
@@ -181,11 +198,38 @@ class WorkerAgent:
         self._thread.join(timeout=2)
 
 
+class _ProgressReport:
+    """The agent's loop callback (jaxdist.train.callbacks protocol, duck-typed: no JAX import here).
+
+    Runs every step without syncing: it reports the newest step the device has
+    finished (``ctx.completed_step()`` asks the arrays, it does not wait) and,
+    at steps where the loop flushed metrics anyway, records each flushed step.
+    """
+
+    syncs = False
+
+    def __init__(self, agent: WorkerAgent):
+        self.agent = agent
+        self.reported = -1  # newest step recorded with its metrics
+        self.progressed = -1  # newest step reported finished
+
+    def due(self, step: int, last: bool) -> bool:
+        return True
+
+    def __call__(self, ctx: Any) -> None:
+        now = time.time()
+        for r in ctx.window.flushed:
+            if r["step"] > self.reported:
+                self.agent.record(ctx.trainer, int(r["step"]), r, now)
+                self.reported = int(r["step"])
+        done = max(ctx.completed_step() or -1, self.reported)
+        if done > self.progressed:
+            self.agent.progress(ctx.trainer, done, ctx.latest(), now, start=ctx.start)
+            self.progressed = done
+
+
 def record_step(run_dir: Any, gen: int, step: int, loss: float | None, when: float | None = None) -> None:
     """Append one trained step to ``<run_dir>/controller/trained.jsonl`` (seconds since the epoch)."""
-    import json
-    from pathlib import Path
-
     path = Path(run_dir) / "controller" / "trained.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
@@ -193,70 +237,7 @@ def record_step(run_dir: Any, gen: int, step: int, loss: float | None, when: flo
                             "loss": None if loss is None else float(loss)}) + "\n")
 
 
-def configure_compile_cache(path: str, agent: WorkerAgent | None = None) -> None:
-    """Point JAX's persistent compilation cache at ``path``, caching every program (even fast ones).
-
-    Through the environment when JAX is not imported yet (it reads these at
-    import), through ``jax.config`` when it is; ``agent`` then counts hits and misses.
-    """
-    settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0,
-                "jax_persistent_cache_min_entry_size_bytes": 0}
-    os.environ.update({k.upper(): str(v) for k, v in settings.items()})
-    if "jax" not in sys.modules:
-        return
-    import jax
-
-    for k, v in settings.items():
-        jax.config.update(k, v)
-    _write_cache_on_every_cpu_process()
-    if agent is not None:
-        jax.monitoring.register_event_listener(agent._count_cache_event)
-
-
-def _write_cache_on_every_cpu_process() -> None:
-    """Let every process of a CPU job write its own persistent-cache entries.
-
-    JAX writes entries from process 0 only, assuming every process computes the
-    same key (true on GPU, where the key leaves the device assignment out).  On
-    CPU the key hashes each process's own view of the topology, so the other
-    processes would never find an entry and would compile on every start --
-    and the group steps at the pace of its slowest member.  Their keys differ,
-    so their writes cannot collide.  Wraps a private JAX function; if it is not
-    there (another JAX version), nothing changes.
-    """
-    try:
-        from jax._src import compilation_cache, compiler, distributed
-    except ImportError:
-        return
-    original = getattr(compiler, "_cache_write", None)
-    if original is None or getattr(original, "jaxdist_wrapped", False):
-        return
-
-    def write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
-        if distributed.global_state.process_id == 0 or backend.platform != "cpu" or host_callbacks:
-            return original(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
-        if compile_time_secs < jax_min_compile_time():
-            return None
-        try:
-            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
-                                                      int(compile_time_secs))
-        except Exception as e:  # a cache write must never fail the compile
-            log.warning("could not write the persistent compilation cache entry of %s: %s", module_name, e)
-        return None
-
-    write.jaxdist_wrapped = True  # type: ignore[attr-defined]
-    compiler._cache_write = write
-
-
-def jax_min_compile_time() -> float:
-    import jax
-
-    return float(jax.config.jax_persistent_cache_min_compile_time_secs)
-
-
 def _versions() -> dict[str, str]:
-    from jaxdist.controller.setup_cache import library_versions
-
     return library_versions()
 
 

@@ -32,11 +32,11 @@ import os
 import shlex
 import signal
 import time
-import tomllib
 import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from jaxdist.cluster import load_cluster
 from jaxdist.config import Config, ConfigError
 from jaxdist.controller import policy
 from jaxdist.controller.generations import GenerationLifecycle
@@ -48,18 +48,14 @@ log = logging.getLogger("jaxdist.controller")
 
 SPARE_FAILURES_TO_BAN = 3  # warm processes of one node that crashed before an assignment: the node is not used
 
-MESHES_DIR = Path(__file__).resolve().parents[2] / "meshes"
-
 
 def cluster_shape(cfg: Config) -> tuple[int, int, str]:
-    """(nodes, devices per node, device kind) of the config's cluster description, read without JAX."""
-    name = cfg.mesh.cluster
-    path = Path(name) if (name.endswith(".toml") or "/" in name) else MESHES_DIR / f"{name}.toml"
-    try:
-        spec = tomllib.loads(path.read_text())
-        return int(spec["nodes"]), int(spec["devices_per_node"]), str(spec["device_kind"])
-    except (OSError, tomllib.TOMLDecodeError, KeyError, ValueError) as e:
-        raise ConfigError(f"cluster description '{name}' cannot be read ({e}): check mesh.cluster.") from None
+    """(nodes, devices per node, device kind) of the config's cluster description, read without JAX.
+
+    Raises ConfigError (from :func:`~jaxdist.cluster.load_cluster`) when the description cannot be read.
+    """
+    spec = load_cluster(cfg.mesh.cluster)
+    return spec.nodes, spec.devices_per_node, spec.device_kind
 
 
 def controller_dir(cfg: Config) -> Path:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import ctypes
 import logging
 import os
 import shutil
@@ -77,8 +78,6 @@ def self_check(work_dir: Path, expected_devices: int, device_kind: str) -> dict[
 def _die_with_parent() -> None:
     # A node agent that dies takes its workers along, as a host failure would.
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass

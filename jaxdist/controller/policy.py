@@ -16,10 +16,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from jaxdist.cluster import NODE_LOCAL_AXES
 from jaxdist.config import Config, ConfigError
 from jaxdist.config_checks import validate
-
-NODE_LOCAL_AXES = ("tensor", "expert", "pipeline")  # as jaxdist.parallel.mesh (which imports JAX)
 
 
 def group_size_error(cfg: Config, n_nodes: int, devices_per_node: int) -> str | None:

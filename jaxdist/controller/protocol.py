@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from jaxdist.config import ConfigError
 from jaxdist.config_checks import is_loopback
@@ -198,7 +199,6 @@ class Endpoint:
         """One authentic message within ``timeout_s``, or None (timeout, a rejected message, a disconnect)."""
         events = dict(self.poller.poll(int(timeout_s * 1000)))
         if self.monitor in events:
-            from zmq.utils.monitor import recv_monitor_message
 
             ev = recv_monitor_message(self.monitor)
             ident = self._fd_ident.pop(int(ev["value"]), None)

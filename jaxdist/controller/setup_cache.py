@@ -27,9 +27,11 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import time
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -219,9 +221,6 @@ class SetupCache:
 
 def library_versions() -> dict[str, str]:
     """Versions of python, jax, jaxlib, flax, optax, orbax and jaxdist, read without importing them."""
-    import platform
-    from importlib import metadata
-
     out = {"python": platform.python_version()}
     for pkg in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "jaxdist"):
         try:

@@ -65,7 +65,7 @@ def summary(values: list[float]) -> dict[str, float]:
 
 def plot_timeline(run_dir: str | Path, ax=None):
     """Steps over wall-clock time, one colour per generation, injections and failures marked (matplotlib Axes)."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional (the [notebooks] and [test] extras): only for the picture
 
     ctl = Path(run_dir) / "controller"
     trained = read_events(ctl / "trained.jsonl")

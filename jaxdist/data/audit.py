@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxdist.data.batchlist import BatchList, BatchListError, derive, format_id, unpack_ids
+from jaxdist.data.catalog import fingerprint, read_source
 from jaxdist.data.journal import Journal
 
 
@@ -99,7 +100,6 @@ def verify(run_dir: str | Path, full: bool = False) -> tuple[bool, list[str]]:
     must be present with its recorded length and quick fingerprint (``full``:
     also its full SHA-256).
     """
-    from jaxdist.data.catalog import fingerprint, read_source
 
     journal = Journal(run_dir)
     lines, ok = [], True

@@ -194,7 +194,7 @@ class RunBatchList:
 
     def _sync(self, what: str) -> None:
         if self.process_count > 1:
-            from jax.experimental import multihost_utils
+            from jax.experimental import multihost_utils  # JAX only in a job: `jaxdist data` stays JAX-free
 
             multihost_utils.sync_global_devices(f"jaxdist-batchlist-{what}")
 
@@ -202,7 +202,7 @@ class RunBatchList:
         """Process 0's ``version``, on every process."""
         if self.process_count == 1:
             return version
-        from jax.experimental import multihost_utils
+        from jax.experimental import multihost_utils  # JAX only in a job: `jaxdist data` stays JAX-free
 
         return int(multihost_utils.broadcast_one_to_all(np.int32(version)))
 

@@ -3,10 +3,12 @@ shared expert, and the per-shard expert computations.
 
 Everything here is a pure function of arrays.  Parameters carry logical names
 only (``expert`` for the expert dimension, ``expert_mlp`` for an expert's
-hidden width); which devices hold which experts, and how tokens travel to them,
-is decided in :mod:`jaxdist.parallel.moe`, which calls the per-shard kernels
-below (:func:`grouped_ffn`, :func:`capacity_slots`, :func:`dense_expert_ffn`)
-inside ``shard_map``.
+hidden width).  Alone, an MoE layer runs every expert on the local tokens
+(:func:`local_experts`); which devices hold which experts, and how tokens
+travel to them, is decided outside this package: expert parallelism (``parallel/moe.py``)
+hands the layer its dispatch (:mod:`jaxdist.models.hooks`), which calls the
+per-shard kernels below (:func:`grouped_ffn`, :func:`capacity_slots`,
+:func:`dense_expert_ffn`, :func:`local_experts`) inside ``shard_map``.
 
 Shapes: ``N`` tokens (batch x seq flattened), ``d`` = d_model, ``E`` routed
 experts, ``k`` experts per token, ``f`` = one expert's hidden width.
@@ -15,7 +17,7 @@ Routing (per token, float32):
 
 * ``softmax`` router: p = softmax(x W_r); the k largest p are the experts and
   their weights (Mixtral).  ``sigmoid`` router: s = sigmoid(x W_r); the k
-  largest s (DeepSeek-V3).  With ``moe_renormalize`` the k weights are rescaled
+  largest s (DeepSeek-V3).  With ``moe.renormalize`` the k weights are rescaled
   to sum to 1.
 * load-balancing loss (Switch / GShard): E * sum_e share_e * P_e, where
   share_e is the fraction of the N*k assignments that went to expert e (no
@@ -27,12 +29,13 @@ Routing (per token, float32):
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from jaxdist.config import ModelConfig
+from jaxdist.models import hooks
 
 # Per-layer expert parameters and the dense MLP parameters an MoE layer replaces.
 EXPERT_KEYS = ("we_gate", "we_up", "we_down")
@@ -43,18 +46,18 @@ MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_drop_rate", "moe_load_max", "m
 
 
 def expert_d_ff(cfg: ModelConfig) -> int:
-    """Hidden width of one routed expert (``moe_d_ff``, or ``d_ff`` when that is 0)."""
-    return cfg.moe_d_ff or cfg.d_ff
+    """Hidden width of one routed expert (``moe.d_ff``, or ``d_ff`` when that is 0)."""
+    return cfg.moe.d_ff or cfg.d_ff
 
 
 def moe_layer_count(cfg: ModelConfig) -> int:
-    """Number of MoE blocks: every ``moe_every``-th block of ``n_layers`` (0 for a dense model)."""
-    return cfg.n_layers // cfg.moe_every if cfg.moe_experts else 0
+    """Number of MoE blocks: every ``moe.every``-th block of ``n_layers`` (0 for a dense model)."""
+    return cfg.n_layers // cfg.moe.every if cfg.moe.experts else 0
 
 
 def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
-    """Whether block i (0-based) is an MoE block: the last block of each group of ``moe_every``."""
-    return bool(cfg.moe_experts) and (i + 1) % cfg.moe_every == 0
+    """Whether block i (0-based) is an MoE block: the last block of each group of ``moe.every``."""
+    return bool(cfg.moe.experts) and (i + 1) % cfg.moe.every == 0
 
 
 def moe_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
@@ -63,17 +66,17 @@ def moe_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
     The router's expert dimension is left unnamed (replicated): every token
     needs all E scores.
     """
-    if not cfg.moe_experts:
+    if not cfg.moe.experts:
         return {}
-    d, e, f = cfg.d_model, cfg.moe_experts, expert_d_ff(cfg)
+    d, e, f = cfg.d_model, cfg.moe.experts, expert_d_ff(cfg)
     specs = {
         "router": ((d, e), ("embed", None)),
         "we_gate": ((e, d, f), ("expert", "embed", "expert_mlp")),
         "we_up": ((e, d, f), ("expert", "embed", "expert_mlp")),
         "we_down": ((e, f, d), ("expert", "expert_mlp", "embed")),
     }
-    if cfg.moe_shared_d_ff:
-        fs = cfg.moe_shared_d_ff
+    if cfg.moe.shared_d_ff:
+        fs = cfg.moe.shared_d_ff
         specs.update({"ws_gate": ((d, fs), ("embed", "mlp")), "ws_up": ((d, fs), ("embed", "mlp")),
                       "ws_down": ((fs, d), ("mlp", "embed"))})
     return specs
@@ -93,13 +96,13 @@ class Routing(NamedTuple):
 def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig) -> Routing:
     """Top-k routing of tokens x [N, d] with router weights [d, E], computed in float32."""
     logits = jnp.einsum("nd,de->ne", x.astype(jnp.float32), w_router.astype(jnp.float32))
-    if cfg.moe_router == "sigmoid":
+    if cfg.moe.router == "sigmoid":
         scores = jax.nn.sigmoid(logits)
         probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
     else:
         scores = probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(scores, cfg.moe_top_k)
-    if cfg.moe_renormalize:
+    weights, experts = jax.lax.top_k(scores, cfg.moe.top_k)
+    if cfg.moe.renormalize:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return Routing(experts.astype(jnp.int32), weights, probs, logits)
 
@@ -191,6 +194,45 @@ def dense_expert_ffn(buf: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array
     return jnp.einsum("ecf,efd->ecd", h, wd.astype(dt))
 
 
+def _no_reduce(y: jax.Array) -> jax.Array:
+    return y
+
+
+def local_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, params: dict[str, jax.Array],
+                  cfg: ModelConfig, reduce: Callable[[jax.Array], jax.Array] = _no_reduce
+                  ) -> tuple[jax.Array, jax.Array]:
+    """Routed expert outputs for tokens x [N, d] with expert ids / weights [N, k], every expert held here.
+
+    ``params``: we_gate, we_up [E, d, f] and we_down [E, f, d].  Returns
+    (y [N, d] = sum over a token's kept assignments of weight * expert FFN,
+    keep [N, k] bool: False where capacity dispatch dropped the assignment).
+    No communication: the MoE layer's default dispatch, and the per-device
+    body of an exchange with one expert shard.  ``reduce`` is applied to the
+    experts' FFN outputs: the caller's sum over an expert tensor group when the
+    weights are slices of each expert's hidden width.
+    """
+    wg, wu, wd = (params[k] for k in EXPERT_KEYS)
+    n, d = x.shape
+    k = experts.shape[1]
+    e = cfg.moe.experts
+    if cfg.moe.dispatch == "capacity":  # each expert's first C assignments, as dense slot buffers
+        cap = expert_capacity(n, k, e, cfg.moe.capacity_factor)
+        keep, slot = capacity_slots(experts, e, cap)
+        rows = jnp.broadcast_to(x[:, None, :], (n, k, d)).reshape(n * k, d)
+        buf = jnp.zeros((e * cap, d), x.dtype).at[slot.reshape(-1)].set(rows, mode="drop")
+        out = reduce(dense_expert_ffn(buf.reshape(e, cap, d), wg, wu, wd)).reshape(e * cap, d)
+        out = out[jnp.where(keep, slot, 0).reshape(-1)].reshape(n, k, d)
+        out = jnp.where(keep[..., None], out, 0)
+    else:  # dropless: assignments sorted by expert through one grouped matmul per weight
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        out = reduce(grouped_ffn(x[order // k], flat[order], wg, wu, wd, rows_sorted=True))
+        inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
+        out = out[inverse].reshape(n, k, d)
+        keep = jnp.ones(experts.shape, bool)
+    return jnp.einsum("nk,nkd->nd", weights.astype(out.dtype), out), keep
+
+
 # --------------------------------------------------------------------------- the block
 
 def moe_forward(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -200,18 +242,18 @@ def moe_forward(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> tupl
     storage dtype.  Returns (output [B, T, d] in x's dtype, aux) with aux
     scalars ``balance``, ``z``, ``drop_rate`` (share of the N*k assignments
     dropped; 0 in dropless mode) and ``share`` [E] (each expert's share of the
-    assignments).  The experts run through :func:`jaxdist.parallel.moe.run_experts`,
-    which spreads them over the devices when a mesh is active.
+    assignments).  The experts run through the installed expert dispatch
+    (:func:`jaxdist.models.hooks.expert_dispatch`, which the parallelism layer sets
+    to spread them over the devices), else :func:`local_experts`.
     """
-    from jaxdist.parallel.moe import run_experts  # parallel.moe imports this module's kernels
-
     b, t, d = x.shape
     tokens = x.reshape(b * t, d)
     r = route(tokens, p["router"], cfg)
-    y, keep = run_experts(tokens, r.experts, r.weights, {k: p[k] for k in EXPERT_KEYS}, cfg)
-    if cfg.moe_shared_d_ff:
+    dispatch = hooks.expert_dispatch() or local_experts
+    y, keep = dispatch(tokens, r.experts, r.weights, {k: p[k] for k in EXPERT_KEYS}, cfg)
+    if cfg.moe.shared_d_ff:
         y = y + swiglu(tokens, *(p[k].astype(x.dtype) for k in SHARED_KEYS))
-    aux = router_losses(r, cfg.moe_experts)
+    aux = router_losses(r, cfg.moe.experts)
     aux["drop_rate"] = 1.0 - jnp.mean(keep.astype(jnp.float32))
     return y.reshape(b, t, d).astype(x.dtype), aux
 
@@ -225,7 +267,7 @@ def summarize_aux(per_layer: dict[str, jax.Array], cfg: ModelConfig) -> dict[str
     train step adds to the cross-entropy) and ``moe_expert_share`` [E].
     """
     share = jnp.mean(per_layer["share"], axis=0)
-    e = cfg.moe_experts
+    e = cfg.moe.experts
     out = {
         "moe_aux_loss": jnp.mean(per_layer["balance"]),
         "moe_z_loss": jnp.mean(per_layer["z"]),
@@ -234,17 +276,17 @@ def summarize_aux(per_layer: dict[str, jax.Array], cfg: ModelConfig) -> dict[str
         "moe_load_min": e * jnp.mean(jnp.min(per_layer["share"], axis=-1)),
         "moe_expert_share": share,
     }
-    out["moe_loss"] = cfg.moe_aux_loss_coef * out["moe_aux_loss"] + cfg.moe_z_loss_coef * out["moe_z_loss"]
+    out["moe_loss"] = cfg.moe.aux_loss_coef * out["moe_aux_loss"] + cfg.moe.z_loss_coef * out["moe_z_loss"]
     return out
 
 
 def split_group(stacked: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
-    """Stacked layer weights reshaped to a leading [groups] axis for scanning groups of ``moe_every`` blocks.
+    """Stacked layer weights reshaped to a leading [groups] axis for scanning groups of ``moe.every`` blocks.
 
     Attention weights [L, ...] -> [G, k, ...]; dense MLP weights [G*(k-1), ...]
-    -> [G, k-1, ...]; MoE weights [G, ...] stay.  G = n_layers / moe_every.
+    -> [G, k-1, ...]; MoE weights [G, ...] stay.  G = n_layers / moe.every.
     """
-    k = cfg.moe_every
+    k = cfg.moe.every
     g = cfg.n_layers // k
     moe_keys = set(moe_param_specs(cfg))
     out = {}
@@ -261,7 +303,7 @@ def split_group(stacked: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, ja
 def group_member(group: dict[str, jax.Array], j: int, cfg: ModelConfig) -> dict[str, Any]:
     """Weights of block j (0-based) of one group from :func:`split_group` (one scan step)."""
     moe_keys = set(moe_param_specs(cfg))
-    last = j == cfg.moe_every - 1
+    last = j == cfg.moe.every - 1
     out = {}
     for name, v in group.items():
         if name in moe_keys:

@@ -6,8 +6,11 @@ Parameters live in Flax NNX modules and carry logical axis names
 ``layers`` axis and applied with ``jax.lax.scan`` so compile time does not
 grow with depth.  The block itself is a pure function of a dict of arrays
 (:func:`block_forward`), which is what remat profiling and pipeline stages
-reuse.  Activations are constrained with logical names only; which mesh axes
-those mean is decided outside this package (``jaxdist.parallel.rules``).
+reuse, as they do the embedding (:func:`embed_tokens`), the output head
+(:func:`head`) and the per-token loss (:func:`token_cross_entropy`).
+Activations are constrained with logical names only (:mod:`jaxdist.models.
+hooks`); which mesh axes those mean is decided outside this package
+(the parallelism layer, ``parallel/``).
 """
 
 from __future__ import annotations
@@ -20,12 +23,21 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxdist.config import ModelConfig
-from jaxdist.models.moe import (DENSE_MLP_KEYS, group_member, moe_forward, moe_layer_count, moe_param_specs,
-                                split_group, summarize_aux)
+from jaxdist.models.hooks import constrain
+from jaxdist.models.moe import (
+    DENSE_MLP_KEYS,
+    group_member,
+    moe_forward,
+    moe_layer_count,
+    moe_param_specs,
+    split_group,
+    summarize_aux,
+)
 from jaxdist.models.names import CHECKPOINT_NAMES, block_param_specs  # noqa: F401  (re-exported)
-from jaxdist.parallel.rules import constrain
 
-def _dtype(name: str):
+
+def array_dtype(name: str):
+    """The jnp dtype of a config dtype name (``bfloat16``; anything else is float32)."""
     return jnp.bfloat16 if name == "bfloat16" else jnp.float32
 
 
@@ -134,7 +146,7 @@ def block_forward_cached(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, 
     this chunk's rotated keys and values, for the next chunks' cache.  Without a
     prefix, y equals ``block_forward(p, x, cos, sin, cfg)``.  Same checkpoint
     names and constraints as block_forward; the sequence-chunked pipeline
-    (jaxdist.parallel.pipeline) runs it.  Weights already in x's dtype are used
+    (``parallel/pipeline.py``) runs it.  Weights already in x's dtype are used
     as they are (no copy, so remat residuals can refer to them).
     """
     dt = x.dtype
@@ -148,6 +160,43 @@ def block_forward_cached(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, 
     return _mlp_residual(w, x, h), k, v
 
 
+def embed_tokens(table: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Activations [B, T, d_model] in the compute dtype for tokens [B, T] int32 from the embedding table [V, d]."""
+    # The gather needs the whole table on each device (like FSDP gathers a layer's
+    # weights); a vocab- or embed-sharded table makes XLA rematerialise the lookup.
+    table = constrain(table, (None, None))
+    x = jnp.take(table, tokens, axis=0).astype(array_dtype(cfg.dtype))
+    return constrain(x, ("batch", "seq", "embed"))
+
+
+def head_params(params: dict, cfg: ModelConfig) -> dict[str, jax.Array]:
+    """The weights :func:`head` reads from a parameter dict: ``final_norm`` and ``embed`` (tied) or ``lm_head``."""
+    return {k: params[k] for k in ("final_norm", "embed" if cfg.tie_embeddings else "lm_head")}
+
+
+def head(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Logits [B, T, V] float32 of the last block's output x [B, T, d]: final RMSNorm and output projection.
+
+    ``p``: ``final_norm`` and ``embed`` (tied embeddings) or ``lm_head``, see :func:`head_params`.
+    """
+    x = rms_norm(x, p["final_norm"], cfg.norm_eps)
+    w = p["embed"].T if cfg.tie_embeddings else p["lm_head"]
+    logits = jnp.einsum("btd,dv->btv", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return constrain(logits, ("batch", "seq", "vocab"))
+
+
+def token_cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Cross-entropy (nats) of each position [B, T] of logits [B, T, V] float32 with labels [B, T] int32.
+
+    The label's logit is a masked sum over the vocabulary, not a gather: XLA's
+    SPMD partitioner aborts on a gather from vocab-sharded logits inside a
+    ``shard_map`` that is manual over some axes only (a pipeline stage).  Equal
+    to optax's ``softmax_cross_entropy_with_integer_labels``.
+    """
+    hit = jnp.arange(logits.shape[-1]) == labels[..., None]
+    return jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+
+
 class Transformer(nnx.Module):
     """Decoder-only LM.  ``model(tokens) -> logits`` with tokens [B, T] int32, logits [B, T, V] float32.
 
@@ -158,7 +207,7 @@ class Transformer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, remat_policy: Any = None):
         self.cfg = cfg
         self.remat_policy = remat_policy
-        pdt = _dtype(cfg.param_dtype)
+        pdt = array_dtype(cfg.param_dtype)
         normal = nnx.initializers.normal(cfg.init_std)
 
         def param(shape, names, init=normal):
@@ -192,24 +241,19 @@ class Transformer(nnx.Module):
         """(logits [B, T, V] float32, aux): aux is ``{}`` for a dense model, else
         jaxdist.models.moe.summarize_aux's router losses, drop rate and expert load."""
         cfg = self.cfg
-        dt = _dtype(cfg.dtype)
         t = tokens.shape[1]
         cos, sin = rotary_tables(jnp.arange(t), cfg.head_dim, cfg.rope_theta)
 
-        # The gather needs the whole table on each device (like FSDP gathers a layer's
-        # weights); a vocab- or embed-sharded table makes XLA rematerialise the lookup.
-        table = constrain(self.embed[...], (None, None))
-        x = jnp.take(table, tokens, axis=0).astype(dt)
-        x = constrain(x, ("batch", "seq", "embed"))
+        x = embed_tokens(self.embed[...], tokens, cfg)
 
         def body(x, p):
             return block_forward(p, x, cos, sin, cfg), None
 
         stacked = {k: v[...] for k, v in self.layers.items()}
-        if cfg.moe_experts:  # scan over groups of moe_every blocks, the last of each an MoE block
+        if cfg.moe.experts:  # scan over groups of moe.every blocks, the last of each an MoE block
             def body(x, group):
                 aux = {}
-                for j in range(cfg.moe_every):
+                for j in range(cfg.moe.every):
                     x, a = block_forward(group_member(group, j, cfg), x, cos, sin, cfg, with_aux=True)
                     aux = a or aux
                 return x, aux
@@ -217,12 +261,10 @@ class Transformer(nnx.Module):
             stacked = split_group(stacked, cfg)
         body = _with_remat(body, self.remat_policy)
         x, aux = jax.lax.scan(body, x, stacked)
-        aux = summarize_aux(aux, cfg) if cfg.moe_experts else {}
+        aux = summarize_aux(aux, cfg) if cfg.moe.experts else {}
 
-        x = rms_norm(x, self.final_norm[...], cfg.norm_eps)
-        head = self.embed[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
-        return constrain(logits, ("batch", "seq", "vocab")), aux
+        weights = {"final_norm": self.final_norm, "embed": self.embed, "lm_head": getattr(self, "lm_head", None)}
+        return head({k: v[...] for k, v in head_params(weights, cfg).items()}, x, cfg), aux
 
 
 def _with_remat(fn: Callable, policy: Any) -> Callable:

@@ -1,14 +1,8 @@
-"""Parallelism: device meshes (mesh.py) and logical-axis sharding rules (rules.py)."""
+"""Parallelism (cluster files live in jaxdist/cluster.py): device meshes (mesh.py), logical-axis sharding rules (rules.py), expert parallelism (moe.py),
+pipeline stages (pipeline.py), and the one value that holds them for a job (layout.py: ``Parallelism``)."""
 
-from jaxdist.parallel.mesh import (
-    ClusterSpec,
-    build_mesh,
-    cluster_from_devices,
-    describe_mesh,
-    hybrid_shapes,
-    list_clusters,
-    load_cluster,
-)
+from jaxdist.parallel.layout import Parallelism, sharded_tracing
+from jaxdist.parallel.mesh import build_mesh, cluster_from_devices, describe_mesh, hybrid_shapes
 from jaxdist.parallel.rules import (
     DEFAULT_RULES,
     activation_sharding,
@@ -18,7 +12,7 @@ from jaxdist.parallel.rules import (
 )
 
 __all__ = [
-    "ClusterSpec", "build_mesh", "cluster_from_devices", "describe_mesh", "hybrid_shapes",
-    "list_clusters", "load_cluster",
+    "build_mesh", "cluster_from_devices", "describe_mesh", "hybrid_shapes",
     "DEFAULT_RULES", "activation_sharding", "constrain", "logical_to_spec", "state_shardings",
+    "Parallelism", "sharded_tracing",
 ]

@@ -1,10 +1,10 @@
-"""Device meshes: cluster descriptions (meshes/*.toml or live devices) and the mesh builder.
+"""Device meshes: the live devices as a cluster description, and the mesh builder.
 
-A cluster is described once, in ``meshes/<name>.toml``; the mesh builder and
-the planner's cluster view both read it through :func:`load_cluster`.  The mesh
-always has the five axes of ``MESH_AXES`` in that order, of the Auto type (the
-compiler propagates shardings; Explicit axes reject our differently sharded
-matmul operands).
+A cluster is described once, in ``meshes/<name>.toml``, and read (without JAX)
+by :func:`jaxdist.cluster.load_cluster`; :func:`cluster_from_devices` describes
+the devices JAX sees the same way.  The mesh always has the five axes of
+``MESH_AXES`` in that order, of the Auto type (the compiler propagates
+shardings; Explicit axes reject our differently sharded matmul operands).
 
 On several hosts the layout is hybrid: ``tensor``, ``expert`` and ``pipeline``
 stay inside one node (fast links), and the node count is absorbed by ``data``
@@ -14,14 +14,9 @@ choice of that split is the pure function :func:`hybrid_shapes`.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import math
 import os
-import tomllib
 from collections import Counter
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Sequence
 
 import jax
@@ -29,12 +24,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
+from jaxdist.cluster import NODE_LOCAL_AXES, ClusterSpec, preset_for_kind
 from jaxdist.config import MESH_AXES, ConfigError, MeshConfig
-
-MESHES_DIR = Path(__file__).parents[2] / "meshes"
-
-# Axes that must stay inside one node; the others (data, fsdp) may cross nodes.
-NODE_LOCAL_AXES = ("tensor", "expert", "pipeline")
 
 # Memory of a device whose runtime reports none and that no preset describes
 # (bytes); CPU devices instead get an equal share of the host's RAM.
@@ -45,101 +36,6 @@ DEFAULT_MEMORY_BYTES = 2 * 2**30
 _FALLBACK = dict(peak_flops_bf16=5.0e10, peak_flops_fp32=5.0e10,
                  intra_node_bandwidth=1.0e10, inter_node_bandwidth=1.0e9,
                  intra_node_latency=1.0e-5, inter_node_latency=1.0e-4)
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """A cluster: identical devices, ``devices_per_node`` on each of ``nodes`` hosts.
-
-    Per-device figures: ``memory_bytes`` (bytes), ``peak_flops_bf16`` and
-    ``peak_flops_fp32`` (dense FLOP/s), ``intra_node_bandwidth`` and
-    ``inter_node_bandwidth`` (bytes/s, one direction), ``intra_node_latency``
-    and ``inter_node_latency`` (seconds).
-    """
-
-    name: str
-    device_kind: str
-    nodes: int
-    devices_per_node: int
-    memory_bytes: int
-    peak_flops_bf16: float
-    peak_flops_fp32: float
-    intra_node_bandwidth: float
-    inter_node_bandwidth: float
-    intra_node_latency: float
-    inter_node_latency: float
-
-    @property
-    def n_devices(self) -> int:
-        """Devices in the whole cluster."""
-        return self.nodes * self.devices_per_node
-
-
-_FIELDS = {f.name: f.type for f in dataclasses.fields(ClusterSpec)}
-_INT_FIELDS = ("nodes", "devices_per_node", "memory_bytes")
-_STR_FIELDS = ("name", "device_kind")
-
-
-def list_clusters() -> list[str]:
-    """Names of the cluster presets in ``meshes/`` (file names without ``.toml``), sorted."""
-    return sorted(p.stem for p in MESHES_DIR.glob("*.toml"))
-
-
-def _resolve_path(name_or_path: str | Path) -> Path:
-    s = str(name_or_path)
-    if s.endswith(".toml") or os.sep in s or "/" in s:
-        p = Path(s)
-    else:
-        p = MESHES_DIR / f"{s}.toml"
-    if not p.is_file():
-        raise ConfigError(f"cluster description '{name_or_path}' not found ({p}): use one of "
-                          f"{', '.join(list_clusters())} or a path to a TOML file.")
-    return p
-
-
-def cluster_from_dict(data: dict[str, Any], source: str = "cluster description") -> ClusterSpec:
-    """Validate a dict of cluster fields (as read from TOML) into a ClusterSpec, or raise ConfigError."""
-    for key in data:
-        if key not in _FIELDS:
-            close = difflib.get_close_matches(key, list(_FIELDS), n=1)
-            hint = f"did you mean '{close[0]}'?" if close else f"the fields are {', '.join(_FIELDS)}."
-            raise ConfigError(f"{source} has an unknown field '{key}': {hint}")
-    missing = [k for k in _FIELDS if k not in data]
-    if missing:
-        raise ConfigError(f"{source} is missing the field{'s' if len(missing) > 1 else ''} "
-                          f"{', '.join(missing)}: add {'them' if len(missing) > 1 else 'it'} "
-                          "(see meshes/cpu-8.toml for the units).")
-    values: dict[str, Any] = {}
-    for key, value in data.items():
-        if key in _STR_FIELDS:
-            if not isinstance(value, str) or not value:
-                raise ConfigError(f"{source}: field '{key}' must be a non-empty string, got {value!r}.")
-        elif key in _INT_FIELDS:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-                raise ConfigError(f"{source}: field '{key}' must be a whole number, got {value!r}.")
-            value = int(value)
-        else:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConfigError(f"{source}: field '{key}' must be a number, got {value!r}.")
-            value = float(value)
-        if key not in _STR_FIELDS and not value > 0:
-            raise ConfigError(f"{source}: field '{key}' = {value!r} must be positive.")
-        values[key] = value
-    return ClusterSpec(**values)
-
-
-def load_cluster(name_or_path: str | Path) -> ClusterSpec:
-    """Read a cluster description: a bare name means ``meshes/<name>.toml``, anything else a path.
-
-    Raises ConfigError for a missing file, invalid TOML, a missing or unknown
-    field, a value of the wrong type or a non-positive number.
-    """
-    p = _resolve_path(name_or_path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"cluster description '{p}' is not valid TOML ({e}): fix the syntax.") from None
-    return cluster_from_dict(data, source=f"cluster description '{p}'")
 
 
 # --------------------------------------------------------------------------- live devices
@@ -157,14 +53,6 @@ def _nodes_and_per_node(devices: Sequence[Any]) -> tuple[int, int]:
         raise ConfigError(f"the devices are spread unevenly over processes ({dict(sorted(counts.items()))} "
                           "devices per process): give every process the same number of devices.")
     return len(counts), next(iter(counts.values()))
-
-
-def _preset_for_kind(device_kind: str) -> ClusterSpec | None:
-    for name in list_clusters():
-        spec = load_cluster(name)
-        if spec.device_kind.lower() == device_kind.lower():
-            return spec
-    return None
 
 
 def _device_memory(device: Any, local_count: int, preset: ClusterSpec | None) -> int:
@@ -198,7 +86,7 @@ def cluster_from_devices(devices: Sequence[Any] | None = None) -> ClusterSpec:
     assert devices, "cluster_from_devices needs at least one device"
     nodes, per_node = _nodes_and_per_node(devices)
     kind = devices[0].device_kind
-    preset = _preset_for_kind(kind)
+    preset = preset_for_kind(kind)
     figures = ({k: getattr(preset, k) for k in _FALLBACK} if preset is not None else dict(_FALLBACK))
     return ClusterSpec(name="live", device_kind=kind, nodes=nodes, devices_per_node=per_node,
                        memory_bytes=_device_memory(devices[0], per_node, preset), **figures)

@@ -43,10 +43,20 @@ from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import ConfigError, ModelConfig
-from jaxdist.models.moe import capacity_slots, dense_expert_ffn, expert_capacity, grouped_ffn
+from jaxdist.models import hooks
+from jaxdist.models.moe import (
+    capacity_slots,
+    dense_expert_ffn,
+    expert_capacity,
+    expert_d_ff,
+    grouped_ffn,
+    local_experts,
+)
+from jaxdist.parallel import hlo
 from jaxdist.parallel import rules as _rules
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, logical_to_spec
 
@@ -140,15 +150,17 @@ _LAYOUT: contextvars.ContextVar[ExpertLayout | None] = contextvars.ContextVar("j
 
 @contextlib.contextmanager
 def expert_parallelism(layout: ExpertLayout | None) -> Iterator[None]:
-    """Within this block, MoE layers traced under jit dispatch their experts by ``layout``.
+    """Within this block, MoE layers traced under jit dispatch their experts by ``layout`` (:func:`run_experts`).
 
-    Without it, an active :func:`~jaxdist.parallel.rules.activation_sharding`
+    ``layout`` None: an active :func:`~jaxdist.parallel.rules.activation_sharding`
     mesh implies the default layout (``expert_tensor`` = all of ``tensor``);
     with neither, the experts run on the local tokens without communication.
+    Outside this block the model's MoE layers run their experts locally.
     """
     token = _LAYOUT.set(layout)
     try:
-        yield
+        with hooks.dispatching_experts(run_experts):
+            yield
     finally:
         _LAYOUT.reset(token)
 
@@ -158,7 +170,7 @@ def current_layout() -> ExpertLayout | None:
     layout = _LAYOUT.get()
     if layout is not None:
         return layout
-    active = _rules._ACTIVE.get()
+    active = _rules.active_sharding()
     if active is None:
         return None
     return expert_layout(active[0], 0, active[1])
@@ -177,9 +189,8 @@ def run_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, params: di
     view; otherwise on the local arrays.
     """
     layout = current_layout()
-    body = partial(_dispatch, cfg=cfg)
     if layout is None:
-        return body(x, experts, weights, params, ep_axes=(), ep_size=1, etp_axes=(), exchange="padded")
+        return local_experts(x, experts, weights, params, cfg)
     n_shards = layout.size(layout.token_axes)
     if x.shape[0] % n_shards:
         raise ValueError(f"{x.shape[0]} tokens cannot be split over the {n_shards} token shards of the MoE "
@@ -188,7 +199,7 @@ def run_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, params: di
     w_in, w_out = P(layout.ep_axes or None, None, layout.etp_axes or None), \
         P(layout.ep_axes or None, layout.etp_axes or None, None)
     fn = jax.shard_map(
-        partial(body, ep_axes=layout.ep_axes, ep_size=layout.ep_size, etp_axes=layout.etp_axes,
+        partial(_dispatch, cfg=cfg, ep_axes=layout.ep_axes, ep_size=layout.ep_size, etp_axes=layout.etp_axes,
                 exchange=layout.exchange),
         mesh=layout.mesh,
         in_specs=(tok, tok, tok, {"we_gate": w_in, "we_up": w_in, "we_down": w_out}),
@@ -200,11 +211,13 @@ def run_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, params: di
 
 
 def _dispatch(x, experts, weights, params, *, cfg: ModelConfig, ep_axes, ep_size, etp_axes, exchange):
-    n_experts = cfg.moe_experts
+    n_experts = cfg.moe.experts
     assert n_experts % ep_size == 0, (n_experts, ep_size)
+    if ep_size == 1:  # every expert here: the model's own computation, summed over the expert tensor group
+        return local_experts(x, experts, weights, params, cfg, reduce=partial(_psum, axes=etp_axes))
     wg, wu, wd = params["we_gate"], params["we_up"], params["we_down"]
-    if cfg.moe_dispatch == "capacity":
-        out, keep = _capacity(x, experts, wg, wu, wd, n_experts, cfg.moe_capacity_factor,
+    if cfg.moe.dispatch == "capacity":
+        out, keep = _capacity(x, experts, wg, wu, wd, n_experts, cfg.moe.capacity_factor,
                               ep_axes, ep_size, etp_axes)
     else:
         out = _dropless(x, experts, wg, wu, wd, n_experts, ep_axes, ep_size, etp_axes, exchange)
@@ -218,7 +231,7 @@ def _psum(y, axes):
 
 
 def _dropless(x, experts, wg, wu, wd, n_experts, ep_axes, ep_size, etp_axes, exchange):
-    """[n, k, d]: each assignment's expert output, before the router weights."""
+    """[n, k, d]: each assignment's expert output, before the router weights (ep_size > 1)."""
     n, d = x.shape
     k = experts.shape[1]
     n_local = n_experts // ep_size
@@ -226,42 +239,39 @@ def _dropless(x, experts, wg, wu, wd, n_experts, ep_axes, ep_size, etp_axes, exc
     order = jnp.argsort(flat, stable=True)          # assignments grouped by expert (hence by peer)
     sorted_e = flat[order]
     rows = x[order // k]                             # [n*k, d]
-    if ep_size == 1:
-        y = _psum(grouped_ffn(rows, sorted_e, wg, wu, wd, rows_sorted=True), etp_axes)
+    dest = sorted_e // n_local
+    counts = jnp.zeros((ep_size,), jnp.int32).at[dest].add(1)
+    starts = jnp.cumsum(counts) - counts
+    cap = n * min(k, n_local)                        # most rows one peer can get from us
+    local_e = sorted_e % n_local
+    if exchange == "padded":
+        pos = jnp.arange(n * k) - starts[dest]
+        send = jnp.zeros((ep_size, cap, d), x.dtype).at[dest, pos].set(rows)
+        send_e = jnp.full((ep_size, cap), n_local, jnp.int32).at[dest, pos].set(local_e)
+        recv = jax.lax.all_to_all(send, ep_axes, 0, 0).reshape(ep_size * cap, d)
+        recv_e = jax.lax.all_to_all(send_e, ep_axes, 0, 0).reshape(ep_size * cap)
+        out = _psum(grouped_ffn(recv, recv_e, wg, wu, wd), etp_axes)
+        back = jax.lax.all_to_all(out.reshape(ep_size, cap, d), ep_axes, 0, 0)
+        y = back[dest, pos]
     else:
-        dest = sorted_e // n_local
-        counts = jnp.zeros((ep_size,), jnp.int32).at[dest].add(1)
-        starts = jnp.cumsum(counts) - counts
-        cap = n * min(k, n_local)                    # most rows one peer can get from us
-        local_e = sorted_e % n_local
-        if exchange == "padded":
-            pos = jnp.arange(n * k) - starts[dest]
-            send = jnp.zeros((ep_size, cap, d), x.dtype).at[dest, pos].set(rows)
-            send_e = jnp.full((ep_size, cap), n_local, jnp.int32).at[dest, pos].set(local_e)
-            recv = jax.lax.all_to_all(send, ep_axes, 0, 0).reshape(ep_size * cap, d)
-            recv_e = jax.lax.all_to_all(send_e, ep_axes, 0, 0).reshape(ep_size * cap)
-            out = _psum(grouped_ffn(recv, recv_e, wg, wu, wd), etp_axes)
-            back = jax.lax.all_to_all(out.reshape(ep_size, cap, d), ep_axes, 0, 0)
-            y = back[dest, pos]
-        else:
-            a2a = jax.lax.ragged_all_to_all if exchange == "ragged" else partial(_emulated_ragged, n_peers=ep_size)
-            recv_sizes = jax.lax.all_to_all(counts, ep_axes, 0, 0, tiled=True)
-            me = jax.lax.axis_index(ep_axes)
-            land = jnp.full((ep_size,), me * cap, jnp.int32)   # our block in every peer's receive buffer
-            recv = a2a(rows, jnp.zeros((ep_size * cap, d), x.dtype), starts, counts, land, recv_sizes,
-                       axis_name=ep_axes)
-            recv_e = a2a(local_e, jnp.full((ep_size * cap,), n_local, jnp.int32), starts, counts, land,
-                         recv_sizes, axis_name=ep_axes)
-            out = _psum(grouped_ffn(recv, recv_e, wg, wu, wd), etp_axes)
-            back_at = jax.lax.all_to_all(starts, ep_axes, 0, 0, tiled=True)  # where our rows sit at each source
-            blocks = jnp.arange(ep_size, dtype=jnp.int32) * cap
-            y = a2a(out, jnp.zeros((n * k, d), x.dtype), blocks, recv_sizes, back_at, counts, axis_name=ep_axes)
+        a2a = jax.lax.ragged_all_to_all if exchange == "ragged" else partial(_emulated_ragged, n_peers=ep_size)
+        recv_sizes = jax.lax.all_to_all(counts, ep_axes, 0, 0, tiled=True)
+        me = jax.lax.axis_index(ep_axes)
+        land = jnp.full((ep_size,), me * cap, jnp.int32)   # our block in every peer's receive buffer
+        recv = a2a(rows, jnp.zeros((ep_size * cap, d), x.dtype), starts, counts, land, recv_sizes,
+                   axis_name=ep_axes)
+        recv_e = a2a(local_e, jnp.full((ep_size * cap,), n_local, jnp.int32), starts, counts, land,
+                     recv_sizes, axis_name=ep_axes)
+        out = _psum(grouped_ffn(recv, recv_e, wg, wu, wd), etp_axes)
+        back_at = jax.lax.all_to_all(starts, ep_axes, 0, 0, tiled=True)  # where our rows sit at each source
+        blocks = jnp.arange(ep_size, dtype=jnp.int32) * cap
+        y = a2a(out, jnp.zeros((n * k, d), x.dtype), blocks, recv_sizes, back_at, counts, axis_name=ep_axes)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(n * k, dtype=order.dtype))
     return y[inverse].reshape(n, k, d)
 
 
 def _capacity(x, experts, wg, wu, wd, n_experts, factor, ep_axes, ep_size, etp_axes):
-    """([n, k, d] kept assignments' expert outputs, zero where dropped; keep [n, k])."""
+    """([n, k, d] kept assignments' expert outputs, zero where dropped; keep [n, k]) (ep_size > 1)."""
     n, d = x.shape
     k = experts.shape[1]
     n_local = n_experts // ep_size
@@ -269,13 +279,12 @@ def _capacity(x, experts, wg, wu, wd, n_experts, factor, ep_axes, ep_size, etp_a
     keep, slot = capacity_slots(experts, n_experts, cap)
     rows = jnp.broadcast_to(x[:, None, :], (n, k, d)).reshape(n * k, d)
     buf = jnp.zeros((n_experts * cap, d), x.dtype).at[slot.reshape(-1)].set(rows, mode="drop")
-    if ep_size > 1:   # [peer, local expert, slot, d] -> our slots at each peer; concat over sources
-        buf = jax.lax.all_to_all(buf.reshape(ep_size, n_local * cap, d), ep_axes, 0, 0)
+    # [peer, local expert, slot, d] -> our slots at each peer; concat over sources
+    buf = jax.lax.all_to_all(buf.reshape(ep_size, n_local * cap, d), ep_axes, 0, 0)
     buf = buf.reshape(ep_size, n_local, cap, d).swapaxes(0, 1).reshape(n_local, ep_size * cap, d)
     out = _psum(dense_expert_ffn(buf, wg, wu, wd), etp_axes)
     out = out.reshape(n_local, ep_size, cap, d).swapaxes(0, 1).reshape(ep_size, n_local * cap, d)
-    if ep_size > 1:
-        out = jax.lax.all_to_all(out, ep_axes, 0, 0)
+    out = jax.lax.all_to_all(out, ep_axes, 0, 0)
     out = out.reshape(n_experts * cap, d)
     y = out[jnp.where(keep, slot, 0).reshape(-1)].reshape(n, k, d)
     return jnp.where(keep[..., None], y, 0), keep
@@ -310,9 +319,9 @@ def dispatch_bytes(cfg: ModelConfig, layout: ExpertLayout, n_tokens: int, dtype_
     if ep == 1:
         return {"rows": 0, "ids": 0, "total": 0}
     n = n_tokens // layout.size(layout.token_axes)
-    k, e, d = cfg.moe_top_k, cfg.moe_experts, cfg.d_model
-    if cfg.moe_dispatch == "capacity":
-        slots = e * expert_capacity(n, k, e, cfg.moe_capacity_factor)
+    k, e, d = cfg.moe.top_k, cfg.moe.experts, cfg.d_model
+    if cfg.moe.dispatch == "capacity":
+        slots = e * expert_capacity(n, k, e, cfg.moe.capacity_factor)
         return {"rows": 2 * slots * d * dtype_bytes, "ids": 0, "total": 2 * slots * d * dtype_bytes}
     buffer_rows = ep * n * min(k, e // ep)
     rows, ids = 2 * buffer_rows * d * dtype_bytes, buffer_rows * 4
@@ -321,30 +330,15 @@ def dispatch_bytes(cfg: ModelConfig, layout: ExpertLayout, n_tokens: int, dtype_
 
 def expert_param_bytes(cfg: ModelConfig, layout: ExpertLayout, dtype_bytes: int) -> int:
     """Expert weight bytes per device per MoE layer: E * 3 * d * f * bytes / (ep * etp)."""
-    from jaxdist.models.moe import expert_d_ff
-    return cfg.moe_experts * 3 * cfg.d_model * expert_d_ff(cfg) * dtype_bytes // (layout.ep_size * layout.etp_size)
+    return cfg.moe.experts * 3 * cfg.d_model * expert_d_ff(cfg) * dtype_bytes // (layout.ep_size * layout.etp_size)
 
 
 def collective_bytes(hlo_text: str, op: str = "all-to-all") -> int:
-    """Sum of the operand bytes of every ``op`` instruction in an HLO module's text.
+    """Sum of the result bytes of every ``op`` instruction in an HLO module's text, each counted once.
 
     Reads the result shapes of lines like ``%a = f32[8,16]{1,0} all-to-all(...)``
     or tuple results ``(f32[..], s32[..]) all-to-all(...)``; for all-to-all
-    (and all-reduce) the result has the operand's size.
+    (and all-reduce) the result has the operand's size.  The parser is
+    :func:`jaxdist.parallel.hlo.instruction_bytes`.
     """
-    sizes = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
-    total = 0
-    for line in hlo_text.splitlines():
-        if f" {op}(" not in line or "=" not in line:
-            continue
-        result = line.split("=", 1)[1].split(f" {op}(")[0]
-        for dt, dims in _shapes(result):
-            total += sizes[dt] * math.prod(dims)
-    return total
-
-
-def _shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
-    import re
-    return [(m.group(1), tuple(int(v) for v in m.group(2).split(",") if v))
-            for m in re.finditer(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]", text)]
-
+    return hlo.instruction_bytes(hlo_text, op)

@@ -23,9 +23,10 @@ of chunk c, or backward of chunk c.
   that are the weights themselves, the rotary tables, or earlier chunks'
   keys/values are not stored: the backward supplies them again.  Chunk c's
   rotated keys and values go to a key/value stash that later chunks of the
-  same microbatch read (seq1f1b only).  The last stage also runs the final
-  norm, the output projection and the cross-entropy, forward and backward, and
-  keeps the gradient of its output for the unit's backward.
+  same microbatch read (seq1f1b only).  The last stage also runs the model's
+  head (final norm, output projection) and per-token cross-entropy
+  (``jaxdist.models.transformer.head``, ``token_cross_entropy``), forward and
+  backward, and keeps the gradient of its output for the unit's backward.
 * Backward of a unit: the stored residuals are put back into the vjp and the
   blocks are run backward (reverse scan).  Gradients of earlier chunks'
   keys/values accumulate in a buffer that their own backwards (which come
@@ -49,11 +50,16 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.config import ConfigError, ModelConfig
+from jaxdist.config import ConfigError, ModelConfig, Remat
 from jaxdist.parallel.chunks import chunk_boundaries, chunk_cost_model
 from jaxdist.parallel.pipeline_stage import AXIS, run_stage, stage_remat_policy
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, constrain
 from jaxdist.parallel.schedule import ExecutorTables, Schedule, build_schedule, executor_tables
+
+# Why MoE x pipeline cannot run (jaxdist.config_checks says the same for a config).
+MOE_NOT_PIPELINED = ("pipeline stages do not support MoE models yet: a stage runs the dense sequence-chunked "
+                     "block only, and the router losses of every stage's MoE layers would have to join the last "
+                     "stage's loss: set mesh.pipeline=1.")
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,7 @@ def plan_pipeline(model: ModelConfig, stages: int, microbatches: int, seq_len: i
 # --------------------------------------------------------------------------- executor
 
 def pipeline_loss_and_grads(params: dict, tokens: jax.Array, *, model: ModelConfig, mesh, plan: PipelinePlan,
-                            remat: str = "none", rules: Rules = DEFAULT_RULES, with_trace: bool = False,
+                            remat: str | Remat = "none", rules: Rules = DEFAULT_RULES, with_trace: bool = False,
                             tables: tuple[jax.Array, jax.Array] | None = None):
     """(mean next-token loss, grads) of ``tokens`` [B, T+1], run as a pipeline over ``mesh``'s pipeline axis.
 
@@ -102,8 +108,8 @@ def pipeline_loss_and_grads(params: dict, tokens: jax.Array, *, model: ModelConf
     p, m = sch.stages, sch.microbatches
     if dict(mesh.shape).get(AXIS, 1) != p:
         raise ValueError(f"the plan has {p} stages but the mesh's pipeline axis has {dict(mesh.shape).get(AXIS, 1)}.")
-    if model.moe_experts:
-        raise ValueError("pipeline stages do not support MoE models yet: set mesh.pipeline=1.")
+    if model.moe.experts:
+        raise ValueError(MOE_NOT_PIPELINED)
     b, t1 = tokens.shape
     assert b % m == 0 and t1 - 1 == plan.bounds[-1], (tokens.shape, m, plan.bounds)
     mb_tokens = constrain(tokens.reshape(b // m, m, t1).swapaxes(0, 1), (None, "batch", "seq"))
@@ -118,21 +124,30 @@ def pipeline_loss_and_grads(params: dict, tokens: jax.Array, *, model: ModelConf
     return (loss, grads, trace) if with_trace else (loss, grads)
 
 
-def pipeline_grads_fn(config, mesh, rules: Rules = DEFAULT_RULES) -> Callable:
-    """``fn(params, tokens) -> (loss, {}, grads)`` for a whole Config (``train.pipeline_*``, ``train.remat``,
-    ``train.microbatches`` as pipeline microbatches); the Trainer uses it when mesh.pipeline > 1."""
+def pipeline_plan_for(config) -> PipelinePlan:
+    """The plan of a whole Config (``mesh.pipeline`` stages, ``[pipeline]``, ``train.microbatches`` as
+    pipeline microbatches, ``train.remat`` checked for the stages); ConfigError if it cannot run."""
     t = config.train
-    chunks = t.pipeline_chunks if t.pipeline_schedule == "seq1f1b" else 1
+    p = config.pipeline
+    chunks = p.chunks if p.schedule == "seq1f1b" else 1
     try:
         plan = plan_pipeline(config.model, config.mesh.pipeline, t.microbatches, t.seq_len,
-                             t.pipeline_schedule, chunks, t.pipeline_chunk_split)
-        stage_remat_policy(t.remat, chunks)
+                             p.schedule, chunks, p.chunk_split)
+        stage_remat_policy(t.remat_spec, chunks)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    return plan
+
+
+def pipeline_grads_fn(config, mesh, rules: Rules = DEFAULT_RULES, plan: PipelinePlan | None = None) -> Callable:
+    """``fn(params, tokens) -> (loss, {}, grads)`` for a whole Config with ``plan`` (default
+    :func:`pipeline_plan_for`); the Trainer uses it when mesh.pipeline > 1."""
+    t = config.train
+    plan = plan or pipeline_plan_for(config)
 
     def fn(params, tokens):
         loss, grads = pipeline_loss_and_grads(params, tokens, model=config.model, mesh=mesh, plan=plan,
-                                              remat=t.remat, rules=rules)
+                                              remat=t.remat_spec, rules=rules)
         return loss, {}, grads
 
     fn.plan = plan

@@ -6,7 +6,9 @@ stage receives the previous tick's messages (``ppermute``), runs one branch of a
 stage runs the loss head, the first the embedding's backward.  The state that
 travels through the ticks (the loop carry) holds the stash slots, receive
 buffers, key/value stash and gradient accumulators; each block writes and reads
-its own slice in place.
+its own slice in place.  The embedding, the blocks, the output head and the
+per-token loss are the model's own (jaxdist.models.transformer); only their
+order over the ticks and the stages is decided here.
 """
 
 from __future__ import annotations
@@ -17,33 +19,44 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxdist.config import ModelConfig
-from jaxdist.models.transformer import CHECKPOINT_NAMES, _dtype, block_forward_cached, rms_norm, rotary_tables
-from jaxdist.parallel.rules import Rules, activation_sharding, constrain
+from jaxdist.config import ModelConfig, Remat
+from jaxdist.models.transformer import (
+    CHECKPOINT_NAMES,
+    array_dtype,
+    block_forward_cached,
+    embed_tokens,
+    head,
+    head_params,
+    rotary_tables,
+    token_cross_entropy,
+)
+from jaxdist.parallel.rules import Rules, activation_sharding
 
 AXIS = "pipeline"
 
 
-def stage_remat_policy(remat: str, chunks: int = 1) -> Callable:
+def stage_remat_policy(remat: str | Remat, chunks: int = 1) -> Callable:
     """The jax.checkpoint policy that decides what a unit stashes between its forward and backward.
 
-    ``none`` stashes every tagged intermediate (CHECKPOINT_NAMES; untagged
-    elementwise results are recomputed), ``full`` only each block's input,
-    ``save:A,B`` those names, any other name a ``jax.checkpoint_policies``
-    policy.  With chunks the key/value projections are left out: the
-    key/value stash already holds them.
+    Takes ``train.remat`` parsed (:class:`~jaxdist.config.Remat`; a string is
+    parsed the same way).  ``none`` stashes every tagged intermediate
+    (CHECKPOINT_NAMES; untagged elementwise results are recomputed), ``full``
+    only each block's input, ``save:A,B`` those names, a policy name that
+    ``jax.checkpoint_policies`` policy.  With chunks the key/value projections
+    are left out: the key/value stash already holds them.
     """
     cp = jax.checkpoint_policies
-    if remat in ("none", ""):
+    spec = remat if isinstance(remat, Remat) else Remat.parse(remat)
+    if spec.kind == "none":
         names = list(CHECKPOINT_NAMES)
-    elif remat == "full":
+    elif spec.kind == "full":
         return cp.nothing_saveable
-    elif remat.startswith("save:"):
-        names = [n for n in remat[5:].split(",") if n]
+    elif spec.kind == "names":
+        names = list(spec.names)
     else:
-        policy = getattr(cp, remat, None)
-        if policy is None or not callable(policy) or remat.startswith("save_"):
-            raise ValueError(f"remat policy '{remat}' is unknown: use none, full, save:NAME[,NAME] or a "
+        policy = getattr(cp, spec.policy, None)
+        if spec.kind == "auto" or policy is None or not callable(policy):
+            raise ValueError(f"remat policy '{spec}' is unknown: use none, full, save:NAME[,NAME] or a "
                              "jax.checkpoint_policies name.")
         return policy
     if chunks > 1:
@@ -101,7 +114,7 @@ def _add(x: jax.Array, index: tuple, v: jax.Array) -> jax.Array:
     return _set(x, index, _at(x, index, v.shape) + v.astype(x.dtype))
 
 
-def run_stage(layers: dict, shared: dict, tokens: jax.Array, tables, *, model: ModelConfig, plan, remat: str,
+def run_stage(layers: dict, shared: dict, tokens: jax.Array, tables, *, model: ModelConfig, plan, remat: str | Remat,
               rules: Rules, n_tokens: int):
     """One stage's program, inside ``shard_map`` manual over ``pipeline``.
 
@@ -119,12 +132,12 @@ def run_stage(layers: dict, shared: dict, tokens: jax.Array, tables, *, model: M
 class _StageRun:
     """Traces one stage's tick loop; a class only to share the many static pieces between branches."""
 
-    def __init__(self, layers, shared, tokens, tables, cfg: ModelConfig, plan, remat: str,
+    def __init__(self, layers, shared, tokens, tables, cfg: ModelConfig, plan, remat: str | Remat,
                  n_tokens: int):
         self.cfg, self.plan, self.n_tokens = cfg, plan, n_tokens
         sch = plan.schedule
         self.p, self.s = sch.stages, sch.chunks
-        self.dt = _dtype(cfg.dtype)
+        self.dt = array_dtype(cfg.dtype)
         # Cast once per step, so every unit's vjp refers to these same arrays (not a copy per unit).
         self.lp = {k: v.astype(self.dt) for k, v in layers.items()}
         self.param_dtypes = {k: v.dtype for k, v in layers.items()}
@@ -195,8 +208,7 @@ class _StageRun:
     # ---------------------------------------------------------------- embedding and head
 
     def _embed(self, table, tok):
-        table = constrain(table, (None, None))
-        return constrain(jnp.take(table, tok, axis=0).astype(self.dt), ("batch", "seq", "embed"))
+        return embed_tokens(table, tok, self.cfg)
 
     # ---------------------------------------------------------------- branches
     # Row fields: 0 branch, 1 microbatch, 2 chunk, 3 slot, 4 in_slot, 5 recv_act, 6 recv_grad.
@@ -268,26 +280,17 @@ class _StageRun:
 
     def _head(self, carry, y, tok, n):
         """Last stage, after a forward: loss of the unit and the gradient of its output (padded tokens masked)."""
-        hk = "embed" if self.cfg.tie_embeddings else "lm_head"
         mask = jnp.arange(self.tmax) < n
-        labels = tok[:, 1:]
 
-        def loss_fn(y, norm, w):
-            x = rms_norm(y, norm, self.cfg.norm_eps)
-            head = w.T if hk == "embed" else w
-            logits = jnp.einsum("btd,dv->btv", x, head.astype(self.dt), preferred_element_type=jnp.float32)
-            logits = constrain(logits, ("batch", "seq", "vocab"))
-            # The label's logit by a masked sum, not a gather: XLA's SPMD partitioner aborts on a gather
-            # from vocab-sharded logits inside a shard_map that is manual over pipeline only.
-            hit = jnp.arange(logits.shape[-1]) == labels[..., None]
-            ce = jax.nn.logsumexp(logits, axis=-1) - jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+        def loss_fn(y, weights):
+            ce = token_cross_entropy(head(weights, y, self.cfg), tok[:, 1:])
             return jnp.sum(jnp.where(mask[None], ce, 0.0)) / self.n_tokens
 
-        loss, vjp = jax.vjp(loss_fn, y, self.shared["final_norm"], self.shared[hk])
-        dy, dnorm, dw = vjp(jnp.ones((), jnp.float32))
+        loss, vjp = jax.vjp(loss_fn, y, head_params(self.shared, self.cfg))
+        dy, dw = vjp(jnp.ones((), jnp.float32))
         carry = dict(carry, loss=carry["loss"] + loss)
-        carry["g_final_norm"] = carry["g_final_norm"] + dnorm.astype(carry["g_final_norm"].dtype)
-        carry["g_" + hk] = carry["g_" + hk] + dw.astype(carry["g_" + hk].dtype)
+        for k, g in dw.items():
+            carry["g_" + k] = carry["g_" + k] + g.astype(carry["g_" + k].dtype)
         return carry, dy
 
     def _embed_grad(self, carry, dx, tok):

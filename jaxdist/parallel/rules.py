@@ -2,8 +2,9 @@
 
 The model tags every parameter dimension (``nnx.Param(..., sharding_names=
 ("embed", "mlp"))``) and every activation it constrains (``constrain(x,
-("batch", "seq", "embed"))``) with logical names; the rules below say which
-mesh axes each name is split over.  Swapping the rules changes the parallelism
+("batch", "seq", "embed"))``, :mod:`jaxdist.models.hooks`) with logical names;
+the rules below say which mesh axes each name is split over, and
+:func:`activation_sharding` installs them as the model's constraint function.  Swapping the rules changes the parallelism
 without touching model code.
 
 Within one array a mesh axis is used at most once: a dimension skips the axes
@@ -17,10 +18,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from functools import partial
 from typing import Any, Iterator, Mapping, Sequence
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.models import hooks
 
 Rules = Sequence[tuple[str, tuple[str, ...]]]
 
@@ -105,8 +110,6 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULE
     replicated.  Use the result as ``jax.jit(..., out_shardings=...)`` to
     create the state directly sharded.
     """
-    from flax import nnx
-
     def one(leaf: Any) -> Any:
         if isinstance(leaf, nnx.Variable):
             names = _logical_names(leaf)
@@ -128,28 +131,34 @@ _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.Context
 
 @contextlib.contextmanager
 def activation_sharding(mesh: Mesh | None, rules: Rules = DEFAULT_RULES) -> Iterator[None]:
-    """Within this block, :func:`constrain` pins activations to ``mesh`` by ``rules``.
+    """Within this block, :func:`constrain` (the model's too) pins activations to ``mesh`` by ``rules``.
 
     Nests: the innermost block wins and the outer one is restored on exit;
     ``activation_sharding(None)`` turns constraints off inside (e.g. in a
     ``shard_map`` body, where a whole-mesh constraint does not apply).
 
-    The context is read while tracing and is not part of jit's cache key: trace
-    (first call) a jitted function inside the block it is meant for, and do not
-    reuse a trace made outside it.
+    The context is read while tracing and is not part of jit's cache key: enter
+    it inside the function that is jitted (``jaxdist.parallel.layout.
+    Parallelism.bind`` does), so every trace of that function sees it.
     """
     token = _ACTIVE.set(None if mesh is None else (mesh, rules))
     try:
-        yield
+        with hooks.constraining(None if mesh is None else partial(constrain_on, mesh, rules)):
+            yield
     finally:
         _ACTIVE.reset(token)
 
 
-def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-    """``x`` with a sharding constraint from its logical ``names``, or ``x`` itself outside activation_sharding."""
-    active = _ACTIVE.get()
-    if active is None:
-        return x
-    mesh, rules = active
+def active_sharding() -> tuple[Mesh, Rules] | None:
+    """(mesh, rules) of the innermost :func:`activation_sharding` block, or None outside one."""
+    return _ACTIVE.get()
+
+
+def constrain_on(mesh: Mesh, rules: Rules, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """``x`` with a sharding constraint on ``mesh`` from its logical ``names`` by ``rules``."""
     spec = logical_to_spec(names, rules, mesh, x.shape)
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+# The model's constraint (jaxdist.models.hooks): pins x inside activation_sharding, else returns it.
+constrain = hooks.constrain

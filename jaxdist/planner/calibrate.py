@@ -1,6 +1,7 @@
-"""``jaxdist calibrate``: measure the present devices so the cost model's times match them.
+"""Calibrations: where they live, the reference steps, and the fit of measured times to the cost model.
 
-Two measurements, both on the devices JAX sees:
+``jaxdist calibrate`` (:func:`jaxdist.measure.calibrate.calibrate`) makes two
+measurements, both on the devices JAX sees:
 
 * links: an all-reduce (``psum`` in ``shard_map``) over all devices at a small
   and a large size, fitted to the ring model ``2(n-1) latency + 2(n-1)/n
@@ -8,7 +9,7 @@ Two measurements, both on the devices JAX sees:
 * efficiency and overheads: the Trainer's jitted step of a reference model
   in three settings (:func:`reference_overrides`: data-parallel in one and in
   many microbatches, fully sharded), timed round-robin
-  (``measure.measure_strategies``), fitted (:func:`fit`) to compute / efficiency
+  (:func:`jaxdist.measure.steps.measure_strategies`), fitted (:func:`fit`) to compute / efficiency
   (against the cluster file's peak FLOP/s) + a fixed cost per block pass + a
   fixed cost per collective + the predicted communication.
 
@@ -20,15 +21,19 @@ for clusters of the same device kind.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-import time
 from pathlib import Path
 from typing import Sequence
 
-from jaxdist.planner.cluster import Calibration, load_calibration
+import numpy as np
+from scipy.optimize import nnls
 
-LINK_SIZES = (2**12, 2**22)   # bytes per device of the two all-reduces
+from jaxdist.planner.candidates import strategy_of
+from jaxdist.planner.cluster import Calibration, cluster_view, load_calibration
+from jaxdist.planner.computation import computation_view
+from jaxdist.planner.cost import estimate
 
 
 def calibration_dir() -> Path:
@@ -46,36 +51,6 @@ def default_calibration(device_kind: str) -> Calibration | None:
     """The calibration ``jaxdist calibrate`` wrote for this device kind, or None if there is none."""
     p = calibration_path(device_kind)
     return load_calibration(p) if p.is_file() else None
-
-
-def measure_links(devices: Sequence | None = None, sizes: Sequence[int] = LINK_SIZES,
-                  repeats: int = 7) -> tuple[float, float]:
-    """(latency s, bandwidth bytes/s) of an all-reduce over ``devices``, fitted to the ring model."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    devices = list(devices if devices is not None else jax.devices())
-    n = len(devices)
-    assert n > 1, "measuring links needs at least two devices"
-    mesh = Mesh(np.asarray(devices), ("x",))
-    f = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "x"), mesh=mesh, in_specs=P("x"), out_specs=P("x")))
-    times = []
-    for nbytes in sizes:
-        x = jax.device_put(jnp.ones((n, nbytes // 4), jnp.float32), NamedSharding(mesh, P("x")))
-        f(x).block_until_ready()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            f(x).block_until_ready()
-            samples.append(time.perf_counter() - t0)
-        times.append(min(samples))
-    (b0, b1), (t0_, t1) = sizes, times
-    per_byte = max((t1 - t0_) / (b1 - b0), 1e-15)             # seconds per whole-buffer byte
-    bandwidth = 2 * (n - 1) / n / per_byte
-    latency = max((t0_ - 2 * (n - 1) / n * b0 / bandwidth) / (2 * (n - 1)), 1e-7)
-    return latency, bandwidth
 
 
 def reference_overrides(n_devices: int, model: str = "small", batch_per_device: int = 8,
@@ -98,9 +73,6 @@ def fit(times: Sequence[float], estimates: Sequence, peak: float) -> tuple[float
     collectives * collective_overhead + communication, solved by non-negative
     least squares (relative errors weighted alike).
     """
-    import numpy as np
-    from scipy.optimize import nnls
-
     rows, rhs = [], []
     for t, e in zip(times, estimates):
         rows.append([e.flops_per_device / peak / t, e.extra["passes"] / t, e.extra["collectives"] / t])
@@ -113,13 +85,6 @@ def fit(times: Sequence[float], estimates: Sequence, peak: float) -> tuple[float
 def calibration_from(cfgs: Sequence, times: Sequence[float], spec, n_devices: int, latency: float,
                      bandwidth: float) -> Calibration:
     """The Calibration that fits measured step ``times`` of ``cfgs`` on ``n_devices`` of cluster ``spec``."""
-    import dataclasses
-
-    from jaxdist.planner.cluster import cluster_view
-    from jaxdist.planner.computation import computation_view
-    from jaxdist.planner.cost import estimate
-    from jaxdist.planner.measure import strategy_of
-
     linked = Calibration(device_kind=spec.device_kind, efficiency=1.0, intra_node_bandwidth=bandwidth,
                          intra_node_latency=latency, collective_overhead=0.0, pass_overhead=0.0)
     view = cluster_view(dataclasses.replace(spec, nodes=1, devices_per_node=n_devices), calibration=linked)
@@ -128,24 +93,6 @@ def calibration_from(cfgs: Sequence, times: Sequence[float], spec, n_devices: in
     efficiency, pass_overhead, collective_overhead = fit(times, estimates, view.peak_flops(cfgs[0].model.dtype))
     return dataclasses.replace(linked, efficiency=min(efficiency, 1.0), pass_overhead=pass_overhead,
                                collective_overhead=collective_overhead)
-
-
-def calibrate(devices: Sequence | None = None, cluster: str = "cpu-8", model: str = "small",
-              batch_per_device: int = 8, seq_len: int = 32, rounds: int = 4) -> Calibration:
-    """Measure links, then fit efficiency and overheads to the reference steps on ``devices`` (default: all),
-    against the peak FLOP/s of the ``cluster`` file."""
-    import jax
-
-    from jaxdist.parallel.mesh import load_cluster
-    from jaxdist.planner.measure import measure_strategies, measurement_config
-
-    devices = list(devices if devices is not None else jax.devices())
-    n = len(devices)
-    latency, bandwidth = measure_links(devices) if n > 1 else (1e-6, 1e12)
-    cfgs = [measurement_config(o + [f"mesh.cluster={cluster}"])
-            for o in reference_overrides(n, model, batch_per_device, seq_len)]
-    times = [m.step_time for m in measure_strategies(cfgs, devices, rounds=rounds)]
-    return calibration_from(cfgs, times, load_cluster(cluster), n, latency, bandwidth)
 
 
 def write_calibration(cal: Calibration, path: str | Path | None = None) -> Path:

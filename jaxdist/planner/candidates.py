@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Iterator, Sequence
 
-from jaxdist.config import MESH_AXES
+from jaxdist.config import MESH_AXES, Config
 from jaxdist.models.names import CHECKPOINT_NAMES
 from jaxdist.planner.computation import ComputationView
 
@@ -260,3 +260,17 @@ def _prime_factors(n: int) -> list[int]:
     if n > 1:
         out.append(n)
     return out
+
+
+def strategy_of(cfg: Config, n_devices: int) -> Strategy:
+    """The planner's Strategy for a config's mesh, microbatches and remat (``train.remat`` must be a planner choice)."""
+    sizes = cfg.mesh.resolved(n_devices)
+    remat = remat_choice(cfg.train.remat).name  # ValueError if the planner does not know it
+    if sizes["pipeline"] == 1:
+        schedule, chunks = "none", 1
+    else:
+        schedule = cfg.pipeline.schedule
+        chunks = cfg.pipeline.chunks if schedule == "seq1f1b" else 1
+        if chunks == 1 and schedule == "seq1f1b":
+            schedule = "1f1b"  # seq1f1b with one chunk is 1f1b
+    return Strategy(**sizes, microbatches=cfg.train.microbatches, schedule=schedule, remat=remat, chunks=chunks)

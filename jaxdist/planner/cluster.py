@@ -1,6 +1,6 @@
 """Cluster view: the devices a plan may use and how fast they compute and talk.
 
-It starts from a :class:`~jaxdist.parallel.mesh.ClusterSpec` (``meshes/*.toml``
+It starts from a :class:`~jaxdist.cluster.ClusterSpec` (``meshes/*.toml``
 via ``load_cluster``, or the live devices via ``cluster_from_devices``), takes
 away the devices other jobs hold (a list, or an allocation file), and keeps the
 largest block of free devices that has the same number on every node it uses
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from jaxdist.cluster import ClusterSpec
 from jaxdist.config import ConfigError
-from jaxdist.parallel.mesh import ClusterSpec
 
 # Share of the dense peak that training kernels reach when nothing is calibrated
 # (large transformer steps on H100-class GPUs reach about 40-55 %).
@@ -116,7 +116,7 @@ class ClusterView:
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s of one device for ``dtype`` (float32 or bfloat16)."""
-        return self.spec.peak_flops_bf16 if dtype == "bfloat16" else self.spec.peak_flops_fp32
+        return self.spec.peak_flops(dtype)
 
     def describe(self) -> str:
         """One line, e.g. ``h100x64: 8 nodes x 8 NVIDIA H100 80GB HBM3 (64 devices; 0 busy)``."""

@@ -29,10 +29,10 @@ import math
 from dataclasses import dataclass
 
 from jaxdist.config import ModelConfig
+from jaxdist.models import arithmetic
+from jaxdist.models.arithmetic import DTYPE_BYTES
 from jaxdist.models.moe import DENSE_MLP_KEYS, moe_param_specs
 from jaxdist.models.names import block_param_specs
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 @dataclass(frozen=True)
@@ -128,7 +128,7 @@ class ComputationView:
     @property
     def n_experts(self) -> int:
         """Routed experts per MoE block (0: dense model)."""
-        return self.model.moe_experts if getattr(self.model, "moe_experts", 0) else 0
+        return self.model.moe.experts
 
     @property
     def param_count(self) -> int:
@@ -136,7 +136,11 @@ class ComputationView:
         return sum(b.count * b.param_count for b in self.blocks) + sum(p.size for p in self.other_params)
 
     def flops_per_token(self, recompute: dict[str, float] | None = None) -> float:
-        """Training FLOPs per token: forward + backward (2 x forward) + recomputed forward FLOPs per block kind."""
+        """Training FLOPs per token: forward + backward (2 x forward) + recomputed forward FLOPs per block kind.
+
+        Without ``recompute`` this is :func:`jaxdist.models.arithmetic.train_flops_per_token`
+        (the blocks' FLOPs come from there).
+        """
         recompute = recompute or {}
         layers = sum(b.count * (3.0 * b.flops_fwd + recompute.get(b.name, 0.0)) for b in self.blocks)
         return layers + 3.0 * self.head_flops_fwd
@@ -181,36 +185,35 @@ def _swiglu(prefix: str, f: int, rows: int, axis: str, a: int) -> tuple[list[Act
 def computation_view(model: ModelConfig, seq_len: int) -> ComputationView:
     """The computation view of ``model`` trained on sequences of ``seq_len`` tokens."""
     m = model
-    d, h, kv, hd, f, v = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, m.vocab_size
+    d, f, v = m.d_model, m.d_ff, m.vocab_size
     a, t = DTYPE_BYTES[m.dtype], seq_len
-    attn_flops = 2.0 * (d * h * hd + 2 * d * kv * hd + h * hd * d) + 4.0 * h * hd * t
+    scores = arithmetic.score_flops_fwd(m, t)
     blocks = []
-    experts = int(getattr(m, "moe_experts", 0) or 0)
-    n_moe = m.n_layers // m.moe_every if experts else 0
+    n_moe = arithmetic.moe_blocks(m)
     specs = block_param_specs(m)
     if m.n_layers - n_moe:
         params, acts, saved = _attention(m, t, a)
         params += [ParamTensor(name, *specs[name]) for name in DENSE_MLP_KEYS]
         mlp, mlp_saved = _swiglu("mlp", f, 1, "mlp", a)
         blocks.append(BlockKind("dense", m.n_layers - n_moe, tuple(params), tuple(acts + mlp), saved + mlp_saved,
-                                attn_flops + 6.0 * d * f, 2.0 * h * hd * t))
+                                arithmetic.dense_block_flops_fwd(m, t), scores))
     if n_moe:
-        fe, k, fs = m.moe_d_ff or f, m.moe_top_k, m.moe_shared_d_ff
+        experts, fe, k, fs = m.moe.experts, m.moe.d_ff or f, m.moe.top_k, m.moe.shared_d_ff
         params, acts, saved = _attention(m, t, a)
         params += [ParamTensor(name, shape, axes) for name, (shape, axes) in moe_param_specs(m).items()]
         expert_acts, expert_saved = _swiglu("expert", fe, k, "expert_mlp", a)
         acts += expert_acts + [ActivationTensor("router_probs", (experts,), (None,), 4),
                                ActivationTensor("dispatched", (k, d), (None, "embed"), a)]
         saved += expert_saved + ("router_probs", "dispatched")
-        flops = attn_flops + 2.0 * d * experts + 6.0 * k * d * fe
         if fs:  # the shared expert's weights came with moe_param_specs
             shared, shared_saved = _swiglu("shared", fs, 1, "mlp", a)
             acts += shared
             saved += shared_saved
-            flops += 6.0 * d * fs
-        blocks.append(BlockKind("moe", n_moe, tuple(params), tuple(acts), saved, flops, 2.0 * h * hd * t, k))
+        blocks.append(BlockKind("moe", n_moe, tuple(params), tuple(acts), saved, arithmetic.moe_block_flops_fwd(m, t),
+                                scores, k))
     other = [ParamTensor("embed", (v, d), ("vocab", "embed")), ParamTensor("final_norm", (d,), ("norm",))]
     if not m.tie_embeddings:
         other.append(ParamTensor("lm_head", (d, v), ("embed", "vocab")))
     return ComputationView(model=m, seq_len=t, blocks=tuple(blocks), other_params=tuple(other),
-                           param_bytes=DTYPE_BYTES[m.param_dtype], act_bytes=a, head_flops_fwd=2.0 * d * v)
+                           param_bytes=DTYPE_BYTES[m.param_dtype], act_bytes=a,
+                           head_flops_fwd=arithmetic.head_flops_fwd(m))

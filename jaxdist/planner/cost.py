@@ -25,8 +25,8 @@ import functools
 import math
 from dataclasses import dataclass, field
 
+from jaxdist.models.arithmetic import TrainStateBytes, train_flops_per_token, train_state_bytes
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
-
 from jaxdist.planner.candidates import RematChoice, Strategy, remat_choice
 from jaxdist.planner.cluster import ClusterView
 from jaxdist.planner.computation import BlockKind, ComputationView
@@ -240,16 +240,17 @@ def _batch_ways(s: Strategy) -> int:
 class MemoryTerms:
     """Per-device memory of one strategy split into what is known exactly and what the coefficients scale.
 
-    ``params``, ``activations``, ``batch``: bytes that need no coefficient
-    (the parameters, hence the optimizer state and one copy of the gradients;
-    the kept activations; the batch).  ``scaled``:
+    ``state``, ``activations``, ``batch``: bytes that need no coefficient
+    (the parameters, one copy of the gradients and the optimizer state, from
+    :func:`jaxdist.models.arithmetic.train_state_bytes`; the kept activations;
+    the batch).  ``scaled``:
     per :class:`MemoryCoefficients` field name (``layer_working:<remat>`` for
     the per-remat entries), the quantity that field multiplies.  The
     prediction is linear in the coefficients, which is what lets
     :func:`jaxdist.planner.fit.fit_memory_coefficients` fit them exactly.
     """
 
-    params: float
+    state: TrainStateBytes
     activations: float
     batch: float
     scaled: dict
@@ -263,7 +264,7 @@ class MemoryTerms:
 
         extra_grads = c("grad_copies") * self.scaled.get("grad_copies", 0.0)
         working = sum(c(k) * v for k, v in self.scaled.items() if k != "grad_copies")
-        return Memory(params=self.params, optimizer=2 * self.params, grads=self.params + extra_grads,
+        return Memory(params=self.state.params, optimizer=self.state.optimizer, grads=self.state.grads + extra_grads,
                       activations=self.activations, working=working, batch=self.batch)
 
 
@@ -276,28 +277,29 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     tokens = rows_mb // _batch_ways(s) * T                  # tokens per microbatch on one device
     chunks, units = in_flight(s)                           # units of 1/chunks of a microbatch on stage 0
     held = math.ceil(units / chunks)                        # microbatches with a chunk in flight
-    params = sum(_local(p, sizes) for p in view.other_params) * pb
+    local = sum(_local(p, sizes) for p in view.other_params)  # parameter elements on one device
     activations = working_layer = gathered = 0.0
     for b in view.blocks:
         layers = math.ceil(b.count / s.pipeline)           # blocks on one pipeline stage
         matmul, norms, full = _block_weights(b, sizes)
-        params += layers * (matmul + norms) * pb
+        local += layers * (matmul + norms)
         activations += layers * tokens / chunks * _per_token_bytes(view, b, _kept(b, remat), sizes, rows_mb) * units
         if chunks > 1:  # seq1f1b: a microbatch's earlier chunks' keys and values stay until its backward
             kv = [n for n in ("key_rotated", "value") if any(a.name == n for a in b.activations)]
             activations += layers * tokens * _per_token_bytes(view, b, kv, sizes, rows_mb) * held
         working_layer = max(working_layer, tokens * _per_token_bytes(view, b, b.saved_without_remat, sizes, rows_mb))
         gathered = max(gathered, full * pb)
+    state = train_state_bytes(local, view.model.param_dtype)
     vocab_local = view.model.vocab_size / _shards(("vocab",), (view.model.vocab_size,), sizes)[0]
     embedding = sum(p.size for p in view.other_params if p.axes != ("norm",)) * pb  # embedding (+ head), whole
     scaled = {f"layer_working:{s.remat}": working_layer,
               "microbatch_working": working_layer if s.microbatches > 1 else 0.0,
               "logits_working": tokens * vocab_local * 4,
               "gathered_weights": gathered if s.fsdp > 1 else 0.0,
-              "grad_copies": params if s.microbatches > 1 else 0.0,
+              "grad_copies": state.params if s.microbatches > 1 else 0.0,
               "gathered_embedding": embedding if s.fsdp * s.tensor > 1 else 0.0,
               "fixed": 1.0}
-    return MemoryTerms(params=params, activations=activations, batch=batch_size // _batch_ways(s) * (T + 1) * 4,
+    return MemoryTerms(state=state, activations=activations, batch=batch_size // _batch_ways(s) * (T + 1) * 4,
                        scaled=scaled)
 
 
@@ -417,7 +419,7 @@ def estimate(view: ComputationView, cluster: ClusterView, s: Strategy, batch_siz
     limit = memory_fraction * cluster.memory_bytes
     fits = mem.total <= limit
     reason = "" if fits else f"needs {mem.total / 2**30:.1f} GiB per device, {limit / 2**30:.1f} GiB usable"
-    model_flops = tokens * view.flops_per_token() / s.n_devices
+    model_flops = tokens * train_flops_per_token(view.model, view.seq_len) / s.n_devices  # no recompute
     return Estimate(strategy=s, step_time=step, compute_time=compute, comm_time=comm, bubble_time=bubble,
                     memory=mem, comm=tuple(timed), flops_per_device=flops_dev, tokens_per_step=tokens,
                     peak_flops=peak, memory_limit=limit, fits=fits, reason=reason,

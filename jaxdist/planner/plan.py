@@ -5,23 +5,24 @@
     print(p.table())            # the best plans: mesh, microbatches, remat, time, tokens/s, MFU, memory
     print(p.to_toml())          # a config that `jaxdist train --config` runs
 
-``mesh.auto = true`` (or ``mesh=auto``) in a train config makes the Trainer
-call :func:`resolve_auto` at start-up: it plans on the devices it was given
-and trains with the chosen mesh, microbatches and remat.
+``mesh.auto = true`` (or ``mesh=auto``) in a train config makes
+:func:`jaxdist.resolve.resolve` call :func:`resolve_auto` before the Trainer is
+built: it plans on the devices at hand, and the run trains with the chosen
+mesh, microbatches and remat.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from jaxdist.config import MESH_AXES, Config, ConfigError, ModelConfig
-from jaxdist.config_checks import validate
-from jaxdist.parallel.mesh import MESHES_DIR, ClusterSpec, load_cluster
+from jaxdist.cluster import ClusterSpec, cluster_path, load_cluster
+from jaxdist.config import MESH_AXES, Config, ConfigError, ModelConfig, load_config
+from jaxdist.parallel.mesh import cluster_from_devices
 from jaxdist.planner.calibrate import default_calibration
 from jaxdist.planner.candidates import REMAT_CHOICES, RematChoice, candidates, register_remat_choice, remat_choice
 from jaxdist.planner.cluster import Calibration, ClusterView, cluster_view, smaller_views
@@ -101,7 +102,7 @@ class Plan:
 
     def to_config(self, base: Config | None = None) -> Config:
         """``base`` (default: a fresh Config) with this plan's model, cluster, mesh, batch, microbatches and remat."""
-        cfg = dataclasses.replace(base) if base is not None else Config()
+        cfg = base if base is not None else Config()
         s = self.best.strategy
         remat = remat_choice(s.remat).train_remat
         cluster = self.cluster_source or self.cluster.spec.name
@@ -111,9 +112,10 @@ class Plan:
         mesh = dataclasses.replace(mesh, auto=False)
         train = dataclasses.replace(cfg.train, batch_size=self.batch_size, seq_len=self.seq_len,
                                     microbatches=s.microbatches, remat=remat)
+        pipeline = cfg.pipeline
         if s.pipeline > 1:
-            train = dataclasses.replace(train, pipeline_schedule=s.schedule, pipeline_chunks=max(1, s.chunks))
-        return dataclasses.replace(cfg, model=dataclasses.replace(self.model), mesh=mesh, train=train)
+            pipeline = dataclasses.replace(pipeline, schedule=s.schedule, chunks=max(1, s.chunks))
+        return dataclasses.replace(cfg, model=self.model, mesh=mesh, train=train, pipeline=pipeline)
 
     def to_toml(self, base: Config | None = None) -> str:
         """The config of :meth:`to_config` as TOML, headed by a comment with the plan."""
@@ -121,24 +123,13 @@ class Plan:
         head = [f"# jaxdist plan: {self.model.preset} on {self.cluster.describe()}",
                 f"# {e.strategy.describe()}: predicted {e.step_time:.4g} s/step, {e.tokens_per_s:.4g} tokens/s, "
                 f"MFU {e.mfu:.1%}, {e.memory.total / GIB:.2f} GiB/device", ""]
-        return "\n".join(head) + config_toml(self.to_config(base))
-
-
-def config_toml(cfg: Config) -> str:
-    """A Config as TOML (one table per section) that ``load_config`` reads back to the same Config."""
-    out = []
-    for section, values in cfg.to_dict().items():
-        out.append(f"[{section}]")
-        out += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-        out.append("")
-    return "\n".join(out)
+        return "\n".join(head) + self.to_config(base).to_toml()
 
 
 def trainable_axes() -> tuple[str, ...]:
     """The mesh axes ``jaxdist train`` accepts today (validate() is asked; pipeline joins once supported)."""
     axes = ["data", "fsdp", "tensor"]
     probes = {"expert": ["model=moe-tiny", "mesh.expert=2"], "pipeline": ["model=small", "mesh.pipeline=2"]}
-    from jaxdist.config import load_config
     for axis, overrides in probes.items():
         try:
             load_config(None, overrides)
@@ -154,14 +145,12 @@ def _as_view(cluster: Any, busy: Any, calibration: Calibration | None) -> tuple[
     if isinstance(cluster, ClusterSpec):
         spec, source = cluster, cluster.name
     elif cluster == "live":  # the devices this process sees (their kind's preset gives the figures)
-        from jaxdist.parallel.mesh import cluster_from_devices
         spec = cluster_from_devices()
         source = spec.name
     else:
         source = str(cluster)
-        p = Path(source)
-        if p.suffix == ".toml" and not p.is_file() and (MESHES_DIR / p.name).is_file() and p.parent.name == "meshes":
-            source = p.stem  # meshes/NAME.toml given from outside the repository: the preset NAME
+        if cluster_path(source) != Path(source):  # a preset: by name, or as meshes/NAME.toml from elsewhere
+            source = cluster_path(source).stem
         spec = load_cluster(source)
     if calibration is None:
         calibration = default_calibration(spec.device_kind)
@@ -233,14 +222,13 @@ def _no_candidate(model: ModelConfig, view: ClusterView, batch_size: int) -> str
 
 
 def resolve_auto(cfg: Config, devices: Sequence[Any]) -> Config:
-    """``cfg`` with ``mesh.auto`` resolved: a plan on these devices picks mesh sizes, microbatches and remat."""
-    from collections import Counter
+    """``cfg`` with ``mesh.auto`` resolved: a plan on these devices picks mesh sizes, microbatches and remat.
 
+    Not validated here: :func:`jaxdist.resolve.resolve` validates what it returns.
+    """
     per_process = Counter(d.process_index for d in devices)
     spec = load_cluster(cfg.mesh.cluster)
     spec = dataclasses.replace(spec, nodes=len(per_process), devices_per_node=len(devices) // len(per_process))
     p = plan(cfg.model, spec, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len)
     planned = p.to_config(cfg)
-    planned.mesh.cluster = cfg.mesh.cluster
-    validate(planned, len(devices))
-    return planned
+    return dataclasses.replace(planned, mesh=dataclasses.replace(planned.mesh, cluster=cfg.mesh.cluster))

@@ -23,8 +23,15 @@ from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Sequence
 
 from jaxdist.config import MESH_AXES
-from jaxdist.planner.candidates import (REMAT_CHOICES, RematChoice, Strategy, candidates, neighbours, valid,
-                                        with_pipeline)
+from jaxdist.planner.candidates import (
+    REMAT_CHOICES,
+    RematChoice,
+    Strategy,
+    candidates,
+    neighbours,
+    valid,
+    with_pipeline,
+)
 from jaxdist.planner.computation import ComputationView
 from jaxdist.planner.cost import Estimate
 

@@ -16,7 +16,11 @@ from __future__ import annotations
 import re
 import sys
 
+from jaxdist.cluster import load_cluster
 from jaxdist.config import Config, ConfigError
+from jaxdist.models.arithmetic import param_count
+from jaxdist.remat.plan import compare_policies, format_bytes, format_comparison, plan_remat
+from jaxdist.remat.policy import auto_budget, memory_breakdown, profile_for_config
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
           "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
@@ -36,18 +40,16 @@ def parse_bytes(text: str) -> int:
 def run_remat(cfg: Config, budget: str | None = None, measure: bool = False, operators: bool = False,
               repeats: int = 5, out=None) -> int:
     """Print the plan and the comparison for ``cfg`` (model, mesh sizes, cluster, batch, seq_len)."""
-    from jaxdist.parallel.mesh import load_cluster
-    from jaxdist.remat.plan import compare_policies, format_bytes, format_comparison, plan_remat
-    from jaxdist.remat.policy import auto_budget, memory_breakdown, profile_for_config
+    # Imported here, not at the top: they import JAX, which `jaxdist --help` must not.
 
     out = out or sys.stdout
     cluster = load_cluster(cfg.mesh.cluster)
     sizes = cfg.mesh.resolved(cluster.n_devices)
-    peak = cluster.peak_flops_bf16 if cfg.model.dtype == "bfloat16" else cluster.peak_flops_fp32
+    peak = cluster.peak_flops(cfg.model.dtype)
     profile = profile_for_config(cfg, sizes, peak, measure=measure)
     t = cfg.train
     shape = " ".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "one device"
-    n = cfg.model.num_params()
+    n = param_count(cfg.model)
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
     print(f"model {cfg.model.preset} ({size} params, {cfg.model.dtype}), "
           f"{profile.n_layers} scanned blocks; cluster {cluster.name} ({cluster.device_kind}, "

@@ -26,7 +26,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
-from jaxdist.remat.select import OperatorGraph, Selection, _check_budget, _selection, evaluate
+from jaxdist.remat.graph import OperatorGraph, Selection, check_budget, evaluate, make_selection
 
 _CAPACITY = 10 ** 9          # finite capacities are scaled to sum to at most this (int32 max flow)
 _INFINITE = 2 ** 31 - 1
@@ -107,15 +107,15 @@ def select_lagrangian(graph: OperatorGraph, budget: float, iterations: int = 40)
     bound ``time(S) + lam * (bytes(S) - budget)`` seen.
     """
     t0 = _time.perf_counter()
-    _check_budget(graph, budget)
+    check_budget(graph, budget)
     positive = graph.bytes[graph.bytes > 0]
     if positive.size == 0:  # saving is free: save every unit
-        return _selection(graph, range(graph.n_units), budget, "lagrangian", -math.inf, t0)
+        return make_selection(graph, range(graph.n_units), budget, "lagrangian", -math.inf, t0)
     lo, hi = 0.0, 2.0 * max(graph.time.sum(), 1e-300) / positive.min()  # at hi nothing is worth saving
     sol_lo = _closure_cut(graph, lo)
     ev_lo = evaluate(graph, sol_lo)
     if ev_lo.bytes <= budget:
-        return _selection(graph, sol_lo, budget, "lagrangian", ev_lo.time + lo * (ev_lo.bytes - budget), t0)
+        return make_selection(graph, sol_lo, budget, "lagrangian", ev_lo.time + lo * (ev_lo.bytes - budget), t0)
     sol_hi = _closure_cut(graph, hi)
     ev_hi = evaluate(graph, sol_hi)
     bound = ev_hi.time + hi * (ev_hi.bytes - budget)
@@ -130,4 +130,4 @@ def select_lagrangian(graph: OperatorGraph, budget: float, iterations: int = 40)
             hi, sol_hi, ev_hi = mid, sol, ev
         else:
             lo, sol_lo, ev_lo = mid, sol, ev
-    return _selection(graph, _greedy_fill(graph, set(sol_hi), budget), budget, "lagrangian", bound, t0)
+    return make_selection(graph, _greedy_fill(graph, set(sol_hi), budget), budget, "lagrangian", bound, t0)

@@ -20,8 +20,10 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jaxdist.remat.graph import InfeasibleBudget, Selection, evaluate
+from jaxdist.remat.named import RECIPES, named_policies
 from jaxdist.remat.profile import BlockProfile
-from jaxdist.remat.select import EXACT_MAX_UNITS, InfeasibleBudget, Selection, evaluate, select
+from jaxdist.remat.select import EXACT_MAX_UNITS, select
 from jaxdist.remat.trace import signature
 
 # plan_remat accepts this share of the save-nothing recompute time above the least recompute, to save memory.
@@ -243,8 +245,6 @@ def policy_point(profile: BlockProfile, name: str, policy: Any, budget_bytes: fl
 def compare_policies(profile: BlockProfile, plan: RematPlan | None = None,
                      budget_bytes: float | None = None) -> list[PolicyPoint]:
     """The plan (if given) beside jax's built-in policies and the named recipes, all predicted."""
-    from jaxdist.remat.policy import named_policies
-
     budget = plan.budget_bytes if plan is not None and budget_bytes is None else budget_bytes
     rows = []
     if plan is not None:
@@ -257,8 +257,6 @@ def compare_policies(profile: BlockProfile, plan: RematPlan | None = None,
 
 def format_comparison(rows: list[PolicyPoint]) -> str:
     """The comparison as a table: policy, saved activations, recompute time and FLOPs, fits the budget."""
-    from jaxdist.remat.policy import RECIPES
-
     out = [f"{'policy':<34} {'saved activations':>18} {'recompute/step':>15} {'GFLOP/step':>11}  fits"]
     for r in rows:
         fits = "" if r.fits is None else "yes" if r.fits else "no"

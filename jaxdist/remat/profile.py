@@ -37,10 +37,20 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType
 
 from jaxdist.config import MESH_AXES, ModelConfig
-from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, logical_to_spec
-from jaxdist.remat.select import Evaluation, OperatorGraph, evaluate
-from jaxdist.remat.trace import (Equation, nbytes, propagate_shardings, shard_fraction, signature,
-                                 spec_from_partition, trace_checkpointed)
+from jaxdist.models.moe import group_member, split_group
+from jaxdist.models.transformer import block_forward, create_abstract
+from jaxdist.parallel.layout import sharded_tracing
+from jaxdist.parallel.rules import DEFAULT_RULES, Rules, logical_to_spec
+from jaxdist.remat.graph import Evaluation, OperatorGraph, evaluate
+from jaxdist.remat.trace import (
+    Equation,
+    nbytes,
+    propagate_shardings,
+    shard_fraction,
+    signature,
+    spec_from_partition,
+    trace_checkpointed,
+)
 
 # Equations that move no data and do no arithmetic: cost 0, never compiled.
 IDENTITY_PRIMITIVES = frozenset({"name", "sharding_constraint", "mesh_cast", "reshard", "pvary",
@@ -218,7 +228,6 @@ def profile_function(fn: Callable, params: Any, x: Any, invariants: Sequence[Any
     if not measure and not peak_flops:
         raise ValueError("profile without measurement needs peak_flops (FLOP/s per device)")
     sizes = dict(mesh_shape or {})
-    leaves = [*jax.tree.leaves(params), *jax.tree.leaves(x), *jax.tree.leaves(tuple(invariants))]
 
     def specs_of(tree, spec_tree):
         n = len(jax.tree.leaves(tree))
@@ -301,15 +310,13 @@ def abstract_mesh(mesh_shape: Mapping[str, int]) -> AbstractMesh:
 def _scan_unit(cfg: ModelConfig, layers: dict, names: dict, block_fn: Callable):
     """(fn(p, x, cos, sin), one scan step's abstract weights, their logical names): what the model scans.
 
-    Dense model: one block per step.  MoE model (``model.moe_experts``): a
-    group of ``moe_every`` blocks per step, the last an MoE block, as
+    Dense model: one block per step.  MoE model (``model.moe.experts``): a
+    group of ``moe.every`` blocks per step, the last an MoE block, as
     :class:`~jaxdist.models.transformer.Transformer` scans it.
     """
-    if not getattr(cfg, "moe_experts", 0):
+    if not cfg.moe.experts:
         step = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in layers.items()}
         return (lambda p, x, cos, sin: block_fn(p, x, cos, sin, cfg)), step, {k: tuple(names[k][1:]) for k in layers}
-    from jaxdist.models.moe import group_member, split_group
-
     grouped = jax.eval_shape(lambda s: split_group(s, cfg), layers)
     step = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in grouped.items()}
     # A weight reshaped to [groups, blocks, ...] gains an unsplit blocks axis.
@@ -317,7 +324,7 @@ def _scan_unit(cfg: ModelConfig, layers: dict, names: dict, block_fn: Callable):
 
     def fn(p, x, cos, sin):
         aux = {}
-        for j in range(cfg.moe_every):
+        for j in range(cfg.moe.every):
             x, a = block_fn(group_member(p, j, cfg), x, cos, sin, cfg, with_aux=True)
             aux = a or aux
         return x, aux
@@ -330,16 +337,14 @@ def profile_block(cfg: ModelConfig, batch: int, seq_len: int, mesh_shape: Mappin
                   repeats: int = 5, block_fn: Callable | None = None) -> BlockProfile:
     """Profile one step of the model's layer scan at batch x seq_len tokens (global) on a mesh of ``mesh_shape``.
 
-    One step is one block (a group of ``moe_every`` blocks for an MoE model).
+    One step is one block (a group of ``moe.every`` blocks for an MoE model).
     Weights come from ``create_abstract`` (one step's slice), shardings from
     ``logical_to_spec`` with ``rules``; the activations are constrained as in
-    training (``activation_sharding``; MoE experts run their single-device
+    training (``sharded_tracing``; MoE experts run their single-device
     path: the expert-parallel layout is not active while profiling).
     ``block_fn(p, x, cos, sin, cfg)`` defaults to
     :func:`jaxdist.models.transformer.block_forward`.
     """
-    from jaxdist.models.transformer import block_forward, create_abstract
-
     block_fn = block_fn or block_forward
     mesh = abstract_mesh(mesh_shape or {})
     _, abstract, names = create_abstract(cfg)
@@ -349,8 +354,8 @@ def profile_block(cfg: ModelConfig, batch: int, seq_len: int, mesh_shape: Mappin
     x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), dt)
     x_spec = logical_to_spec(("batch", "seq", "embed"), rules, mesh, x.shape)
     table = jax.ShapeDtypeStruct((seq_len, cfg.head_dim // 2), jnp.float32)
-    steps = cfg.n_layers // cfg.moe_every if getattr(cfg, "moe_experts", 0) else cfg.n_layers
+    steps = cfg.n_layers // cfg.moe.every if cfg.moe.experts else cfg.n_layers
     return profile_function(
         fn, layer, x, (table, table), param_specs=specs, x_spec=x_spec, mesh_shape=dict(mesh.shape),
         n_layers=steps, measure=measure, peak_flops=peak_flops, repeats=repeats,
-        trace_context=lambda: activation_sharding(mesh, rules))   # as the Trainer traces the model
+        trace_context=lambda: sharded_tracing(mesh, rules))   # as the Trainer traces the model

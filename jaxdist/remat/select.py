@@ -15,7 +15,8 @@ Operators that share a ``unit`` are saved or recomputed together (a
 parameters, so two operators that agree on those are indistinguishable to it);
 ``unit == -1`` marks an operator no policy can save.
 
-Solvers, all pure functions of (graph, budget):
+The graph, :func:`~jaxdist.remat.graph.evaluate` and :class:`~jaxdist.remat.graph.Selection`
+live in :mod:`jaxdist.remat.graph`.  Solvers, all pure functions of (graph, budget):
 
 * :func:`select_exact`: a mixed-integer program (``scipy.optimize.milp``,
   HiGHS): one binary per unit, continuous "recomputed" and "saved-and-used"
@@ -49,14 +50,14 @@ import math
 import os
 import sys
 import time as _time
-from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from jaxdist.config import ConfigError
+# evaluate is re-exported: benchmarks/remat.py imports it from here.
+from jaxdist.remat.graph import OperatorGraph, Selection, check_budget, evaluate, make_selection  # noqa: F401
+from jaxdist.remat.lagrangian import select_lagrangian
 
 # Up to this many decision units, select() solves the MILP exactly (a safety node limit aside);
 # above, select_approximate.
@@ -67,129 +68,6 @@ APPROX_REL_GAP = 0.005
 APPROX_NODE_LIMIT = 2000
 # Brute force enumerates 2**units subsets; beyond this it is refused.
 BRUTE_FORCE_MAX_UNITS = 22
-
-
-class InfeasibleBudget(ConfigError):
-    """No set of saved operators fits the budget; ``smallest`` is the least budget that works (bytes)."""
-
-    def __init__(self, message: str, smallest: float):
-        super().__init__(message)
-        self.smallest = smallest
-
-
-@dataclass(eq=False)
-class OperatorGraph:
-    """Forward operators of one block, in topological order (inputs before users).
-
-    ``bytes[i]``: bytes per device that saving operator i's output holds;
-    ``time[i]``: seconds (per device) to recompute it from its inputs;
-    ``inputs[i]``: indices of the operators whose outputs it reads (block
-    inputs are not operators: always available); ``needed[i]``: the backward
-    pass reads its output; ``unit[i]``: decision unit, -1 if it can never be saved.
-    """
-
-    bytes: np.ndarray
-    time: np.ndarray
-    inputs: tuple[tuple[int, ...], ...]
-    needed: np.ndarray
-    unit: np.ndarray
-
-    def __post_init__(self):
-        self.bytes = np.asarray(self.bytes, dtype=np.float64)
-        self.time = np.asarray(self.time, dtype=np.float64)
-        self.needed = np.asarray(self.needed, dtype=bool)
-        self.unit = np.asarray(self.unit, dtype=np.int64)
-        self.inputs = tuple(tuple(int(j) for j in ins) for ins in self.inputs)
-        n = len(self.bytes)
-        assert len(self.time) == len(self.inputs) == len(self.needed) == len(self.unit) == n
-        assert all(j < i for i, ins in enumerate(self.inputs) for j in ins), "operators must be in topological order"
-        assert (self.bytes >= 0).all() and (self.time >= 0).all()
-        units = sorted(set(self.unit[self.unit >= 0].tolist()))
-        assert units == list(range(len(units))), "units must be numbered 0..U-1"
-        consumers: list[list[int]] = [[] for _ in range(n)]
-        for i, ins in enumerate(self.inputs):
-            for j in set(ins):
-                consumers[j].append(i)
-        self.consumers = tuple(tuple(c) for c in consumers)
-
-    @property
-    def n(self) -> int:
-        """Number of operators."""
-        return len(self.bytes)
-
-    @property
-    def n_units(self) -> int:
-        """Number of decision units."""
-        return int(self.unit.max()) + 1 if (self.unit >= 0).any() else 0
-
-    def members(self, unit: int) -> np.ndarray:
-        """Operator indices of one decision unit."""
-        return np.flatnonzero(self.unit == unit)
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """Bytes (per device) and recompute time (seconds) of one choice of saved units."""
-
-    bytes: float
-    time: float
-    saved: np.ndarray        # bool [n]: saved and used by the backward pass
-    recomputed: np.ndarray   # bool [n]
-
-
-@dataclass(frozen=True)
-class Selection:
-    """The chosen units and their cost; ``lower_bound`` is a proven bound on the optimal time (s)."""
-
-    saved_units: frozenset[int]
-    bytes: float
-    time: float
-    budget: float
-    method: str
-    lower_bound: float
-    solve_seconds: float
-
-    @property
-    def gap(self) -> float:
-        """Relative distance to the proven lower bound (0 when exact)."""
-        return 0.0 if self.time <= self.lower_bound else (self.time - self.lower_bound) / max(self.time, 1e-300)
-
-
-def _saved_nodes(graph: OperatorGraph, saved_units: Iterable[int]) -> np.ndarray:
-    chosen = np.zeros(graph.n_units + 1, dtype=bool)  # last slot: unit -1
-    for u in saved_units:
-        chosen[u] = True
-    return chosen[graph.unit]
-
-
-def evaluate(graph: OperatorGraph, saved_units: Iterable[int]) -> Evaluation:
-    """Cost of saving ``saved_units``: bytes of the saved values the backward pass uses, and recompute time.
-
-    A value is required if the backward pass reads it or a recomputed operator
-    does; a required value is recomputed unless saved.
-    """
-    s = _saved_nodes(graph, saved_units)
-    required = graph.needed.copy()
-    recomputed = np.zeros(graph.n, dtype=bool)
-    for i in range(graph.n - 1, -1, -1):  # users come after their inputs
-        if not required[i]:
-            required[i] = any(recomputed[j] for j in graph.consumers[i])
-        if required[i] and not s[i]:
-            recomputed[i] = True
-    saved = required & s
-    return Evaluation(float(graph.bytes[saved].sum()), float(graph.time[recomputed].sum()), saved, recomputed)
-
-
-def _check_budget(graph: OperatorGraph, budget: float) -> None:
-    if budget < 0:
-        raise InfeasibleBudget(f"a budget of {budget:.0f} bytes cannot be met: the smallest feasible budget is "
-                               "0 bytes (save nothing).", 0.0)
-
-
-def _selection(graph, units, budget, method, bound, t0) -> Selection:
-    ev = evaluate(graph, units)
-    units = frozenset(u for u in units if ev.saved[graph.members(u)].any())  # drop units nothing uses
-    return Selection(units, ev.bytes, ev.time, float(budget), method, min(bound, ev.time), _time.perf_counter() - t0)
 
 
 # --------------------------------------------------------------------------- exact
@@ -231,10 +109,10 @@ def select_exact(graph: OperatorGraph, budget: float, *, time_cap: float | None 
     less time).  ``rel_gap``, ``node_limit``, ``time_limit`` stop HiGHS early.
     """
     t0 = _time.perf_counter()
-    _check_budget(graph, budget)
+    check_budget(graph, budget)
     n, U = graph.n, graph.n_units
     if U == 0:
-        return _selection(graph, (), budget, "exact (MILP)", -math.inf, t0)
+        return make_selection(graph, (), budget, "exact (MILP)", -math.inf, t0)
     G, R, M = 0, U, U + n  # variable offsets
     nv = U + 2 * n
     rows, cols, vals, lo, hi = [], [], [], [], []
@@ -293,13 +171,13 @@ def select_exact(graph: OperatorGraph, budget: float, *, time_cap: float | None 
     exact = res.status == 0
     bound = getattr(res, "mip_dual_bound", None)
     bound = -math.inf if bound is None or time_cap is not None else bound * tscale
-    return _selection(graph, units, budget, "exact (MILP)" if exact else "MILP (limit reached)", bound, t0)
+    return make_selection(graph, units, budget, "exact (MILP)" if exact else "MILP (limit reached)", bound, t0)
 
 
 def select_brute_force(graph: OperatorGraph, budget: float) -> Selection:
     """The optimal selection by trying every subset of units (vectorised over subsets); for <= 22 units."""
     t0 = _time.perf_counter()
-    _check_budget(graph, budget)
+    check_budget(graph, budget)
     U = graph.n_units
     if U > BRUTE_FORCE_MAX_UNITS:
         raise ValueError(f"brute force over {U} units would try 2**{U} subsets; use select_exact")
@@ -322,7 +200,7 @@ def select_brute_force(graph: OperatorGraph, budget: float) -> Selection:
     order = np.lexsort((total_b[ok], total_t[ok]))
     best = int(masks[ok][order[0]])
     units = [u for u in range(U) if best >> u & 1]
-    return _selection(graph, units, budget, "brute force", float(total_t[ok][order[0]]), t0)
+    return make_selection(graph, units, budget, "brute force", float(total_t[ok][order[0]]), t0)
 
 
 def select_approximate(graph: OperatorGraph, budget: float, rel_gap: float = APPROX_REL_GAP,
@@ -344,8 +222,6 @@ def select_approximate(graph: OperatorGraph, budget: float, rel_gap: float = APP
         res = None
     if res is not None and res.method == "exact (MILP)":
         return dataclasses.replace(res, method=f"MILP to {rel_gap:.1%} gap", solve_seconds=_time.perf_counter() - t0)
-    from jaxdist.remat.lagrangian import select_lagrangian  # it builds on this module
-
     lag = select_lagrangian(graph, budget)
     best = lag if res is None or (lag.time, lag.bytes) < (res.time, res.bytes) else res
     bound = max(lag.lower_bound, res.lower_bound if res is not None else -math.inf)

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from tensorboardX import SummaryWriter
+
 
 class MetricsWriter:
     """Appends one JSON object per record to ``<run>/metrics.jsonl`` and mirrors scalars to TensorBoard.
@@ -25,7 +27,6 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
         if tensorboard:
-            from tensorboardX import SummaryWriter
             self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:

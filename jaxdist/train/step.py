@@ -35,8 +35,8 @@ def objective(graphdef, params: dict, tokens: jax.Array) -> tuple[jax.Array, dic
     """(training objective, metrics) for tokens [B, T+1].
 
     Dense model: (cross-entropy, {}).  MoE model: cross-entropy plus the
-    weighted router losses (``moe_aux_loss_coef`` x load-balancing loss +
-    ``moe_z_loss_coef`` x z-loss), and metrics ``loss`` (the cross-entropy,
+    weighted router losses (``moe.aux_loss_coef`` x load-balancing loss +
+    ``moe.z_loss_coef`` x z-loss), and metrics ``loss`` (the cross-entropy,
     nats/token) and the scalars of jaxdist.models.moe.MOE_METRICS.
     """
     logits, aux = apply_with_aux(graphdef, params, tokens[:, :-1])
@@ -134,17 +134,3 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
 def make_eval_step(graphdef) -> Callable[[dict, jax.Array], jax.Array]:
     """``eval_step(params, tokens[B, T+1]) -> mean loss``."""
     return lambda params, tokens: next_token_loss(graphdef, params, tokens)
-
-
-def model_flops_per_token(model_cfg, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward = 3 x forward), PaLM's accounting.
-
-    6 x (matmul parameters) plus 12 x layers x heads x head_dim x seq_len for
-    attention scores and context (causal masking not discounted).
-    """
-    m = model_cfg
-    d = m.d_model
-    attn_params = d * m.head_dim * (2 * m.n_heads + 2 * m.n_kv_heads)
-    # MoE: the router and the k experts a token runs through (ModelConfig.ffn_params(active=True)).
-    matmul_params = m.n_layers * attn_params + m.ffn_params(active=True) + d * m.vocab_size
-    return 6.0 * matmul_params + 12.0 * m.n_layers * m.n_heads * m.head_dim * seq_len

@@ -14,41 +14,35 @@ there when that step is at least as new as the persistent one.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import hashlib
 import json
 import logging
-import time
-from typing import Callable
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+import optax
+from jax.sharding import NamedSharding
 
 from jaxdist.checkpoint import RunCheckpointer
 from jaxdist.checkpoint.local import LocalTier, resolve_dir
 from jaxdist.config import Config, ConfigError
-from jaxdist.config_checks import validate
+from jaxdist.config_checks import is_resolved, validate
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.models import create_abstract, init_params
-from jaxdist.parallel.mesh import build_mesh, describe_mesh, load_cluster
-from jaxdist.parallel.moe import expert_layout, expert_parallelism
-from jaxdist.parallel.rules import DEFAULT_RULES, activation_sharding, logical_to_spec
-from jaxdist.remat.policy import remat_policy, resolve_remat_policy  # noqa: F401  (remat_policy: kept importable here)
+from jaxdist.models.arithmetic import train_flops_per_token
+from jaxdist.cluster import load_cluster
+from jaxdist.parallel.hlo import dot_operand_types, loop_flops_correction
+from jaxdist.parallel.layout import Parallelism
+from jaxdist.parallel.mesh import describe_mesh
+from jaxdist.remat.policy import resolve_remat_policy
+from jaxdist.train.callbacks import (Callback, Evaluate, Hook, HookCallback, LogMetrics, MetricsWindow, ProgressBar,
+                                     SaveCheckpoint, SaveLocal, StepContext, run_due)
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.optimizer import make_optimizer
-from jaxdist.train.step import init_state, make_eval_step, make_train_step, model_flops_per_token
+from jaxdist.train.step import init_state, make_eval_step, make_train_step
+from jaxdist.models.arithmetic import param_count
 
 log = logging.getLogger(__name__)
-
-Hook = Callable[["Trainer", int, dict[str, float]], None]
-
-
-@dataclasses.dataclass
-class _HookEntry:
-    fn: Hook
-    every: int
 
 
 class Trainer:
@@ -60,41 +54,41 @@ class Trainer:
 
     def __init__(self, config: Config, devices: list | None = None):
         self.devices = list(devices if devices is not None else jax.devices())
-        if config.mesh.auto:  # mesh=auto: jaxdist.planner picks mesh sizes, microbatches and remat here
-            from jaxdist.planner.plan import resolve_auto
-            config = resolve_auto(config, self.devices)
-            log.info("planned mesh: %s", " ".join(f"{a}={n}" for a, n in config.mesh.sizes().items()))
+        if config.mesh.auto:
+            raise ConfigError("mesh=auto is settled before the Trainer is built: pass "
+                              "jaxdist.resolve.resolve(config, devices) to Trainer.")
+        if not is_resolved(config, len(self.devices)):  # built without resolve(): the same checks, here
+            validate(config, len(self.devices))
         self.config = config
-        validate(config, len(self.devices))
         c = config
         self.cluster = load_cluster(c.mesh.cluster)
-        self.mesh = build_mesh(c.mesh, self.devices)
-        self.rules = DEFAULT_RULES
+        # Mesh, logical rules, expert layout (MoE weights on the expert view, mesh.expert_tensor), pipeline plan.
+        self.parallelism = Parallelism.build(c, self.devices)
+        self.mesh, self.rules = self.parallelism.mesh, self.parallelism.rules
         # MoE: expert weights live on the expert view of the devices (mesh.expert_tensor).
-        self.expert_layout = expert_layout(self.mesh, c.mesh.expert_tensor, self.rules)
+        self.expert_layout = self.parallelism.expert_layout
         self.is_main = jax.process_index() == 0
         self.run_dir = c.run_dir
 
         # train.remat -> policy; "auto" profiles the block on this mesh and plans within the memory budget.
         self.remat_policy, self.remat_plan = resolve_remat_policy(c, dict(self.mesh.shape), self.cluster)
         self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)
-        self.param_shardings = jax.tree.map(
-            lambda n, a: self.expert_layout.sharding(n, a.shape, self.rules, self.mesh), names, abstract_params,
-            is_leaf=lambda x: isinstance(x, tuple))
+        self.param_shardings = self.parallelism.param_shardings(names, abstract_params)
         self.optimizer, self.schedule = make_optimizer(c.train)
         self.state_shardings = self._state_shardings(abstract_params)
-        self.batch_sharding = self.sharding(("batch", "seq"))
-        self.replicated = NamedSharding(self.mesh, P())
+        self.batch_sharding = self.parallelism.batch_sharding
+        self.replicated = self.parallelism.replicated
 
         seed = c.train.seed
-        self._init_fn = jax.jit(lambda: init_state(init_params(c.model, seed), self.optimizer, seed),
+        bind = self.parallelism.bind  # the model's sharding is entered inside each jitted function
+        self._init_fn = jax.jit(bind(lambda: init_state(init_params(c.model, seed), self.optimizer, seed)),
                                 out_shardings=self.state_shardings)
         self._train_step = jax.jit(
-            make_train_step(self.graphdef, self.optimizer, self.schedule, c.train.microbatches, c.train.grad_clip,
-                            grads_fn=self._pipeline_grads_fn()),
+            bind(make_train_step(self.graphdef, self.optimizer, self.schedule, c.train.microbatches,
+                                 c.train.grad_clip, grads_fn=self.parallelism.pipeline_grads_fn(c))),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,))
-        self._eval_step = jax.jit(make_eval_step(self.graphdef),
+        self._eval_step = jax.jit(bind(make_eval_step(self.graphdef)),
                                   in_shardings=(self.state_shardings["params"], self.batch_sharding),
                                   out_shardings=self.replicated)
 
@@ -102,17 +96,16 @@ class Trainer:
         # Training batches come in batch-list order (exact across restarts, resizes and additions).
         self.batches = RunBatchList(self.run_dir, self.data.train, self.data.name, c.data.seed, c.train.batch_size,
                                     c.train.seq_len, is_main=self.is_main, process_count=jax.process_count())
-        self._batch_log: dict[int, tuple[str, int]] = {}  # step -> (batch id, batch-list version), until logged
         self.eval_sampler = eval_sampler(self.data.eval, c.train.seq_len, c.train.batch_size)
 
         self.tokens_per_step = c.train.batch_size * c.train.seq_len
-        self.flops_per_step = model_flops_per_token(c.model, c.train.seq_len) * self.tokens_per_step
-        peak = self.cluster.peak_flops_bf16 if c.model.dtype == "bfloat16" else self.cluster.peak_flops_fp32
-        self.peak_flops = peak * len(self.devices)
+        self.flops_per_step = train_flops_per_token(c.model, c.train.seq_len) * self.tokens_per_step
+        self.peak_flops = self.cluster.peak_flops(c.model.dtype) * len(self.devices)  # FLOP/s of all devices
 
-        self.hooks: list[_HookEntry] = []
+        self.callbacks: list[Callback] = []  # user hooks and callbacks, run after the metrics and the bar
         self.last_eval: tuple[int, float] | None = None  # (step, eval loss) of the latest evaluation in fit
         self.state: dict | None = None
+        self._compiled_step = None  # compiled_train_step()
         self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
         self.checkpointer = (RunCheckpointer(self.run_dir / "checkpoints", c.checkpoint.keep,
                                              c.checkpoint.asynchronous) if c.checkpoint.enabled else None)
@@ -129,31 +122,15 @@ class Trainer:
 
     def sharding(self, logical: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> NamedSharding:
         """NamedSharding on this mesh for an array with these logical axis names."""
-        return NamedSharding(self.mesh, logical_to_spec(logical, self.rules, self.mesh, shape))
+        return self.parallelism.sharding(logical, shape)
 
     def _state_shardings(self, abstract_params: dict) -> dict:
-        import optax
-
         abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
         opt_shardings = optax.tree_utils.tree_map_params(
             self.optimizer, lambda _, s: s, abstract_opt, self.param_shardings,
-            transform_non_params=lambda _: NamedSharding(self.mesh, P()))
-        rep = NamedSharding(self.mesh, P())
+            transform_non_params=lambda _: self.parallelism.replicated)
+        rep = self.parallelism.replicated
         return {"step": rep, "params": self.param_shardings, "opt_state": opt_shardings, "rng": rep}
-
-    def _pipeline_grads_fn(self):
-        """With mesh.pipeline > 1, the pipeline executor's (loss, metrics, grads); else None (the model's own)."""
-        if self.config.mesh.pipeline == 1:
-            return None
-        from jaxdist.parallel.pipeline import pipeline_grads_fn
-
-        return pipeline_grads_fn(self.config, self.mesh, self.rules)
-
-    @contextlib.contextmanager
-    def _tracing(self):
-        # constrain() in the model reads the mesh and rules while jit traces.
-        with activation_sharding(self.mesh, self.rules), expert_parallelism(self.expert_layout):
-            yield
 
     def __enter__(self) -> "Trainer":
         return self
@@ -203,8 +180,7 @@ class Trainer:
         else:
             if self.local is not None:  # a run that starts over must never restore an older run's local steps
                 self.local.clear()
-            with self._tracing():
-                self.state = self._init_fn()
+            self.state = self._init_fn()
         return self.state
 
     def _check_resume(self, meta: dict) -> None:
@@ -217,15 +193,22 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def add_hook(self, fn: Hook, every: int = 1) -> None:
-        """Call ``fn(trainer, step, metrics)`` after every ``every``-th step (metrics as floats)."""
+        """Call ``fn(trainer, step, metrics)`` after every ``every``-th step (metrics as host floats).
+
+        The metrics are those of that step, so the loop waits for the device at
+        those steps; a callback that needs no host values (see :meth:`add_callback`) does not.
+        """
         if every <= 0:
             raise ValueError("hook interval must be positive")
-        self.hooks.append(_HookEntry(fn, every))
+        self.callbacks.append(HookCallback(fn, every))
+
+    def add_callback(self, callback: Callback) -> None:
+        """Run ``callback`` in the loop when it is due (jaxdist.train.callbacks.Callback: ``syncs``, ``due``, call)."""
+        self.callbacks.append(callback)
 
     def train_step(self, state: dict, batch: jax.Array) -> tuple[dict, dict]:
-        """One jitted optimizer step (donates ``state``)."""
-        with self._tracing():
-            return self._train_step(state, batch)
+        """One optimizer step, the compiled program ``fit`` runs (donates ``state``)."""
+        return self.compiled_train_step()(state, batch)
 
     def compile_train_step(self):
         """The train step compiled ahead of time for this run's shapes (``jax.stages.Compiled``).
@@ -234,8 +217,43 @@ class Trainer:
         """
         batch = jax.ShapeDtypeStruct((self.config.train.batch_size, self.config.train.seq_len + 1),
                                      jax.numpy.int32, sharding=self.batch_sharding)
-        with self._tracing():
-            return self._train_step.lower(self.abstract_state(), batch).compile()
+        return self._train_step.lower(self.abstract_state(), batch).compile()
+
+    def compiled_train_step(self):
+        """The train step compiled for this run's shapes, compiled once and reused (what ``fit`` calls)."""
+        if self._compiled_step is None:
+            self._compiled_step = self.compile_train_step()
+        return self._compiled_step
+
+    def hardware_flops_per_step(self) -> float | None:
+        """FLOPs the compiled train step executes on all devices (XLA's count, recomputation included, with its
+        loop bodies counted once per trip: see jaxdist.parallel.hlo.loop_flops_correction)."""
+        cost = self.compiled_train_step().cost_analysis()
+        cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older JAX: one dict per program
+        flops = (cost or {}).get("flops")
+        if flops is None:
+            return None
+        # XLA counts a loop body once; the layer and microbatch scans run theirs many times.
+        flops += loop_flops_correction(self.compiled_train_step().as_text())
+        return float(flops) * len(self.devices)
+
+    def bf16_notice(self) -> str | None:
+        """One sentence when ``model.dtype=bfloat16`` but the compiled step multiplies mostly in float32.
+
+        Read from the compiled program (its dots' operand types), not from a
+        version table: XLA:CPU in JAX 0.10 turns most bf16 matmuls into fp32 ones.
+        """
+        if self.config.model.dtype != "bfloat16":
+            return None
+        dots = dot_operand_types(self.compiled_train_step().as_text())
+        upcast, native = dots.get("f32", 0), dots.get("bf16", 0)
+        if upcast <= native:
+            return None
+        platform = self.devices[0].platform
+        return (f"{upcast} of the train step's {upcast + native} matmuls run in float32 although "
+                f"model.dtype=bfloat16: this JAX {jax.__version__} {platform} backend upcasts them, so bf16 runs "
+                "at fp32 speed here" + (" (Python 3.12 with JAX 0.12 multiplies them natively on CPU)."
+                                        if platform == "cpu" else "."))
 
     def batch(self, step: int) -> jax.Array:
         """The global batch of training step ``step`` as one sharded array [B, T+1]."""
@@ -245,9 +263,8 @@ class Trainer:
         """Mean held-out loss (nats/token) over ``train.eval_batches`` fixed batches."""
         params = self.state["params"] if params is None else params
         losses = []
-        with self._tracing():
-            for i in range(self.config.train.eval_batches):
-                losses.append(self._eval_step(params, global_batch_array(self.eval_sampler, i, self.batch_sharding)))
+        for i in range(self.config.train.eval_batches):
+            losses.append(self._eval_step(params, global_batch_array(self.eval_sampler, i, self.batch_sharding)))
         return float(np.mean(jax.device_get(losses)))
 
     def fit(self, steps: int | None = None) -> list[dict[str, float]]:
@@ -257,71 +274,31 @@ class Trainer:
             self.init_state()
         start = int(jax.device_get(self.state["step"]))
         end = c.train.steps if steps is None else min(c.train.steps, start + steps)
-        history: list[dict[str, float]] = []
         if start >= end:
-            return history
-        bar = None
-        if c.train.progress and self.is_main:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=c.train.steps, initial=start, desc=c.train.name, unit="step", dynamic_ncols=True)
+            return []
+        window = MetricsWindow(self.metrics, self.tokens_per_step, self.flops_per_step,
+                               self.hardware_flops_per_step(), self.peak_flops)
+        bar = (ProgressBar(c.train.steps, start, c.train.name) if c.train.progress and self.is_main else None)
+        saving = SaveCheckpoint(c.checkpoint.every) if self.checkpointer is not None else None
+        callbacks = ([LogMetrics(c.train.log_every)] + ([bar] if bar else []) + self.callbacks
+                     + [Evaluate(c.train.eval_every)] + ([saving] if saving else [])
+                     + ([SaveLocal(c.checkpoint.local_every, saving)] if self.local is not None else []))
         # Several processes agree on additions where metrics sync the host anyway (every log_every steps).
         prefetch = self.batches.loader(start, self.batch_sharding, depth=2,
                                        poll_every=1 if jax.process_count() == 1 else c.train.log_every)
-        pending: list[tuple[int, dict]] = []
-        t_last = time.perf_counter()
+        window.restart()
         try:
             for i in range(start, end):
                 batch_id, batch = prefetch.get(i)  # data added since the last step joins here
-                self._batch_log[i + 1] = (format_id(batch_id), self.batches.version)
                 self.state, m = self.train_step(self.state, batch)
-                pending.append((i + 1, m))
-                done = i + 1
-                if bar is not None:
-                    bar.update(1)
-                hooks_now = [h for h in self.hooks if done % h.every == 0]
-                saving = self.checkpointer is not None and done % c.checkpoint.every == 0
-                local_due = self.local is not None and done % c.checkpoint.local_every == 0
-                # Log before a save, so no checkpointed step is missing from the log after a kill.
-                if done % c.train.log_every == 0 or done == end or hooks_now or saving or local_due:
-                    records = self._flush(pending, time.perf_counter() - t_last)
-                    history.extend(records)
-                    t_last = time.perf_counter()
-                    pending = []
-                    last = records[-1]
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
-                                        step_ms=f"{1e3 * last['step_time']:.0f}")
-                    for h in hooks_now:
-                        h.fn(self, done, last)
-                if c.train.eval_every and done % c.train.eval_every == 0 or done == end:
-                    self.last_eval = (done, self.evaluate())
-                    self.metrics.write("eval", done, {"loss": self.last_eval[1]})
-                if self.checkpointer is not None and (done % c.checkpoint.every == 0 or done == end):
-                    self.save(done)
-                    t_last = time.perf_counter()
-                elif local_due:
-                    self.save_local(done)
-                    t_last = time.perf_counter()
+                window.add(i + 1, m, (format_id(batch_id), self.batches.version))
+                run_due(callbacks, StepContext(self, i + 1, start, end, window))
         finally:
             prefetch.close()
             if bar is not None:
                 bar.close()
             self.metrics.flush()
-        return history
-
-    def _flush(self, pending: list[tuple[int, dict]], elapsed: float) -> list[dict[str, float]]:
-        host = jax.device_get([m for _, m in pending])
-        dt = elapsed / len(pending)
-        records = []
-        for (step, _), m in zip(pending, host):
-            r = {k: float(v) for k, v in m.items()}
-            r.update(step_time=dt, tokens_per_s=self.tokens_per_step / dt,
-                     mfu=self.flops_per_step / dt / self.peak_flops)
-            bid, version = self._batch_log.pop(step, (None, None))
-            # The log names the batch each step trained (hooks and history keep floats only).
-            self.metrics.write("train", step, r if bid is None else {**r, "batch_id": bid, "batch_version": version})
-            records.append({"step": step, **r})
-        return records
+        return window.history
 
     def save(self, step: int | None = None) -> None:
         """Checkpoint the current state (asynchronously)."""
@@ -351,5 +328,5 @@ class Trainer:
         """One paragraph: mesh, model size, batch, where the run lives."""
         c = self.config
         return (f"mesh {describe_mesh(self.mesh)}; model {c.model.preset} "
-                f"({c.model.num_params() / 1e6:.2f}M params, {c.model.dtype}); "
+                f"({param_count(c.model) / 1e6:.2f}M params, {c.model.dtype}); "
                 f"batch {c.train.batch_size}x{c.train.seq_len} tokens; data {self.data.name}; run {self.run_dir}")

@@ -14,6 +14,7 @@ from jaxdist.models import apply, apply_with_aux, create_abstract, init_params
 from jaxdist.models import moe as M
 from jaxdist.models.transformer import block_forward, rms_norm, rotary_tables
 from jaxdist.parallel.moe import run_experts
+from jaxdist.models.arithmetic import param_count
 
 
 def rel_err(a, b):
@@ -23,7 +24,7 @@ def rel_err(a, b):
 
 def layer(cfg, seed=0, n=48):
     """Random expert weights (one layer) and tokens for ``cfg``."""
-    d, e, f = cfg.d_model, cfg.moe_experts, M.expert_d_ff(cfg)
+    d, e, f = cfg.d_model, cfg.moe.experts, M.expert_d_ff(cfg)
     ks = jax.random.split(jax.random.key(seed), 5)
     p = {"router": jax.random.normal(ks[0], (d, e)),
          "we_gate": 0.3 * jax.random.normal(ks[1], (e, d, f)), "we_up": 0.3 * jax.random.normal(ks[2], (e, d, f)),
@@ -32,14 +33,14 @@ def layer(cfg, seed=0, n=48):
 
 
 def moe_cfg(*overrides):
-    return load_config(None, ["model=moe-tiny", "model.d_model=16", "model.moe_d_ff=8", *overrides]).model
+    return load_config(None, ["model=moe-tiny", "model.d_model=16", "model.moe.d_ff=8", *overrides]).model
 
 
 # --------------------------------------------------------------------------- routing and losses
 
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 def test_routing_picks_the_top_k_scores(router):
-    cfg = moe_cfg(f"model.moe_router={router}", "model.moe_top_k=3")
+    cfg = moe_cfg(f"model.moe.router={router}", "model.moe.top_k=3")
     p, x = layer(cfg)
     r = M.route(x, p["router"], cfg)
     logits = np.asarray(x, np.float64) @ np.asarray(p["router"], np.float64)
@@ -49,13 +50,13 @@ def test_routing_picks_the_top_k_scores(router):
     np.testing.assert_array_equal(np.asarray(r.experts), top)
     w = np.take_along_axis(scores, top, 1)
     np.testing.assert_allclose(r.weights, w / w.sum(1, keepdims=True), rtol=1e-5)
-    raw = M.route(x, p["router"], dataclasses.replace(cfg, moe_renormalize=False))
+    raw = M.route(x, p["router"], dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, renormalize=False)))
     np.testing.assert_allclose(raw.weights, w, rtol=1e-5)
 
 
 def test_balance_and_z_loss_closed_forms():
     cfg = moe_cfg()
-    e = cfg.moe_experts
+    e = cfg.moe.experts
     p, x = layer(cfg)
     # A zero router: uniform probabilities, logits 0, so balance = E * sum(share * 1/E) = 1 and z = log(E)^2.
     r = M.route(x, jnp.zeros_like(p["router"]), cfg)
@@ -75,7 +76,7 @@ def test_balance_and_z_loss_closed_forms():
 
 # --------------------------------------------------------------------------- dispatch on one device
 
-@pytest.mark.parametrize("overrides", [[], ["model.moe_experts=16", "model.moe_top_k=8"]], ids=["8x2", "16x8"])
+@pytest.mark.parametrize("overrides", [[], ["model.moe.experts=16", "model.moe.top_k=8"]], ids=["8x2", "16x8"])
 def test_dropless_equals_reference_values_and_grads(overrides):
     cfg = moe_cfg(*overrides)
     p, x = layer(cfg, n=40)
@@ -108,7 +109,7 @@ def brute_force_keep(experts, n_experts, capacity):
 
 
 def test_capacity_equals_reference_on_kept_tokens_and_counts_drops():
-    cfg = moe_cfg("model.moe_dispatch=capacity", "model.moe_capacity_factor=0.75")
+    cfg = moe_cfg("model.moe.dispatch=capacity", "model.moe.capacity_factor=0.75")
     p, x = layer(cfg, n=40)
     r = M.route(x, p["router"], cfg)
     cap = M.expert_capacity(40, 2, 8, 0.75)
@@ -137,8 +138,8 @@ def test_capacity_slots_are_unique_and_bounded():
 
 @pytest.fixture(scope="module")
 def every2():
-    cfg = load_config(None, ["model=moe-tiny", "model.n_layers=4", "model.moe_every=2",
-                             "model.moe_shared_d_ff=32"]).model
+    cfg = load_config(None, ["model=moe-tiny", "model.n_layers=4", "model.moe.every=2",
+                             "model.moe.shared_d_ff=32"]).model
     graphdef, abstract, names = create_abstract(cfg)
     params = jax.jit(lambda: init_params(cfg, seed=1))()
     return cfg, graphdef, params, names
@@ -151,9 +152,9 @@ def test_moe_every_k_layout_and_param_count(every2):
     assert layers["we_gate"].shape == (2, 8, 64, 64) and layers["ws_down"].shape == (2, 32, 64)
     assert names["layers"]["we_gate"] == ("layers", "expert", "embed", "expert_mlp")
     assert names["layers"]["we_down"] == ("layers", "expert", "expert_mlp", "embed")
-    assert sum(p.size for p in jax.tree.leaves(params)) == cfg.num_params()
+    assert sum(p.size for p in jax.tree.leaves(params)) == param_count(cfg)
     d = cfg.d_model
-    assert cfg.num_params() - cfg.num_params(active=True) == 2 * (8 - 2) * 3 * d * 64
+    assert param_count(cfg) - param_count(cfg, active=True) == 2 * (8 - 2) * 3 * d * 64
 
 
 def test_scanned_groups_equal_unrolled_blocks(every2):
@@ -180,7 +181,7 @@ def test_scanned_groups_equal_unrolled_blocks(every2):
     np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(aux["moe_expert_share"], np.mean(shares, axis=0), rtol=1e-6)
     assert float(aux["moe_load_max"]) == pytest.approx(8 * np.mean([np.max(s) for s in shares]), rel=1e-6)
-    expect = cfg.moe_aux_loss_coef * aux["moe_aux_loss"] + cfg.moe_z_loss_coef * aux["moe_z_loss"]
+    expect = cfg.moe.aux_loss_coef * aux["moe_aux_loss"] + cfg.moe.z_loss_coef * aux["moe_z_loss"]
     assert float(aux["moe_loss"]) == pytest.approx(float(expect), rel=1e-6)
 
 
@@ -197,7 +198,7 @@ def test_train_step_objective_and_metrics_over_microbatches(every2):
         assert float(metrics[k]) == pytest.approx(float(np.mean([h[1][k] for h in halves])), rel=1e-5), k
     # The objective is the cross-entropy plus the weighted router losses.
     ce, m = halves[0][1]["loss"], halves[0][1]
-    expect = ce + cfg.moe_aux_loss_coef * m["moe_aux_loss"] + cfg.moe_z_loss_coef * m["moe_z_loss"]
+    expect = ce + cfg.moe.aux_loss_coef * m["moe_aux_loss"] + cfg.moe.z_loss_coef * m["moe_z_loss"]
     assert float(halves[0][0]) == pytest.approx(float(expect), rel=1e-6)
 
 
@@ -215,23 +216,23 @@ def test_dense_model_has_no_aux_and_same_logits():
 
 def test_presets_have_the_published_sizes():
     mixtral = load_config(None, ["model=mixtral-8x7b"]).model
-    assert round(mixtral.num_params() / 1e9, 1) == 46.7 and round(mixtral.num_params(active=True) / 1e9, 1) == 12.9
+    assert round(param_count(mixtral) / 1e9, 1) == 46.7 and round(param_count(mixtral, active=True) / 1e9, 1) == 12.9
     fine = load_config(None, ["model=deepseek-moe-16b"]).model
-    assert (fine.moe_experts, fine.moe_top_k, fine.moe_d_ff) == (64, 6, 1408)
-    assert load_config(None, ["model=moe-tiny", "mesh.expert=8"]).model.moe_experts == 8
+    assert (fine.moe.experts, fine.moe.top_k, fine.moe.d_ff) == (64, 6, 1408)
+    assert load_config(None, ["model=moe-tiny", "mesh.expert=8"]).model.moe.experts == 8
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["mesh.expert=4", "model.moe_experts=6"],
-     "model.moe_experts=6 is not divisible by the expert-parallel size 4 (mesh.expert=4)"),
-    (["mesh.expert=2", "mesh.tensor=4", "mesh.expert_tensor=1", "model.moe_experts=4"],
+    (["mesh.expert=4", "model.moe.experts=6"],
+     "model.moe.experts=6 is not divisible by the expert-parallel size 4 (mesh.expert=4)"),
+    (["mesh.expert=2", "mesh.tensor=4", "mesh.expert_tensor=1", "model.moe.experts=4"],
      "expert-parallel size 8 (mesh.expert=2 x mesh.tensor/mesh.expert_tensor=4)"),
-    (["model.moe_top_k=9"], "model.moe_top_k=9 must lie between 1 and model.moe_experts=8"),
-    (["model.moe_dispatch=capacity", "model.moe_capacity_factor=0"],
-     "model.moe_capacity_factor=0.0 must be positive in capacity mode"),
+    (["model.moe.top_k=9"], "model.moe.top_k=9 must lie between 1 and model.moe.experts=8"),
+    (["model.moe.dispatch=capacity", "model.moe.capacity_factor=0"],
+     "model.moe.capacity_factor=0.0 must be positive in capacity mode"),
     (["mesh.tensor=4", "mesh.expert_tensor=3"], "mesh.expert_tensor=3 does not divide mesh.tensor=4"),
-    (["model.n_layers=3", "model.moe_every=2"], "model.moe_every=2 does not divide model.n_layers=3"),
-    (["model.moe_router=topk"], "model.moe_router='topk' is unknown"),
+    (["model.n_layers=3", "model.moe.every=2"], "model.moe.every=2 does not divide model.n_layers=3"),
+    (["model.moe.router=topk"], "model.moe.router='topk' is unknown"),
 ])
 def test_bad_moe_settings_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -13,18 +13,9 @@ import jax
 import numpy as np
 import pytest
 
+from jaxdist.cluster import MESHES_DIR, ClusterSpec, list_clusters, load_cluster
 from jaxdist.config import MESH_AXES, ConfigError, MeshConfig
-from jaxdist.parallel.mesh import (
-    MESHES_DIR,
-    ClusterSpec,
-    build_mesh,
-    cluster_from_devices,
-    describe_mesh,
-    device_grid,
-    hybrid_shapes,
-    list_clusters,
-    load_cluster,
-)
+from jaxdist.parallel.mesh import build_mesh, cluster_from_devices, describe_mesh, device_grid, hybrid_shapes
 
 REPO = Path(__file__).parents[2]
 

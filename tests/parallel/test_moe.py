@@ -12,6 +12,7 @@ import jaxdist.parallel.moe as EP
 from jaxdist.config import load_config
 from jaxdist.models import create_abstract, init_params
 from jaxdist.models import moe as M
+from jaxdist.models.hooks import dispatching_experts
 from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import DEFAULT_RULES, activation_sharding
 from jaxdist.train.step import loss_and_grads
@@ -37,11 +38,11 @@ def layout_for(mesh_overrides, expert_tensor, exchange=None):
 
 
 def layer_cfg(*overrides):
-    return load_config(None, ["model=moe-tiny", "model.d_model=16", "model.moe_d_ff=8", *overrides]).model
+    return load_config(None, ["model=moe-tiny", "model.d_model=16", "model.moe.d_ff=8", *overrides]).model
 
 
 def layer_params(cfg, n=64, seed=0):
-    d, e, f = cfg.d_model, cfg.moe_experts, M.expert_d_ff(cfg)
+    d, e, f = cfg.d_model, cfg.moe.experts, M.expert_d_ff(cfg)
     ks = jax.random.split(jax.random.key(seed), 5)
     p = {"router": jax.random.normal(ks[0], (d, e)),
          "we_gate": 0.3 * jax.random.normal(ks[1], (e, d, f)), "we_up": 0.3 * jax.random.normal(ks[2], (e, d, f)),
@@ -99,7 +100,7 @@ def test_layouts_of_the_test_meshes():
 
 
 def test_capacity_dispatch_keeps_per_device_slots_and_counts_drops():
-    cfg = layer_cfg("model.moe_dispatch=capacity", "model.moe_capacity_factor=1.0")
+    cfg = layer_cfg("model.moe.dispatch=capacity", "model.moe.capacity_factor=1.0")
     p, x = layer_params(cfg, n=64, seed=2)
     mesh, layout = layout_for(["mesh.expert=4", "mesh.tensor=2"], 0)
     with activation_sharding(mesh), EP.expert_parallelism(layout):
@@ -126,17 +127,13 @@ def test_capacity_dispatch_keeps_per_device_slots_and_counts_drops():
 
 @pytest.fixture(scope="module")
 def model_reference():
-    cfg = load_config(None, ["model=moe-tiny", "model.d_model=32", "model.moe_d_ff=16", "model.moe_shared_d_ff=16"])
+    cfg = load_config(None, ["model=moe-tiny", "model.d_model=32", "model.moe.d_ff=16", "model.moe.shared_d_ff=16"])
     graphdef, abstract, names = create_abstract(cfg.model)
     params = jax.jit(lambda: init_params(cfg.model, seed=3))()
     tokens = jax.random.randint(jax.random.key(5), (8, 17), 0, cfg.model.vocab_size)
     # Experts computed directly (every token through its k experts), no sorting or exchange.
-    orig = EP.run_experts
-    EP.run_experts = lambda x, e, w, q, c: reference_experts(x, e, w, q)
-    try:
+    with dispatching_experts(lambda x, e, w, q, c: reference_experts(x, e, w, q)):
         loss, grads = jax.jit(lambda p, t: loss_and_grads(graphdef, p, t))(params, tokens)
-    finally:
-        EP.run_experts = orig
     return cfg, graphdef, names, params, tokens, loss, grads
 
 
@@ -175,16 +172,16 @@ def test_expert_bytes_per_device(mesh_overrides, expert_tensor):
     params = jax.jit(lambda: init_params(m), out_shardings=sh)()
     per_device = sum(params["layers"][k].addressable_shards[0].data.nbytes for k in M.EXPERT_KEYS)
     # E * 3 * h * f * bytes / (expert * tensor), per MoE layer.
-    expect = m.n_layers * m.moe_experts * 3 * m.d_model * m.moe_d_ff * 4 // (cfg.mesh.expert * cfg.mesh.tensor)
+    expect = m.n_layers * m.moe.experts * 3 * m.d_model * m.moe.d_ff * 4 // (cfg.mesh.expert * cfg.mesh.tensor)
     assert per_device == expect == m.n_layers * EP.expert_param_bytes(m, layout, 4)
     assert {s.data.shape for s in params["layers"]["we_gate"].addressable_shards} == \
-        {(m.n_layers, m.moe_experts // layout.ep_size, m.d_model, m.moe_d_ff // layout.etp_size)}
+        {(m.n_layers, m.moe.experts // layout.ep_size, m.d_model, m.moe.d_ff // layout.etp_size)}
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
 @pytest.mark.parametrize("mesh_overrides,expert_tensor", [MESHES[0][1:], MESHES[3][1:]], ids=[MESHES[0][0], MESHES[3][0]])
 def test_compiled_all_to_all_bytes_equal_prediction(mesh_overrides, expert_tensor, dispatch):
-    cfg = layer_cfg(f"model.moe_dispatch={dispatch}")
+    cfg = layer_cfg(f"model.moe.dispatch={dispatch}")
     p, x = layer_params(cfg, n=64)
     mesh, layout = layout_for(mesh_overrides, expert_tensor)
 
@@ -216,7 +213,7 @@ def test_collective_bytes_parser():
 
 def train_config(tmp_path, name, extra=()):
     return load_config(None, [
-        "model=moe-tiny", "model.moe_aux_loss_coef=0.3", "train.steps=24", "train.seq_len=32",
+        "model=moe-tiny", "model.moe.aux_loss_coef=0.3", "train.steps=24", "train.seq_len=32",
         "train.batch_size=16", "train.log_every=4", "train.eval_every=0", "train.eval_batches=1",
         "train.progress=false", "train.tensorboard=false", "checkpoint.every=12", "data.max_bytes=400000",
         "mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "train.warmup_steps=3",
@@ -230,15 +227,16 @@ def test_moe_trains_balanced_and_resumes_bit_identical(tmp_path):
     with Trainer(train_config(tmp_path, "full")) as t:
         history = t.fit()
         full = jax.device_get(t.state)
-        with t._tracing():  # per-expert share of the assignments on a training batch, per MoE layer
-            _, aux = jax.jit(lambda p, b: apply_with_aux(t.graphdef, p, b[:, :-1]))(t.state["params"], t.batch(0))
+        # per-expert share of the assignments on a training batch, per MoE layer
+        _, aux = jax.jit(t.parallelism.bind(lambda p, b: apply_with_aux(t.graphdef, p, b[:, :-1])))(
+            t.state["params"], t.batch(0))
     share = np.asarray(aux["moe_expert_share"])
     print("per-expert token share (mean over MoE layers):", np.round(share, 3))
     first, last = history[0], history[-1]
     assert last["loss"] < first["loss"] - 1.5                       # 5.4 -> about 3.3 nats/token
     assert share.sum() == pytest.approx(1.0, abs=1e-6)
     # The balancing loss works: here the busiest expert gets about 1.8x its even share of 1/8 and the
-    # idlest 0.2x; with moe_aux_loss_coef=0.01 they are about 3.4x and 0.004x at this step.
+    # idlest 0.2x; with moe.aux_loss_coef=0.01 they are about 3.4x and 0.004x at this step.
     assert last["moe_load_max"] < 2.4 and last["moe_load_min"] > 0.1 and last["moe_aux_loss"] < 1.03
     assert all(r["moe_drop_rate"] == 0.0 for r in history)          # dropless
 

@@ -209,10 +209,10 @@ def test_cost_split_on_a_grid():
 
 @pytest.mark.parametrize("overrides,message", [
     (["mesh.pipeline=3"], "model.n_layers=4 is not divisible by mesh.pipeline=3"),
-    (["mesh.pipeline=2", "train.pipeline_chunks=3"], "train.seq_len=128 is not divisible into train.pipeline_chunks=3"),
-    (["mesh.pipeline=2", "train.pipeline_schedule=1f1b"], "the 1f1b schedule needs train.microbatches >= mesh.pipeline"),
-    (["mesh.pipeline=2", "train.pipeline_schedule=zb"], "train.pipeline_schedule='zb' is unknown"),
-    (["mesh.pipeline=2", "train.pipeline_chunk_split=x"], "train.pipeline_chunk_split='x' is unknown"),
+    (["mesh.pipeline=2", "pipeline.chunks=3"], "train.seq_len=128 is not divisible into pipeline.chunks=3"),
+    (["mesh.pipeline=2", "pipeline.schedule=1f1b"], "the 1f1b schedule needs train.microbatches >= mesh.pipeline"),
+    (["mesh.pipeline=2", "pipeline.schedule=zb"], "pipeline.schedule='zb' is unknown"),
+    (["mesh.pipeline=2", "pipeline.chunk_split=x"], "pipeline.chunk_split='x' is unknown"),
     (["mesh.pipeline=2", "model=moe-tiny"], "pipeline stages do not support MoE models yet"),
 ])
 def test_config_errors(overrides, message):
@@ -223,9 +223,9 @@ def test_config_errors(overrides, message):
 
 def test_config_accepts_pipelines():
     cfg = load_config(None, ["mesh.pipeline=2"])  # the embedded default with two stages
-    assert cfg.train.pipeline_schedule == "seq1f1b" and cfg.train.pipeline_chunks == 2
-    load_config(None, ["mesh.pipeline=4", "train.pipeline_schedule=1f1b", "train.microbatches=4"])
-    load_config(None, ["mesh.pipeline=2", "train.pipeline_schedule=gpipe", "train.pipeline_chunks=3"])
+    assert cfg.pipeline.schedule == "seq1f1b" and cfg.pipeline.chunks == 2
+    load_config(None, ["mesh.pipeline=4", "pipeline.schedule=1f1b", "train.microbatches=4"])
+    load_config(None, ["mesh.pipeline=2", "pipeline.schedule=gpipe", "pipeline.chunks=3"])
 
 
 def test_cli_prints_schedule(capsys):

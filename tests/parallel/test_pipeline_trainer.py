@@ -24,7 +24,7 @@ def run(tmp_path, name, overrides):
     ["train.batch_size=16"],
     # 1F1B with gradient accumulation over 4 microbatches and full remat; data=2 x tensor=2 in each stage.
     ["model=tiny", "train.seq_len=32", "train.batch_size=16", "train.microbatches=4",
-     "train.pipeline_schedule=1f1b", "train.remat=full", "mesh.tensor=2"],
+     "pipeline.schedule=1f1b", "train.remat=full", "mesh.tensor=2"],
 ], ids=["default", "1f1b-accumulation"])
 def test_pipelined_trainer_matches_plain_trainer(tmp_path, overrides):
     plain, plain_eval, _ = run(tmp_path, "plain", overrides)

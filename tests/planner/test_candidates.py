@@ -20,9 +20,9 @@ def brute_force(m, nodes, per_node, batch, max_mb=64, seq=64):
             continue  # tensor, expert, pipeline inside a node; the node count on data * fsdp
         if m.n_heads % tensor or m.d_ff % tensor or (m.n_kv_heads % tensor and tensor % m.n_kv_heads):
             continue
-        if expert > 1 and (not m.moe_experts or m.moe_experts % expert):
+        if expert > 1 and (not m.moe.experts or m.moe.experts % expert):
             continue
-        if m.n_layers % pipe or (pipe > 1 and m.moe_experts):
+        if m.n_layers % pipe or (pipe > 1 and m.moe.experts):
             continue
         for mb in range(1, min(batch, max_mb) + 1):
             if batch % mb or (batch // mb) % (data * fsdp * expert):

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
+from jaxdist.cluster import load_cluster
 from jaxdist.config import ConfigError
-from jaxdist.parallel.mesh import load_cluster
 from jaxdist.planner.cluster import Calibration, cluster_view, load_allocation, load_calibration
 
 

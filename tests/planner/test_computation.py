@@ -5,29 +5,30 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdist.config import MODEL_PRESETS, load_config
+from jaxdist.models.arithmetic import train_flops_per_token
 from jaxdist.models.transformer import CHECKPOINT_NAMES, block_forward, rotary_tables
 from jaxdist.planner.computation import computation_view
-from jaxdist.train.step import model_flops_per_token
+from jaxdist.models.arithmetic import param_count
 
 
 @pytest.mark.parametrize("preset", list(MODEL_PRESETS))
 def test_parameter_count_matches_the_model(preset):
     m = load_config(None, [f"model={preset}"]).model
-    assert computation_view(m, 128).param_count == m.num_params()
+    assert computation_view(m, 128).param_count == param_count(m)
 
 
 @pytest.mark.parametrize("preset", ["tiny", "small", "llama-8b", "llama-70b"])
 def test_flops_per_token_is_palm_accounting(preset):
     m = load_config(None, [f"model={preset}"]).model
     for seq in (64, 2048):
-        assert computation_view(m, seq).flops_per_token() == pytest.approx(model_flops_per_token(m, seq), rel=1e-12)
+        assert computation_view(m, seq).flops_per_token() == pytest.approx(train_flops_per_token(m, seq), rel=1e-12)
 
 
 def test_moe_flops_count_only_the_routed_experts():
     m = load_config(None, ["model=mixtral-8x7b"]).model
     v = computation_view(m, 4096)
     (moe,) = v.blocks
-    d, f, k, e = m.d_model, m.d_ff, m.moe_top_k, m.moe_experts
+    d, f, k, e = m.d_model, m.d_ff, m.moe.top_k, m.moe.experts
     attn = 2 * (d * m.n_heads * m.head_dim * 2 + 2 * d * m.n_kv_heads * m.head_dim) + 4 * m.n_heads * m.head_dim * 4096
     assert moe.flops_fwd == attn + 2 * d * e + 6 * k * d * f
     assert moe.count == m.n_layers and moe.dispatch_rows == k

@@ -6,9 +6,10 @@ import jax
 import pytest
 from jax.sharding import NamedSharding
 
+from jaxdist.cluster import load_cluster
 from jaxdist.config import MeshConfig, load_config
 from jaxdist.models import create_abstract
-from jaxdist.parallel.mesh import build_mesh, load_cluster
+from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import logical_to_spec
 from jaxdist.planner.candidates import Strategy
 from jaxdist.planner.cluster import Calibration, cluster_view

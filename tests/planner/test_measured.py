@@ -14,13 +14,14 @@ import jax
 import pytest
 from scipy.stats import spearmanr
 
-from jaxdist.parallel.mesh import load_cluster
-from jaxdist.planner.calibrate import calibration_from, measure_links, reference_overrides
+from jaxdist.cluster import load_cluster
+from jaxdist.measure.calibrate import measure_links
+from jaxdist.planner.calibrate import calibration_from, reference_overrides
 from jaxdist.planner.cluster import cluster_view
 from jaxdist.planner.computation import computation_view
 from jaxdist.planner.cost import estimate
-from jaxdist.planner.measure import (RANKING_MODEL, RANKING_STRATEGIES, SMALL_CHECK, measure_strategies,
-                                     measurement_config, strategy_of)
+from jaxdist.measure.steps import RANKING_MODEL, RANKING_STRATEGIES, SMALL_CHECK, measure_strategies, measurement_config
+from jaxdist.planner.candidates import strategy_of
 
 
 @pytest.fixture(scope="module")

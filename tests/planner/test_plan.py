@@ -58,6 +58,9 @@ def test_fewer_devices_when_the_batch_does_not_divide_the_free_ones():
 
 
 def test_mesh_auto_makes_the_trainer_use_the_plan(tmp_path):
+    import jax
+
+    from jaxdist.resolve import resolve
     from jaxdist.train.trainer import Trainer
 
     overrides = ["model=tiny", "mesh=auto", "train.batch_size=16", "train.seq_len=64", "train.progress=false",
@@ -65,7 +68,7 @@ def test_mesh_auto_makes_the_trainer_use_the_plan(tmp_path):
                  f"train.runs_dir={tmp_path}"]
     cfg = load_config(None, overrides)
     expected = plan(cfg.model, "cpu-8", batch_size=16, seq_len=64).best.strategy
-    with Trainer(cfg) as trainer:
+    with Trainer(resolve(cfg, jax.devices())) as trainer:
         assert dict(trainer.mesh.shape) == expected.mesh
         assert trainer.config.train.microbatches == expected.microbatches
         assert trainer.config.mesh.auto is False and trainer.config.mesh.cluster == "cpu-8"
@@ -120,8 +123,8 @@ def test_a_pipelined_plan_writes_its_schedule_and_chunks():
     assert s.pipeline == 8 and s.schedule in ("gpipe", "1f1b", "seq1f1b")
     cfg = p.to_config()
     validate(cfg, 8)
-    assert cfg.train.pipeline_schedule == s.schedule and cfg.mesh.pipeline == 8
+    assert cfg.pipeline.schedule == s.schedule and cfg.mesh.pipeline == 8
     if s.schedule == "seq1f1b":
-        assert cfg.train.pipeline_chunks == s.chunks > 1 and f"seq1f1b x{s.chunks}" in p.table(1)
+        assert cfg.pipeline.chunks == s.chunks > 1 and f"seq1f1b x{s.chunks}" in p.table(1)
     seq = [e.strategy for e in p.ranked if e.strategy.schedule == "seq1f1b"]
     assert seq and {x.chunks for x in seq} <= {2, 4}

@@ -10,7 +10,8 @@ from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import activation_sharding
 from jaxdist.remat import (InfeasibleBudget, budget_range, memory_breakdown, named_policies, plan_remat,
                            policy_point, profile_block, remat_policy)
-from jaxdist.remat.measure import dominated_by, measure_policies
+from jaxdist.measure.remat import dominated_by, measure_policies
+from jaxdist.models.arithmetic import param_count
 
 # The XLA checks: a tiny model with 16 scanned layers on one device, batch 16 x 64 tokens.
 XLA_MODEL = ["model=tiny", "model.n_layers=16", "mesh.data=1"]
@@ -134,7 +135,7 @@ def test_auto_budget_breakdown_closed_form():
     m = cfg.model
     # fsdp shards every weight along embed (d_model = 64, divisible by 8); norms are replicated.
     norms = (2 * m.n_layers + 1) * m.d_model
-    params = (m.num_params() - norms) * 4 / 8 + norms * 4
+    params = (param_count(m) - norms) * 4 / 8 + norms * 4
     assert b["parameters"] == pytest.approx(params) and b["optimizer"] == pytest.approx(2 * params)
     logits = 3 * 4 * 16 * 64 * m.vocab_size / 8   # float32, batch split 8 ways
     blocks = 2 * sum(op.bytes for op in profile.operators if op.needed)

@@ -114,16 +114,16 @@ def test_measured_times(tiny):
 
 def test_moe_group_profile_matches_jax():
     moe = pytest.importorskip("jaxdist.models.moe")
-    cfg = load_config(None, ["model=tiny", "model.moe_experts=4", "model.moe_every=2"]).model
+    cfg = load_config(None, ["model=tiny", "model.moe.experts=4", "model.moe.every=2"]).model
     prof = profile_block(cfg, B, T, {}, peak_flops=5e10)
-    assert prof.n_layers == cfg.n_layers // cfg.moe_every and prof.tags.count("attn_norm") == 2
+    assert prof.n_layers == cfg.n_layers // cfg.moe.every and prof.tags.count("attn_norm") == 2
     _, abstract, _ = create_abstract(cfg)
     group = jax.tree.map(lambda v: jnp.ones(v.shape[1:], v.dtype),
                          jax.eval_shape(lambda s: moe.split_group(s, cfg), abstract["layers"]))
     cos, sin = rotary_tables(jnp.arange(T), cfg.head_dim, cfg.rope_theta)
 
     def body(g, x):
-        for j in range(cfg.moe_every):
+        for j in range(cfg.moe.every):
             x, _ = block_forward(moe.group_member(g, j, cfg), x, cos, sin, cfg, with_aux=True)
         return x
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from jaxdist.config import ConfigError
+from jaxdist.remat.graph import InfeasibleBudget, OperatorGraph, evaluate
 from jaxdist.remat.lagrangian import select_lagrangian
-from jaxdist.remat.select import (InfeasibleBudget, OperatorGraph, evaluate, random_graph, select,
-                                  select_approximate, select_brute_force, select_exact)
+from jaxdist.remat.select import random_graph, select, select_approximate, select_brute_force, select_exact
 
 
 def _fractions(seed, k):

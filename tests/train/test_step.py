@@ -1,14 +1,15 @@
 """The train step against a plain optax reference; learning-rate schedule; FLOPs accounting."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jaxdist.config import load_config
 from jaxdist.models import create_abstract, init_params
+from jaxdist.models.arithmetic import train_flops_per_token
 from jaxdist.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
-from jaxdist.train.step import init_state, loss_and_grads, make_train_step, model_flops_per_token
+from jaxdist.train.step import init_state, loss_and_grads, make_train_step
+from jaxdist.models.arithmetic import param_count
 
 
 def test_step_equals_optax_clip_then_adamw():
@@ -63,8 +64,8 @@ def test_schedule_warmup_and_cosine_floor():
 def test_flops_per_token_closed_form():
     m = load_config(None, ["model=llama-8b"]).model
     # 6 N (matmul params incl. the output head) + attention: 6*8.03e9 ~ 4.8e10, plus 12*32*4096*seq
-    f = model_flops_per_token(m, 2048)
-    n = m.num_params() - m.vocab_size * m.d_model  # the input embedding is a lookup
+    f = train_flops_per_token(m, 2048)
+    n = param_count(m) - m.vocab_size * m.d_model  # the input embedding is a lookup
     assert abs(f - (6 * (n - 2 * m.n_layers * m.d_model - m.d_model) + 12 * 32 * 4096 * 2048)) / f < 1e-9
 
 

@@ -6,12 +6,13 @@ compiles its train step ahead of time and reads
 * memory per device: ``compiled.memory_analysis()``, arguments + outputs +
   temporaries - aliased (bytes);
 * collective bytes per step: the collectives of ``compiled.as_text()``
-  (:mod:`jaxdist.planner.hlo`), loop trips multiplied in;
+  (:mod:`jaxdist.parallel.hlo`), loop trips multiplied in;
 * optionally the step time: the fastest of several timed rounds of the
   compiled step on random tokens, after ``warmup`` calls (seconds);
   :func:`measure_strategies` times several configs round-robin.
 
-Used by the tests, ``benchmarks/planner.py`` and ``jaxdist calibrate``.
+Used by the tests, ``benchmarks/planner.py`` and ``jaxdist calibrate``; it sits above ``train/``
+(it builds Trainers), the planner below it only reads what it measured.
 """
 
 from __future__ import annotations
@@ -23,12 +24,11 @@ import time
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.config import Config, load_config
-from jaxdist.planner.candidates import Strategy, remat_choice
-from jaxdist.planner.hlo import collective_bytes
+from jaxdist.parallel.hlo import collective_bytes
+from jaxdist.train.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -40,20 +40,6 @@ class StepMeasurement:
     argument_bytes: int
     collective_bytes: dict
     step_time: float | None = None
-
-
-def strategy_of(cfg: Config, n_devices: int) -> Strategy:
-    """The planner's Strategy for a config's mesh, microbatches and remat (``train.remat`` must be a planner choice)."""
-    sizes = cfg.mesh.resolved(n_devices)
-    remat = remat_choice(cfg.train.remat).name  # ValueError if the planner does not know it
-    if sizes["pipeline"] == 1:
-        schedule, chunks = "none", 1
-    else:
-        schedule = cfg.train.pipeline_schedule
-        chunks = cfg.train.pipeline_chunks if schedule == "seq1f1b" else 1
-        if chunks == 1 and schedule == "seq1f1b":
-            schedule = "1f1b"  # seq1f1b with one chunk is 1f1b
-    return Strategy(**sizes, microbatches=cfg.train.microbatches, schedule=schedule, remat=remat, chunks=chunks)
 
 
 # The strategies whose measured step times the planner must rank (tests/planner, benchmarks/planner.py):
@@ -85,12 +71,7 @@ def measurement_config(overrides: list[str], runs_dir: str | None = None) -> Con
 
 
 def _compile(trainer):
-    if hasattr(trainer, "compile_train_step"):
-        return trainer.compile_train_step()
-    c = trainer.config.train
-    batch = jax.ShapeDtypeStruct((c.batch_size, c.seq_len + 1), jnp.int32, sharding=trainer.batch_sharding)
-    with trainer._tracing():
-        return trainer._train_step.lower(trainer.abstract_state(), batch).compile()
+    return trainer.compile_train_step()
 
 
 def measure_step(cfg: Config, devices: list | None = None, steps: int = 0, warmup: int = 2) -> StepMeasurement:
@@ -116,8 +97,6 @@ def measure_strategies(cfgs: list[Config], devices: list | None = None, rounds: 
     machine's load during the measurement hits all of them alike.
     ``step_time`` is, per config, the fastest round's time per step.
     """
-    from jaxdist.train.trainer import Trainer
-
     devices = list(devices if devices is not None else jax.devices())
     runs, found = [], []
     for cfg in cfgs:

@@ -25,7 +25,10 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from jaxdist.config import ModelConfig
-from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, logical_to_spec
+from jaxdist.models.transformer import create_abstract
+from jaxdist.parallel.layout import sharded_tracing
+from jaxdist.parallel.rules import DEFAULT_RULES, Rules, logical_to_spec
+from jaxdist.train.step import next_token_loss
 
 
 @dataclass(frozen=True)
@@ -43,9 +46,6 @@ def _cost(cost: Any) -> dict:
 def gradient_program(cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, policy: Any,
                      rules: Rules = DEFAULT_RULES):
     """(jitted grad function, abstract sharded params, abstract sharded tokens) for ``policy`` on ``mesh``."""
-    from jaxdist.models.transformer import create_abstract
-    from jaxdist.train.step import next_token_loss
-
     graphdef, abstract, names = create_abstract(cfg, remat_policy=policy)
 
     def sharded(a, n):
@@ -62,7 +62,7 @@ def compiled_cost(cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, policy
                   rules: Rules = DEFAULT_RULES) -> CompiledCost:
     """Compile the gradient program with ``policy`` (None: no checkpointing) and read XLA's figures."""
     grad, params, tokens = gradient_program(cfg, mesh, batch, seq_len, policy, rules)
-    with activation_sharding(mesh, rules):
+    with sharded_tracing(mesh, rules):
         lowered = grad.lower(params, tokens)
     compiled = lowered.compile(compiler_options={"xla_backend_optimization_level": 0})
     mem = compiled.memory_analysis()

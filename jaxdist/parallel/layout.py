@@ -1,0 +1,116 @@
+"""One parallelism value: how a training job uses its devices.
+
+:class:`Parallelism` holds the mesh, the logical-axis rules, the MoE expert
+layout and the pipeline plan of one job, and answers the questions the Trainer
+asks of them: the sharding of an array with logical axis names, the shardings
+of the parameters and of a batch, and the pipeline's gradient function.
+
+It also applies itself to the model: :meth:`Parallelism.bind` wraps a pure
+function so that, while it traces, the model's activations are constrained on
+this mesh by these rules and its MoE layers dispatch their experts by this
+layout (:mod:`jaxdist.models.hooks`).  The contexts are entered inside the
+function that is jitted, so every trace of it sees them and no caller has to
+hold a context around its calls::
+
+    par = Parallelism.build(config, jax.devices())
+    step = jax.jit(par.bind(train_step), in_shardings=(..., par.batch_sharding))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdist.parallel.mesh import build_mesh
+from jaxdist.parallel.moe import ExpertLayout, expert_layout, expert_parallelism
+from jaxdist.parallel.pipeline import PipelinePlan, pipeline_grads_fn, pipeline_plan_for
+from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, logical_to_spec
+
+
+@contextlib.contextmanager
+def sharded_tracing(mesh: Mesh, rules: Rules = DEFAULT_RULES, layout: ExpertLayout | None = None) -> Iterator[None]:
+    """Within this block, a model being traced constrains its activations on ``mesh`` by ``rules`` and
+    dispatches its MoE experts by ``layout`` (None: the default layout of ``mesh``, all of ``tensor`` per expert).
+
+    For code that traces through another API (a profiler's ``trace_context``,
+    ``jit(...).lower``); a jitted function should use :meth:`Parallelism.bind`.
+    """
+    with activation_sharding(mesh, rules), expert_parallelism(layout):
+        yield
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """Mesh, logical rules, expert layout and pipeline plan of one job.
+
+    ``mesh``: the devices with axes data, fsdp, tensor, expert, pipeline;
+    ``rules``: logical axis name -> mesh axes (jaxdist.parallel.rules);
+    ``expert_layout``: where MoE experts live (jaxdist.parallel.moe);
+    ``pipeline``: the stage schedule when mesh.pipeline > 1, else None.
+    """
+
+    mesh: Mesh
+    rules: Rules
+    expert_layout: ExpertLayout
+    pipeline: PipelinePlan | None = None
+
+    @classmethod
+    def build(cls, config, devices: Sequence[Any] | None = None) -> "Parallelism":
+        """The parallelism of a whole Config on ``devices`` (default all); ConfigError if the config cannot run."""
+        mesh = build_mesh(config.mesh, devices)
+        return cls.for_mesh(mesh, DEFAULT_RULES, config.mesh.expert_tensor,
+                            pipeline_plan_for(config) if config.mesh.pipeline > 1 else None)
+
+    @classmethod
+    def for_mesh(cls, mesh: Mesh, rules: Rules = DEFAULT_RULES, expert_tensor: int = 0,
+                 pipeline: PipelinePlan | None = None) -> "Parallelism":
+        """The parallelism of an already built mesh, ``expert_tensor`` devices per expert (0: all of ``tensor``)."""
+        return cls(mesh, rules, expert_layout(mesh, expert_tensor, rules), pipeline)
+
+    # ------------------------------------------------------------------ shardings
+
+    def sharding(self, logical: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
+        """NamedSharding on the mesh for an array with these logical axis names (and this shape, if given)."""
+        return NamedSharding(self.mesh, logical_to_spec(logical, self.rules, self.mesh, shape))
+
+    def param_sharding(self, logical: Sequence[str | None], shape: Sequence[int] | None = None) -> NamedSharding:
+        """Sharding of a parameter: on the expert view of the devices if it has an ``expert`` dimension."""
+        return self.expert_layout.sharding(logical, shape, self.rules, self.mesh)
+
+    def param_shardings(self, names: Any, abstract_params: Any) -> Any:
+        """Shardings of a parameter tree from its logical names (``create_abstract``'s third output), same tree."""
+        return jax.tree.map(lambda n, a: self.param_sharding(n, a.shape), names, abstract_params,
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """Sharding of a token batch [B, T+1]: examples over every data-parallel axis."""
+        return self.sharding(("batch", "seq"))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        """A full copy on every device (scalars, metrics)."""
+        return NamedSharding(self.mesh, PartitionSpec())
+
+    # ------------------------------------------------------------------ applying it
+
+    def bind(self, fn: Callable) -> Callable:
+        """``fn`` that traces with this parallelism applied to the model (see :func:`sharded_tracing`); jit the result."""
+
+        @functools.wraps(fn)
+        def bound(*args, **kwargs):
+            with sharded_tracing(self.mesh, self.rules, self.expert_layout):
+                return fn(*args, **kwargs)
+
+        return bound
+
+    def pipeline_grads_fn(self, config) -> Callable | None:
+        """With a pipeline, the executor's ``fn(params, tokens) -> (loss, metrics, grads)``; else None."""
+        if self.pipeline is None:
+            return None
+        return pipeline_grads_fn(config, self.mesh, self.rules, self.pipeline)

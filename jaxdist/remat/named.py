@@ -1,0 +1,53 @@
+"""Named remat policies: the ``train.remat`` values that name a ``jax.checkpoint`` policy directly.
+
+``none`` (save everything), ``full`` (save nothing), ``save:NAME[,NAME]``
+(only these checkpoint_name tags), jax's built-in policies by name, and the
+hand-written recipes (:data:`RECIPES`) the selector's plan is compared with
+(:func:`jaxdist.remat.plan.compare_policies`).  ``auto`` needs the model and
+mesh: :func:`jaxdist.remat.policy.resolve_remat_policy` resolves it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxdist.config import ConfigError, Remat
+
+# The common hand-written recipes and the train.remat value of each.
+RECIPES: dict[str, str] = {
+    "save q/k/v projections": "save:query_proj,key_proj,value_proj",
+    "save attention output projection": "save:attn_out",
+    "save everything but MLP": "save:attn_norm,query_proj,key_proj,value_proj,attn_context,attn_out,mlp_norm",
+}
+BUILTINS = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
+
+
+def remat_policy(remat: str | Remat) -> Any:
+    """The policy for ``train.remat`` (a string or its parsed :class:`~jaxdist.config.Remat`): None (save
+    everything), "full", or a jax.checkpoint policy.
+
+    ``auto`` needs the model and mesh: use :func:`jaxdist.remat.policy.resolve_remat_policy`.
+    """
+    spec = remat if isinstance(remat, Remat) else Remat.parse(remat)
+    if spec.kind == "none":
+        return None
+    if spec.kind == "full":
+        return "full"
+    if spec.kind == "names":
+        return jax.checkpoint_policies.save_only_these_names(*spec.names)
+    policy = getattr(jax.checkpoint_policies, spec.policy, None)
+    if spec.kind == "auto" or policy is None or not callable(policy):
+        hint = " (auto is resolved with the model and mesh: call resolve_remat_policy)" if spec.kind == "auto" else ""
+        raise ConfigError(f"train.remat='{spec}' is unknown{hint}: use none, full, auto, save:NAME[,NAME] or one of "
+                          "nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.")
+    return policy
+
+
+def named_policies() -> dict[str, Any]:
+    """jax's built-in policies (by name) and the named recipes (by what they save; see RECIPES)."""
+    out = {name: getattr(jax.checkpoint_policies, name) for name in BUILTINS}
+    for meaning, value in RECIPES.items():
+        out[meaning] = remat_policy(value)
+    return out

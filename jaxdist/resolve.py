@@ -1,0 +1,36 @@
+"""Resolve before build: settle what a config leaves to jaxdist, for the devices at hand, and validate once.
+
+    cfg = resolve(load_config(path, overrides), jax.devices())
+    with Trainer(cfg) as trainer: ...
+
+``mesh=auto`` becomes the planner's mesh sizes, microbatches and remat
+(:func:`jaxdist.planner.plan.resolve_auto`); the device-dependent checks
+(mesh product, batch divisibility) run here.  The Trainer takes the resolved
+config as it is: it plans nothing.  ``jaxdist train``, the notebooks and the
+Python API all come through here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+from jaxdist.config import Config
+from jaxdist.config_checks import mark_resolved, validate, validate_devices
+from jaxdist.planner.plan import resolve_auto
+
+log = logging.getLogger(__name__)
+
+
+def resolve(config: Config, devices: Sequence[Any]) -> Config:
+    """``config`` with ``mesh.auto`` settled for ``devices`` (the global devices of the job), validated for them.
+
+    Raises ConfigError (one sentence) when the config cannot run on these devices.
+    """
+    if config.mesh.auto:
+        config = resolve_auto(config, devices)
+        validate(config)  # a new config: the planner's choices meet every rule
+        log.info("planned mesh: %s", " ".join(f"{a}={n}" for a, n in config.mesh.sizes().items()))
+    validate_devices(config, len(devices))
+    mark_resolved(config, len(devices))
+    return config

@@ -1,0 +1,267 @@
+"""The training loop's periodic actions: one protocol, the metrics window, and the built-in callbacks.
+
+``Trainer.fit`` is: next batch, step, run what is due.  Everything periodic --
+logging metrics, the progress bar, evaluation, checkpoints of both tiers, user
+hooks, the controller agent's heartbeat -- is a :class:`Callback` that owns its
+interval::
+
+    class Callback(Protocol):
+        syncs: bool                                 # needs the device finished and the metrics on the host
+        def due(self, step: int, last: bool) -> bool
+        def __call__(self, ctx: StepContext) -> None
+
+Before the callbacks of a step run, the loop flushes the metrics window if any
+of them ``syncs``; a callback that does not sync (the progress bar, the
+heartbeat) costs no device-to-host transfer, so attaching one that runs every
+step does not slow the step down.
+
+Timing is honest: a window of steps ends when its last step has *finished on
+the device* (the host waits for the window's metrics first, then reads the
+clock), and the next window starts when the callbacks that ran after that wait
+(evaluation, checkpoints, hooks) are done.  So the logged ``step_time`` of a
+run adds up to its training wall time minus the evaluation and checkpoint
+time, which their own records carry (``eval.seconds``, ``checkpoint.blocked_s``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import jax
+from tqdm.auto import tqdm
+
+
+class Callback(Protocol):
+    """A periodic action of the training loop (see the module docstring)."""
+
+    syncs: bool
+
+    def due(self, step: int, last: bool) -> bool:
+        """Whether to run after step ``step`` (1-based count of steps done); ``last``: the final step of fit."""
+
+    def __call__(self, ctx: "StepContext") -> None:
+        """Do the action; ``ctx`` gives the trainer, the step and the metrics."""
+
+
+class MetricsWindow:
+    """The steps dispatched since the last flush, their device metrics, and the clock of the window.
+
+    ``flush()`` waits for the window's metrics (so for its last step to finish),
+    then reads the clock: each step of the window is logged with the window's
+    mean ``step_time`` (seconds), ``tokens_per_s``, ``mfu`` (model FLOPs from
+    :mod:`jaxdist.models.arithmetic` over peak) and ``hfu`` (the compiled
+    program's FLOPs, recomputation included, over peak), and ``window`` (its
+    length in steps).
+    """
+
+    def __init__(self, writer: Any, tokens_per_step: int, model_flops_per_step: float,
+                 hardware_flops_per_step: float | None, peak_flops: float):
+        self.writer = writer
+        self.tokens_per_step = tokens_per_step
+        self.model_flops_per_step = model_flops_per_step
+        self.hardware_flops_per_step = hardware_flops_per_step
+        self.peak_flops = peak_flops
+        self.pending: list[tuple[int, dict, tuple[str, int] | None]] = []  # (step, device metrics, batch)
+        self.latest: dict[str, float] | None = None  # the newest record on the host
+        self.flushed: list[dict[str, float]] = []    # records of the flush at the current step
+        self.history: list[dict[str, float]] = []
+        self.t0 = time.perf_counter()
+
+    def restart(self) -> None:
+        """Start the next window now (after evaluation, checkpoints and hooks: not step time)."""
+        assert not self.pending, "restart only an empty window"
+        self.t0 = time.perf_counter()
+
+    def add(self, step: int, metrics: dict, batch: tuple[str, int] | None = None) -> None:
+        """Step ``step`` was dispatched; ``batch``: (batch id, batch-list version) it trained."""
+        self.pending.append((step, metrics, batch))
+
+    def completed_step(self) -> int | None:
+        """The newest step known finished on the device, without waiting (None before any)."""
+        for step, m, _ in reversed(self.pending):
+            if all(v.is_ready() for v in jax.tree.leaves(m)):
+                return step
+        return None if self.latest is None else int(self.latest["step"])
+
+    def flush(self) -> list[dict[str, float]]:
+        """Wait for the window's steps, write their records, start a new window; returns the records."""
+        if not self.pending:
+            return []
+        host = jax.device_get([m for _, m, _ in self.pending])  # waits for the last step of the window
+        now = time.perf_counter()
+        n = len(self.pending)
+        dt = (now - self.t0) / n
+        records = []
+        for (step, _, batch), m in zip(self.pending, host):
+            r = {k: float(v) for k, v in m.items()}
+            r.update(step_time=dt, window=n, tokens_per_s=self.tokens_per_step / dt,
+                     mfu=self.model_flops_per_step / dt / self.peak_flops)
+            if self.hardware_flops_per_step is not None:
+                r["hfu"] = self.hardware_flops_per_step / dt / self.peak_flops
+            # The log names the batch each step trained (hooks and history keep floats only).
+            self.writer.write("train", step, r if batch is None else
+                              {**r, "batch_id": batch[0], "batch_version": batch[1]})
+            records.append({"step": step, **r})
+        self.pending = []
+        self.t0 = now
+        self.latest = records[-1]
+        self.flushed = records
+        self.history.extend(records)
+        return records
+
+
+@dataclass
+class StepContext:
+    """What a callback sees after a step: the trainer, the step count, and the metrics window."""
+
+    trainer: Any
+    step: int            # steps done, counting from 0 at the start of the run
+    start: int           # the step fit() started from
+    end: int             # the step fit() stops at
+    window: MetricsWindow
+
+    @property
+    def last(self) -> bool:
+        return self.step == self.end
+
+    def metrics(self) -> dict[str, float]:
+        """This step's record as floats (with "step"); waits for the device if it is not flushed yet."""
+        self.window.flush()
+        return self.window.latest
+
+    def latest(self) -> dict[str, float] | None:
+        """The newest record already on the host (maybe of an earlier step), without waiting."""
+        return self.window.latest
+
+    def completed_step(self) -> int | None:
+        """The newest step finished on the device, without waiting."""
+        return self.window.completed_step()
+
+
+def every(n: int, at_end: bool = False) -> Callable[[int, bool], bool]:
+    """A ``due`` rule: every ``n``-th step (``n`` <= 0: never), and the last one too with ``at_end``."""
+    return lambda step, last: (n > 0 and step % n == 0) or (at_end and last)
+
+
+@dataclass
+class LogMetrics:
+    """Flush the metrics window every ``every`` steps and at the end (the flush itself is the loop's)."""
+
+    every: int
+    syncs: bool = True
+
+    def due(self, step: int, last: bool) -> bool:
+        return every(self.every, at_end=True)(step, last)
+
+    def __call__(self, ctx: StepContext) -> None:
+        pass  # the loop flushed the window before running a syncing callback
+
+
+@dataclass
+class ProgressBar:
+    """A tqdm bar: advances every step, shows loss / tokens/s / step time when a window is flushed."""
+
+    total: int
+    initial: int
+    desc: str
+    syncs: bool = False
+    bar: Any = field(default=None, init=False)
+
+    def __post_init__(self):
+        self.bar = tqdm(total=self.total, initial=self.initial, desc=self.desc, unit="step", dynamic_ncols=True)
+
+    def due(self, step: int, last: bool) -> bool:
+        return True
+
+    def __call__(self, ctx: StepContext) -> None:
+        self.bar.update(1)
+        if ctx.window.flushed and ctx.window.flushed[-1]["step"] == ctx.step:
+            last = ctx.window.flushed[-1]
+            self.bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                                 step_ms=f"{1e3 * last['step_time']:.0f}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+Hook = Callable[[Any, int, dict[str, float]], None]
+
+
+@dataclass
+class HookCallback:
+    """``fn(trainer, step, metrics)`` every ``every`` steps, metrics as host floats (a sync at those steps)."""
+
+    fn: Hook
+    every: int
+    syncs: bool = True
+
+    def due(self, step: int, last: bool) -> bool:
+        return step % self.every == 0
+
+    def __call__(self, ctx: StepContext) -> None:
+        self.fn(ctx.trainer, ctx.step, ctx.metrics())
+
+
+@dataclass
+class Evaluate:
+    """Held-out loss every ``every`` steps (0: only at the end) and at the end; an ``eval`` record with seconds."""
+
+    every: int
+    syncs: bool = True
+
+    def due(self, step: int, last: bool) -> bool:
+        return every(self.every, at_end=True)(step, last)
+
+    def __call__(self, ctx: StepContext) -> None:
+        t0 = time.perf_counter()
+        loss = ctx.trainer.evaluate()
+        ctx.trainer.last_eval = (ctx.step, loss)
+        ctx.trainer.metrics.write("eval", ctx.step, {"loss": loss, "seconds": time.perf_counter() - t0})
+
+
+@dataclass
+class SaveCheckpoint:
+    """A persistent checkpoint every ``every`` steps and at the end."""
+
+    every: int
+    syncs: bool = True
+
+    def due(self, step: int, last: bool) -> bool:
+        return every(self.every, at_end=True)(step, last)
+
+    def __call__(self, ctx: StepContext) -> None:
+        ctx.trainer.save(ctx.step)
+
+
+@dataclass
+class SaveLocal:
+    """A save to the node-local tier every ``every`` steps, except where a persistent one is due."""
+
+    every: int
+    persistent: SaveCheckpoint | None
+    syncs: bool = True
+
+    def due(self, step: int, last: bool) -> bool:
+        return step % self.every == 0 and not (self.persistent is not None and self.persistent.due(step, last))
+
+    def __call__(self, ctx: StepContext) -> None:
+        ctx.trainer.save_local(ctx.step)
+
+
+def run_due(callbacks: list[Callback], ctx: StepContext) -> None:
+    """Run the callbacks due after ``ctx.step``: flush the window first if one of them syncs.
+
+    After syncing callbacks the next window starts when they are done, so their time is not step time.
+    """
+    due = [cb for cb in callbacks if cb.due(ctx.step, ctx.last)]
+    if not due:
+        return
+    syncing = any(cb.syncs for cb in due)
+    if syncing:
+        ctx.window.flush()
+    for cb in due:
+        cb(ctx)
+    if syncing:
+        ctx.window.restart()
