@@ -41,14 +41,28 @@ WIDE = ["model.d_model=512", "model.d_ff=1536", "model.n_heads=8", "model.head_d
 
 def part1(tmp: Path, model: list[str], saves: int) -> list[dict]:
     cl = cluster_file(tmp, 4, 2)
-    base = ["model=small", *model, "train.seq_len=32", "train.batch_size=8", "data.max_bytes=200000",
-            f"mesh.cluster={cl}", f"train.runs_dir={tmp / 'runs'}"]
+    base = [
+        "model=small",
+        *model,
+        "train.seq_len=32",
+        "train.batch_size=8",
+        "data.max_bytes=200000",
+        f"mesh.cluster={cl}",
+        f"train.runs_dir={tmp / 'runs'}",
+    ]
     jobs = []
     for axis in ("data", "fsdp"):
         for strategy in ("balanced", "replica0"):
-            jobs.append({"overrides": base + [f"mesh.{axis}=8", f"train.name={axis}-{strategy}"],
-                         "ckpt": str(tmp / f"{axis}-{strategy}"), "strategy": strategy, "saves": saves, "keep": 1,
-                         "mesh": f"{axis}=8"})
+            jobs.append(
+                {
+                    "overrides": base + [f"mesh.{axis}=8", f"train.name={axis}-{strategy}"],
+                    "ckpt": str(tmp / f"{axis}-{strategy}"),
+                    "strategy": strategy,
+                    "saves": saves,
+                    "keep": 1,
+                    "mesh": f"{axis}=8",
+                }
+            )
     with Group(tmp, 4, 2, ["save", json.dumps({"jobs": jobs})], tag="bench-save") as g:
         g.wait(1200)
         per_process = [g.results(i) for i in range(4)]
@@ -56,20 +70,37 @@ def part1(tmp: Path, model: list[str], saves: int) -> list[dict]:
     for j, job in enumerate(jobs):
         marker = json.loads((Path(job["ckpt"]) / str(saves) / "jaxdist_commit.json").read_text())
         # A save is done when the slowest process is done; skip the first (orbax warm-up).
-        walls = [max(per_process[p][j]["save_s"][k][1] for p in range(4)) for k in range(1, saves)] or \
-                [max(per_process[p][j]["save_s"][0][1] for p in range(4))]
-        blocked = [max(per_process[p][j]["save_s"][k][0] for p in range(4)) for k in range(1, saves)] or \
-                  [max(per_process[p][j]["save_s"][0][0] for p in range(4))]
-        rows.append({"mesh": job["mesh"], "strategy": job["strategy"],
-                     "written": marker["bytes_written_per_process"], "planned": marker["planned_bytes_per_process"],
-                     "wall_s": statistics.median(walls), "blocked_s": statistics.median(blocked)})
+        walls = [max(per_process[p][j]["save_s"][k][1] for p in range(4)) for k in range(1, saves)] or [
+            max(per_process[p][j]["save_s"][0][1] for p in range(4))
+        ]
+        blocked = [max(per_process[p][j]["save_s"][k][0] for p in range(4)) for k in range(1, saves)] or [
+            max(per_process[p][j]["save_s"][0][0] for p in range(4))
+        ]
+        rows.append(
+            {
+                "mesh": job["mesh"],
+                "strategy": job["strategy"],
+                "written": marker["bytes_written_per_process"],
+                "planned": marker["planned_bytes_per_process"],
+                "wall_s": statistics.median(walls),
+                "blocked_s": statistics.median(blocked),
+            }
+        )
     return rows
 
 
 def part2(tmp: Path, model: list[str], steps: int, every: int, batch: int, seq: int) -> dict:
-    overrides = ["model=small", *model, f"train.seq_len={seq}", f"train.batch_size={batch}",
-                 "data.max_bytes=2000000", "mesh.data=8", "mesh.cluster=cpu-8",
-                 f"train.runs_dir={tmp / 'runs'}", "train.name=steps"]
+    overrides = [
+        "model=small",
+        *model,
+        f"train.seq_len={seq}",
+        f"train.batch_size={batch}",
+        "data.max_bytes=2000000",
+        "mesh.data=8",
+        "mesh.cluster=cpu-8",
+        f"train.runs_dir={tmp / 'runs'}",
+        "train.name=steps",
+    ]
     spec = {"overrides": overrides, "ckpt": str(tmp / "steps-ckpt"), "steps": steps, "every": every}
     with Group(tmp, 1, 8, ["steps", json.dumps(spec)], tag="bench-steps") as g:
         g.wait(1200)
@@ -92,18 +123,28 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     rows = part1(tmp, model, saves)
     total = sum(rows[0]["planned"])
-    print(f"\nPart 1: 4 processes x 2 CPU devices, state {total / 1e6:.1f} MB (array bytes), "
-          f"files on {tmp} (one local disk)")
-    head = (f"{'mesh':<8} {'strategy':<9} " + " ".join(f"{'p' + str(i) + ' MB':>8}" for i in range(4))
-            + f" {'max/mean':>8} {'plan':>6} {'save s':>7} {'blocked s':>9}")
+    print(
+        f"\nPart 1: 4 processes x 2 CPU devices, state {total / 1e6:.1f} MB (array bytes), "
+        f"files on {tmp} (one local disk)"
+    )
+    head = (
+        f"{'mesh':<8} {'strategy':<9} "
+        + " ".join(f"{'p' + str(i) + ' MB':>8}" for i in range(4))
+        + f" {'max/mean':>8} {'plan':>6} {'save s':>7} {'blocked s':>9}"
+    )
     print(head + "\n" + "-" * len(head))
     for r in rows:
         w, p = r["written"], r["planned"]
-        print(f"{r['mesh']:<8} {r['strategy']:<9} " + " ".join(f"{b / 1e6:>8.2f}" for b in w)
-              + f" {max(w) * 4 / sum(w):>8.3f} {max(p) * 4 / sum(p):>6.3f} {r['wall_s']:>7.3f} {r['blocked_s']:>9.3f}")
-    print("MB: file bytes each process wrote (its ocdbt.process_<i> folder; root metadata to process 0); "
-          "plan: max/mean of array bytes in the write plan; save s: save() until committed on every process, "
-          f"median of {max(1, saves - 1)}; blocked s: of which the caller waited.")
+        print(
+            f"{r['mesh']:<8} {r['strategy']:<9} "
+            + " ".join(f"{b / 1e6:>8.2f}" for b in w)
+            + f" {max(w) * 4 / sum(w):>8.3f} {max(p) * 4 / sum(p):>6.3f} {r['wall_s']:>7.3f} {r['blocked_s']:>9.3f}"
+        )
+    print(
+        "MB: file bytes each process wrote (its ocdbt.process_<i> folder; root metadata to process 0); "
+        "plan: max/mean of array bytes in the write plan; save s: save() until committed on every process, "
+        f"median of {max(1, saves - 1)}; blocked s: of which the caller waited."
+    )
 
     s = part2(tmp, model, args.steps, args.every, args.batch, args.seq)
     saved_steps = {(i + 1) for i in range(args.steps) if (i + 1) % args.every == 0}
@@ -111,19 +152,28 @@ def main(argv=None) -> int:
     step = statistics.median(plain)
     after = [s["step_s"][i] for i in range(args.steps) if i in saved_steps]
     blocked = statistics.median(s["blocked_s"])
-    print(f"\nPart 2: 1 process x 8 CPU devices, data=8, batch {args.batch} x {args.seq}, "
-          f"async save every {args.every} steps ({len(s['blocked_s'])} saves)")
+    print(
+        f"\nPart 2: 1 process x 8 CPU devices, data=8, batch {args.batch} x {args.seq}, "
+        f"async save every {args.every} steps ({len(s['blocked_s'])} saves)"
+    )
     print(f"step time (median, steps without a save nearby)   {step * 1e3:9.1f} ms")
-    print(f"step time right after a save (median)              {statistics.median(after) * 1e3:9.1f} ms"
-          if after else "")
-    print(f"blocked by a save (median; max {max(s['blocked_s']) * 1e3:.1f} ms)        {blocked * 1e3:9.1f} ms"
-          f"  = {100 * blocked / step:.1f}% of a step")
+    print(
+        f"step time right after a save (median)              {statistics.median(after) * 1e3:9.1f} ms" if after else ""
+    )
+    print(
+        f"blocked by a save (median; max {max(s['blocked_s']) * 1e3:.1f} ms)        {blocked * 1e3:9.1f} ms"
+        f"  = {100 * blocked / step:.1f}% of a step"
+    )
     print(f"waited for the previous save (total)               {sum(s['waited_s']) * 1e3:9.1f} ms")
-    print(f"  amortised over the save interval                             = "
-          f"{100 * blocked / (step * args.every):.2f}% of training time")
+    print(
+        f"  amortised over the save interval                             = "
+        f"{100 * blocked / (step * args.every):.2f}% of training time"
+    )
     bg = [b for b in s["background_s"] if b is not None]
-    print(f"background part of a save (median)                 {statistics.median(bg) * 1e3:9.1f} ms"
-          f"  (overlaps the next steps; saves found busy: {s['busy']})")
+    print(
+        f"background part of a save (median)                 {statistics.median(bg) * 1e3:9.1f} ms"
+        f"  (overlaps the next steps; saves found busy: {s['busy']})"
+    )
     if args.keep_files:
         print(f"\ntotal {time.perf_counter() - t0:.0f} s; checkpoints in {tmp}")
     else:

@@ -74,8 +74,15 @@ def measure_source(name: str, data: DataConfig, batch: int, seq: int, n_batches:
             for p in range(1, n):
                 loader.get(p)[1].block_until_ready()
             dev = (n - 1) / (time.perf_counter() - t0)
-    return {"source": name, "tokens": len(split.train), "batches": len(bl.current), "build_s": build,
-            "host": host, "loader": dev, "mb_s": host * batch * (seq + 1) * 4 / MIB}
+    return {
+        "source": name,
+        "tokens": len(split.train),
+        "batches": len(bl.current),
+        "build_s": build,
+        "host": host,
+        "loader": dev,
+        "mb_s": host * batch * (seq + 1) * 4 / MIB,
+    }
 
 
 def measure_training(steps: int) -> dict:
@@ -84,8 +91,17 @@ def measure_training(steps: int) -> dict:
     from jaxdist.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as runs:
-        cfg = load_config(None, [f"train.runs_dir={runs}", "checkpoint.enabled=false", "train.progress=false",
-                                 "train.tensorboard=false", "train.eval_every=0", f"train.steps={steps + 3}"])
+        cfg = load_config(
+            None,
+            [
+                f"train.runs_dir={runs}",
+                "checkpoint.enabled=false",
+                "train.progress=false",
+                "train.tensorboard=false",
+                "train.eval_every=0",
+                f"train.steps={steps + 3}",
+            ],
+        )
         with Trainer(cfg) as t:
             state = t.init_state()
             with t.batches.loader(0, t.batch_sharding) as loader:
@@ -107,8 +123,14 @@ def measure_training(steps: int) -> dict:
                 jax.block_until_ready(m)
                 fed = (steps - 1) / (time.perf_counter() - t0)
             desc = t.describe()
-    return {"alone": alone, "fed": fed, "wait_ms": 1e3 * wait / (steps - 1), "desc": desc,
-            "batch": cfg.train.batch_size, "seq": cfg.train.seq_len}
+    return {
+        "alone": alone,
+        "fed": fed,
+        "wait_ms": 1e3 * wait / (steps - 1),
+        "desc": desc,
+        "batch": cfg.train.batch_size,
+        "seq": cfg.train.seq_len,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,26 +153,39 @@ def main(argv: list[str] | None = None) -> int:
         if args.gib > 0:
             t0 = time.perf_counter()
             f = write_big_token_file(tmp / "tokens.bin", args.gib)
-            print(f"wrote {f.stat().st_size / 2**30:.2f} GiB token file in {time.perf_counter() - t0:.1f} s",
-                  file=sys.stderr)
-            rows.append(measure_source(f"tokens-{args.gib:g}GiB", DataConfig(source="tokens", path=str(f)),
-                                       B, T, args.batches, sharding))
+            print(
+                f"wrote {f.stat().st_size / 2**30:.2f} GiB token file in {time.perf_counter() - t0:.1f} s",
+                file=sys.stderr,
+            )
+            rows.append(
+                measure_source(
+                    f"tokens-{args.gib:g}GiB", DataConfig(source="tokens", path=str(f)), B, T, args.batches, sharding
+                )
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     train = measure_training(args.train_steps) if args.train_steps > 0 else None
 
-    print(f"\nbatch list loader, batch {B} x {T + 1} tokens, {jax.device_count()} {jax.devices()[0].platform} devices, "
-          f"{os.cpu_count()} CPU cores")
-    print(f"{'source':<14} {'train tokens':>14} {'batches':>9} {'build s':>8} {'host b/s':>9} {'MiB/s':>7} "
-          f"{'loader b/s':>11}" + (f" {'loader/step':>12}" if train else ""))
+    print(
+        f"\nbatch list loader, batch {B} x {T + 1} tokens, {jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"{os.cpu_count()} CPU cores"
+    )
+    print(
+        f"{'source':<14} {'train tokens':>14} {'batches':>9} {'build s':>8} {'host b/s':>9} {'MiB/s':>7} "
+        f"{'loader b/s':>11}" + (f" {'loader/step':>12}" if train else "")
+    )
     for r in rows:
         ratio = f" {r['loader'] / train['fed']:>11.0f}x" if train else ""
-        print(f"{r['source']:<14} {r['tokens']:>14,} {r['batches']:>9,} {r['build_s']:>8.2f} {r['host']:>9.0f} "
-              f"{r['mb_s']:>7.0f} {r['loader']:>11.0f}{ratio}")
+        print(
+            f"{r['source']:<14} {r['tokens']:>14,} {r['batches']:>9,} {r['build_s']:>8.2f} {r['host']:>9.0f} "
+            f"{r['mb_s']:>7.0f} {r['loader']:>11.0f}{ratio}"
+        )
     if train:
         print(f"\ndefault model: {train['desc']}")
-        print(f"train steps/s: {train['alone']:.2f} on a fixed batch, {train['fed']:.2f} fed by the loader "
-              f"(waiting {train['wait_ms']:.2f} ms/step for data)")
+        print(
+            f"train steps/s: {train['alone']:.2f} on a fixed batch, {train['fed']:.2f} fed by the loader "
+            f"(waiting {train['wait_ms']:.2f} ms/step for data)"
+        )
     return 0
 
 

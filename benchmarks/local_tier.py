@@ -36,17 +36,30 @@ from procs import Group, cluster_file  # noqa: E402  (the multi-process launcher
 WIDE = ["model.d_model=512", "model.d_ff=1536", "model.n_heads=8", "model.head_dim=64", "model.n_kv_heads=4"]
 
 
-LAYOUTS = {"fsdp=4 tensor=2": ["mesh.fsdp=4", "mesh.tensor=2"],  # every process holds different shards
-           "data=4 fsdp=2": ["mesh.data=4", "mesh.fsdp=2"]}   # every process holds the same pieces
+LAYOUTS = {
+    "fsdp=4 tensor=2": ["mesh.fsdp=4", "mesh.tensor=2"],  # every process holds different shards
+    "data=4 fsdp=2": ["mesh.data=4", "mesh.fsdp=2"],
+}  # every process holds the same pieces
 
 
 def run(tmp: Path, layout: str, args) -> list[dict]:
-    overrides = ["model=small", *([] if args.quick else WIDE), f"train.seq_len={args.seq}",
-                 f"train.batch_size={args.batch}", "data.max_bytes=2000000", *LAYOUTS[layout],
-                 f"mesh.cluster={cluster_file(tmp, 4, 2)}", f"train.runs_dir={tmp / 'runs'}",
-                 f"train.name=tiers-{layout.replace(' ', '-')}"]
-    spec = {"overrides": overrides, "ckpt": str(tmp / f"persistent-{layout}"), "local": str(tmp / f"local-{layout}"),
-            "steps": args.steps}
+    overrides = [
+        "model=small",
+        *([] if args.quick else WIDE),
+        f"train.seq_len={args.seq}",
+        f"train.batch_size={args.batch}",
+        "data.max_bytes=2000000",
+        *LAYOUTS[layout],
+        f"mesh.cluster={cluster_file(tmp, 4, 2)}",
+        f"train.runs_dir={tmp / 'runs'}",
+        f"train.name=tiers-{layout.replace(' ', '-')}",
+    ]
+    spec = {
+        "overrides": overrides,
+        "ckpt": str(tmp / f"persistent-{layout}"),
+        "local": str(tmp / f"local-{layout}"),
+        "steps": args.steps,
+    }
     with Group(tmp, 4, 2, ["tiers", json.dumps(spec)], tag="tiers", nodes=[f"node{i}" for i in range(4)]) as g:
         g.wait(1800)
         return [g.results(i)[0] for i in range(4)]
@@ -56,13 +69,17 @@ def report(layout: str, res: list[dict], args) -> None:
     med = statistics.median
     r0 = res[0]
     payload, sent = [r["local_payload"] for r in res], [r["local_sent"] for r in res]
-    print(f"\n{layout}: local payload per process {med(payload) / 1e6:.1f} MB, sent to the peer "
-          f"{med(sent) / 1e6:.3f} MB (pieces the peer holds itself stay home); median over {args.steps} steps, "
-          "process 0")
+    print(
+        f"\n{layout}: local payload per process {med(payload) / 1e6:.1f} MB, sent to the peer "
+        f"{med(sent) / 1e6:.3f} MB (pieces the peer holds itself stay home); median over {args.steps} steps, "
+        "process 0"
+    )
     base = med(r0["none"])
-    rows = [("no checkpoint", r0["none"], None, None),
-            ("persistent save every step", r0["persistent"], r0["persistent_blocked"], r0["persistent_background"]),
-            ("local tier every step", r0["local"], r0["local_blocked"], r0["local_background"])]
+    rows = [
+        ("no checkpoint", r0["none"], None, None),
+        ("persistent save every step", r0["persistent"], r0["persistent_blocked"], r0["persistent_background"]),
+        ("local tier every step", r0["local"], r0["local_blocked"], r0["local_background"]),
+    ]
     head = f"{'':<28}{'step+save ms':>13}{'vs none':>9}{'blocked ms':>12}{'background ms':>15}"
     print(head + "\n" + "-" * len(head))
     for name, times, blocked, bg in rows:
@@ -72,8 +89,10 @@ def report(layout: str, res: list[dict], args) -> None:
         cells += f"{med(bgv) * 1e3:>15.1f}" if bgv else f"{'':>15}"
         print(f"{name:<28}{cells}")
     print(f"  of the local tier's blocked time, replication to the peer: {med(r0['local_replicate']) * 1e3:.1f} ms")
-    print(f"restore of the last step (slowest process): local tier {max(r['local_restore_s'] for r in res):.2f} s "
-          f"(rank 2's pieces from its peer), persistent {max(r['persistent_restore_s'] for r in res):.2f} s")
+    print(
+        f"restore of the last step (slowest process): local tier {max(r['local_restore_s'] for r in res):.2f} s "
+        f"(rank 2's pieces from its peer), persistent {max(r['persistent_restore_s'] for r in res):.2f} s"
+    )
 
 
 def main(argv=None) -> int:
@@ -86,8 +105,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="jaxdist-local-bench-"))
     t_start = time.perf_counter()
-    print(f"local tier vs persistent checkpoints, every step: 4 processes x 2 CPU devices, batch {args.batch} x "
-          f"{args.seq}, {'small' if args.quick else 'small widened to d_model 512'} model")
+    print(
+        f"local tier vs persistent checkpoints, every step: 4 processes x 2 CPU devices, batch {args.batch} x "
+        f"{args.seq}, {'small' if args.quick else 'small widened to d_model 512'} model"
+    )
     try:
         for layout in args.layouts.split(","):
             report(layout, run(tmp, layout, args), args)

@@ -44,8 +44,16 @@ from jaxdist.config import load_config  # jax-free: safe before the platform is 
 from jaxdist.models.arithmetic import param_count  # jax-free too
 
 # --cpu-smoke: the llama-1b structure (GQA 4:1, SwiGLU, tied embeddings, bf16) at a size a CPU runs in seconds.
-SMOKE_MODEL = ["model.vocab_size=1024", "model.d_model=128", "model.n_layers=2", "model.n_heads=4",
-               "model.n_kv_heads=1", "model.head_dim=32", "model.d_ff=512", "model.max_seq_len=256"]
+SMOKE_MODEL = [
+    "model.vocab_size=1024",
+    "model.d_model=128",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=1",
+    "model.head_dim=32",
+    "model.d_ff=512",
+    "model.max_seq_len=256",
+]
 GIB = 2**30
 
 
@@ -58,23 +66,36 @@ def si(x: float, unit: str) -> str:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="llama-1b", help="model preset (default: llama-1b)")
     p.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 8; smoke: 4)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default: 2048; smoke: 128)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default: 20; smoke: 3)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed steps first, compile included (default: 3; smoke: 1)")
-    p.add_argument("--remat", default="dots_with_no_batch_dims_saveable",
-                   help="train.remat policy: none, full, save:NAME[,NAME] or a jax.checkpoint_policies name "
-                        "(default: dots_with_no_batch_dims_saveable, i.e. recompute attention only)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed steps first, compile included (default: 3; smoke: 1)"
+    )
+    p.add_argument(
+        "--remat",
+        default="dots_with_no_batch_dims_saveable",
+        help="train.remat policy: none, full, save:NAME[,NAME] or a jax.checkpoint_policies name "
+        "(default: dots_with_no_batch_dims_saveable, i.e. recompute attention only)",
+    )
     p.add_argument("--microbatches", type=int, default=1, help="gradient accumulation steps (default: 1)")
-    p.add_argument("--devices", type=int, default=1,
-                   help="devices to use, all data-parallel (default: 1); MFU is per device")
-    p.add_argument("--memory-plan", action="store_true",
-                   help="only compile the step and print XLA's per-device memory plan (no step runs)")
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="run a shrunk model on the CPU to check the script (numbers mean nothing)")
+    p.add_argument(
+        "--devices", type=int, default=1, help="devices to use, all data-parallel (default: 1); MFU is per device"
+    )
+    p.add_argument(
+        "--memory-plan",
+        action="store_true",
+        help="only compile the step and print XLA's per-device memory plan (no step runs)",
+    )
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="run a shrunk model on the CPU to check the script (numbers mean nothing)",
+    )
     p.add_argument("overrides", nargs="*", help="further config overrides, e.g. model.n_layers=8")
     args = p.parse_args(argv)
     small = args.cpu_smoke
@@ -121,10 +142,15 @@ def memory_plan(trainer) -> list[tuple[str, str]]:
     seconds = time.perf_counter() - t0
     m = compiled.memory_analysis()
     total = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-    return [("compile", f"{seconds:.2f} s"),
-            ("memory plan", f"{total / GIB:.2f} GiB per device = temp {m.temp_size_in_bytes / GIB:.2f} "
-                            f"+ arguments {m.argument_size_in_bytes / GIB:.2f} + outputs "
-                            f"{m.output_size_in_bytes / GIB:.2f} - donated {m.alias_size_in_bytes / GIB:.2f}")]
+    return [
+        ("compile", f"{seconds:.2f} s"),
+        (
+            "memory plan",
+            f"{total / GIB:.2f} GiB per device = temp {m.temp_size_in_bytes / GIB:.2f} "
+            f"+ arguments {m.argument_size_in_bytes / GIB:.2f} + outputs "
+            f"{m.output_size_in_bytes / GIB:.2f} - donated {m.alias_size_in_bytes / GIB:.2f}",
+        ),
+    ]
 
 
 def run(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -134,34 +160,49 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
     from jaxdist.parallel.mesh import describe_mesh
     from jaxdist.train.trainer import Trainer
 
-    devices = jax.devices()[:args.devices]
+    devices = jax.devices()[: args.devices]
     if len(devices) < args.devices:
         raise SystemExit(f"--devices {args.devices}: only {len(devices)} {devices[0].platform} devices here")
     cluster, peak_bf16, peak_fp32 = device_peak(devices)
     tokens_needed = args.batch * (args.seq + 1)
     runs = tempfile.mkdtemp(prefix="jaxdist-mfu-")  # config.json and metrics.jsonl only; removed at the end
     overrides = [
-        f"model={args.preset}", *(SMOKE_MODEL if args.cpu_smoke else []),
-        "model.dtype=bfloat16", "model.param_dtype=float32",
-        "mesh.data=-1", "mesh.fsdp=1", "mesh.tensor=1",
-        f"train.batch_size={args.batch}", f"train.seq_len={args.seq}",
-        f"train.microbatches={args.microbatches}", f"train.remat={args.remat}",
+        f"model={args.preset}",
+        *(SMOKE_MODEL if args.cpu_smoke else []),
+        "model.dtype=bfloat16",
+        "model.param_dtype=float32",
+        "mesh.data=-1",
+        "mesh.fsdp=1",
+        "mesh.tensor=1",
+        f"train.batch_size={args.batch}",
+        f"train.seq_len={args.seq}",
+        f"train.microbatches={args.microbatches}",
+        f"train.remat={args.remat}",
         f"train.steps={args.warmup + args.steps + 1}",
         f"train.runs_dir={runs}",
-        "train.progress=false", "train.tensorboard=false", "checkpoint.enabled=false",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "checkpoint.enabled=false",
         # The eval split (5% of files) must hold one batch too.
         f"data.max_bytes={max(4_000_000, 40 * tokens_needed)}",
-        *args.overrides]
+        *args.overrides,
+    ]
     if cluster in ("h100x8", "h200x8", "h100x64"):
         overrides.insert(0, f"mesh.cluster={cluster}")
     cfg = load_config(None, overrides)
     m = cfg.model
     head = [
         ("device", f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()}, jax {jax.__version__})"),
-        ("model", f"{m.preset}{' shrunk (--cpu-smoke)' if args.cpu_smoke else ''}: "
-                  f"{param_count(m) / 1e6:,.1f}M params, compute {m.dtype}, master weights {m.param_dtype}"),
-        ("batch", f"{args.batch} x {args.seq} = {args.batch * args.seq:,} tokens/step, "
-                  f"microbatches {args.microbatches}, remat {args.remat}"),
+        (
+            "model",
+            f"{m.preset}{' shrunk (--cpu-smoke)' if args.cpu_smoke else ''}: "
+            f"{param_count(m) / 1e6:,.1f}M params, compute {m.dtype}, master weights {m.param_dtype}",
+        ),
+        (
+            "batch",
+            f"{args.batch} x {args.seq} = {args.batch * args.seq:,} tokens/step, "
+            f"microbatches {args.microbatches}, remat {args.remat}",
+        ),
     ]
 
     try:
@@ -207,10 +248,19 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
         ("model FLOP/s", f"{si(achieved, 'FLOP/s')} per device"),
         ("peak FLOP/s", f"{si(peak, 'FLOP/s')} per device, dense {m.dtype}, from {cluster}{nominal}"),
         ("MFU", f"{100 * achieved / peak:.1f} %"),
-        ("hardware FLOPs", f"{si(hardware_flops, 'FLOP')}/step (XLA cost_analysis, loop trips counted; "
-                           f"{hardware_flops / flops_per_step:.3f} x model)" if hardware_flops else "not reported"),
-        ("HFU", f"{100 * hardware_flops / step_s / n / peak:.1f} % (counts recomputation)" if hardware_flops
-         else "not reported"),
+        (
+            "hardware FLOPs",
+            f"{si(hardware_flops, 'FLOP')}/step (XLA cost_analysis, loop trips counted; "
+            f"{hardware_flops / flops_per_step:.3f} x model)"
+            if hardware_flops
+            else "not reported",
+        ),
+        (
+            "HFU",
+            f"{100 * hardware_flops / step_s / n / peak:.1f} % (counts recomputation)"
+            if hardware_flops
+            else "not reported",
+        ),
         ("peak memory", f"{mem / GIB:.2f} GiB on device 0" if mem is not None else "not reported by this runtime"),
         ("last loss", f"{loss:.3f} nats/token"),
     ]

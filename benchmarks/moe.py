@@ -34,16 +34,39 @@ MESHES = [  # (label, overrides); the last keeps attention at tensor=4, experts 
     ("data=2 expert=2 tensor=2", ["mesh.data=2", "mesh.expert=2", "mesh.tensor=2"]),
     ("tensor=4 expert=2 expert_tensor=2", ["mesh.data=1", "mesh.tensor=4", "mesh.expert=2", "mesh.expert_tensor=2"]),
 ]
-MODEL = ["model=moe-tiny", "model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.head_dim=32",
-         "model.moe.experts=8", "model.moe.top_k=2", "model.moe.d_ff=256", "model.max_seq_len=128"]
+MODEL = [
+    "model=moe-tiny",
+    "model.d_model=128",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.head_dim=32",
+    "model.moe.experts=8",
+    "model.moe.top_k=2",
+    "model.moe.d_ff=256",
+    "model.max_seq_len=128",
+]
 
 
 def config(overrides, steps, runs, batch, seq):
     from jaxdist.config import load_config
-    return load_config(None, [*overrides, f"train.steps={steps}", f"train.batch_size={batch}",
-                              f"train.seq_len={seq}", "train.progress=false", "train.tensorboard=false",
-                              "train.eval_every=0", "train.log_every=1000", "checkpoint.enabled=false",
-                              "data.max_bytes=2000000", f"train.runs_dir={runs}", "train.name=bench"])
+
+    return load_config(
+        None,
+        [
+            *overrides,
+            f"train.steps={steps}",
+            f"train.batch_size={batch}",
+            f"train.seq_len={seq}",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "train.eval_every=0",
+            "train.log_every=1000",
+            "checkpoint.enabled=false",
+            "data.max_bytes=2000000",
+            f"train.runs_dir={runs}",
+            "train.name=bench",
+        ],
+    )
 
 
 def compiled_step_text(trainer) -> str:
@@ -83,9 +106,18 @@ def accounting(runs: str, batch: int, seq: int) -> list[list[str]]:
                 fwd_hlo = jax.jit(forward).lower(p, x).compile().as_text()
             step_hlo = compiled_step_text(t)
         pred = EP.dispatch_bytes(m, lay, n_tokens, 4)
-        rows.append([label, f"{lay.ep_size}x{lay.etp_size}", f"{predicted:,}", f"{measured:,}",
-                     f"{pred['total']:,}", f"{EP.collective_bytes(fwd_hlo):,}",
-                     f"{pred['total'] + pred['rows']:,}", f"{EP.collective_bytes(step_hlo):,}"])
+        rows.append(
+            [
+                label,
+                f"{lay.ep_size}x{lay.etp_size}",
+                f"{predicted:,}",
+                f"{measured:,}",
+                f"{pred['total']:,}",
+                f"{EP.collective_bytes(fwd_hlo):,}",
+                f"{pred['total'] + pred['rows']:,}",
+                f"{EP.collective_bytes(step_hlo):,}",
+            ]
+        )
     return rows
 
 
@@ -115,8 +147,16 @@ def throughput(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
                 if i >= 2:
                     times.append(time.perf_counter() - t0)
             med = statistics.median(times)
-            rows.append([model, label, f"{param_count(cfg.model, active=True) / 1e6:.3f}M",
-                         f"{param_count(cfg.model) / 1e6:.3f}M", f"{1e3 * med:.0f}", f"{batch * seq / med:,.0f}"])
+            rows.append(
+                [
+                    model,
+                    label,
+                    f"{param_count(cfg.model, active=True) / 1e6:.3f}M",
+                    f"{param_count(cfg.model) / 1e6:.3f}M",
+                    f"{1e3 * med:.0f}",
+                    f"{batch * seq / med:,.0f}",
+                ]
+            )
     return rows
 
 
@@ -134,17 +174,38 @@ def main(argv=None) -> None:
     ap.add_argument("--only", choices=["accounting", "throughput"], help="print one table only")
     args = ap.parse_args(argv)
     import jax
-    print(f"{len(jax.devices())} {jax.devices()[0].platform} devices; model: d_model=128, 4 blocks, "
-          f"8 experts x 256 top-2; batch {args.batch} x {args.seq} tokens, float32", file=sys.stderr)
+
+    print(
+        f"{len(jax.devices())} {jax.devices()[0].platform} devices; model: d_model=128, 4 blocks, "
+        f"8 experts x 256 top-2; batch {args.batch} x {args.seq} tokens, float32",
+        file=sys.stderr,
+    )
     with tempfile.TemporaryDirectory(prefix="jaxdist-moe-") as runs:
         if args.only != "throughput":
             print("\nPer device, one MoE layer (bytes): expert weights; all-to-all operands, predicted vs compiled")
-            print(table(["mesh", "ep x etp", "weights pred", "weights meas", "a2a fwd pred", "a2a fwd HLO",
-                         "a2a step pred", "a2a step HLO"], accounting(runs, args.batch, args.seq)))
+            print(
+                table(
+                    [
+                        "mesh",
+                        "ep x etp",
+                        "weights pred",
+                        "weights meas",
+                        "a2a fwd pred",
+                        "a2a fwd HLO",
+                        "a2a step pred",
+                        "a2a step HLO",
+                    ],
+                    accounting(runs, args.batch, args.seq),
+                )
+            )
         if args.only != "accounting":
             print(f"\nTrain step on 8 CPU devices (median of {args.steps} steps)")
-            print(table(["model", "mesh", "active", "total", "step ms", "tokens/s"],
-                        throughput(runs, args.batch, args.seq, args.steps)))
+            print(
+                table(
+                    ["model", "mesh", "active", "total", "step ms", "tokens/s"],
+                    throughput(runs, args.batch, args.seq, args.steps),
+                )
+            )
 
 
 if __name__ == "__main__":

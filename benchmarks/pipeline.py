@@ -44,8 +44,11 @@ def measure(model, p: int, m: int, s: int, kind: str, args) -> dict:
     plan = plan_pipeline(model, p, m, args.seq, kind, s, args.split)
     params = jax.jit(lambda: init_params(model))()
     tokens = jax.random.randint(jax.random.key(0), (batch, args.seq + 1), 0, model.vocab_size)
-    fn = jax.jit(lambda pr, t: pipeline_loss_and_grads(pr, t, model=model, mesh=mesh, plan=plan,
-                                                       remat=args.remat, with_trace=True))
+    fn = jax.jit(
+        lambda pr, t: pipeline_loss_and_grads(
+            pr, t, model=model, mesh=mesh, plan=plan, remat=args.remat, with_trace=True
+        )
+    )
     t0 = time.perf_counter()
     with activation_sharding(mesh):
         compiled = fn.lower(params, tokens).compile()
@@ -56,10 +59,20 @@ def measure(model, p: int, m: int, s: int, kind: str, args) -> dict:
         loss, _, trace = jax.block_until_ready(compiled(params, tokens))
         times.append(time.perf_counter() - t0)
     trace = np.asarray(trace)
-    return dict(kind=kind, p=p, m=m, s=s, bounds=plan.bounds, slots=plan.tables.slots,
-                bubble_formula=bubble_formula(kind, p, m, s), bubble_measured=float(np.mean(trace == 0)),
-                temp=compiled.memory_analysis().temp_size_in_bytes, compile_s=compile_s,
-                step_ms=1e3 * min(times), loss=float(loss))
+    return dict(
+        kind=kind,
+        p=p,
+        m=m,
+        s=s,
+        bounds=plan.bounds,
+        slots=plan.tables.slots,
+        bubble_formula=bubble_formula(kind, p, m, s),
+        bubble_measured=float(np.mean(trace == 0)),
+        temp=compiled.memory_analysis().temp_size_in_bytes,
+        compile_s=compile_s,
+        step_ms=1e3 * min(times),
+        loss=float(loss),
+    )
 
 
 def main() -> None:
@@ -73,8 +86,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="only p=2, m=4 (a minute on 2 cores)")
     ap.add_argument("--shapes", default="2x4,4x8", help="comma-separated PxM: stages x microbatches")
     args = ap.parse_args()
-    model = load_config(None, ["model=tiny", f"model.n_layers={args.layers}",
-                               f"model.max_seq_len={args.seq}", f"train.seq_len={args.seq}"]).model
+    model = load_config(
+        None,
+        ["model=tiny", f"model.n_layers={args.layers}", f"model.max_seq_len={args.seq}", f"train.seq_len={args.seq}"],
+    ).model
     shapes = [(2, 4)] if args.quick else [tuple(int(v) for v in x.split("x")) for x in args.shapes.split(",")]
     rows = []
     for p, m in shapes:
@@ -83,11 +98,15 @@ def main() -> None:
             r = rows[-1]
             print(f"  measured {kind} p={p} m={m} s={s}: compile {r['compile_s']:.1f} s", flush=True)
 
-    print(f"\nmodel tiny x {args.layers} layers (d={model.d_model}), seq {args.seq}, "
-          f"{args.per_device} sequences per device per microbatch, remat={args.remat}, {args.split} chunks; "
-          f"8 CPU devices: pipeline=p x data=8/p")
-    head = (f"{'schedule':<8} {'p':>2} {'m':>2} {'s':>2} {'slots':>5} {'bubble':>7} {'measured':>8} "
-            f"{'temp MiB':>9} {'vs 1f1b':>8} {'(s+p-1)/sp':>10} {'diff':>6} {'step ms':>8}  loss")
+    print(
+        f"\nmodel tiny x {args.layers} layers (d={model.d_model}), seq {args.seq}, "
+        f"{args.per_device} sequences per device per microbatch, remat={args.remat}, {args.split} chunks; "
+        f"8 CPU devices: pipeline=p x data=8/p"
+    )
+    head = (
+        f"{'schedule':<8} {'p':>2} {'m':>2} {'s':>2} {'slots':>5} {'bubble':>7} {'measured':>8} "
+        f"{'temp MiB':>9} {'vs 1f1b':>8} {'(s+p-1)/sp':>10} {'diff':>6} {'step ms':>8}  loss"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -98,9 +117,11 @@ def main() -> None:
             cmp = f"{formula:>10.3f} {100 * (ratio / formula - 1):>+5.1f}%"
         else:
             cmp = f"{'':>10} {'':>6}"
-        print(f"{r['kind']:<8} {r['p']:>2} {r['m']:>2} {r['s']:>2} {r['slots']:>5} {r['bubble_formula']:>7.3f} "
-              f"{r['bubble_measured']:>8.3f} {r['temp'] / 2**20:>9.2f} {ratio:>8.3f} {cmp} {r['step_ms']:>8.0f}  "
-              f"{r['loss']:.6f}")
+        print(
+            f"{r['kind']:<8} {r['p']:>2} {r['m']:>2} {r['s']:>2} {r['slots']:>5} {r['bubble_formula']:>7.3f} "
+            f"{r['bubble_measured']:>8.3f} {r['temp'] / 2**20:>9.2f} {ratio:>8.3f} {cmp} {r['step_ms']:>8.0f}  "
+            f"{r['loss']:.6f}"
+        )
     print("\nbubble: idle share of stage-ticks (F and B one tick each); measured: from the executed trace.")
     print("temp MiB: XLA temp bytes per device; vs 1f1b: ratio to the 1f1b row with the same p, m.")
 

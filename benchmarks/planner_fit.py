@@ -30,16 +30,26 @@ import tempfile
 
 os.environ["XLA_FLAGS"] = " ".join(
     [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8"])
+    + ["--xla_force_host_platform_device_count=8"]
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-MESHES = [["mesh.data=8"], ["mesh.data=1", "mesh.fsdp=8"], ["mesh.data=4", "mesh.tensor=2"],
-          ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
-          ["mesh.data=2", "mesh.fsdp=4"], ["mesh.data=4", "mesh.fsdp=2"]]
+MESHES = [
+    ["mesh.data=8"],
+    ["mesh.data=1", "mesh.fsdp=8"],
+    ["mesh.data=4", "mesh.tensor=2"],
+    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+    ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2"],
+    ["mesh.data=2", "mesh.fsdp=4"],
+    ["mesh.data=4", "mesh.fsdp=2"],
+]
 # The fit domain: the presets and a shallower small model, all with the byte vocabulary (260) ...
 FIT_MODELS = [["model=tiny"], ["model=small"], ["model=small", "model.n_layers=2", "model.d_ff=256"]]
 # ... and models with larger vocabularies, reported outside it.
-OTHER_VOCAB_MODELS = [["model=tiny", "model.vocab_size=4096"], ["model=small", "model.n_layers=2", "model.vocab_size=2048"]]
+OTHER_VOCAB_MODELS = [
+    ["model=tiny", "model.vocab_size=4096"],
+    ["model=small", "model.n_layers=2", "model.vocab_size=2048"],
+]
 
 
 def test_pairs() -> list[list[str]]:
@@ -56,15 +66,24 @@ def grid(models: list[list[str]]) -> list[list[str]]:
 
     out = []
     for model, mesh, remat, batch, seq, m in itertools.product(
-            models, MESHES, REMAT_CHOICES, (32, 64), (32, 64), (1, 2, 4, 8)):
+        models, MESHES, REMAT_CHOICES, (32, 64), (32, 64), (1, 2, 4, 8)
+    ):
         ways = 1
         for o in mesh:
             if o.startswith(("mesh.data=", "mesh.fsdp=")):
                 ways *= int(o.split("=")[1])
         if (batch // m) % ways or batch % m:
             continue
-        out.append(model + mesh + [f"train.batch_size={batch}", f"train.seq_len={seq}",
-                                   f"train.microbatches={m}", f"train.remat={remat.train_remat}"])
+        out.append(
+            model
+            + mesh
+            + [
+                f"train.batch_size={batch}",
+                f"train.seq_len={seq}",
+                f"train.microbatches={m}",
+                f"train.remat={remat.train_remat}",
+            ]
+        )
     return out
 
 
@@ -89,8 +108,9 @@ def measure(settings: list[list[str]], known: dict[str, int]):
     todo = [i for i, o in enumerate(settings) if " ".join(o) not in known]
     for i, m in zip(todo, measure_strategies([cfgs[i] for i in todo], rounds=0)):
         known[" ".join(settings[i])] = m.memory_bytes
-    terms = [memory_terms(computation_view(c.model, c.train.seq_len), strategy_of(c, 8), c.train.batch_size)
-             for c in cfgs]
+    terms = [
+        memory_terms(computation_view(c.model, c.train.seq_len), strategy_of(c, 8), c.train.batch_size) for c in cfgs
+    ]
     return cfgs, terms, [known[" ".join(o)] for o in settings]
 
 
@@ -102,12 +122,17 @@ def report(name: str, cfgs, terms, measured, coeffs: dict, verbose: bool = False
     if verbose:
         print(f"{'model / strategy':<62} {'XLA MiB':>8} " + " ".join(f"{k:>9}" for k in coeffs))
         for i, c in enumerate(cfgs):
-            label = f"{c.model.preset} L{c.model.n_layers} b{c.train.batch_size}x{c.train.seq_len} " \
-                    f"{strategy_of(c, 8).describe()}"
+            label = (
+                f"{c.model.preset} L{c.model.n_layers} b{c.train.batch_size}x{c.train.seq_len} "
+                f"{strategy_of(c, 8).describe()}"
+            )
             print(f"{label:<62} {measured[i] / 2**20:>8.2f} " + " ".join(f"{e[i]:>+9.1%}" for e in errs.values()))
-    print(f"{name:<28} n={len(cfgs):<3} worst |error|: "
-          + ", ".join(f"{k} {max(abs(x) for x in e):.1%}" for k, e in errs.items())
-          + "; mean |error|: " + ", ".join(f"{k} {sum(abs(x) for x in e) / len(e):.1%}" for k, e in errs.items()))
+    print(
+        f"{name:<28} n={len(cfgs):<3} worst |error|: "
+        + ", ".join(f"{k} {max(abs(x) for x in e):.1%}" for k, e in errs.items())
+        + "; mean |error|: "
+        + ", ".join(f"{k} {sum(abs(x) for x in e) / len(e):.1%}" for k, e in errs.items())
+    )
 
 
 def cross_validate(terms, measured, folds: int) -> tuple[float, float, float]:
@@ -120,8 +145,7 @@ def cross_validate(terms, measured, folds: int) -> tuple[float, float, float]:
         test = [j for j in range(len(terms)) if j % folds == i]
         f = fit_memory_coefficients([terms[j] for j in train], [measured[j] for j in train])
         ins.append(f.max_error)
-        held += [abs(e) for e in relative_errors([terms[j] for j in test], [measured[j] for j in test],
-                                                  f.coefficients)]
+        held += [abs(e) for e in relative_errors([terms[j] for j in test], [measured[j] for j in test], f.coefficients)]
     return sum(ins) / folds, max(held), sum(held) / len(held)
 
 
@@ -132,8 +156,11 @@ def main(argv=None) -> int:
     ap.add_argument("--other-vocab", type=int, default=24, help="settings with larger vocabularies (outside the fit)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true", help="one row per setting")
-    ap.add_argument("--measurements", help="JSON file of measured bytes per setting: read if it exists, "
-                    "then written with the new ones (refit without compiling again)")
+    ap.add_argument(
+        "--measurements",
+        help="JSON file of measured bytes per setting: read if it exists, "
+        "then written with the new ones (refit without compiling again)",
+    )
     args = ap.parse_args(argv)
 
     from jaxdist.planner.cost import XLA_CPU_MEMORY
@@ -145,22 +172,29 @@ def main(argv=None) -> int:
     random.Random(args.seed).shuffle(pool)
     others = grid(OTHER_VOCAB_MODELS)
     random.Random(args.seed).shuffle(others)
-    print(f"fit domain: {len(pool)} settings of the byte-vocabulary models (the {len(checked)} test pairs left out); "
-          f"measuring {args.settings}, {args.other_vocab} of larger vocabularies and the {len(checked)} test "
-          "pairs; 8 CPU devices")
+    print(
+        f"fit domain: {len(pool)} settings of the byte-vocabulary models (the {len(checked)} test pairs left out); "
+        f"measuring {args.settings}, {args.other_vocab} of larger vocabularies and the {len(checked)} test "
+        "pairs; 8 CPU devices"
+    )
     known = {}
     if args.measurements and os.path.exists(args.measurements):
         with open(args.measurements) as f:
             known = json.load(f)
-    sets = {"fit (in-sample)": measure(pool[:args.settings], known), "test pairs": measure(checked, known),
-            "larger vocabularies": measure(others[:args.other_vocab], known)}
+    sets = {
+        "fit (in-sample)": measure(pool[: args.settings], known),
+        "test pairs": measure(checked, known),
+        "larger vocabularies": measure(others[: args.other_vocab], known),
+    }
     if args.measurements:
         with open(args.measurements, "w") as f:
             json.dump(known, f, indent=0)
     _, terms, measured = sets["fit (in-sample)"]
     mean_in, worst_held, mean_held = cross_validate(terms, measured, args.folds)
-    print(f"\n{args.folds}-fold cross-validation on the fit domain: in-sample worst {mean_in:.1%} (mean over folds); "
-          f"held out worst {worst_held:.1%}, mean {mean_held:.1%}")
+    print(
+        f"\n{args.folds}-fold cross-validation on the fit domain: in-sample worst {mean_in:.1%} (mean over folds); "
+        f"held out worst {worst_held:.1%}, mean {mean_held:.1%}"
+    )
     fitted = fit_memory_coefficients(terms, measured)
     coeffs = {"fitted": fitted.coefficients, "shipped": XLA_CPU_MEMORY}
     print(f"\nfitted on all {len(terms)} (minimax LP, worst {fitted.max_error:.1%}):\n  {fitted.coefficients}")

@@ -42,16 +42,34 @@ from jaxdist.controller.local import LocalJob, write_cpu_cluster
 from jaxdist.controller.state import read_events
 from jaxdist.controller.timeline import recoveries, summary
 
-COMMON = ["model=tiny", "train.batch_size=16", "train.seq_len=32", "data.max_bytes=300000",
-          "train.progress=false", "train.tensorboard=false", "checkpoint.every=50", "train.log_every=1",
-          "checkpoint.local_dir=local/{node}", "checkpoint.local_every=1",
-          "train.eval_every=0", "train.eval_batches=1", "train.runs_dir=runs"]
+COMMON = [
+    "model=tiny",
+    "train.batch_size=16",
+    "train.seq_len=32",
+    "data.max_bytes=300000",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "checkpoint.every=50",
+    "train.log_every=1",
+    "checkpoint.local_dir=local/{node}",
+    "checkpoint.local_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.runs_dir=runs",
+]
 
 
 def _job(cwd: Path, name: str, nodes: int, devices: int, steps: int, *extra: str, standbys: int = 1) -> LocalJob:
     cluster = write_cpu_cluster(cwd / f"cpu-{nodes}x{devices}.toml", nodes, devices)
-    args = [*COMMON, f"mesh.cluster={cluster}", f"train.steps={steps}", f"train.name={name}",
-            f"controller.min_nodes={nodes}", f"controller.max_nodes={nodes}", *extra]
+    args = [
+        *COMMON,
+        f"mesh.cluster={cluster}",
+        f"train.steps={steps}",
+        f"train.name={name}",
+        f"controller.min_nodes={nodes}",
+        f"controller.max_nodes={nodes}",
+        *extra,
+    ]
     return LocalJob(args + [f"controller.standbys={standbys}"], nodes=nodes + standbys, cwd=cwd)
 
 
@@ -60,23 +78,38 @@ LONG_JOB_STEPS = 100_000  # never reached: each job is closed after its last rec
 
 def run_mode(cwd: Path, mode: str, args, rng: random.Random) -> list[dict]:
     """One job of ``mode``: ``args.injections`` failures, each once every node is warm again."""
-    job = _job(cwd, f"bench-{mode}", args.nodes, args.devices, LONG_JOB_STEPS, f"controller.recovery={mode}",
-               f"controller.max_failures={args.injections + 1}")
+    job = _job(
+        cwd,
+        f"bench-{mode}",
+        args.nodes,
+        args.devices,
+        LONG_JOB_STEPS,
+        f"controller.recovery={mode}",
+        f"controller.max_failures={args.injections + 1}",
+    )
     t0 = time.time()
     try:
         job.start(late=1, timeout=args.timeout)
         for k in range(args.injections):
-            job.wait_until(lambda s: s.get("generation", -1) == k and s["phase"] == "running", args.timeout,
-                           f"generation {k} running")
+            job.wait_until(
+                lambda s: s.get("generation", -1) == k and s["phase"] == "running",
+                args.timeout,
+                f"generation {k} running",
+            )
             # every node warm again (the standby and the members' spares), as between two rare failures
-            job.wait_until(lambda s: len(s["warm_nodes"]) >= args.nodes + 1 - len(s["banned"]), args.timeout,
-                           "every node warm")
+            job.wait_until(
+                lambda s: len(s["warm_nodes"]) >= args.nodes + 1 - len(s["banned"]), args.timeout, "every node warm"
+            )
             target = job.state()["last_step"] + rng.randint(1, 3)
             job.wait_until(lambda s: s["last_step"] >= target, args.timeout, f"step {target}")
             sig = signal.SIGSTOP if args.stop_every and (k + 1) % args.stop_every == 0 else signal.SIGKILL
             rec = job.inject(rng.randrange(args.nodes), sig)
-            print(f"  {mode}: injection {k + 1}/{args.injections}: {rec['signal']} rank {rec['rank']} at step "
-                  f"~{rec['step']} ({time.time() - t0:.0f} s)", file=sys.stderr, flush=True)
+            print(
+                f"  {mode}: injection {k + 1}/{args.injections}: {rec['signal']} rank {rec['rank']} at step "
+                f"~{rec['step']} ({time.time() - t0:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
         n = args.injections
         job.wait_until(lambda s: s["generation"] == n and s["phase"] == "running", args.timeout, "the last recovery")
     finally:
@@ -90,8 +123,9 @@ def _cell(values: list[float], fmt: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--injections", type=int, default=20, help="failures injected per mode (default: 20)")
     p.add_argument("--nodes", type=int, default=4, help="training nodes (one more is the standby; default: 4)")
     p.add_argument("--devices", type=int, default=2, help="simulated CPU devices per node (default: 2)")
@@ -117,14 +151,18 @@ def main(argv: list[str] | None = None) -> int:
 def report(cwd: Path, modes: list[str], nodes: int, devices: int) -> None:
     """Print the tables from the runs under ``cwd`` (``runs/cold``, ``runs/bench-<mode>``)."""
     results = {m: recoveries(cwd / "runs" / f"bench-{m}") for m in modes}
-    print(f"\nrecovery, {nodes} nodes x {devices} CPU devices + 1 standby, tiny model, local checkpoint every step; "
-          "each cell median / p90 / max (n)")
+    print(
+        f"\nrecovery, {nodes} nodes x {devices} CPU devices + 1 standby, tiny model, local checkpoint every step; "
+        "each cell median / p90 / max (n)"
+    )
     print(f"{'':<34}" + "".join(f"{m:<34}" for m in modes))
-    metrics = [("time to detect (s)", "detect_s", None, ".2f"),
-               ("  SIGKILL (node reports the exit)", "detect_s", "SIGKILL", ".2f"),
-               ("  SIGSTOP (heartbeat timeout)", "detect_s", "SIGSTOP", ".2f"),
-               ("detection -> first step (s)", "to_first_step_s", None, ".1f"),
-               ("steps of compute lost", "lost_steps", None, ".0f")]
+    metrics = [
+        ("time to detect (s)", "detect_s", None, ".2f"),
+        ("  SIGKILL (node reports the exit)", "detect_s", "SIGKILL", ".2f"),
+        ("  SIGSTOP (heartbeat timeout)", "detect_s", "SIGSTOP", ".2f"),
+        ("detection -> first step (s)", "to_first_step_s", None, ".1f"),
+        ("steps of compute lost", "lost_steps", None, ".0f"),
+    ]
     for label, key, sig, fmt in metrics:
         cells = [_cell([r[key] for r in results[m] if sig is None or r["signal"] == sig], fmt) for m in modes]
         print(f"{label:<34}" + "".join(f"{c:<34}" for c in cells))
@@ -138,16 +176,20 @@ def report(cwd: Path, modes: list[str], nodes: int, devices: int) -> None:
     first = read_events(cwd / "runs" / f"bench-{modes[0]}" / "controller" / "events.jsonl")
     ready = [e for e in first if e["event"] == "node_ready"]
     start = next(e for e in first if e["event"] == "start")
-    print(f"\nelastic start: assignment {1e3 * (start['time'] - ready[nodes - 1]['time']):.0f} ms after the "
-          f"{nodes}th ready node (target <= 1000 ms)")
+    print(
+        f"\nelastic start: assignment {1e3 * (start['time'] - ready[nodes - 1]['time']):.0f} ms after the "
+        f"{nodes}th ready node (target <= 1000 ms)"
+    )
     print("cached setup, assignment -> first step of generation 0 (the first job builds the entry):")
     for m in modes:
         ev = read_events(cwd / "runs" / f"bench-{m}" / "controller" / "events.jsonl")
         st = next(e for e in ev if e["event"] == "start")
         f = next(e for e in ev if e["event"] == "first_step")
         label = f"{m} job, entry {st['setup']}"
-        print(f"  {label:<30}{f['since_assign_s']:5.1f} s   compilation cache hits {f['cache_hits']}, "
-              f"misses {f['cache_misses']} per rank")
+        print(
+            f"  {label:<30}{f['since_assign_s']:5.1f} s   compilation cache hits {f['cache_hits']}, "
+            f"misses {f['cache_misses']} per rank"
+        )
 
 
 if __name__ == "__main__":

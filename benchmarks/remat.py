@@ -53,9 +53,12 @@ def pareto_table(args) -> bool:
     from jaxdist.remat import budget_range, named_policies, plan_remat, policy_point, profile_block
     from jaxdist.measure.remat import dominated_by, measure_policies
 
-    cfg = load_config(None, [f"model={args.preset}", f"model.n_layers={args.layers}", "model.max_seq_len=4096"]
-                      + [f"mesh.{k}={v}" for k, v in parse_mesh(args.mesh).items()])
-    mesh = build_mesh(cfg.mesh, jax.devices()[:args.devices])
+    cfg = load_config(
+        None,
+        [f"model={args.preset}", f"model.n_layers={args.layers}", "model.max_seq_len=4096"]
+        + [f"mesh.{k}={v}" for k, v in parse_mesh(args.mesh).items()],
+    )
+    mesh = build_mesh(cfg.mesh, jax.devices()[: args.devices])
     t0 = time.perf_counter()
     profile = profile_block(cfg.model, args.batch, args.seq, dict(mesh.shape), peak_flops=1e12)
     L = profile.n_layers
@@ -64,9 +67,11 @@ def pareto_table(args) -> bool:
     budgets = [lo + (hi - lo) * f for f in np.linspace(0.0, 1.0, args.budgets + 2)[1:-1]]
     plans = {f"selected @ {(b - lo) / (hi - lo):.0%}": plan_remat(profile, b) for b in budgets}
     named = named_policies()
-    print(f"profiled {len(profile.operators)} operators in {time.perf_counter() - t0:.1f} s; "
-          f"budgets {lo / 2**20:.2f}..{hi / 2**20:.2f} MiB per device; compiling {len(plans) + len(named)} programs ...",
-          file=sys.stderr)
+    print(
+        f"profiled {len(profile.operators)} operators in {time.perf_counter() - t0:.1f} s; "
+        f"budgets {lo / 2**20:.2f}..{hi / 2**20:.2f} MiB per device; compiling {len(plans) + len(named)} programs ...",
+        file=sys.stderr,
+    )
     policies = {**{k: p.policy() for k, p in plans.items()}, **named}
     t0 = time.perf_counter()
     xla = measure_policies(cfg.model, mesh, args.batch, args.seq, policies)
@@ -84,17 +89,24 @@ def pareto_table(args) -> bool:
     named_pts = {n: (r[1], r[3]) for n, r in rows.items() if n in named}
     # Noise: 1% of everything_saveable's saved bytes and of nothing_saveable's recompute FLOPs (as the tests).
     tol = (0.01 * rows["everything_saveable"][1], 0.01 * rows["nothing_saveable"][3])
-    print(f"\nPareto: {args.preset} x {L} layers, batch {args.batch} x seq {args.seq}, mesh {args.mesh or 'one device'}, "
-          f"{args.devices} device(s); bytes per device, recompute per block")
-    print(f"{'policy':<44} {'pred MiB':>9} {'XLA MiB':>9} {'diff':>7} {'pred MFLOP':>11} {'XLA MFLOP':>10}  dominated by")
+    print(
+        f"\nPareto: {args.preset} x {L} layers, batch {args.batch} x seq {args.seq}, mesh {args.mesh or 'one device'}, "
+        f"{args.devices} device(s); bytes per device, recompute per block"
+    )
+    print(
+        f"{'policy':<44} {'pred MiB':>9} {'XLA MiB':>9} {'diff':>7} {'pred MFLOP':>11} {'XLA MFLOP':>10}  dominated by"
+    )
     ok = True
     for name, (pb, mb, pf, mf) in rows.items():
         diff = f"{(pb - mb) / mb:+.1%}" if abs(mb) > 1e-9 * max(1.0, abs(pb)) and mb > 0 else "n/a"
         dom = (dominated_by((mb, mf), named_pts, tol) or "-") if name in plans else ""
         ok &= dom in ("", "-")
-        print(f"{name[:44]:<44} {pb / 2**20:>9.3f} {mb / 2**20:>9.3f} {diff:>7} {pf / 1e6:>11.3f} {mf / 1e6:>10.3f}  {dom}")
+        print(
+            f"{name[:44]:<44} {pb / 2**20:>9.3f} {mb / 2**20:>9.3f} {diff:>7} {pf / 1e6:>11.3f} {mf / 1e6:>10.3f}  {dom}"
+        )
     if args.model_table:
         from jaxdist.remat import compare_policies, format_comparison
+
         mid = list(plans.values())[len(plans) // 2]
         print("\n" + mid.table(by_group=True) + "\n\n" + format_comparison(compare_policies(profile, mid)))
     return ok
@@ -103,7 +115,7 @@ def pareto_table(args) -> bool:
 def optimality_table(args) -> bool:
     from jaxdist.remat.select import evaluate, random_graph, select, select_brute_force, select_exact
 
-    print(f"\nOptimality: selector (exact MILP up to 200 units, MILP to a 0.5% proven gap above) against the optimum")
+    print("\nOptimality: selector (exact MILP up to 200 units, MILP to a 0.5% proven gap above) against the optimum")
     print(f"{'graph':<16} {'budget':>7} {'optimum':>11} {'selector':>11} {'error':>8} {'method':<22} {'solve ms':>9}")
     worst, slowest = 0.0, 0.0
     cases = [(k, n, s) for n in (20, 60, 200, 500) for k in ("chain", "branching") for s in range(args.seeds)]
@@ -116,10 +128,14 @@ def optimality_table(args) -> bool:
             got = select(g, b)
             err = (got.time - ref.time) / max(ref.time, 1e-300)
             worst, slowest = max(worst, err), max(slowest, got.solve_seconds if n == 500 else 0.0)
-            print(f"{kind[:6]}-{n}-s{seed:<5} {frac:>7.0%} {ref.time * 1e3:>9.4f}ms {got.time * 1e3:>9.4f}ms "
-                  f"{err:>8.3%} {got.method[:22]:<22} {got.solve_seconds * 1e3:>9.0f}")
-    print(f"{len(cases) * 3} instances on {len(cases)} graphs: worst error {worst:.3%} (target <= 1%), "
-          f"slowest 500-operator selection {slowest:.2f} s (target < 1 s)")
+            print(
+                f"{kind[:6]}-{n}-s{seed:<5} {frac:>7.0%} {ref.time * 1e3:>9.4f}ms {got.time * 1e3:>9.4f}ms "
+                f"{err:>8.3%} {got.method[:22]:<22} {got.solve_seconds * 1e3:>9.0f}"
+            )
+    print(
+        f"{len(cases) * 3} instances on {len(cases)} graphs: worst error {worst:.3%} (target <= 1%), "
+        f"slowest 500-operator selection {slowest:.2f} s (target < 1 s)"
+    )
     return worst <= 0.01 and slowest < 1.0
 
 

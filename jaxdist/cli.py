@@ -90,9 +90,12 @@ def cmd_train(args) -> int:
         eval_loss = trainer.last_eval[1] if history and trainer.last_eval else float("nan")
         if jax.process_index() == 0 and history:
             first, last = history[0], history[-1]
-            print(f"steps {first['step']}..{last['step']}: loss {first['loss']:.3f} -> {last['loss']:.3f}, "
-                  f"eval loss {eval_loss:.3f}, {last['tokens_per_s']:.0f} tokens/s; "
-                  f"outputs in {trainer.run_dir}", file=sys.stderr)
+            print(
+                f"steps {first['step']}..{last['step']}: loss {first['loss']:.3f} -> {last['loss']:.3f}, "
+                f"eval loss {eval_loss:.3f}, {last['tokens_per_s']:.0f} tokens/s; "
+                f"outputs in {trainer.run_dir}",
+                file=sys.stderr,
+            )
     if agent is not None:
         agent.finished()
     return 0
@@ -102,8 +105,10 @@ def cmd_ckpt(args) -> int:
     from jaxdist.checkpoint import report  # orbax and JAX
 
     if args.overrides:
-        raise ConfigError(f"`jaxdist ckpt {args.action}` takes no overrides, got {' '.join(args.overrides)}: "
-                          "pass only the run directory and --step/--strategy.")
+        raise ConfigError(
+            f"`jaxdist ckpt {args.action}` takes no overrides, got {' '.join(args.overrides)}: "
+            "pass only the run directory and --step/--strategy."
+        )
     try:
         ckdir = report.checkpoint_dir(args.run_dir)
         if args.action == "list":
@@ -141,8 +146,10 @@ def cmd_data(args) -> int:
     if not args.paths:
         raise ConfigError("jaxdist data add needs at least one PATH: a text file, a directory or a token file.")
     r = add_data(run, args.paths, seed=args.seed, kind=args.kind, token_dtype=args.token_dtype)
-    print(f"queued {len(r['sources'])} source(s), {r['batches']:,} batches, seed {r['seed']} as {r['request']}: "
-          "a running trainer mixes them in at its next step, a stopped one when it starts")
+    print(
+        f"queued {len(r['sources'])} source(s), {r['batches']:,} batches, seed {r['seed']} as {r['request']}: "
+        "a running trainer mixes them in at its next step, a stopped one when it starts"
+    )
     return 0
 
 
@@ -173,12 +180,16 @@ def cmd_pipeline(args) -> int:
     print(sch.summary())
     print(sch.timeline())
     if kind == "seq1f1b":
-        print(f"activation memory vs 1f1b on stage 0: (s+p-1)/(s*p) = {s + p - 1}/{s * p} = "
-              f"{activation_memory_ratio(p, s):.3f}")
+        print(
+            f"activation memory vs 1f1b on stage 0: (s+p-1)/(s*p) = {s + p - 1}/{s * p} = "
+            f"{activation_memory_ratio(p, s):.3f}"
+        )
         costs = chunk_costs(bounds, chunk_cost_model(cfg.model))
-        print(f"chunks of train.seq_len={cfg.train.seq_len} for model {cfg.model.preset} ({args.split} split): "
-              f"boundaries {list(bounds)}, forward GFLOPs per block [{', '.join(f'{c / 1e9:.4g}' for c in costs)}] "
-              f"(max/min {max(costs) / min(costs):.3f})")
+        print(
+            f"chunks of train.seq_len={cfg.train.seq_len} for model {cfg.model.preset} ({args.split} split): "
+            f"boundaries {list(bounds)}, forward GFLOPs per block [{', '.join(f'{c / 1e9:.4g}' for c in costs)}] "
+            f"(max/min {max(costs) / min(costs):.3f})"
+        )
     return 0
 
 
@@ -217,8 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("action", choices=("list", "inspect", "verify", "plan"))
     k.add_argument("run_dir", help="run directory (or its checkpoints/ folder)")
     k.add_argument("--step", type=int, help="one step (default: newest committed; verify: all)")
-    k.add_argument("--strategy", default="balanced", choices=("balanced", "replica0"),
-                   help="plan: the balanced plan or the naive one (replica 0 writes each shard)")
+    k.add_argument(
+        "--strategy",
+        default="balanced",
+        choices=("balanced", "replica0"),
+        help="plan: the balanced plan or the naive one (replica 0 writes each shard)",
+    )
     k.add_argument("--top", type=int, default=0, help="plan: show only the N biggest arrays")
     k.set_defaults(fn=cmd_ckpt)
 
@@ -227,8 +242,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("run_dir", help="run directory (runs/<train.name>)")
     d.add_argument("paths", nargs="*", help="add: text files, directories of text files or token files (.bin)")
     d.add_argument("--seed", type=int, help="add: shuffle seed (default: random, recorded in the journal)")
-    d.add_argument("--kind", default="auto", choices=("auto", "text", "tokens"),
-                   help="add: how to read a file (auto: .bin/.tok/.tokens are token files, others text)")
+    d.add_argument(
+        "--kind",
+        default="auto",
+        choices=("auto", "text", "tokens"),
+        help="add: how to read a file (auto: .bin/.tok/.tokens are token files, others text)",
+    )
     d.add_argument("--token-dtype", choices=("uint16", "uint32"), help="add: dtype of token files (default: the run's)")
     d.add_argument("--version", type=int, help="show: this version (default: newest)")
     d.add_argument("--head", type=int, default=5, help="show: how many upcoming batch ids to list")
@@ -239,7 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", help="TOML config file")
     r.add_argument("--model", help="model preset (same as model=NAME)")
     r.add_argument("--mesh", help="cluster: a name in meshes/ or a TOML path (same as mesh.cluster=...)")
-    r.add_argument("--budget", help="saved activations per device, all blocks, e.g. 20GiB (default: from device memory)")
+    r.add_argument(
+        "--budget", help="saved activations per device, all blocks, e.g. 20GiB (default: from device memory)"
+    )
     r.add_argument("--measure", action="store_true", help="time operators on this machine instead of FLOPs / peak")
     r.add_argument("--ops", action="store_true", help="list every saved or recomputed operator, not groups")
     r.set_defaults(fn=cmd_remat)
@@ -249,8 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--stages", type=int, required=True, help="pipeline stages p")
     pl.add_argument("--microbatches", type=int, required=True, help="microbatches m per step")
     pl.add_argument("--chunks", type=int, default=1, help="sequence chunks s per microbatch (seq1f1b)")
-    pl.add_argument("--kind", choices=PIPELINE_SCHEDULES,
-                    help="schedule (default: seq1f1b with chunks, else 1f1b)")
+    pl.add_argument("--kind", choices=PIPELINE_SCHEDULES, help="schedule (default: seq1f1b with chunks, else 1f1b)")
     pl.add_argument("--split", default="cost", choices=("cost", "equal"), help="chunk boundaries: equal cost or tokens")
     pl.set_defaults(fn=cmd_pipeline)
 

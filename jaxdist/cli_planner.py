@@ -74,15 +74,28 @@ def cmd_plan(args) -> int:
         if bad:
             raise ConfigError(f"--axes names unknown axes {', '.join(bad)}: use some of {', '.join(MESH_AXES)}.")
     calibration = load_calibration(args.calibration) if args.calibration else None
-    p = plan(cfg.model, cfg.mesh.cluster, batch_size=cfg.train.batch_size, seq_len=seq_len, busy=busy,
-             calibration=calibration, axes=axes, enumerate_all=args.exhaustive)
+    p = plan(
+        cfg.model,
+        cfg.mesh.cluster,
+        batch_size=cfg.train.batch_size,
+        seq_len=seq_len,
+        busy=busy,
+        calibration=calibration,
+        axes=axes,
+        enumerate_all=args.exhaustive,
+    )
     m = cfg.model
     n_params = param_count(m)
-    cal = (f"calibrated: efficiency {p.cluster.efficiency:.1%}" if p.cluster.calibration
-           else f"uncalibrated: efficiency {p.cluster.efficiency:.0%} (run `jaxdist calibrate` on the devices)")
+    cal = (
+        f"calibrated: efficiency {p.cluster.efficiency:.1%}"
+        if p.cluster.calibration
+        else f"uncalibrated: efficiency {p.cluster.efficiency:.0%} (run `jaxdist calibrate` on the devices)"
+    )
     size = f"{n_params / 1e9:.3g}B" if n_params >= 1e9 else f"{n_params / 1e6:.3g}M"
-    print(f"model {m.preset}: {size} parameters, {m.dtype} compute; batch {cfg.train.batch_size} x "
-          f"{seq_len} = {cfg.train.batch_size * seq_len} tokens per step")
+    print(
+        f"model {m.preset}: {size} parameters, {m.dtype} compute; batch {cfg.train.batch_size} x "
+        f"{seq_len} = {cfg.train.batch_size * seq_len} tokens per step"
+    )
     print(f"cluster {p.cluster.describe()}; {cal}")
     searched = f"{p.evaluations} of {p.space} plans (exhaustive)" if p.space else f"{p.evaluations} plans searched"
     print(f"{searched} in {p.seconds:.2f} s\n")
@@ -108,7 +121,9 @@ def cmd_calibrate(args) -> int:
     print(f"calibrating on {len(devices)} x {devices[0].device_kind} against {args.cluster} ...", file=sys.stderr)
     cal = calibrate(devices, cluster=args.cluster, model=args.model)
     path = write_calibration(cal, args.out)
-    print(f"efficiency {cal.efficiency:.3f} of peak; all-reduce latency {cal.intra_node_latency * 1e6:.1f} us, "
-          f"bandwidth {cal.intra_node_bandwidth / 1e9:.2f} GB/s per device")
+    print(
+        f"efficiency {cal.efficiency:.3f} of peak; all-reduce latency {cal.intra_node_latency * 1e6:.1f} us, "
+        f"bandwidth {cal.intra_node_bandwidth / 1e9:.2f} GB/s per device"
+    )
     print(f"wrote {path}")
     return 0

@@ -95,9 +95,11 @@ def cluster_from_dict(data: dict[str, Any], source: str = "cluster description")
             raise ConfigError(f"{source} has an unknown field '{key}': {hint}")
     missing = [k for k in _FIELDS if k not in data]
     if missing:
-        raise ConfigError(f"{source} is missing the field{'s' if len(missing) > 1 else ''} "
-                          f"{', '.join(missing)}: add {'them' if len(missing) > 1 else 'it'} "
-                          "(see meshes/cpu-8.toml for the units).")
+        raise ConfigError(
+            f"{source} is missing the field{'s' if len(missing) > 1 else ''} "
+            f"{', '.join(missing)}: add {'them' if len(missing) > 1 else 'it'} "
+            "(see meshes/cpu-8.toml for the units)."
+        )
     values: dict[str, Any] = {}
     for key, value in data.items():
         if key in _STR_FIELDS:
@@ -125,8 +127,10 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
     """
     p = cluster_path(name_or_path)
     if not p.is_file():
-        raise ConfigError(f"cluster description '{name_or_path}' not found ({p}): use one of "
-                          f"{', '.join(list_clusters())} or a path to a TOML file.")
+        raise ConfigError(
+            f"cluster description '{name_or_path}' not found ({p}): use one of "
+            f"{', '.join(list_clusters())} or a path to a TOML file."
+        )
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -144,6 +148,7 @@ def preset_for_kind(device_kind: str) -> ClusterSpec | None:
 
 
 # --------------------------------------------------------------------------- simulated host devices
+
 
 def simulated_devices(cfg: Config) -> int | None:
     """Host devices to simulate per process for a CPU cluster description, else None."""

@@ -1,4 +1,4 @@
-"""Configuration: dataclasses for model, mesh, train, data and checkpoint.
+"""Configuration: the whole job's config, read from defaults, TOML and overrides (sections: config_sections.py).
 
 A config is built from defaults, then a TOML file, then dotted command-line
 overrides (``train.steps=200 mesh.tensor=2``).  ``model=NAME`` selects a model
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import json
-import math
 import tomllib
 import types
 import typing
@@ -24,330 +22,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from jaxdist.config_checks import (check_checkpoint, check_controller, check_data, check_mesh, check_model, check_moe,
-                                   check_pipeline, check_train, validate)
+from jaxdist.config_checks import validate
+from jaxdist.config_sections import (  # noqa: F401  (re-exported: the sections are imported from here)
+    CheckpointConfig,
+    ChunkSplit,
+    CONTROLLER_LAUNCHERS,
+    CONTROLLER_RECOVERY,
+    ControllerConfig,
+    DataConfig,
+    DataSource,
+    Dispatch,
+    DType,
+    Launcher,
+    MESH_AXES,
+    MeshConfig,
+    MODEL_PRESETS,
+    ModelConfig,
+    MoEConfig,
+    PIPELINE_SCHEDULES,
+    PipelineConfig,
+    PipelineSchedule,
+    Recovery,
+    Remat,
+    Router,
+    TokenDType,
+    TrainConfig,
+)
 from jaxdist.errors import ConfigError
 
-# Every choice a config field offers, defined once (the checks and the CLI read them with `choices`).
-DType = Literal["float32", "bfloat16"]
-Router = Literal["softmax", "sigmoid"]
-Dispatch = Literal["dropless", "capacity"]
-PipelineSchedule = Literal["gpipe", "1f1b", "seq1f1b"]
-ChunkSplit = Literal["cost", "equal"]
-DataSource = Literal["stdlib", "text_dir", "tokens"]
-TokenDType = Literal["uint16", "uint32"]
-Launcher = Literal["local", "ssh", "slurm", "kubernetes"]
-Recovery = Literal["standby", "requeue"]
-PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
-
-
-def _f(default, help: str, **kw):
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kw)
-    return field(default=default, metadata={"help": help}, **kw)
-
-
-# --------------------------------------------------------------------------- model
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Mixture of experts (the ``[model.moe]`` table): routed experts per MoE block; experts = 0 makes a dense model."""
-
-    experts: int = _f(0, "Routed experts per MoE block; 0 makes a dense model.")
-    top_k: int = _f(2, "Experts each token is routed to (the k of top-k), 1..experts.")
-    d_ff: int = _f(0, "Hidden width of one expert's SwiGLU FFN; 0 uses d_ff.")
-    every: int = _f(1, "Every k-th block is an MoE block (blocks k-1, 2k-1, ...), the others keep the dense MLP; must divide n_layers.")
-    shared_d_ff: int = _f(0, "Hidden width of a shared expert every token also goes through (0: none).")
-    router: Router = _f("softmax", "Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3).")
-    renormalize: bool = _f(True, "Rescale each token's k expert weights to sum to 1.")
-    dispatch: Dispatch = _f("dropless", "dropless (tokens sorted by expert, grouped matmul, none dropped) or capacity (fixed slots per expert, overflow dropped).")
-    capacity_factor: float = _f(1.25, "Capacity mode: slots per expert = ceil(factor x tokens x k / experts), counted over each device's tokens.")
-    aux_loss_coef: float = _f(0.01, "Weight of the load-balancing loss (mean over MoE blocks) in the training objective.")
-    z_loss_coef: float = _f(0.001, "Weight of the router z-loss (mean squared log-sum-exp of the router logits) in the training objective.")
-
-
-    def check(self) -> None:
-        """ConfigError (one sentence) for MoE settings that cannot work by themselves."""
-        check_moe(self)
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """Decoder-only transformer shape and numerics."""
-
-    preset: str = _f("small", "Preset the other model fields start from (see MODEL_PRESETS); `model=NAME` on the CLI sets it.")
-    vocab_size: int = _f(260, "Vocabulary size (tokens). The byte tokenizer uses 256 bytes + 4 specials = 260.")
-    d_model: int = _f(128, "Residual stream width (features).")
-    n_layers: int = _f(4, "Number of transformer blocks (stacked and scanned).")
-    n_heads: int = _f(4, "Query heads per block.")
-    n_kv_heads: int = _f(2, "Key/value heads (grouped-query attention); must divide n_heads.")
-    head_dim: int = _f(32, "Features per attention head.")
-    d_ff: int = _f(384, "Hidden width of the SwiGLU MLP.")
-    max_seq_len: int = _f(128, "Longest sequence the rotary tables cover (tokens).")
-    rope_theta: float = _f(10000.0, "Rotary embedding base.")
-    norm_eps: float = _f(1e-5, "RMSNorm epsilon.")
-    tie_embeddings: bool = _f(True, "Share the input embedding with the output projection.")
-    dtype: DType = _f("float32", "Compute dtype of activations and matmuls: float32 or bfloat16.")
-    param_dtype: DType = _f("float32", "Storage dtype of the master weights: float32 (recommended with bf16 compute) or bfloat16.")
-    init_std: float = _f(0.02, "Standard deviation of the normal weight initialiser.")
-    moe: "MoEConfig" = field(default_factory=lambda: MoEConfig(), metadata={"help": "Mixture of experts: the `[model.moe]` table (below)."})
-
-    def check(self) -> None:
-        """ConfigError (one sentence) for model settings that cannot work by themselves."""
-        check_model(self)
-
-
-MODEL_PRESETS: dict[str, dict[str, Any]] = {
-    # Tests: compiles in a second, still has every feature (GQA, scan over 2 layers).
-    "tiny": dict(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                 d_ff=128, max_seq_len=128),
-    # The embedded default: trains in a few minutes on 2 CPU cores.
-    "small": dict(vocab_size=260, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
-                  d_ff=384, max_seq_len=128),
-    # Real shapes, for planning and for GPUs.
-    "llama-1b": dict(vocab_size=128256, d_model=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                     head_dim=64, d_ff=8192, max_seq_len=4096, rope_theta=500000.0,
-                     tie_embeddings=True, dtype="bfloat16"),
-    "llama-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                     head_dim=128, d_ff=14336, max_seq_len=8192, rope_theta=500000.0,
-                     tie_embeddings=False, dtype="bfloat16"),
-    "llama-70b": dict(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                      head_dim=128, d_ff=28672, max_seq_len=8192, rope_theta=500000.0,
-                      tie_embeddings=False, dtype="bfloat16"),
-    # Mixture of experts.  Tests and `jaxdist train model=moe-tiny`: 8 experts, top-2.
-    "moe-tiny": dict(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
-                     d_ff=128, max_seq_len=128, moe=dict(experts=8, top_k=2, d_ff=64)),
-    # Real shapes, for planning: Mixtral-8x7B (8 experts, top-2, 46.7B params, 12.9B active).
-    "mixtral-8x7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                         head_dim=128, d_ff=14336, max_seq_len=32768, rope_theta=1e6,
-                         tie_embeddings=False, dtype="bfloat16", moe=dict(experts=8, top_k=2)),
-    # Fine-grained experts shaped like DeepSeekMoE-16B: 64 small experts, top-6, 2 shared (as one of width 2x1408).
-    "deepseek-moe-16b": dict(vocab_size=102400, d_model=2048, n_layers=28, n_heads=16, n_kv_heads=16,
-                             head_dim=128, d_ff=10944, max_seq_len=4096, tie_embeddings=False,
-                             dtype="bfloat16", moe=dict(experts=64, top_k=6, d_ff=1408, shared_d_ff=2816)),
-}
-
-
-# --------------------------------------------------------------------------- mesh
-
-MESH_AXES = ("data", "fsdp", "tensor", "expert", "pipeline")
-
-
-@dataclass(frozen=True)
-class MeshConfig:
-    """Device mesh shape and the cluster it runs on."""
-
-    cluster: str = _f("cpu-8", "Cluster description: a name in meshes/ (cpu-8, h100x8, ...) or a path to a TOML file.")
-    data: int = _f(-1, "Data-parallel replicas; -1 takes every device the other axes leave.")
-    fsdp: int = _f(1, "Fully sharded data parallel: parameters and optimizer state sharded, gathered per layer.")
-    tensor: int = _f(1, "Tensor (Megatron) parallel size; kept inside a node.")
-    expert: int = _f(1, "Expert-parallel size (MoE models).")
-    pipeline: int = _f(1, "Pipeline stages.")
-    expert_tensor: int = _f(0, "Tensor-parallel size inside one expert (MoE); 0 uses mesh.tensor. A smaller divisor of mesh.tensor keeps attention at mesh.tensor and gives the rest of the tensor axis to the experts: they are then split expert*tensor/expert_tensor ways.")
-    auto: bool = _f(False, "Let jaxdist.planner choose the axis sizes, train.microbatches and train.remat at start-up for the devices present (the axis sizes above are then ignored); `mesh=auto` on the CLI or `mesh = \"auto\"` in TOML sets it.")
-
-    def sizes(self) -> dict[str, int]:
-        return {a: getattr(self, a) for a in MESH_AXES}
-
-    def checked_sizes(self) -> dict[str, int]:
-        """Axis sizes, each a positive integer (or -1 for data); raises ConfigError otherwise."""
-        sizes = self.sizes()
-        for a, s in sizes.items():
-            if s == 0 or s < -1 or (s == -1 and a != "data"):
-                raise ConfigError(f"mesh.{a}={s} is not a valid axis size: use a positive integer"
-                                  + (" (or -1 to fill the remaining devices)" if a == "data" else "") + ".")
-        return sizes
-
-    def resolved(self, n_devices: int) -> dict[str, int]:
-        """Axis sizes with ``data=-1`` filled in; raises ConfigError if they do not multiply to n_devices."""
-        sizes = self.checked_sizes()
-        others = math.prod(s for a, s in sizes.items() if a != "data")
-        if sizes["data"] == -1:
-            if n_devices % others:
-                raise ConfigError(
-                    f"mesh fsdp*tensor*expert*pipeline = {others} does not divide the {n_devices} devices: "
-                    f"choose axis sizes whose product divides {n_devices}.")
-            sizes["data"] = n_devices // others
-        total = math.prod(sizes.values())
-        if total != n_devices:
-            shape = " x ".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "1"
-            raise ConfigError(
-                f"mesh {shape} has {total} devices but {n_devices} are available: "
-                f"make the axis sizes multiply to {n_devices} (or set mesh.data=-1).")
-        return sizes
-
-    def check(self) -> None:
-        """ConfigError (one sentence) for mesh settings that cannot work by themselves."""
-        check_mesh(self)
-
-
-# --------------------------------------------------------------------------- remat
-
-@dataclass(frozen=True)
-class Remat:
-    """``train.remat`` parsed once: what each scanned block saves for its backward pass.
-
-    ``kind``: ``none`` (no recomputation), ``full`` (save nothing but the block
-    input), ``auto`` (the remat selector chooses, jaxdist.remat.policy), ``names``
-    (save the checkpoint_name tags in ``names``) or ``policy`` (the
-    ``jax.checkpoint_policies`` function called ``policy``).  The model's
-    scanned blocks (jaxdist.remat.named.remat_policy) and the pipeline stage
-    (jaxdist.parallel.pipeline_stage.stage_remat_policy) both take this value.
-    """
-
-    kind: Literal["none", "full", "auto", "names", "policy"]
-    names: tuple[str, ...] = ()
-    policy: str = ""
-
-    @classmethod
-    def parse(cls, value: str) -> "Remat":
-        """The value of a ``train.remat`` string; ConfigError (one sentence) for one that cannot be one."""
-        if value in ("none", ""):
-            return cls("none")
-        if value in ("full", "auto"):
-            return cls(value)
-        if value.startswith("save:"):
-            names = tuple(n for n in value[5:].split(",") if n)
-            if not names:
-                raise ConfigError(f"train.remat='{value}' names no checkpoint tags: write save:NAME[,NAME], "
-                                  "e.g. save:attn_out.")
-            return cls("names", names=names)
-        if not value.isidentifier() or value.startswith("save_"):
-            raise ConfigError(f"train.remat='{value}' is unknown: use none, full, auto, save:NAME[,NAME] or one of "
-                              "nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.")
-        return cls("policy", policy=value)
-
-    def __str__(self) -> str:
-        return {"names": "save:" + ",".join(self.names), "policy": self.policy}.get(self.kind, self.kind)
-
-
-# --------------------------------------------------------------------------- train
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Optimisation, schedule, logging and where the run lives."""
-
-    name: str = _f("default", "Run name; outputs go to <runs_dir>/<name>/.")
-    runs_dir: str = _f("runs", "Directory holding one folder per run.")
-    steps: int = _f(300, "Optimizer steps to train.")
-    batch_size: int = _f(32, "Global batch size in sequences per optimizer step.")
-    seq_len: int = _f(128, "Tokens per training sequence.")
-    microbatches: int = _f(1, "Gradient accumulation: the global batch is split into this many microbatches.")
-    learning_rate: float = _f(3e-3, "Peak learning rate of AdamW.")
-    warmup_steps: int = _f(30, "Linear warmup steps from 0 to the peak learning rate.")
-    min_lr_ratio: float = _f(0.1, "Cosine decay ends at learning_rate * min_lr_ratio.")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms).")
-    b1: float = _f(0.9, "AdamW beta1.")
-    b2: float = _f(0.95, "AdamW beta2.")
-    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 disables).")
-    seed: int = _f(0, "Seed for parameter initialisation and the training RNG.")
-    remat: str = _f("none", "Activation recomputation policy for each block: none (save everything), full (save nothing), auto (chosen from operator costs within the memory budget; see `jaxdist remat`), save:NAME[,NAME] (save these checkpoint names), or a jax.checkpoint_policies name such as dots_saveable.")
-    remat_budget_bytes: int = _f(0, "With train.remat=auto: bytes per device for the saved activations of all blocks (block inputs included); 0 derives it from the device memory in meshes/ minus parameters, gradients, optimizer state and working space.")
-    log_every: int = _f(10, "Write metrics every N steps (console, JSONL, TensorBoard).")
-    eval_every: int = _f(100, "Evaluate on the held-out split every N steps (0: only at the end).")
-    eval_batches: int = _f(4, "Held-out batches per evaluation.")
-    progress: bool = _f(True, "Show a progress bar on the console (process 0 only).")
-    tensorboard: bool = _f(True, "Write TensorBoard event files under <run>/tb/.")
-
-    @functools.cached_property
-    def remat_spec(self) -> Remat:
-        """``remat`` parsed (once per config; ConfigError if it cannot be parsed)."""
-        return Remat.parse(self.remat)
-
-    def check(self) -> None:
-        """ConfigError (one sentence) for train settings that cannot work by themselves."""
-        check_train(self)
-        self.remat_spec  # noqa: B018  (parses train.remat: a bad value fails at load time)
-
-
-# --------------------------------------------------------------------------- pipeline
-
-@dataclass(frozen=True)
-class PipelineConfig:
-    """Pipeline schedule when mesh.pipeline > 1 (train.microbatches is the number of pipeline microbatches)."""
-
-    schedule: PipelineSchedule = _f("seq1f1b", "Pipeline schedule when mesh.pipeline > 1: gpipe, 1f1b, or seq1f1b (1F1B over sequence chunks); train.microbatches is the number of pipeline microbatches.")
-    chunks: int = _f(2, "seq1f1b: chunks each sequence is split into along the sequence axis (1 makes it 1f1b); the other schedules ignore it.")
-    chunk_split: ChunkSplit = _f("cost", "seq1f1b chunk boundaries: cost (equal attention + MLP FLOPs per chunk, later chunks shorter) or equal (equal token counts).")
-
-    def check(self) -> None:
-        """ConfigError (one sentence) for pipeline settings that cannot work by themselves."""
-        check_pipeline(self)
-
-
-# --------------------------------------------------------------------------- data
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where tokens come from and how they are split."""
-
-    source: DataSource = _f("stdlib", "stdlib (the Python standard library's .py files, byte-tokenized), text_dir (a directory of text files) or tokens (a flat token file).")
-    path: str = _f("", "Directory (text_dir) or file (tokens); unused for stdlib.")
-    token_dtype: TokenDType = _f("uint16", "Element type of a token file: uint16 or uint32.")
-    eval_fraction: float = _f(0.05, "Share of files (or of the token file's tail) held out for evaluation.")
-    seed: int = _f(0, "Seed of the sample order.")
-    max_bytes: int = _f(0, "Read at most this many bytes of text (0: all); keeps tests small.")
-
-    def check(self) -> None:
-        """ConfigError (one sentence) for data settings that cannot work by themselves."""
-        check_data(self)
-
-
-# --------------------------------------------------------------------------- checkpoint
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """Orbax checkpointing of params, optimizer state, step, RNG and data position."""
-
-    enabled: bool = _f(True, "Write checkpoints under <run>/checkpoints/.")
-    every: int = _f(100, "Save every N steps (and always at the end).")
-    keep: int = _f(3, "Keep the last K checkpoints.")
-    asynchronous: bool = _f(True, "Save in the background; the step waits only for the device-to-host copy.")
-    resume: bool = _f(True, "Resume from the latest checkpoint in the run directory if there is one.")
-    local_dir: str = _f("", "Node-local directory of the fast tier ('' = off; {node} becomes the node's name): every local_every steps each process writes its shards there and a copy of one other node's, so at most local_every steps are lost even when a node is.")
-    local_every: int = _f(1, "With local_dir: save to the fast local tier every N steps.")
-    local_keep: int = _f(2, "With local_dir: newest local steps each process keeps.")
-
-    def check(self) -> None:
-        """ConfigError (one sentence) for checkpoint settings that cannot work by themselves."""
-        check_checkpoint(self)
-
-
-# --------------------------------------------------------------------------- controller
-
-CONTROLLER_LAUNCHERS: tuple[str, ...] = typing.get_args(Launcher)
-CONTROLLER_RECOVERY: tuple[str, ...] = typing.get_args(Recovery)
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    """`jaxdist launch` / `jaxdist controller`: membership, health checks and recovery (jaxdist/controller/)."""
-
-    bind: str = _f("127.0.0.1", "Address the controller listens on; anything but loopback needs controller.allow_remote=true.")
-    port: int = _f(0, "TCP port of the controller (0: a free one, written to <run>/controller/endpoint).")
-    allow_remote: bool = _f(False, "Allow listening beyond loopback (multi-host without SSH tunnels); every message stays HMAC-authenticated with the job token.")
-    launcher: Launcher = _f("local", "Where `jaxdist launch` starts node agents: local, ssh, slurm or kubernetes.")
-    hosts_file: str = _f("", "SSH launcher: a file with one host per line.")
-    min_nodes: int = _f(1, "Training starts as soon as this many nodes are ready.")
-    max_nodes: int = _f(0, "Train on at most this many nodes (0: the cluster description's node count); the others wait as standbys.")
-    standbys: int = _f(1, "Nodes `jaxdist launch` starts beyond max_nodes, as warm standbys.")
-    heartbeat_interval: float = _f(0.25, "Seconds between two heartbeats of a worker or node agent.")
-    heartbeat_timeout: float = _f(1.5, "A training worker or a node agent silent this long (seconds) is declared failed.")
-    heartbeat_grace: float = _f(15.0, "How long (seconds) a worker's heartbeats may pause while it is starting, or while its connection still answers ZeroMQ's own heartbeats (sent outside the Python GIL): compiling can hold the GIL for seconds on a busy host. A stopped or hung process is caught by heartbeat_timeout all the same.")
-    progress_timeout: float = _f(120.0, "A training group whose step does not advance for this long (seconds) is declared failed.")
-    start_timeout: float = _f(900.0, "Seconds a group may take from its assignment to its first step (join, restore, compile).")
-    max_failures: int = _f(2, "A node that failed this many times is not used again.")
-    recovery: Recovery = _f("standby", "After a failure: standby (restart the group from warm processes, a standby in the failed rank) or requeue (every process restarted cold, like a requeued job).")
-    warm_spares: int = _f(1, "Warm worker processes (JAX imported, data loaded, waiting for a rank) each node agent keeps ready.")
-    setup_cache: str = _f("", "Directory of the cluster setup cache (rank layout, coordinator, compilation cache, NCCL files); empty: <runs_dir>/.setup_cache.")
-    worker_command: str = _f("", "Command a node agent runs for one worker, the job's config arguments appended; empty: python -m jaxdist.cli train.")
-
-    def check(self) -> None:
-        """ConfigError (one sentence) for controller settings that cannot work by themselves."""
-        check_controller(self)
-
-
 # --------------------------------------------------------------------------- whole
+
 
 @dataclass(frozen=True)
 class Config:
@@ -393,20 +97,34 @@ class Config:
 
 
 # Every table of a config: its dotted path -> its dataclass (nested tables after their parent).
-_SECTION_CLASSES = {"model": ModelConfig, "model.moe": MoEConfig, "mesh": MeshConfig, "train": TrainConfig,
-                    "pipeline": PipelineConfig, "data": DataConfig, "checkpoint": CheckpointConfig,
-                    "controller": ControllerConfig}
+_SECTION_CLASSES = {
+    "model": ModelConfig,
+    "model.moe": MoEConfig,
+    "mesh": MeshConfig,
+    "train": TrainConfig,
+    "pipeline": PipelineConfig,
+    "data": DataConfig,
+    "checkpoint": CheckpointConfig,
+    "controller": ControllerConfig,
+}
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 # Keys that moved to a table of their own: old key -> new key.
-MOVED_KEYS = {**{f"model.moe_{f.name}": f"model.moe.{f.name}" for f in dataclasses.fields(MoEConfig)},
-              "train.pipeline_schedule": "pipeline.schedule", "train.pipeline_chunks": "pipeline.chunks",
-              "train.pipeline_chunk_split": "pipeline.chunk_split"}
+MOVED_KEYS = {
+    **{f"model.moe_{f.name}": f"model.moe.{f.name}" for f in dataclasses.fields(MoEConfig)},
+    "train.pipeline_schedule": "pipeline.schedule",
+    "train.pipeline_chunks": "pipeline.chunks",
+    "train.pipeline_chunk_split": "pipeline.chunk_split",
+}
 
 
 def _all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in _SECTION_CLASSES.items() for f in dataclasses.fields(cls)
-            if f"{s}.{f.name}" not in _SECTION_CLASSES]
+    return [
+        f"{s}.{f.name}"
+        for s, cls in _SECTION_CLASSES.items()
+        for f in dataclasses.fields(cls)
+        if f"{s}.{f.name}" not in _SECTION_CLASSES
+    ]
 
 
 def _unknown(key: str) -> ConfigError:
@@ -568,6 +286,7 @@ def from_dict(d: dict[str, Any]) -> Config:
 
 
 # --------------------------------------------------------------------------- docs
+
 
 def reference_markdown() -> str:
     """The configuration reference as Markdown tables (embedded in README.md)."""

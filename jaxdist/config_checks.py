@@ -21,8 +21,17 @@ from typing import TYPE_CHECKING
 from jaxdist.errors import ConfigError
 
 if TYPE_CHECKING:  # config.py imports this module to validate what it loads
-    from jaxdist.config import (CheckpointConfig, Config, ControllerConfig, DataConfig, MeshConfig, ModelConfig,
-                                MoEConfig, PipelineConfig, TrainConfig)
+    from jaxdist.config import (
+        CheckpointConfig,
+        Config,
+        ControllerConfig,
+        DataConfig,
+        MeshConfig,
+        ModelConfig,
+        MoEConfig,
+        PipelineConfig,
+        TrainConfig,
+    )
 
 
 def choices(section: object, name: str) -> tuple[str, ...]:
@@ -45,15 +54,19 @@ def check_model(m: ModelConfig) -> None:
         if getattr(m, name) <= 0:
             raise ConfigError(f"model.{name}={getattr(m, name)} must be positive.")
     if m.n_heads % m.n_kv_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}: "
-                          "choose n_kv_heads that divides n_heads.")
+        raise ConfigError(
+            f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}: "
+            "choose n_kv_heads that divides n_heads."
+        )
     for name in ("dtype", "param_dtype"):
         if getattr(m, name) not in choices(m, name):
             raise ConfigError(f"model.{name}='{getattr(m, name)}' is not supported: use {_one_of(choices(m, name))}.")
     m.moe.check()
     if m.moe.experts and (m.moe.every <= 0 or m.n_layers % m.moe.every):
-        raise ConfigError(f"model.moe.every={m.moe.every} does not divide model.n_layers={m.n_layers}: "
-                          "choose an MoE interval that divides the number of blocks.")
+        raise ConfigError(
+            f"model.moe.every={m.moe.every} does not divide model.n_layers={m.n_layers}: "
+            "choose an MoE interval that divides the number of blocks."
+        )
 
 
 def check_moe(e: MoEConfig) -> None:
@@ -63,8 +76,10 @@ def check_moe(e: MoEConfig) -> None:
     if not e.experts:
         return
     if not 1 <= e.top_k <= e.experts:
-        raise ConfigError(f"model.moe.top_k={e.top_k} must lie between 1 and model.moe.experts={e.experts}: "
-                          "route each token to at most as many experts as there are.")
+        raise ConfigError(
+            f"model.moe.top_k={e.top_k} must lie between 1 and model.moe.experts={e.experts}: "
+            "route each token to at most as many experts as there are."
+        )
     for name in ("d_ff", "shared_d_ff"):
         if getattr(e, name) < 0:
             raise ConfigError(f"model.moe.{name}={getattr(e, name)} must be positive (or 0).")
@@ -75,8 +90,10 @@ def check_moe(e: MoEConfig) -> None:
     if e.dispatch not in choices(e, "dispatch"):
         raise ConfigError(f"model.moe.dispatch='{e.dispatch}' is unknown: use {_one_of(choices(e, 'dispatch'))}.")
     if e.dispatch == "capacity" and not e.capacity_factor > 0:
-        raise ConfigError(f"model.moe.capacity_factor={e.capacity_factor} must be positive in capacity mode: "
-                          "use e.g. 1.25, or set model.moe.dispatch=dropless.")
+        raise ConfigError(
+            f"model.moe.capacity_factor={e.capacity_factor} must be positive in capacity mode: "
+            "use e.g. 1.25, or set model.moe.dispatch=dropless."
+        )
 
 
 def check_mesh(mesh: MeshConfig) -> None:
@@ -92,8 +109,10 @@ def check_train(t: TrainConfig) -> None:
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be positive.")
     if t.batch_size % t.microbatches:
-        raise ConfigError(f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}: "
-                          "choose a microbatch count that divides the batch.")
+        raise ConfigError(
+            f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}: "
+            "choose a microbatch count that divides the batch."
+        )
 
 
 def check_pipeline(p: PipelineConfig) -> None:
@@ -101,8 +120,9 @@ def check_pipeline(p: PipelineConfig) -> None:
     if p.schedule not in choices(p, "schedule"):
         raise ConfigError(f"pipeline.schedule='{p.schedule}' is unknown: use {_one_of(choices(p, 'schedule'))}.")
     if p.chunk_split not in choices(p, "chunk_split"):
-        raise ConfigError(f"pipeline.chunk_split='{p.chunk_split}' is unknown: "
-                          f"use {_one_of(choices(p, 'chunk_split'))}.")
+        raise ConfigError(
+            f"pipeline.chunk_split='{p.chunk_split}' is unknown: use {_one_of(choices(p, 'chunk_split'))}."
+        )
     if p.chunks <= 0:
         raise ConfigError(f"pipeline.chunks={p.chunks} must be positive.")
 
@@ -113,16 +133,19 @@ def check_data(d: DataConfig) -> None:
         raise ConfigError(f"data.source='{d.source}' is unknown: use {_one_of(choices(d, 'source'))}.")
     if d.source in ("text_dir", "tokens"):
         if not d.path:
-            raise ConfigError(f"data.source='{d.source}' needs data.path: set it to the "
-                              + ("directory of text files." if d.source == "text_dir" else "token file."))
+            raise ConfigError(
+                f"data.source='{d.source}' needs data.path: set it to the "
+                + ("directory of text files." if d.source == "text_dir" else "token file.")
+            )
         p = Path(d.path)
         if d.source == "text_dir" and not p.is_dir():
             raise ConfigError(f"data.path '{p}' is not a directory: point it at a directory of text files.")
         if d.source == "tokens" and not p.is_file():
             raise ConfigError(f"data.path '{p}' does not exist: point it at a flat token file.")
     if d.token_dtype not in choices(d, "token_dtype"):
-        raise ConfigError(f"data.token_dtype='{d.token_dtype}' is not supported: "
-                          f"use {_one_of(choices(d, 'token_dtype'))}.")
+        raise ConfigError(
+            f"data.token_dtype='{d.token_dtype}' is not supported: use {_one_of(choices(d, 'token_dtype'))}."
+        )
     if not 0 < d.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie strictly between 0 and 1.")
 
@@ -134,15 +157,19 @@ def check_checkpoint(c: CheckpointConfig) -> None:
     if c.local_dir and (c.local_every <= 0 or c.local_keep <= 0):
         raise ConfigError("checkpoint.local_every and checkpoint.local_keep must be positive.")
     if c.local_dir and not c.enabled:
-        raise ConfigError("checkpoint.local_dir needs checkpoint.enabled=true (the local tier sits beside the "
-                          "persistent checkpoints, not instead of them).")
+        raise ConfigError(
+            "checkpoint.local_dir needs checkpoint.enabled=true (the local tier sits beside the "
+            "persistent checkpoints, not instead of them)."
+        )
 
 
 def check_controller(c: ControllerConfig) -> None:
     """Controller settings that cannot work (ConfigError, one sentence)."""
     if not is_loopback(c.bind) and not c.allow_remote:
-        raise ConfigError(f"controller.bind='{c.bind}' is not a loopback address: set controller.allow_remote=true "
-                          "to listen beyond this machine, or keep 127.0.0.1 (SSH jobs tunnel to it).")
+        raise ConfigError(
+            f"controller.bind='{c.bind}' is not a loopback address: set controller.allow_remote=true "
+            "to listen beyond this machine, or keep 127.0.0.1 (SSH jobs tunnel to it)."
+        )
     if not 0 <= c.port <= 65535:
         raise ConfigError(f"controller.port={c.port} is not a TCP port: use 1..65535, or 0 for a free one.")
     if c.launcher not in choices(c, "launcher"):
@@ -150,17 +177,25 @@ def check_controller(c: ControllerConfig) -> None:
     if c.recovery not in choices(c, "recovery"):
         raise ConfigError(f"controller.recovery='{c.recovery}' is unknown: use {_one_of(choices(c, 'recovery'))}.")
     if c.min_nodes < 1 or c.max_nodes < 0 or (c.max_nodes and c.max_nodes < c.min_nodes):
-        raise ConfigError(f"controller.min_nodes={c.min_nodes} and max_nodes={c.max_nodes} are inconsistent: "
-                          "use min_nodes >= 1 and max_nodes >= min_nodes (or 0).")
+        raise ConfigError(
+            f"controller.min_nodes={c.min_nodes} and max_nodes={c.max_nodes} are inconsistent: "
+            "use min_nodes >= 1 and max_nodes >= min_nodes (or 0)."
+        )
     if c.standbys < 0 or c.warm_spares < 0 or c.max_failures < 1:
-        raise ConfigError("controller.standbys and controller.warm_spares must be >= 0 and controller.max_failures >= 1.")
+        raise ConfigError(
+            "controller.standbys and controller.warm_spares must be >= 0 and controller.max_failures >= 1."
+        )
     if not c.heartbeat_interval > 0 or not c.heartbeat_timeout >= 2 * c.heartbeat_interval:
-        raise ConfigError(f"controller.heartbeat_timeout={c.heartbeat_timeout} must be at least twice "
-                          f"controller.heartbeat_interval={c.heartbeat_interval} (and the interval positive), "
-                          "or one late heartbeat fails a healthy worker.")
+        raise ConfigError(
+            f"controller.heartbeat_timeout={c.heartbeat_timeout} must be at least twice "
+            f"controller.heartbeat_interval={c.heartbeat_interval} (and the interval positive), "
+            "or one late heartbeat fails a healthy worker."
+        )
     if not (c.progress_timeout > 0 and c.start_timeout > 0 and c.heartbeat_grace >= c.heartbeat_timeout):
-        raise ConfigError("controller.progress_timeout and controller.start_timeout must be positive and "
-                          "controller.heartbeat_grace at least controller.heartbeat_timeout (seconds).")
+        raise ConfigError(
+            "controller.progress_timeout and controller.start_timeout must be positive and "
+            "controller.heartbeat_grace at least controller.heartbeat_timeout (seconds)."
+        )
 
 
 def validate(cfg: Config, n_devices: int | None = None) -> None:
@@ -173,18 +208,26 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
         section.check()
     m, t = cfg.model, cfg.train
     if t.seq_len > m.max_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}: "
-                          "lower train.seq_len or raise model.max_seq_len.")
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}: "
+            "lower train.seq_len or raise model.max_seq_len."
+        )
     sizes = cfg.mesh.checked_sizes()
     if m.n_heads % sizes["tensor"]:
-        raise ConfigError(f"model.n_heads={m.n_heads} is not divisible by mesh.tensor={sizes['tensor']}: "
-                          "choose a tensor size that divides the number of heads.")
+        raise ConfigError(
+            f"model.n_heads={m.n_heads} is not divisible by mesh.tensor={sizes['tensor']}: "
+            "choose a tensor size that divides the number of heads."
+        )
     if m.n_kv_heads % sizes["tensor"] and sizes["tensor"] % m.n_kv_heads:
-        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} and mesh.tensor={sizes['tensor']} do not divide "
-                          "one another: choose a tensor size that divides n_kv_heads or is a multiple of it.")
+        raise ConfigError(
+            f"model.n_kv_heads={m.n_kv_heads} and mesh.tensor={sizes['tensor']} do not divide "
+            "one another: choose a tensor size that divides n_kv_heads or is a multiple of it."
+        )
     if (not m.moe.experts or m.moe.every > 1) and m.d_ff % sizes["tensor"]:
-        raise ConfigError(f"model.d_ff={m.d_ff} is not divisible by mesh.tensor={sizes['tensor']}: "
-                          "choose a tensor size that divides d_ff.")
+        raise ConfigError(
+            f"model.d_ff={m.d_ff} is not divisible by mesh.tensor={sizes['tensor']}: "
+            "choose a tensor size that divides d_ff."
+        )
     _moe_on_mesh(m, cfg.mesh, sizes)
     _pipeline_on_model(cfg, sizes["pipeline"])
     if n_devices is not None:
@@ -213,13 +256,16 @@ def validate_devices(cfg: Config, n_devices: int) -> None:
             f"the microbatch of {micro} sequences (train.batch_size={t.batch_size} / "
             f"train.microbatches={t.microbatches}) is not divisible by the data axes "
             f"data*fsdp{'*expert' if resolved['expert'] > 1 else ''}={batch_ways}: "
-            f"make the batch a multiple of {batch_ways * t.microbatches}.")
+            f"make the batch a multiple of {batch_ways * t.microbatches}."
+        )
 
 
 # Why an MoE model has no pipeline stages yet (jaxdist.parallel.pipeline raises the same).
-MOE_NOT_PIPELINED = ("pipeline stages do not support MoE models yet: a stage runs the dense sequence-chunked block "
-                     "only, and the router losses of every stage's MoE layers would have to join the last stage's "
-                     "loss: set mesh.pipeline=1 or model.moe.experts=0.")
+MOE_NOT_PIPELINED = (
+    "pipeline stages do not support MoE models yet: a stage runs the dense sequence-chunked block "
+    "only, and the router losses of every stage's MoE layers would have to join the last stage's "
+    "loss: set mesh.pipeline=1 or model.moe.experts=0."
+)
 
 
 def _pipeline_on_model(cfg: Config, stages: int) -> None:
@@ -230,15 +276,21 @@ def _pipeline_on_model(cfg: Config, stages: int) -> None:
     if m.moe.experts:
         raise ConfigError(MOE_NOT_PIPELINED)
     if m.n_layers % stages:
-        raise ConfigError(f"model.n_layers={m.n_layers} is not divisible by mesh.pipeline={stages}: "
-                          "choose a number of stages that divides the number of layers.")
+        raise ConfigError(
+            f"model.n_layers={m.n_layers} is not divisible by mesh.pipeline={stages}: "
+            "choose a number of stages that divides the number of layers."
+        )
     chunks = p.chunks if p.schedule == "seq1f1b" else 1  # the other schedules ignore chunks
     if t.seq_len % chunks:
-        raise ConfigError(f"train.seq_len={t.seq_len} is not divisible into pipeline.chunks={chunks} chunks: "
-                          f"choose a sequence length that is a multiple of {chunks}, or fewer chunks.")
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} is not divisible into pipeline.chunks={chunks} chunks: "
+            f"choose a sequence length that is a multiple of {chunks}, or fewer chunks."
+        )
     if p.schedule == "1f1b" and t.microbatches < stages:
-        raise ConfigError(f"the 1f1b schedule needs train.microbatches >= mesh.pipeline, got {t.microbatches} < "
-                          f"{stages}: set train.microbatches={stages} or more, or use gpipe or seq1f1b.")
+        raise ConfigError(
+            f"the 1f1b schedule needs train.microbatches >= mesh.pipeline, got {t.microbatches} < "
+            f"{stages}: set train.microbatches={stages} or more, or use gpipe or seq1f1b."
+        )
 
 
 def _moe_on_mesh(m: ModelConfig, mesh: MeshConfig, sizes: dict[str, int]) -> None:
@@ -246,23 +298,34 @@ def _moe_on_mesh(m: ModelConfig, mesh: MeshConfig, sizes: dict[str, int]) -> Non
     e = m.moe
     if not e.experts:
         if sizes["expert"] > 1:
-            raise ConfigError(f"mesh.expert={sizes['expert']} needs an MoE model: set model.moe.experts "
-                              "(or model=moe-tiny), or set mesh.expert=1.")
+            raise ConfigError(
+                f"mesh.expert={sizes['expert']} needs an MoE model: set model.moe.experts "
+                "(or model=moe-tiny), or set mesh.expert=1."
+            )
         return
     tensor = sizes["tensor"]
     etp = mesh.expert_tensor or tensor
     if tensor % etp:
-        raise ConfigError(f"mesh.expert_tensor={mesh.expert_tensor} does not divide mesh.tensor={tensor}: "
-                          "choose a divisor of the tensor size (or 0 to use all of it).")
+        raise ConfigError(
+            f"mesh.expert_tensor={mesh.expert_tensor} does not divide mesh.tensor={tensor}: "
+            "choose a divisor of the tensor size (or 0 to use all of it)."
+        )
     ep = sizes["expert"] * (tensor // etp)
     if e.experts % ep:
-        how = f"mesh.expert={sizes['expert']}" + (f" x mesh.tensor/mesh.expert_tensor={tensor // etp}"
-                                                   if ep != sizes["expert"] else "")
-        raise ConfigError(f"model.moe.experts={e.experts} is not divisible by the expert-parallel size {ep} "
-                          f"({how}): choose a number of experts that is a multiple of {ep}, or a smaller mesh.expert.")
+        how = f"mesh.expert={sizes['expert']}" + (
+            f" x mesh.tensor/mesh.expert_tensor={tensor // etp}" if ep != sizes["expert"] else ""
+        )
+        raise ConfigError(
+            f"model.moe.experts={e.experts} is not divisible by the expert-parallel size {ep} "
+            f"({how}): choose a number of experts that is a multiple of {ep}, or a smaller mesh.expert."
+        )
     if (e.d_ff or m.d_ff) % etp:
-        raise ConfigError(f"the expert width {e.d_ff or m.d_ff} (model.moe.d_ff, or d_ff) is not divisible by "
-                          f"the expert tensor size {etp}: choose a width or mesh.expert_tensor that divides it.")
+        raise ConfigError(
+            f"the expert width {e.d_ff or m.d_ff} (model.moe.d_ff, or d_ff) is not divisible by "
+            f"the expert tensor size {etp}: choose a width or mesh.expert_tensor that divides it."
+        )
     if e.shared_d_ff % tensor:
-        raise ConfigError(f"model.moe.shared_d_ff={e.shared_d_ff} is not divisible by mesh.tensor={tensor}: "
-                          "choose a shared-expert width that the tensor size divides.")
+        raise ConfigError(
+            f"model.moe.shared_d_ff={e.shared_d_ff} is not divisible by mesh.tensor={tensor}: "
+            "choose a shared-expert width that the tensor size divides."
+        )

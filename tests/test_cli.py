@@ -23,24 +23,40 @@ from jaxdist.config import load_config, reference_markdown
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_TIMEOUT = 180  # seconds; a healthy run takes ~10 s
-QUICK_TIMEOUT = 60   # seconds; errors are reported before any training
+QUICK_TIMEOUT = 60  # seconds; errors are reported before any training
 
-SMALL = ["model=tiny", "train.seq_len=32", "train.batch_size=16", "data.max_bytes=300000",
-         "train.progress=false", "checkpoint.every=4", "train.name=cli"]
+SMALL = [
+    "model=tiny",
+    "train.seq_len=32",
+    "train.batch_size=16",
+    "data.max_bytes=300000",
+    "train.progress=false",
+    "checkpoint.every=4",
+    "train.name=cli",
+]
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-           and not k.startswith("SLURM_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+        and not k.startswith("SLURM_")
+    }
     env["JAX_PLATFORMS"] = "cpu"
     return env
 
 
 def jaxdist(*args: str, cwd: Path, timeout: float = QUICK_TIMEOUT) -> subprocess.CompletedProcess:
     """Run ``python -m jaxdist.cli ARGS`` in ``cwd``; subprocess.run kills it on timeout."""
-    return subprocess.run([sys.executable, "-m", "jaxdist.cli", *args], cwd=cwd, env=_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxdist.cli", *args],
+        cwd=cwd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def _quiet(stderr: str) -> str:
@@ -61,8 +77,8 @@ def _tb_scalars(tb_dir: Path, tag: str) -> dict[int, float]:
     for path in sorted(tb_dir.rglob("events.out.tfevents.*")):
         data, i = path.read_bytes(), 0
         while i < len(data):  # TFRecord: u64 length, u32 crc, payload, u32 crc
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            event = Event.FromString(data[i + 12:i + 12 + n])
+            (n,) = struct.unpack("<Q", data[i : i + 8])
+            event = Event.FromString(data[i + 12 : i + 12 + n])
             i += 12 + n + 4
             for v in event.summary.value:
                 if v.tag == tag:
@@ -71,6 +87,7 @@ def _tb_scalars(tb_dir: Path, tag: str) -> dict[int, float]:
 
 
 # --------------------------------------------------------------------------- a real run, then resume
+
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
@@ -96,8 +113,7 @@ def test_train_writes_the_run_folder(trained):
     assert "resuming" not in stderr
     assert "steps 1..8: loss" in stderr and f"outputs in {Path('runs') / 'cli'}" in stderr
     # config.json is the resolved config of the overrides (of the latest invocation).
-    assert json.loads((run / "config.json").read_text()) == \
-        load_config(None, [*SMALL, "train.steps=12"]).to_dict()
+    assert json.loads((run / "config.json").read_text()) == load_config(None, [*SMALL, "train.steps=12"]).to_dict()
 
 
 def test_loss_falls_and_metrics_are_complete(trained):
@@ -140,6 +156,7 @@ def test_second_invocation_resumes_and_continues(trained):
 
 # --------------------------------------------------------------------------- config commands
 
+
 def test_config_prints_toml_that_reloads_to_the_same_config(tmp_path):
     overrides = ["model=tiny", "train.steps=7", "mesh.tensor=2", "data.seed=3"]
     out = jaxdist("config", *overrides, cwd=tmp_path)
@@ -156,8 +173,9 @@ def test_console_script_is_installed(tmp_path):
     exe = shutil.which("jaxdist")
     if exe is None:
         pytest.skip("the jaxdist console script is not on PATH (package not installed)")
-    out = subprocess.run([exe, "config", "--reference"], cwd=tmp_path, env=_env(),
-                         capture_output=True, text=True, timeout=QUICK_TIMEOUT)
+    out = subprocess.run(
+        [exe, "config", "--reference"], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=QUICK_TIMEOUT
+    )
     assert out.returncode == 0 and out.stdout.strip() == reference_markdown().strip()
 
 
@@ -167,10 +185,11 @@ def test_readme_contains_the_config_reference(tmp_path):
     readme = (REPO / "README.md").read_text()
     start, end = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
     assert start in readme and end in readme, f"README.md lacks the markers {start} ... {end}"
-    section = readme[readme.index(start) + len(start):readme.index(end)]
+    section = readme[readme.index(start) + len(start) : readme.index(end)]
     assert out.stdout.strip() in section, (
         "README.md's configuration reference is out of date: replace the text between the markers "
-        "with the output of `jaxdist config --reference`.")
+        "with the output of `jaxdist config --reference`."
+    )
 
 
 # --------------------------------------------------------------------------- user errors

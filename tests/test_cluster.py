@@ -22,8 +22,8 @@ from jaxdist.config import ConfigError, load_config
 def test_a_bare_name_is_a_preset_and_anything_else_a_path(tmp_path, monkeypatch):
     assert cluster_path("cpu-8") == MESHES_DIR / "cpu-8.toml"
     monkeypatch.chdir(tmp_path)
-    assert str(cluster_path("mine.toml")) == "mine.toml"                 # the .toml ending makes it a path
-    assert str(cluster_path("dir/mine")) == "dir/mine"                   # so does a directory
+    assert str(cluster_path("mine.toml")) == "mine.toml"  # the .toml ending makes it a path
+    assert str(cluster_path("dir/mine")) == "dir/mine"  # so does a directory
     assert cluster_path("/abs/x.toml").as_posix() == "/abs/x.toml"
     # meshes/NAME.toml written inside the repository and used from elsewhere: the preset NAME.
     assert cluster_path("meshes/h100x8.toml") == MESHES_DIR / "h100x8.toml"
@@ -66,6 +66,8 @@ def test_simulated_devices_only_for_cpu_clusters(monkeypatch):
 
 
 def test_the_cluster_module_and_the_controller_do_not_import_jax():
-    code = ("import sys, jaxdist.cluster, jaxdist.controller.controller, jaxdist.controller.policy; "
-            "jaxdist.cluster.load_cluster('cpu-8'); assert 'jax' not in sys.modules, 'jax imported'")
+    code = (
+        "import sys, jaxdist.cluster, jaxdist.controller.controller, jaxdist.controller.policy; "
+        "jaxdist.cluster.load_cluster('cpu-8'); assert 'jax' not in sys.modules, 'jax imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

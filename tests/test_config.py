@@ -4,8 +4,15 @@ import dataclasses
 
 import pytest
 
-from jaxdist.config import (MODEL_PRESETS, Config, ConfigError, from_dict, load_config, parse_overrides,
-                            reference_markdown)
+from jaxdist.config import (
+    MODEL_PRESETS,
+    Config,
+    ConfigError,
+    from_dict,
+    load_config,
+    parse_overrides,
+    reference_markdown,
+)
 from jaxdist.config_checks import validate
 from jaxdist.models.arithmetic import param_count
 
@@ -45,25 +52,32 @@ def test_roundtrip_dict():
     assert from_dict(cfg.to_dict()) == cfg
 
 
-@pytest.mark.parametrize("overrides, n_devices, message", [
-    (["train.stpes=3"], None, "unknown config key 'train.stpes'; did you mean 'train.steps'?"),
-    (["nosuch.key=1"], None, "unknown config key 'nosuch.key'"),
-    (["train.steps=abc"], None, "config key 'train.steps' needs an int, got 'abc'."),
-    (["model=gpt-17"], None, "unknown model preset 'gpt-17'"),
-    (["mesh.data=3"], 8, "mesh data=3 has 3 devices but 8 are available: make the axis sizes multiply to 8"),
-    (["mesh.fsdp=3"], 8, "fsdp*tensor*expert*pipeline = 3 does not divide the 8 devices"),
-    (["mesh.tensor=0"], None, "mesh.tensor=0 is not a valid axis size"),
-    (["train.batch_size=12", "mesh.data=8"], 8, "is not divisible by the data axes data*fsdp=8"),
-    (["model=tiny", "mesh.tensor=8"], None, "model.n_heads=4 is not divisible by mesh.tensor=8"),
-    (["model.n_kv_heads=3"], None, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
-    (["train.batch_size=10", "train.microbatches=4"], None, "train.batch_size=10 is not divisible by train.microbatches=4"),
-    (["train.seq_len=4096"], None, "train.seq_len=4096 is longer than model.max_seq_len=128"),
-    (["data.source=text_dir"], None, "data.source='text_dir' needs data.path"),
-    (["data.source=tokens", "data.path=/no/such/file.bin"], None, "data.path '/no/such/file.bin' does not exist"),
-    (["data.source=text_dir", "data.path=/no/such/dir"], None, "data.path '/no/such/dir' is not a directory"),
-    (["model.dtype=float16"], None, "model.dtype='float16' is not supported"),
-    (["train.steps=1", "=3"], None, "override '=3' has no key"),
-])
+@pytest.mark.parametrize(
+    "overrides, n_devices, message",
+    [
+        (["train.stpes=3"], None, "unknown config key 'train.stpes'; did you mean 'train.steps'?"),
+        (["nosuch.key=1"], None, "unknown config key 'nosuch.key'"),
+        (["train.steps=abc"], None, "config key 'train.steps' needs an int, got 'abc'."),
+        (["model=gpt-17"], None, "unknown model preset 'gpt-17'"),
+        (["mesh.data=3"], 8, "mesh data=3 has 3 devices but 8 are available: make the axis sizes multiply to 8"),
+        (["mesh.fsdp=3"], 8, "fsdp*tensor*expert*pipeline = 3 does not divide the 8 devices"),
+        (["mesh.tensor=0"], None, "mesh.tensor=0 is not a valid axis size"),
+        (["train.batch_size=12", "mesh.data=8"], 8, "is not divisible by the data axes data*fsdp=8"),
+        (["model=tiny", "mesh.tensor=8"], None, "model.n_heads=4 is not divisible by mesh.tensor=8"),
+        (["model.n_kv_heads=3"], None, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
+        (
+            ["train.batch_size=10", "train.microbatches=4"],
+            None,
+            "train.batch_size=10 is not divisible by train.microbatches=4",
+        ),
+        (["train.seq_len=4096"], None, "train.seq_len=4096 is longer than model.max_seq_len=128"),
+        (["data.source=text_dir"], None, "data.source='text_dir' needs data.path"),
+        (["data.source=tokens", "data.path=/no/such/file.bin"], None, "data.path '/no/such/file.bin' does not exist"),
+        (["data.source=text_dir", "data.path=/no/such/dir"], None, "data.path '/no/such/dir' is not a directory"),
+        (["model.dtype=float16"], None, "model.dtype='float16' is not supported"),
+        (["train.steps=1", "=3"], None, "override '=3' has no key"),
+    ],
+)
 def test_validation_messages(overrides, n_devices, message):
     with pytest.raises(ConfigError) as e:
         cfg = load_config(None, overrides)
@@ -111,11 +125,16 @@ def test_sections_are_frozen_and_replace_is_checked_like_overrides():
         cfg.replace(**{"train.stepz": 5})
 
 
-@pytest.mark.parametrize("old, new, value", [("model.moe_experts", "model.moe.experts", 4),
-                                             ("model.moe_capacity_factor", "model.moe.capacity_factor", 2.0),
-                                             ("train.pipeline_schedule", "pipeline.schedule", "gpipe"),
-                                             ("train.pipeline_chunks", "pipeline.chunks", 4),
-                                             ("train.pipeline_chunk_split", "pipeline.chunk_split", "equal")])
+@pytest.mark.parametrize(
+    "old, new, value",
+    [
+        ("model.moe_experts", "model.moe.experts", 4),
+        ("model.moe_capacity_factor", "model.moe.capacity_factor", 2.0),
+        ("train.pipeline_schedule", "pipeline.schedule", "gpipe"),
+        ("train.pipeline_chunks", "pipeline.chunks", 4),
+        ("train.pipeline_chunk_split", "pipeline.chunk_split", "equal"),
+    ],
+)
 def test_a_moved_key_names_its_new_home(tmp_path, old, new, value):
     with pytest.raises(ConfigError, match=f"config key '{old}' is now '{new}': rename it"):
         load_config(None, [f"{old}={value}"])
@@ -131,7 +150,7 @@ def test_a_moved_key_names_its_new_home(tmp_path, old, new, value):
 def test_toml_round_trip_with_the_nested_moe_table(tmp_path):
     cfg = load_config(None, ["model=deepseek-moe-16b", "pipeline.schedule=gpipe", "train.remat=save:attn_out"])
     text = cfg.to_toml()
-    assert "[model.moe]\nexperts = 64\n" in text and "[pipeline]\nschedule = \"gpipe\"\n" in text
+    assert "[model.moe]\nexperts = 64\n" in text and '[pipeline]\nschedule = "gpipe"\n' in text
     path = tmp_path / "c.toml"
     path.write_text(text)
     assert load_config(path) == cfg
@@ -153,8 +172,16 @@ def test_remat_is_parsed_once_into_one_value():
 
 def test_validation_is_one_pass_of_section_checks_and_cross_section_rules():
     cfg = Config()
-    for section in (cfg.model, cfg.model.moe, cfg.mesh, cfg.train, cfg.pipeline, cfg.data, cfg.checkpoint,
-                    cfg.controller):
+    for section in (
+        cfg.model,
+        cfg.model.moe,
+        cfg.mesh,
+        cfg.train,
+        cfg.pipeline,
+        cfg.data,
+        cfg.checkpoint,
+        cfg.controller,
+    ):
         section.check()  # each section checks itself
     bad = cfg.replace(**{"train.seq_len": 4096})  # fine by itself, too long for the model
     bad.train.check()

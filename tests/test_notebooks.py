@@ -32,8 +32,10 @@ def test_python3_kernel_is_available():
     try:
         spec = KernelSpecManager().get_kernel_spec(KERNEL)
     except NoSuchKernel:
-        pytest.fail("no 'python3' Jupyter kernel: install the test extras (pip install -e '.[test]'), "
-                    "or run `python -m ipykernel install --user`.")
+        pytest.fail(
+            "no 'python3' Jupyter kernel: install the test extras (pip install -e '.[test]'), "
+            "or run `python -m ipykernel install --user`."
+        )
     assert spec.language == "python"
 
 
@@ -42,8 +44,9 @@ def test_notebook_is_saved_clean(path: Path):
     """Notebooks are committed without outputs, so diffs show only what a person wrote."""
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
-    dirty = [i for i, c in enumerate(nb.cells)
-             if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+    dirty = [
+        i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count is not None)
+    ]
     assert not dirty, f"{path.name}: cells {dirty} have outputs; clear them before committing"
     assert nb.metadata.get("kernelspec", {}).get("name") == KERNEL
 
@@ -58,8 +61,13 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.delenv("XLA_FLAGS", raising=False)
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, kernel_name=KERNEL, timeout=CELL_TIMEOUT_S, allow_errors=False,
-                            resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
+    client = NotebookClient(
+        nb,
+        kernel_name=KERNEL,
+        timeout=CELL_TIMEOUT_S,
+        allow_errors=False,
+        resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},
+    )
     client.execute()  # raises CellExecutionError, with the failing cell and traceback, on any error
 
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]

@@ -5,5 +5,15 @@ from jaxdist.checkpoint.integrity import CheckpointDamaged
 from jaxdist.checkpoint.manager import RunCheckpointer, SaveStats, abstract_like, plan_from_layout
 from jaxdist.checkpoint.plan import ArrayLayout, Piece, Shard, WritePlan, plan_writes
 
-__all__ = ["RunCheckpointer", "SaveStats", "CheckpointDamaged", "abstract_like", "plan_from_layout",
-           "ArrayLayout", "Piece", "Shard", "WritePlan", "plan_writes"]
+__all__ = [
+    "RunCheckpointer",
+    "SaveStats",
+    "CheckpointDamaged",
+    "abstract_like",
+    "plan_from_layout",
+    "ArrayLayout",
+    "Piece",
+    "Shard",
+    "WritePlan",
+    "plan_writes",
+]

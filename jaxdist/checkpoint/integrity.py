@@ -80,8 +80,11 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 def record_own_checksums(step_dir: Path, process: int) -> dict[str, dict[str, Any]]:
     """Checksum the files ``process`` wrote and save them as ``jaxdist_checksums/process_<i>.json``."""
-    files = {rel: dict(zip(("size", "crc32"), file_crc32(step_dir / rel)), process=process)
-             for rel in data_files(step_dir) if writer_of(rel) == process}
+    files = {
+        rel: dict(zip(("size", "crc32"), file_crc32(step_dir / rel)), process=process)
+        for rel in data_files(step_dir)
+        if writer_of(rel) == process
+    }
     (step_dir / CHECKSUM_DIR).mkdir(exist_ok=True)
     write_json_atomic(step_dir / CHECKSUM_DIR / f"process_{process}.json", files)
     return files
@@ -105,8 +108,14 @@ def commit(step_dir: Path, num_processes: int, info: dict[str, Any]) -> dict[str
     written = [0] * num_processes
     for f in files.values():
         written[f["process"]] += f["size"]
-    marker = {"format": FORMAT, "algorithm": "crc32", "num_processes": num_processes,
-              "bytes_written_per_process": written, "files": files, **info}
+    marker = {
+        "format": FORMAT,
+        "algorithm": "crc32",
+        "num_processes": num_processes,
+        "bytes_written_per_process": written,
+        "files": files,
+        **info,
+    }
     write_json_atomic(step_dir / COMMIT_FILE, marker)
     return marker
 

@@ -92,8 +92,9 @@ def _entries(tree: Any, process: int | None = None) -> list[_Entry]:
     out = []
     for name, leaf in named_leaves(tree):
         shape = tuple(leaf.shape)
-        idx = {_index(s, shape) for d, s in leaf.sharding.devices_indices_map(shape).items()
-               if d.process_index == process}
+        idx = {
+            _index(s, shape) for d, s in leaf.sharding.devices_indices_map(shape).items() if d.process_index == process
+        }
         for i in sorted(idx):
             out.append(_Entry(name, i, tuple(b - a for a, b in i), np.dtype(leaf.dtype)))
     return out
@@ -105,8 +106,16 @@ def signature(tree: Any) -> str:
     for name, leaf in named_leaves(tree):
         sh = leaf.sharding
         devices = [[d.id, d.process_index] for d in np.ravel(sh.mesh.devices)] if hasattr(sh, "mesh") else []
-        parts.append([name, list(leaf.shape), str(np.dtype(leaf.dtype)), str(getattr(sh, "spec", sh)),
-                      list(getattr(getattr(sh, "mesh", None), "axis_names", ())), devices])
+        parts.append(
+            [
+                name,
+                list(leaf.shape),
+                str(np.dtype(leaf.dtype)),
+                str(getattr(sh, "spec", sh)),
+                list(getattr(getattr(sh, "mesh", None), "axis_names", ())),
+                devices,
+            ]
+        )
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
@@ -179,8 +188,9 @@ class LocalTier:
         """
 
         if self._mesh_sharding is None:
-            firsts = [min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id)
-                      for p in range(self.num)]
+            firsts = [
+                min((d for d in jax.devices() if d.process_index == p), key=lambda d: d.id) for p in range(self.num)
+            ]
             self._mesh_sharding = NamedSharding(Mesh(np.array(firsts), ("process",)), P("process"))
         sh = self._mesh_sharding
         for s in (shift, -shift):
@@ -197,10 +207,10 @@ class LocalTier:
         out = np.empty(-(-total // width) * width, np.uint8)
         for off in range(0, out.size, width):
             block = np.zeros((1, width), np.uint8)
-            part = payload[off:off + width]
-            block[0, :part.size] = part
+            part = payload[off : off + width]
+            block[0, : part.size] = part
             arr = jax.make_array_from_process_local_data(sh, block, (self.num, width))
-            out[off:off + width] = np.asarray(roll(arr).addressable_shards[0].data)[0]
+            out[off : off + width] = np.asarray(roll(arr).addressable_shards[0].data)[0]
         return out[:length]
 
     def _allgather(self, values: np.ndarray) -> np.ndarray:
@@ -213,9 +223,9 @@ class LocalTier:
 
         flat = np.ascontiguousarray(values, np.int64).reshape(-1)
         block = np.zeros(2 * MAX_STEPS, np.int64)
-        block[:flat.size] = flat
+        block[: flat.size] = flat
         got = np.asarray(multihost_utils.process_allgather(block.view(np.uint8))).reshape(self.num, -1)
-        got = np.ascontiguousarray(got).view(np.int64)[:, :flat.size]
+        got = np.ascontiguousarray(got).view(np.int64)[:, : flat.size]
         return got.reshape(self.num, *values.shape)
 
     # ------------------------------------------------------------------ save
@@ -226,8 +236,7 @@ class LocalTier:
         t0 = time.perf_counter()
         entries = _entries(state)
         named = dict(named_leaves(state))
-        pieces = {(n, _index(s.index, named[n].shape)): s.data for n, a in named.items()
-                  for s in a.addressable_shards}
+        pieces = {(n, _index(s.index, named[n].shape)): s.data for n, a in named.items() for s in a.addressable_shards}
         host = jax.device_get([pieces[(e.name, e.index)] for e in entries])
         sig = signature(state)
         payload = _pack(meta, host)
@@ -235,8 +244,11 @@ class LocalTier:
         replica, t2, sent = None, t1, 0
         if self.shift:
             shared = self._shared_with_holder(state, sig, self.rank)
-            send = payload if not shared else _pack(meta, [a for e, a in zip(entries, host)
-                                                           if (e.name, e.index) not in shared])
+            send = (
+                payload
+                if not shared
+                else _pack(meta, [a for e, a in zip(entries, host) if (e.name, e.index) not in shared])
+            )
             replica = self._roll(send, self.shift, full=int(payload.size))
             t2, sent = time.perf_counter(), int(send.size)
         stats = LocalStats(step, t2 - t0, t2 - t1, int(payload.size), sent)
@@ -251,8 +263,15 @@ class LocalTier:
             for data_rank, payload in files:
                 stem = f"r{data_rank}.w{self.rank}"
                 _write_atomic(folder / f"{stem}.bin", payload)
-                marker = {"format": FORMAT, "step": step, "rank": data_rank, "writer": self.rank, "signature": sig,
-                          "bytes": int(payload.size), "crc32": zlib.crc32(payload)}
+                marker = {
+                    "format": FORMAT,
+                    "step": step,
+                    "rank": data_rank,
+                    "writer": self.rank,
+                    "signature": sig,
+                    "bytes": int(payload.size),
+                    "crc32": zlib.crc32(payload),
+                }
                 _write_atomic(folder / f"{stem}.json", json.dumps(marker).encode())
             self._collect_garbage()
             stats.background_s = time.perf_counter() - t0 - stats.blocked_s
@@ -262,12 +281,13 @@ class LocalTier:
 
     def _collect_garbage(self) -> None:
         steps = sorted(self._own_steps())
-        for s in steps[:-self.keep]:
+        for s in steps[: -self.keep]:
             self._remove_step(s)
 
     def _own_steps(self) -> set[int]:
-        return {int(p.name) for p in self.directory.iterdir() if p.name.isdigit()
-                and any(p.glob(f"r*.w{self.rank}.json"))}
+        return {
+            int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and any(p.glob(f"r*.w{self.rank}.json"))
+        }
 
     def _remove_step(self, step: int) -> None:
         folder = self.directory / str(step)
@@ -302,7 +322,7 @@ class LocalTier:
                 continue
             if m.get("format") != FORMAT or m.get("signature") != sig or rank not in wanted:
                 continue
-            data = marker.with_name(marker.name[:-len(".json")] + ".bin")
+            data = marker.with_name(marker.name[: -len(".json")] + ".bin")
             try:
                 ok = data.stat().st_size == m["bytes"] and zlib.crc32(data.read_bytes()) == m["crc32"]
             except OSError:
@@ -325,7 +345,7 @@ class LocalTier:
         own = sorted(avail.get(self.rank, {}), reverse=True)[:MAX_STEPS]
         rep = sorted(avail.get(self.source, {}), reverse=True)[:MAX_STEPS] if self.source is not None else []
         table = np.full((2, MAX_STEPS), -1, np.int64)
-        table[0, :len(own)], table[1, :len(rep)] = own, rep
+        table[0, : len(own)], table[1, : len(rep)] = own, rep
         everyone = self._allgather(table) if self.num > 1 else table[None]
         has_own = [set(everyone[r, 0]) - {-1} for r in range(self.num)]
         has_rep = []  # rank r's replica is held by rank r + shift; shared pieces are in that rank's own file
@@ -335,8 +355,11 @@ class LocalTier:
             if steps and self._shared_with_holder(abstract_state, sig, r):
                 steps &= has_own[holder]
             has_rep.append(steps)
-        feasible = [s for s in set().union(*has_own, *has_rep)
-                    if s > newer_than and all(s in has_own[r] or s in has_rep[r] for r in range(self.num))]
+        feasible = [
+            s
+            for s in set().union(*has_own, *has_rep)
+            if s > newer_than and all(s in has_own[r] or s in has_rep[r] for r in range(self.num))
+        ]
         if not feasible:
             return None
         step = max(feasible)
@@ -353,8 +376,13 @@ class LocalTier:
         meta, arrays = _unpack(payload, _entries(abstract_state))
         state = _build(abstract_state, arrays)
         self.discard_after(step)
-        log.info("restored step %d from the local tier in %s (%.2f s; from peers: ranks %s)", step,
-                 self.directory, time.perf_counter() - t0, [r for r in range(self.num) if need[r]] or "none")
+        log.info(
+            "restored step %d from the local tier in %s (%.2f s; from peers: ranks %s)",
+            step,
+            self.directory,
+            time.perf_counter() - t0,
+            [r for r in range(self.num) if need[r]] or "none",
+        )
         return state, meta
 
     def _replica_payload(self, abstract_state: Any, sig: str, avail: dict, step: int) -> np.ndarray:
@@ -407,10 +435,10 @@ def _pack(meta: dict[str, Any], arrays: list[np.ndarray]) -> np.ndarray:
 
 def _unpack(payload: np.ndarray, entries: list[_Entry]) -> tuple[dict[str, Any], dict[tuple[str, Index], np.ndarray]]:
     n = int.from_bytes(payload[:_HEADER].tobytes(), "little")
-    meta = json.loads(payload[_HEADER:_HEADER + n].tobytes())
+    meta = json.loads(payload[_HEADER : _HEADER + n].tobytes())
     off, arrays = _HEADER + n, {}
     for e in entries:
-        arrays[(e.name, e.index)] = payload[off:off + e.nbytes].view(e.dtype).reshape(e.shape)
+        arrays[(e.name, e.index)] = payload[off : off + e.nbytes].view(e.dtype).reshape(e.shape)
         off += e.nbytes
     if off != payload.size:
         raise ValueError(f"a local checkpoint payload holds {payload.size} bytes where this layout needs {off}")

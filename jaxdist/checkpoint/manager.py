@@ -69,8 +69,14 @@ class RunCheckpointer:
     Every process of a job must construct it and call save/restore/wait together.
     """
 
-    def __init__(self, directory: str | Path, keep: int = 3, asynchronous: bool = True,
-                 strategy: str = "balanced", verify: bool = True):
+    def __init__(
+        self,
+        directory: str | Path,
+        keep: int = 3,
+        asynchronous: bool = True,
+        strategy: str = "balanced",
+        verify: bool = True,
+    ):
         if keep < 1:
             raise ValueError("checkpoint.keep must be at least 1")
         self.directory = Path(directory).absolute()
@@ -79,7 +85,8 @@ class RunCheckpointer:
         self.stats: list[SaveStats] = []
         handler = ocp.CompositeCheckpointHandler(
             state=ocp.PyTreeCheckpointHandler(type_handler_registry=writer.type_registry(strategy)),
-            meta=ocp.JsonCheckpointHandler())
+            meta=ocp.JsonCheckpointHandler(),
+        )
         self._orbax = ocp.AsyncCheckpointer(handler) if asynchronous else ocp.Checkpointer(handler)
         self._sync = ocp.multihost.get_barrier_sync_fn()
         self._seq = 0
@@ -110,8 +117,12 @@ class RunCheckpointer:
                 shutil.rmtree(f.path, ignore_errors=True)
             elif f.state == "incomplete":  # kept: it may also be a checkpoint of an older jaxdist
                 aside = integrity.set_aside(f.path, "incomplete")
-                log.warning("ignoring %s: no commit marker (a save that never completed, or one written before "
-                            "jaxdist recorded checksums); moved to %s", f.path, aside.name)
+                log.warning(
+                    "ignoring %s: no commit marker (a save that never completed, or one written before "
+                    "jaxdist recorded checksums); moved to %s",
+                    f.path,
+                    aside.name,
+                )
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -154,9 +165,14 @@ class RunCheckpointer:
             self._orbax.save(step_dir, args=args)
         stats = SaveStats(step, time.perf_counter() - t1, waited, plan.bytes_per_process())
         self.stats.append(stats)
-        info = {"step": step, "time": time.time(), "strategy": self.strategy,
-                "planned_bytes_per_process": stats.planned_bytes, "layout": layout,
-                "versions": {"jax": jax.__version__, "orbax": ocp.__version__}}
+        info = {
+            "step": step,
+            "time": time.time(),
+            "strategy": self.strategy,
+            "planned_bytes_per_process": stats.planned_bytes,
+            "layout": layout,
+            "versions": {"jax": jax.__version__, "orbax": ocp.__version__},
+        }
         if self.asynchronous:
             self._writer.submit(self._commit, step_dir, stats, info, self._seq, t1, name=f"jaxdist-ckpt-{step}")
         else:
@@ -187,15 +203,19 @@ class RunCheckpointer:
 
     def _collect_garbage(self) -> None:
         committed = [f for f in integrity.scan(self.directory) if f.state == "committed"]
-        for f in committed[:-self.keep]:
+        for f in committed[: -self.keep]:
             shutil.rmtree(f.path, ignore_errors=True)
 
     def _finish_previous(self, due: int | None = None) -> float:
         """Wait for the running background save (reporting it if ``due`` is a step waiting for it); seconds waited."""
 
         def report_busy() -> None:
-            log.warning("checkpoint of step %d is still being written when step %d is due: waiting for it "
-                        "(saves are not stacked); consider a larger checkpoint.every", self.stats[-1].step, due)
+            log.warning(
+                "checkpoint of step %d is still being written when step %d is due: waiting for it "
+                "(saves are not stacked); consider a larger checkpoint.every",
+                self.stats[-1].step,
+                due,
+            )
 
         return self._writer.wait(on_busy=report_busy if due is not None else None)
 
@@ -255,9 +275,12 @@ class RunCheckpointer:
                 log.warning("%s; trying the previous checkpoint", msg)
                 continue
             restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-            restored = self._orbax.restore(folder.path, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args),
-                meta=ocp.args.JsonRestore()))
+            restored = self._orbax.restore(
+                folder.path,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args), meta=ocp.args.JsonRestore()
+                ),
+            )
             return restored["state"], dict(restored["meta"])
         raise FileNotFoundError(f"no good checkpoint in {self.directory}")
 
@@ -267,8 +290,7 @@ class RunCheckpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        restored = self._orbax.restore(self.directory / str(step),
-                                       args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        restored = self._orbax.restore(self.directory / str(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
         return dict(restored["meta"])
 
 
@@ -282,8 +304,12 @@ def describe_layout(named: list[tuple[str, jax.Array]]) -> dict[str, Any]:
     keys: dict[Any, int] = {}
     arrays = []
     for name, a in named:
-        entry = {"name": name, "shape": list(a.shape), "dtype": str(a.dtype),
-                 "itemsize": int(np.dtype(a.dtype).itemsize)}
+        entry = {
+            "name": name,
+            "shape": list(a.shape),
+            "dtype": str(a.dtype),
+            "itemsize": int(np.dtype(a.dtype).itemsize),
+        }
         sh = a.sharding
         if isinstance(sh, jax.sharding.NamedSharding):
             mesh = sh.mesh
@@ -292,8 +318,9 @@ def describe_layout(named: list[tuple[str, jax.Array]]) -> dict[str, Any]:
             if key not in keys:
                 keys[key] = len(meshes)
                 procs = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(mesh.devices)
-                meshes.append({"axis_names": list(mesh.axis_names), "devices": ids.tolist(),
-                               "processes": procs.tolist()})
+                meshes.append(
+                    {"axis_names": list(mesh.axis_names), "devices": ids.tolist(), "processes": procs.tolist()}
+                )
             entry["mesh"] = keys[key]
             entry["spec"] = [e if e is None or isinstance(e, str) else list(e) for e in sh.spec]
         arrays.append(entry)

@@ -119,7 +119,7 @@ class WritePlan:
         head = f"{'array':<48} {'rule':<8} {'bytes':>12} " + " ".join(f"{'p' + str(i):>10}" for i in range(n))
         lines = [head, "-" * len(head)]
         arrays = sorted(self.arrays, key=lambda a: -sum(p.nbytes for p in a.pieces))
-        for a in arrays[:top or None]:
+        for a in arrays[: top or None]:
             per = [0] * n
             for p in a.pieces:
                 per[p.process] += p.nbytes
@@ -128,8 +128,9 @@ class WritePlan:
             lines.append(f"... {len(arrays) - top} more arrays")
         per = self.bytes_per_process()
         lines.append("-" * len(head))
-        lines.append(f"{'total (' + self.strategy + ')':<48} {'':<8} {sum(per):>12,} "
-                     + " ".join(f"{b:>10,}" for b in per))
+        lines.append(
+            f"{'total (' + self.strategy + ')':<48} {'':<8} {sum(per):>12,} " + " ".join(f"{b:>10,}" for b in per)
+        )
         lines.append(f"max/mean bytes per process: {self.imbalance():.4f}")
         return "\n".join(lines)
 
@@ -149,7 +150,7 @@ def _split(index: Index, axis: int, k: int) -> list[Index]:
         return [index]
     start, stop = index[axis]
     size = (stop - start) // k
-    return [index[:axis] + ((start + i * size, start + (i + 1) * size),) + index[axis + 1:] for i in range(k)]
+    return [index[:axis] + ((start + i * size, start + (i + 1) * size),) + index[axis + 1 :] for i in range(k)]
 
 
 def _shard_shape(index: Index) -> tuple[int, ...]:
@@ -200,21 +201,24 @@ def plan_writes(layouts: Iterable[ArrayLayout], num_processes: int, strategy: st
         if strategy == "replica0" or one_process:
             rule = "owner" if one_process else "replica0"
             for index, hs in holders.items():
-                pieces.append(Piece(lay.name, index, hs[0].process, hs[0].device,
-                                    _piece_bytes(shard_shape, lay.itemsize), rule))
+                pieces.append(
+                    Piece(lay.name, index, hs[0].process, hs[0].device, _piece_bytes(shard_shape, lay.itemsize), rule)
+                )
             piece_shape = shard_shape
         elif (axis := _orbax_axis(shard_shape, replicas)) is not None:
             rule = "orbax"
             for index, hs in holders.items():
                 for h, part in zip(hs, _split(index, axis, replicas)):
-                    pieces.append(Piece(lay.name, part, h.process, h.device,
-                                        _piece_bytes(_shard_shape(part), lay.itemsize), rule))
+                    pieces.append(
+                        Piece(lay.name, part, h.process, h.device, _piece_bytes(_shard_shape(part), lay.itemsize), rule)
+                    )
             piece_shape = _shard_shape(_split(first, axis, replicas)[0])
         else:
             axis, k = _jaxdist_split(shard_shape, replicas)
             piece_shape = _shard_shape(_split(first, axis, k)[0])
-            greedy.append((lay, piece_shape, [(part, hs) for index, hs in holders.items()
-                                              for part in _split(index, axis, k)]))
+            greedy.append(
+                (lay, piece_shape, [(part, hs) for index, hs in holders.items() for part in _split(index, axis, k)])
+            )
             plans[lay.name] = ArrayPlan(lay.name, "jaxdist", piece_shape, ())
             continue
         for p in pieces:
@@ -252,8 +256,16 @@ def assign_bytes(sizes: dict[str, int], num_processes: int) -> dict[str, int]:
 
 # --------------------------------------------------------------------------- layouts from specs
 
-def layout_from_spec(name: str, shape: Sequence[int], itemsize: int, spec: Sequence,
-                     axis_names: Sequence[str], device_grid: Sequence, process_of: dict[int, int]) -> ArrayLayout:
+
+def layout_from_spec(
+    name: str,
+    shape: Sequence[int],
+    itemsize: int,
+    spec: Sequence,
+    axis_names: Sequence[str],
+    device_grid: Sequence,
+    process_of: dict[int, int],
+) -> ArrayLayout:
     """The layout of a NamedSharding-ed array from its PartitionSpec, without devices.
 
     ``spec``: one entry per dimension, None, an axis name or a tuple of names;

@@ -48,8 +48,10 @@ def list_text(ckdir: Path) -> str:
         total = f"{sum(written):,}" if written else ""
         ratio = f"{max_over_mean(written):.3f}" if written else ""
         files = len(m.get("files", {})) or ""
-        rows.append(f"{f.step:>8}  {f.state:<10} {m.get('num_processes', ''):>5} {files:>6} {total:>14} "
-                    f"{ratio:>8}  {when or f.path.name}")
+        rows.append(
+            f"{f.step:>8}  {f.state:<10} {m.get('num_processes', ''):>5} {files:>6} {total:>14} "
+            f"{ratio:>8}  {when or f.path.name}"
+        )
     if len(rows) == 1:
         rows.append("(no checkpoints)")
     return "\n".join(rows)
@@ -66,18 +68,23 @@ def inspect_text(ckdir: Path, step: int | None = None) -> str:
         lines.append(f"data: {json.dumps(meta.get('data', {}), sort_keys=True)}")
     layout = m.get("layout", {})
     for mesh in layout.get("meshes", []):
-
         shape = dict(zip(mesh["axis_names"], np.shape(mesh["devices"])))
         lines.append("mesh: " + " ".join(f"{k}={v}" for k, v in shape.items()))
     lines.append(f"{'array':<48} {'shape':<20} {'dtype':<9} sharding")
     for a in layout.get("arrays", []):
         lines.append(f"{a['name'][:48]:<48} {str(tuple(a['shape'])):<20} {a['dtype']:<9} {a.get('spec', '?')}")
     written, planned = m["bytes_written_per_process"], m.get("planned_bytes_per_process")
-    lines.append("bytes written per process (files): " + ", ".join(f"{b:,}" for b in written)
-                 + f"  (max/mean {max_over_mean(written):.4f})")
+    lines.append(
+        "bytes written per process (files): "
+        + ", ".join(f"{b:,}" for b in written)
+        + f"  (max/mean {max_over_mean(written):.4f})"
+    )
     if planned:
-        lines.append("array bytes per process (plan):    " + ", ".join(f"{b:,}" for b in planned)
-                     + f"  (max/mean {max_over_mean(planned):.4f})")
+        lines.append(
+            "array bytes per process (plan):    "
+            + ", ".join(f"{b:,}" for b in planned)
+            + f"  (max/mean {max_over_mean(planned):.4f})"
+        )
     return "\n".join(lines)
 
 
@@ -93,8 +100,11 @@ def verify_text(ckdir: Path, step: int | None = None) -> tuple[bool, str]:
             continue
         problems = integrity.verify_files(f.path, f.marker["files"])
         ok &= not problems
-        lines.append(f"step {f.step}: " + ("ok" if not problems else f"DAMAGED ({f.path})")
-                     + f", {len(f.marker['files'])} files checked")
+        lines.append(
+            f"step {f.step}: "
+            + ("ok" if not problems else f"DAMAGED ({f.path})")
+            + f", {len(f.marker['files'])} files checked"
+        )
         lines += [f"  {p}" for p in problems]
     if not lines:
         lines.append(f"no checkpoints in {ckdir}")
@@ -108,9 +118,13 @@ def plan_text(ckdir: Path, step: int | None = None, strategy: str = "balanced", 
     m: dict[str, Any] = f.marker
     plan = plan_from_layout(m["layout"], m["num_processes"], strategy)
     written = m["bytes_written_per_process"]
-    return "\n".join([
-        f"write plan of {f.path} ({m['num_processes']} processes, strategy {strategy}; "
-        "rules: owner = sharded, orbax = replica-parallel slices, jaxdist = greedy slices, replica0 = naive)",
-        plan.table(top),
-        "file bytes per process as written: " + ", ".join(f"{b:,}" for b in written)
-        + f"  (max/mean {max_over_mean(written):.4f}, strategy {m.get('strategy')})"])
+    return "\n".join(
+        [
+            f"write plan of {f.path} ({m['num_processes']} processes, strategy {strategy}; "
+            "rules: owner = sharded, orbax = replica-parallel slices, jaxdist = greedy slices, replica0 = naive)",
+            plan.table(top),
+            "file bytes per process as written: "
+            + ", ".join(f"{b:,}" for b in written)
+            + f"  (max/mean {max_over_mean(written):.4f}, strategy {m.get('strategy')})",
+        ]
+    )

@@ -70,22 +70,37 @@ def _jaxdist_slices(arr: jax.Array, plan: ArrayPlan) -> _rs.ReplicaSlices:
         if piece.index != whole:
             axis = next(a for a, (p, w) in enumerate(zip(piece.index, whole)) if p != w)
             args = _rs.SliceArgs(piece.index[axis][0] - whole[axis][0], piece.index[axis][1] - whole[axis][0], axis)
-        out.append(_rs.ReplicaSlice(index=tuple(slice(a, b) for a, b in piece.index),
-                                    unsliced_data=shard.data, slice_args=args))
-    return _rs.ReplicaSlices(global_shape=arr.shape, local_shape=plan.piece_shape, sharding=arr.sharding,
-                             dtype=arr.dtype, is_on_host=False, replica_slices=out)
+        out.append(
+            _rs.ReplicaSlice(
+                index=tuple(slice(a, b) for a, b in piece.index), unsliced_data=shard.data, slice_args=args
+            )
+        )
+    return _rs.ReplicaSlices(
+        global_shape=arr.shape,
+        local_shape=plan.piece_shape,
+        sharding=arr.sharding,
+        dtype=arr.dtype,
+        is_on_host=False,
+        replica_slices=out,
+    )
 
 
-def _get_replica_slices(arr, replica_id, use_replica_parallel, min_slice_bytes_for_replica_parallel=None,
-                        max_replicas_for_replica_parallel=None):
+def _get_replica_slices(
+    arr,
+    replica_id,
+    use_replica_parallel,
+    min_slice_bytes_for_replica_parallel=None,
+    max_replicas_for_replica_parallel=None,
+):
     entry = _active.get(id(arr))
     if entry is not None and entry[0] is arr:
         if entry[1].rule == "jaxdist":
             return _jaxdist_slices(arr, entry[1])
         if entry[1].rule == "owner":  # replica 0 (in the one holding process) copies each shard whole
             return _ORIGINAL(arr, 0, False)
-    return _ORIGINAL(arr, replica_id, use_replica_parallel, min_slice_bytes_for_replica_parallel,
-                     max_replicas_for_replica_parallel)
+    return _ORIGINAL(
+        arr, replica_id, use_replica_parallel, min_slice_bytes_for_replica_parallel, max_replicas_for_replica_parallel
+    )
 
 
 def install() -> None:
@@ -118,9 +133,14 @@ def type_registry(strategy: str) -> Any:
     """A type-handler registry like orbax's default, with :func:`array_handler` for jax.Array."""
     th = ocp.type_handlers
     return th.create_type_handler_registry(
-        (int, th.ScalarHandler()), (float, th.ScalarHandler()), (bytes, th.ScalarHandler()),
-        (np.number, th.ScalarHandler()), (np.ndarray, th.NumpyHandler()), (str, th.StringHandler()),
-        (jax.Array, array_handler(strategy)))
+        (int, th.ScalarHandler()),
+        (float, th.ScalarHandler()),
+        (bytes, th.ScalarHandler()),
+        (np.number, th.ScalarHandler()),
+        (np.ndarray, th.NumpyHandler()),
+        (str, th.StringHandler()),
+        (jax.Array, array_handler(strategy)),
+    )
 
 
 def named_leaves(tree: Any) -> list[tuple[str, Any]]:

@@ -13,9 +13,25 @@ Nothing here imports JAX or model code (the worker agent runs inside the
 training process, which does).
 """
 
-from jaxdist.controller.policy import (choose_group_size, find_failures, lineage, plan_replacement, slow_nodes,
-                                       throughput_anomaly, valid_group_sizes)
+from jaxdist.controller.policy import (
+    choose_group_size,
+    find_failures,
+    lineage,
+    plan_replacement,
+    slow_nodes,
+    throughput_anomaly,
+    valid_group_sizes,
+)
 from jaxdist.controller.setup_cache import SetupCache, SetupKey
 
-__all__ = ["SetupCache", "SetupKey", "choose_group_size", "find_failures", "lineage", "plan_replacement",
-           "slow_nodes", "throughput_anomaly", "valid_group_sizes"]
+__all__ = [
+    "SetupCache",
+    "SetupKey",
+    "choose_group_size",
+    "find_failures",
+    "lineage",
+    "plan_replacement",
+    "slow_nodes",
+    "throughput_anomaly",
+    "valid_group_sizes",
+]

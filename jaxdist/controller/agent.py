@@ -60,8 +60,12 @@ class Assignment:
 
     def process_env(self) -> dict[str, str]:
         """The variables :func:`jaxdist.train.distributed.initialize_from_env` reads, plus ``env``."""
-        return {"JAX_COORDINATOR_ADDRESS": self.coordinator, "JAX_NUM_PROCESSES": str(self.num_processes),
-                "JAX_PROCESS_ID": str(self.rank), **self.env}
+        return {
+            "JAX_COORDINATOR_ADDRESS": self.coordinator,
+            "JAX_NUM_PROCESSES": str(self.num_processes),
+            "JAX_PROCESS_ID": str(self.rank),
+            **self.env,
+        }
 
 
 class WorkerAgent:
@@ -72,8 +76,17 @@ class WorkerAgent:
         self.identity = f"w:{node}:{self.pid}"
         self._peer = Peer(token, controller, self.identity, interval, liveness)
         self._lock = threading.Lock()
-        self._info: dict[str, Any] = {"state": "warming", "gen": -1, "rank": -1, "step": 0, "resume_step": None,
-                                      "tokens_per_s": 0.0, "step_time": 0.0, "cache_hits": 0, "cache_misses": 0}
+        self._info: dict[str, Any] = {
+            "state": "warming",
+            "gen": -1,
+            "rank": -1,
+            "step": 0,
+            "resume_step": None,
+            "tokens_per_s": 0.0,
+            "step_time": 0.0,
+            "cache_hits": 0,
+            "cache_misses": 0,
+        }
         self._assigned = threading.Event()
         self._assignment: Assignment | None = None
         self._stop = threading.Event()
@@ -107,8 +120,13 @@ class WorkerAgent:
 
     def _handle(self, msg: dict[str, Any]) -> None:
         if msg.get("t") == "assign" and self._assignment is None:
-            self._assignment = Assignment(int(msg["gen"]), int(msg["rank"]), int(msg["num_processes"]),
-                                          str(msg["coordinator"]), dict(msg.get("env", {})))
+            self._assignment = Assignment(
+                int(msg["gen"]),
+                int(msg["rank"]),
+                int(msg["num_processes"]),
+                str(msg["coordinator"]),
+                dict(msg.get("env", {})),
+            )
             self.update(state="joining", gen=self._assignment.generation, rank=self._assignment.rank)
             self._assigned.set()
 
@@ -119,8 +137,12 @@ class WorkerAgent:
         with self._lock:
             self._info.update(info)
 
-    def wait_for_rank(self, warm: Callable[[], None] | None = None, timeout: float | None = None,
-                      configure_cache: Callable[[str, Callable[..., None]], None] | None = None) -> Assignment:
+    def wait_for_rank(
+        self,
+        warm: Callable[[], None] | None = None,
+        timeout: float | None = None,
+        configure_cache: Callable[[str, Callable[..., None]], None] | None = None,
+    ) -> Assignment:
         """Run ``warm()``, report "warm", block until the controller assigns a rank; export its environment.
 
         Then ``configure_cache(directory, count_event)`` points the compilation
@@ -162,8 +184,14 @@ class WorkerAgent:
         if trainer is not None and self._info["rank"] == 0:
             record_step(trainer.run_dir, self._info["gen"], int(step), metrics.get("loss"), now)
 
-    def progress(self, trainer: Any, step: int, metrics: dict[str, float] | None, now: float | None = None,
-                 start: int | None = None) -> None:
+    def progress(
+        self,
+        trainer: Any,
+        step: int,
+        metrics: dict[str, float] | None,
+        now: float | None = None,
+        start: int | None = None,
+    ) -> None:
         """Step ``step`` finished on the device (``metrics``: the newest on the host, maybe of an earlier step;
         ``start``: the step this process resumed from, default ``step - 1``)."""
         now = time.time() if now is None else now
@@ -173,7 +201,11 @@ class WorkerAgent:
             info.update(tokens_per_s=float(metrics["tokens_per_s"]), step_time=float(metrics["step_time"]))
         if self._first_step:  # the first step this process finished
             source = getattr(trainer, "resumed_from", None)  # ("local" | "persistent", step) or None
-            info.update(state="training", resume_step=int(step) - 1 if start is None else int(start), resumed_from=source[0] if source else "init")
+            info.update(
+                state="training",
+                resume_step=int(step) - 1 if start is None else int(start),
+                resumed_from=source[0] if source else "init",
+            )
             self._first_step = False
         self.update(**info)
 
@@ -187,8 +219,10 @@ class WorkerAgent:
 
     def count_cache_event(self, event: str, **_: Any) -> None:
         """A jax.monitoring event listener: counts persistent compilation-cache hits and misses."""
-        key = {"/jax/compilation_cache/cache_hits": "cache_hits",
-               "/jax/compilation_cache/cache_misses": "cache_misses"}.get(event)
+        key = {
+            "/jax/compilation_cache/cache_hits": "cache_hits",
+            "/jax/compilation_cache/cache_misses": "cache_misses",
+        }.get(event)
         if key is not None:
             with self._lock:
                 self._info[key] += 1
@@ -233,8 +267,17 @@ def record_step(run_dir: Any, gen: int, step: int, loss: float | None, when: flo
     path = Path(run_dir) / "controller" / "trained.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:
-        f.write(json.dumps({"time": time.time() if when is None else when, "gen": gen, "step": step,
-                            "loss": None if loss is None else float(loss)}) + "\n")
+        f.write(
+            json.dumps(
+                {
+                    "time": time.time() if when is None else when,
+                    "gen": gen,
+                    "step": step,
+                    "loss": None if loss is None else float(loss),
+                }
+            )
+            + "\n"
+        )
 
 
 def _versions() -> dict[str, str]:
@@ -249,8 +292,14 @@ def agent_from_env(env: dict[str, str] | None = None) -> WorkerAgent | None:
         return None
     token = env.get(TOKEN_ENV)
     if not token:
-        raise RuntimeError(f"{CONTROLLER_ENV} is set but {TOKEN_ENV} is not: the worker cannot authenticate; "
-                           "start workers through `jaxdist launch` or a node agent.")
-    return WorkerAgent(where, token, env.get("JAXDIST_NODE", "local"),
-                       float(env.get("JAXDIST_HEARTBEAT_INTERVAL", "0.25")),
-                       float(env.get("JAXDIST_LIVENESS_TIMEOUT", "1.0")))
+        raise RuntimeError(
+            f"{CONTROLLER_ENV} is set but {TOKEN_ENV} is not: the worker cannot authenticate; "
+            "start workers through `jaxdist launch` or a node agent."
+        )
+    return WorkerAgent(
+        where,
+        token,
+        env.get("JAXDIST_NODE", "local"),
+        float(env.get("JAXDIST_HEARTBEAT_INTERVAL", "0.25")),
+        float(env.get("JAXDIST_LIVENESS_TIMEOUT", "1.0")),
+    )

@@ -92,8 +92,10 @@ class Controller(GenerationLifecycle):
         self.valid_sizes = policy.valid_group_sizes(cfg, self.per_node, self.max_nodes)
         if not [n for n in self.valid_sizes if n >= cc.min_nodes]:
             why = policy.group_size_error(cfg, self.max_nodes, self.per_node)
-            raise ConfigError(f"no node count from controller.min_nodes={cc.min_nodes} to {self.max_nodes} fits the "
-                              f"mesh and batch ({why}): change the mesh, the batch or the node counts.")
+            raise ConfigError(
+                f"no node count from controller.min_nodes={cc.min_nodes} to {self.max_nodes} fits the "
+                f"mesh and batch ({why}): change the mesh, the batch or the node counts."
+            )
         base = shlex.split(cc.worker_command) or ["{python}", "-m", "jaxdist.cli", "train"]
         self.argv = base + list(config_args)
         self.setup = SetupCache(cc.setup_cache or Path(cfg.train.runs_dir).absolute() / ".setup_cache")
@@ -149,10 +151,21 @@ class Controller(GenerationLifecycle):
 
     def _welcome(self, v: NodeView) -> None:
         env = {"JAX_PLATFORMS": "cpu"} if self.device_kind.lower().startswith("cpu") else {}
-        self.endpoint.send(f"n:{v.name}", {
-            "t": "welcome", "argv": self.argv, "env": env, "spares": self.cc.warm_spares, "liveness_s": self.liveness_s,
-            "log_dir": str(self.dir / "logs"), "cwd": os.getcwd(), "work_dir": str(self.cfg.run_dir.absolute()),
-            "devices": self.per_node, "device_kind": self.device_kind})
+        self.endpoint.send(
+            f"n:{v.name}",
+            {
+                "t": "welcome",
+                "argv": self.argv,
+                "env": env,
+                "spares": self.cc.warm_spares,
+                "liveness_s": self.liveness_s,
+                "log_dir": str(self.dir / "logs"),
+                "cwd": os.getcwd(),
+                "work_dir": str(self.cfg.run_dir.absolute()),
+                "devices": self.per_node,
+                "device_kind": self.device_kind,
+            },
+        )
 
     def _probe(self, v: NodeView, peers: list[NodeView]) -> None:
         v.probing = True
@@ -175,8 +188,11 @@ class Controller(GenerationLifecycle):
         if name in self.anomaly_probe:
             self.anomaly_probe.discard(name)
             if not self.anomaly_probe:
-                self.events.add("probe", slow_nodes=policy.slow_nodes(self.rtt),
-                                rtt={f"{a}>{b}": t for (a, b), t in self.rtt.items()})
+                self.events.add(
+                    "probe",
+                    slow_nodes=policy.slow_nodes(self.rtt),
+                    rtt={f"{a}>{b}": t for (a, b), t in self.rtt.items()},
+                )
 
     def _on_worker_hb(self, ident: str, msg: dict[str, Any], now: float) -> None:
         w = self.workers.get(ident)
@@ -212,11 +228,16 @@ class Controller(GenerationLifecycle):
         self.start_failures = 0
         self.rates, self.rate_step = [], 0
         members = [self._member_worker(r) for r in self.state.members]
-        self.events.add("first_step", gen=g.gen, step=w.step, resume_step=g.resume_step,
-                        resumed_from=w.info.get("resumed_from"),
-                        since_assign_s=g.first_step_at - g.assigned_at,
-                        cache_hits=[m.info.get("cache_hits") if m else None for m in members],
-                        cache_misses=[m.info.get("cache_misses") if m else None for m in members])
+        self.events.add(
+            "first_step",
+            gen=g.gen,
+            step=w.step,
+            resume_step=g.resume_step,
+            resumed_from=w.info.get("resumed_from"),
+            since_assign_s=g.first_step_at - g.assigned_at,
+            cache_hits=[m.info.get("cache_hits") if m else None for m in members],
+            cache_misses=[m.info.get("cache_misses") if m else None for m in members],
+        )
         for v in self._live_nodes():  # now, not before: warming spares would slow the restart
             self.endpoint.send(f"n:{v.name}", {"t": "replenish"})
         if self.entry is not None:
@@ -265,8 +286,12 @@ class Controller(GenerationLifecycle):
     def _ready_nodes(self) -> list[NodeView]:
         ready = []
         for v in self._live_nodes():
-            ok = (v.checks.get("ok") and v.link_ok and v.name not in self.state.banned
-                  and self._warm_worker(v.name) is not None)
+            ok = (
+                v.checks.get("ok")
+                and v.link_ok
+                and v.name not in self.state.banned
+                and self._warm_worker(v.name) is not None
+            )
             if ok and v.ready_at is None:
                 v.ready_at = time.monotonic()
                 self.events.add("node_ready", node=v.name)
@@ -276,8 +301,11 @@ class Controller(GenerationLifecycle):
 
     def _member_worker(self, rank: int) -> WorkerInfo | None:
         s = self.state
-        ws = [w for w in self.workers.values() if w.gen == s.generation and w.rank == rank
-              and w.node == s.members.get(rank)]
+        ws = [
+            w
+            for w in self.workers.values()
+            if w.gen == s.generation and w.rank == rank and w.node == s.members.get(rank)
+        ]
         return max(ws, key=lambda w: w.last_heartbeat) if ws else None
 
     # ------------------------------------------------------------------ decisions
@@ -292,8 +320,13 @@ class Controller(GenerationLifecycle):
                 return  # collect heartbeats of the running job before judging it
             self.attaching = False
             self.gen_started = self.progress_at = now
-            self.events.add("attached", gen=self.state.generation, phase=self.state.phase,
-                            members=self.state.members, step=self.state.last_step)
+            self.events.add(
+                "attached",
+                gen=self.state.generation,
+                phase=self.state.phase,
+                members=self.state.members,
+                step=self.state.last_step,
+            )
         ready = self._ready_nodes()  # also records when each node became ready (standbys too)
         phase = self.state.phase
         if phase == "waiting":
@@ -321,8 +354,13 @@ class Controller(GenerationLifecycle):
 
         ``watch()``, called about once a second, may return a reason to give up (e.g. every launched
         node agent exited)."""
-        self.events.add("controller_start", endpoint=self.endpoint.bound_endpoint(), attach=self.attaching,
-                        gen=self.state.generation, job=self.state.job)
+        self.events.add(
+            "controller_start",
+            endpoint=self.endpoint.bound_endpoint(),
+            attach=self.attaching,
+            gen=self.state.generation,
+            job=self.state.job,
+        )
         stop = lambda *_: setattr(self, "running", False)  # noqa: E731  (the job goes on without us)
         signal.signal(signal.SIGTERM, stop)
         try:

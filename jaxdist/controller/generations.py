@@ -27,8 +27,11 @@ START_FAILURES_TO_GIVE_UP = 3  # generations in a row that fail before their fir
 
 def last_committed_step(run_dir: Path) -> int:
     """Newest checkpoint step with a commit marker under ``run_dir/checkpoints`` (0 if none)."""
-    steps = [int(Path(p).parent.name) for p in glob.glob(str(run_dir / "checkpoints" / "*" / "jaxdist_commit.json"))
-             if Path(p).parent.name.isdigit()]
+    steps = [
+        int(Path(p).parent.name)
+        for p in glob.glob(str(run_dir / "checkpoints" / "*" / "jaxdist_commit.json"))
+        if Path(p).parent.name.isdigit()
+    ]
     return max(steps, default=0)
 
 
@@ -42,9 +45,12 @@ class GenerationLifecycle:
         names = [v.name for v in ready]
         members = dict(enumerate(names[:n]))
         w0 = self._warm_worker(names[0])
-        fixed = dict(devices_per_host=self.per_node, device_kind=self.device_kind.lower(),
-                     mesh=SetupKey.make([], 0, "", self.cfg.mesh.resolved(n * self.per_node), {}).mesh,
-                     versions=tuple(sorted((w0.info.get("versions") or {}).items())))
+        fixed = dict(
+            devices_per_host=self.per_node,
+            device_kind=self.device_kind.lower(),
+            mesh=SetupKey.make([], 0, "", self.cfg.mesh.resolved(n * self.per_node), {}).mesh,
+            versions=tuple(sorted((w0.info.get("versions") or {}).items())),
+        )
         for key in self.setup.layouts(**fixed):  # a cached rank -> host assignment over ready nodes
             if len(key.hosts) == n and set(key.hosts) <= set(names):
                 members = dict(enumerate(key.hosts))
@@ -57,8 +63,13 @@ class GenerationLifecycle:
         workers = {r: self._warm_worker(node) for r, node in members.items()}
         assert all(workers.values())
         versions = workers[0].info.get("versions") or {}
-        key = SetupKey.make([members[r] for r in range(n)], self.per_node, self.device_kind,
-                            self.cfg.mesh.resolved(n * self.per_node), versions)
+        key = SetupKey.make(
+            [members[r] for r in range(n)],
+            self.per_node,
+            self.device_kind,
+            self.cfg.mesh.resolved(n * self.per_node),
+            versions,
+        )
         self.entry = self.setup.get_or_create(key)
         coordinator = self._coordinator(self.nodes[members[0]], self.entry)
         s.generation += 1
@@ -70,20 +81,40 @@ class GenerationLifecycle:
         if not self.entry.fresh or not self.entry.coordinator:
             self.entry.coordinator = coordinator
             self.entry.save()
-        jax_env = {"JAXDIST_HEARTBEAT_TIMEOUT": str(max(10, int(8 * self.cc.heartbeat_timeout))),
-                   "JAXDIST_SHUTDOWN_TIMEOUT": "30"}
+        jax_env = {
+            "JAXDIST_HEARTBEAT_TIMEOUT": str(max(10, int(8 * self.cc.heartbeat_timeout))),
+            "JAXDIST_SHUTDOWN_TIMEOUT": "30",
+        }
         if coordinator.startswith("127."):  # keep JAX's coordination service on loopback too
             jax_env["JAX_COORDINATOR_BIND_ADDRESS"] = coordinator
         warm_for = {r: round(time.monotonic() - (w.warm_at or time.monotonic()), 3) for r, w in workers.items()}
         for r, w in workers.items():
             w.assigned = True
             env = {**jax_env, **self.entry.worker_env(r)}
-            self.endpoint.send(w.identity, {"t": "assign", "gen": s.generation, "rank": r, "num_processes": n,
-                                            "coordinator": coordinator, "env": env})
+            self.endpoint.send(
+                w.identity,
+                {
+                    "t": "assign",
+                    "gen": s.generation,
+                    "rank": r,
+                    "num_processes": n,
+                    "coordinator": coordinator,
+                    "env": env,
+                },
+            )
             self.endpoint.send(f"n:{w.node}", {"t": "assigned", "pid": w.pid, "gen": s.generation, "rank": r})
-        self.events.add("start", gen=s.generation, cause=cause, members=members, pids=s.pids,
-                        coordinator=coordinator, setup="reused" if not self.entry.fresh else "built",
-                        setup_key=key.digest(), warm_for_s=warm_for, **extra)
+        self.events.add(
+            "start",
+            gen=s.generation,
+            cause=cause,
+            members=members,
+            pids=s.pids,
+            coordinator=coordinator,
+            setup="reused" if not self.entry.fresh else "built",
+            setup_key=key.digest(),
+            warm_for_s=warm_for,
+            **extra,
+        )
         self._save(force=True)
 
     def _coordinator(self, node: NodeView, entry: SetupEntry) -> str:
@@ -103,9 +134,19 @@ class GenerationLifecycle:
             if w is None:
                 views.append(policy.WorkerView(r, node, self.gen_started))
                 continue
-            views.append(policy.WorkerView(r, node, max(w.last_heartbeat, self.gen_started), w.step, w.state,
-                                           w.exit_code, w.exited_at, self.endpoint.connected.get(w.identity),
-                                           w.disconnected_at))
+            views.append(
+                policy.WorkerView(
+                    r,
+                    node,
+                    max(w.last_heartbeat, self.gen_started),
+                    w.step,
+                    w.state,
+                    w.exit_code,
+                    w.exited_at,
+                    self.endpoint.connected.get(w.identity),
+                    w.disconnected_at,
+                )
+            )
         finished = [v for v in views if v.exit_code == 0 or v.state == "done"]
         if views and len(finished) == len(views):
             if all(v.exit_code is not None for v in views):
@@ -114,12 +155,17 @@ class GenerationLifecycle:
             if now - self.done_since > DONE_GRACE_S:  # trained and checkpointed, but stuck in JAX's shutdown
                 self.events.add("shutdown_stuck", ranks=[v.rank for v in views if v.exit_code is None])
                 return self._finish()
-        failures = policy.find_failures(now, views, started_at=self.gen_started, progress_at=self.progress_at,
-                                        heartbeat_timeout=self.cc.heartbeat_timeout,
-                                        progress_timeout=self.cc.progress_timeout,
-                                        start_timeout=self.cc.start_timeout,
-                                        heartbeat_grace=self.cc.heartbeat_grace,
-                                        disconnect_grace=self.cc.heartbeat_interval)
+        failures = policy.find_failures(
+            now,
+            views,
+            started_at=self.gen_started,
+            progress_at=self.progress_at,
+            heartbeat_timeout=self.cc.heartbeat_timeout,
+            progress_timeout=self.cc.progress_timeout,
+            start_timeout=self.cc.start_timeout,
+            heartbeat_grace=self.cc.heartbeat_grace,
+            disconnect_grace=self.cc.heartbeat_interval,
+        )
         if failures:
             self._fail(failures, now)
 
@@ -131,10 +177,17 @@ class GenerationLifecycle:
         s.last_good_step = last_committed_step(self.cfg.run_dir.absolute())
         if g is not None:
             g.ended_at, g.end = time.time(), "failed: " + "; ".join(f.detail for f in failures)
-        self.events.add("failure", gen=s.generation, kinds=sorted({f.kind for f in failures}), nodes=sorted(blamed),
-                        ranks=sorted(f.rank for f in failures if f.rank is not None),
-                        detail="; ".join(f.detail for f in failures), last_step=s.last_step,
-                        last_good_step=s.last_good_step, after_first_step=first_step)
+        self.events.add(
+            "failure",
+            gen=s.generation,
+            kinds=sorted({f.kind for f in failures}),
+            nodes=sorted(blamed),
+            ranks=sorted(f.rank for f in failures if f.rank is not None),
+            detail="; ".join(f.detail for f in failures),
+            last_step=s.last_step,
+            last_good_step=s.last_good_step,
+            after_first_step=first_step,
+        )
         for node in blamed:
             s.failures[node] = s.failures.get(node, 0) + 1
             if s.failures[node] >= self.cc.max_failures and node not in s.banned:
@@ -153,8 +206,10 @@ class GenerationLifecycle:
         self.start_failures = 0 if first_step else self.start_failures + 1
         s.restarts += 1
         if self.start_failures >= START_FAILURES_TO_GIVE_UP:
-            return self._give_up(f"{self.start_failures} generations in a row failed before their first step "
-                                 f"(see the worker logs in {self.dir / 'logs'})")
+            return self._give_up(
+                f"{self.start_failures} generations in a row failed before their first step "
+                f"(see the worker logs in {self.dir / 'logs'})"
+            )
         s.phase = "recovering"
         self.plan, s.last_failed = None, sorted(blamed)
         self._save(force=True)
@@ -176,8 +231,12 @@ class GenerationLifecycle:
                     self.kill_sent_at = now
                     self.events.add("waiting_for_nodes", members=s.members, banned=s.banned)
                 return
-            self.events.add("replacement", gen=s.generation + 1, members=self.plan,
-                            swapped={r: n for r, n in self.plan.items() if s.members.get(r) != n})
+            self.events.add(
+                "replacement",
+                gen=s.generation + 1,
+                members=self.plan,
+                swapped={r: n for r, n in self.plan.items() if s.members.get(r) != n},
+            )
         pending = [k for k, t in self.killed.items() if now - t < KILL_CONFIRM_S]
         if pending:
             return  # the old generation's processes must be gone before the new one touches the checkpoints

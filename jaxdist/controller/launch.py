@@ -37,8 +37,9 @@ def read_hosts(path: str | Path) -> list[str]:
     """Hosts of a hosts file: one per line, ``#`` comments and blank lines ignored."""
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"hosts file '{p}' does not exist: set controller.hosts_file to a file with one host "
-                          "per line.")
+        raise ConfigError(
+            f"hosts file '{p}' does not exist: set controller.hosts_file to a file with one host per line."
+        )
     hosts = [l.split("#", 1)[0].strip() for l in p.read_text().splitlines()]
     hosts = [h for h in hosts if h]
     if not hosts:
@@ -48,18 +49,39 @@ def read_hosts(path: str | Path) -> list[str]:
     return hosts
 
 
-def node_command(controller: str, node: str, host: str, work_dir: str | Path, python: str = "python3",
-                 interval: float = 0.25) -> list[str]:
+def node_command(
+    controller: str, node: str, host: str, work_dir: str | Path, python: str = "python3", interval: float = 0.25
+) -> list[str]:
     """The argv of one node agent."""
-    return [python, "-m", NODE_MODULE, "--controller", controller, "--node", node, "--host", host,
-            "--work-dir", str(work_dir), "--interval", str(interval)]
+    return [
+        python,
+        "-m",
+        NODE_MODULE,
+        "--controller",
+        controller,
+        "--node",
+        node,
+        "--host",
+        host,
+        "--work-dir",
+        str(work_dir),
+        "--interval",
+        str(interval),
+    ]
 
 
 class LocalLauncher:
     """Node agents ``local-0`` ... on this machine (loopback only)."""
 
-    def __init__(self, controller: str, token: str, run_dir: Path, log_dir: Path, interval: float = 0.25,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        controller: str,
+        token: str,
+        run_dir: Path,
+        log_dir: Path,
+        interval: float = 0.25,
+        env: dict[str, str] | None = None,
+    ):
         self.controller, self.token, self.run_dir, self.log_dir = controller, token, run_dir, log_dir
         self.interval, self.env = interval, env or {}
         self.procs: dict[str, subprocess.Popen] = {}
@@ -72,8 +94,12 @@ class LocalLauncher:
         for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
             env.pop(k, None)
         with open(self.log_dir / f"node.{node}.log", "a") as out:
-            p = subprocess.Popen(node_command(self.controller, node, "127.0.0.1", self.run_dir, sys.executable,
-                                              self.interval), env=env, stdout=out, stderr=subprocess.STDOUT)
+            p = subprocess.Popen(
+                node_command(self.controller, node, "127.0.0.1", self.run_dir, sys.executable, self.interval),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
         self.procs[node] = p
         return p
 
@@ -99,8 +125,17 @@ class LocalLauncher:
 class SSHLauncher:
     """One node agent per host over SSH, tunnelled back to the controller's loopback port."""
 
-    def __init__(self, hosts: list[str], port: int, token: str, cwd: str | Path, run_dir: str | Path,
-                 python: str = "python3", ssh: str = "ssh", interval: float = 0.25):
+    def __init__(
+        self,
+        hosts: list[str],
+        port: int,
+        token: str,
+        cwd: str | Path,
+        run_dir: str | Path,
+        python: str = "python3",
+        ssh: str = "ssh",
+        interval: float = 0.25,
+    ):
         self.hosts, self.port, self.token, self.cwd, self.run_dir = hosts, port, token, cwd, run_dir
         self.python, self.ssh, self.interval = python, ssh, interval
         self.procs: dict[str, subprocess.Popen] = {}
@@ -108,9 +143,18 @@ class SSHLauncher:
     def command(self, host: str) -> list[str]:
         """The ssh argv for ``host``: reverse tunnel to the controller, token read from stdin, exec the agent."""
         agent = shlex.join(node_command(f"127.0.0.1:{self.port}", host, host, self.run_dir, self.python, self.interval))
-        remote = (f"cd {shlex.quote(str(self.cwd))} && IFS= read -r {TOKEN_ENV} && export {TOKEN_ENV} && exec {agent}")
-        return [self.ssh, "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes",
-                "-R", f"{self.port}:127.0.0.1:{self.port}", host, remote]
+        remote = f"cd {shlex.quote(str(self.cwd))} && IFS= read -r {TOKEN_ENV} && export {TOKEN_ENV} && exec {agent}"
+        return [
+            self.ssh,
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ExitOnForwardFailure=yes",
+            "-R",
+            f"{self.port}:127.0.0.1:{self.port}",
+            host,
+            remote,
+        ]
 
     def start_all(self, log_dir: Path) -> list[str]:
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -130,21 +174,41 @@ class SSHLauncher:
 
 def srun_command(port: int, run_dir: str | Path, python: str = "python3", interval: float = 0.25) -> str:
     """Inside an allocation: one node agent per node, reaching the controller on ``$CONTROLLER_HOST``."""
-    agent = (f'exec {python} -m {NODE_MODULE} --controller "$CONTROLLER_HOST:{port}" --node "$(hostname)" '
-             f'--host "$(hostname)" --work-dir {shlex.quote(str(run_dir))} --interval {interval}')
+    agent = (
+        f'exec {python} -m {NODE_MODULE} --controller "$CONTROLLER_HOST:{port}" --node "$(hostname)" '
+        f'--host "$(hostname)" --work-dir {shlex.quote(str(run_dir))} --interval {interval}'
+    )
     return f"srun --nodes=$SLURM_JOB_NUM_NODES --ntasks-per-node=1 bash -c {shlex.quote(agent)}"
 
 
-def sbatch_script(config_args: list[str], nodes: int, port: int, run_dir: str | Path, job_name: str = "jaxdist",
-                  time_limit: str = "24:00:00", python: str = "python3", gpus_per_node: int = 0) -> str:
+def sbatch_script(
+    config_args: list[str],
+    nodes: int,
+    port: int,
+    run_dir: str | Path,
+    job_name: str = "jaxdist",
+    time_limit: str = "24:00:00",
+    python: str = "python3",
+    gpus_per_node: int = 0,
+) -> str:
     """A Slurm batch script: controller on the batch host, ``nodes`` node agents (training nodes + standbys).
 
     The controller listens on the batch host's address (``controller.allow_remote=true``, authenticated by
     the token, which the script creates with mode 0600 and hands to the agents in the environment).
     """
     gres = f"#SBATCH --gpus-per-node={gpus_per_node}\n" if gpus_per_node else ""
-    ctl = shlex.join([python, "-m", "jaxdist.cli", "controller", *config_args,
-                      "controller.bind=0.0.0.0", "controller.allow_remote=true", f"controller.port={port}"])
+    ctl = shlex.join(
+        [
+            python,
+            "-m",
+            "jaxdist.cli",
+            "controller",
+            *config_args,
+            "controller.bind=0.0.0.0",
+            "controller.allow_remote=true",
+            f"controller.port={port}",
+        ]
+    )
     return f"""#!/bin/bash
 #SBATCH --job-name={job_name}
 #SBATCH --nodes={nodes}
@@ -162,8 +226,15 @@ wait $CONTROLLER_PID
 """
 
 
-def kubernetes_manifest(config_args: list[str], nodes: int, image: str, name: str = "jaxdist", port: int = 7470,
-                        gpus_per_node: int = 0, run_volume: str = "jaxdist-runs") -> str:
+def kubernetes_manifest(
+    config_args: list[str],
+    nodes: int,
+    image: str,
+    name: str = "jaxdist",
+    port: int = 7470,
+    gpus_per_node: int = 0,
+    run_volume: str = "jaxdist-runs",
+) -> str:
     """Kubernetes objects as a YAML stream (JSON documents are valid YAML): the controller's Service and Pod
     and an indexed Job of ``nodes`` node-agent pods (one per host; ``gpus_per_node`` GPUs each).
 
@@ -174,27 +245,78 @@ def kubernetes_manifest(config_args: list[str], nodes: int, image: str, name: st
     env_token = {"name": TOKEN_ENV, "valueFrom": {"secretKeyRef": {"name": f"{name}-token", "key": "token"}}}
     volumes = [{"name": "runs", "persistentVolumeClaim": {"claimName": run_volume}}]
     mounts = [{"name": "runs", "mountPath": "/runs"}]
-    ctl_args = ["python", "-m", "jaxdist.cli", "controller", *config_args, "train.runs_dir=/runs",
-                "controller.bind=0.0.0.0", "controller.allow_remote=true", f"controller.port={port}"]
-    agent = ("exec python -m jaxdist.controller.node --controller " + f"{name}-controller:{port}"
-             + ' --node "${HOSTNAME}" --host "${POD_IP}" --work-dir /runs')
+    ctl_args = [
+        "python",
+        "-m",
+        "jaxdist.cli",
+        "controller",
+        *config_args,
+        "train.runs_dir=/runs",
+        "controller.bind=0.0.0.0",
+        "controller.allow_remote=true",
+        f"controller.port={port}",
+    ]
+    agent = (
+        "exec python -m jaxdist.controller.node --controller "
+        + f"{name}-controller:{port}"
+        + ' --node "${HOSTNAME}" --host "${POD_IP}" --work-dir /runs'
+    )
     resources = {"limits": {"nvidia.com/gpu": gpus_per_node}} if gpus_per_node else {}
     pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     docs = [
-        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": f"{name}-controller"},
-         "spec": {"selector": {"app": f"{name}-controller"}, "ports": [{"port": port, "targetPort": port}]}},
-        {"apiVersion": "v1", "kind": "Pod",
-         "metadata": {"name": f"{name}-controller", "labels": {"app": f"{name}-controller"}},
-         "spec": {"restartPolicy": "OnFailure", "volumes": volumes,
-                  "containers": [{"name": "controller", "image": image, "args": ctl_args, "env": [env_token],
-                                  "ports": [{"containerPort": port}], "volumeMounts": mounts}]}},
-        {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": f"{name}-nodes"},
-         "spec": {"completionMode": "Indexed", "completions": nodes, "parallelism": nodes, "backoffLimit": nodes,
-                  "template": {"metadata": {"labels": {"app": f"{name}-node"}},
-                               "spec": {"restartPolicy": "Never", "subdomain": f"{name}-nodes", "volumes": volumes,
-                                        "containers": [{
-                                            "name": "node", "image": image, "command": ["sh", "-c", agent],
-                                            "env": [env_token, pod_ip],
-                                            "resources": resources, "volumeMounts": mounts}]}}}},
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {"name": f"{name}-controller"},
+            "spec": {"selector": {"app": f"{name}-controller"}, "ports": [{"port": port, "targetPort": port}]},
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"{name}-controller", "labels": {"app": f"{name}-controller"}},
+            "spec": {
+                "restartPolicy": "OnFailure",
+                "volumes": volumes,
+                "containers": [
+                    {
+                        "name": "controller",
+                        "image": image,
+                        "args": ctl_args,
+                        "env": [env_token],
+                        "ports": [{"containerPort": port}],
+                        "volumeMounts": mounts,
+                    }
+                ],
+            },
+        },
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": f"{name}-nodes"},
+            "spec": {
+                "completionMode": "Indexed",
+                "completions": nodes,
+                "parallelism": nodes,
+                "backoffLimit": nodes,
+                "template": {
+                    "metadata": {"labels": {"app": f"{name}-node"}},
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "subdomain": f"{name}-nodes",
+                        "volumes": volumes,
+                        "containers": [
+                            {
+                                "name": "node",
+                                "image": image,
+                                "command": ["sh", "-c", agent],
+                                "env": [env_token, pod_ip],
+                                "resources": resources,
+                                "volumeMounts": mounts,
+                            }
+                        ],
+                    },
+                },
+            },
+        },
     ]
     return "\n---\n".join(json.dumps(d, indent=2) for d in docs) + "\n"

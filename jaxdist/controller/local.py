@@ -35,11 +35,13 @@ def write_cpu_cluster(path: str | Path, nodes: int, devices_per_node: int) -> Pa
     """A cluster description of ``nodes`` hosts with ``devices_per_node`` simulated CPU devices (nominal figures)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'name = "{path.stem}"\ndevice_kind = "cpu"\nnodes = {nodes}\n'
-                    f"devices_per_node = {devices_per_node}\n"
-                    "memory_bytes = 2147483648\npeak_flops_bf16 = 5.0e10\npeak_flops_fp32 = 5.0e10\n"
-                    "intra_node_bandwidth = 1.0e10\ninter_node_bandwidth = 1.0e9\n"
-                    "intra_node_latency = 1.0e-5\ninter_node_latency = 1.0e-4\n")
+    path.write_text(
+        f'name = "{path.stem}"\ndevice_kind = "cpu"\nnodes = {nodes}\n'
+        f"devices_per_node = {devices_per_node}\n"
+        "memory_bytes = 2147483648\npeak_flops_bf16 = 5.0e10\npeak_flops_fp32 = 5.0e10\n"
+        "intra_node_bandwidth = 1.0e10\ninter_node_bandwidth = 1.0e9\n"
+        "intra_node_latency = 1.0e-5\ninter_node_latency = 1.0e-4\n"
+    )
     return path
 
 
@@ -88,10 +90,19 @@ class LocalJob:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         with open(self.dir / f"controller.{self.starts}.log", "w") as out:
-            self.controller = subprocess.Popen([sys.executable, "-m", "jaxdist.cli", "controller", *self.config_args],
-                                               cwd=self.cwd, env=self._env(), stdout=out, stderr=subprocess.STDOUT)
-        self.wait_until(lambda s: len([e for e in self.events() if e["event"] == "controller_start"]) > before,
-                        timeout, "the controller to listen", need_state=False)
+            self.controller = subprocess.Popen(
+                [sys.executable, "-m", "jaxdist.cli", "controller", *self.config_args],
+                cwd=self.cwd,
+                env=self._env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.wait_until(
+            lambda s: len([e for e in self.events() if e["event"] == "controller_start"]) > before,
+            timeout,
+            "the controller to listen",
+            need_state=False,
+        )
 
     def endpoint(self) -> str:
         return (self.dir / "endpoint").read_text().strip()
@@ -99,8 +110,14 @@ class LocalJob:
     def start_node(self, name: str, env: dict[str, str] | None = None) -> None:
         """Start one more node agent named ``name`` (``env``: extra variables for it and its workers)."""
         if self.launcher is None:
-            self.launcher = LocalLauncher(self.endpoint(), self.token, self.run_dir, self.dir / "logs",
-                                          self.cfg.controller.heartbeat_interval, self._env())
+            self.launcher = LocalLauncher(
+                self.endpoint(),
+                self.token,
+                self.run_dir,
+                self.dir / "logs",
+                self.cfg.controller.heartbeat_interval,
+                self._env(),
+            )
         self.launcher.start(name, env)
 
     def start(self, stagger_s: float = 0.0, late: int = 0, timeout: float = 600.0) -> None:
@@ -161,11 +178,18 @@ class LocalJob:
     def summary(self) -> str:
         s = self.state()
         tail = [e["event"] for e in self.events()[-8:]]
-        return (f"phase {s.get('phase')}, generation {s.get('generation')}, step {s.get('last_step')}, "
-                f"last events {tail}")
+        return (
+            f"phase {s.get('phase')}, generation {s.get('generation')}, step {s.get('last_step')}, last events {tail}"
+        )
 
-    def wait_until(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str,
-                   need_state: bool = True, poll: float = 0.05) -> dict[str, Any]:
+    def wait_until(
+        self,
+        pred: Callable[[dict[str, Any]], bool],
+        timeout: float,
+        what: str,
+        need_state: bool = True,
+        poll: float = 0.05,
+    ) -> dict[str, Any]:
         """Poll the state until ``pred(state)``; raises TimeoutError naming ``what``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -176,8 +200,9 @@ class LocalJob:
                 s = self.state()
                 if pred(s):
                     return s
-                raise RuntimeError(f"the controller exited ({self.controller.returncode}) before {what}: "
-                                   f"{self.summary()}")
+                raise RuntimeError(
+                    f"the controller exited ({self.controller.returncode}) before {what}: {self.summary()}"
+                )
             time.sleep(poll)
         raise TimeoutError(f"waited {timeout} s for {what}: {self.summary()}")
 
@@ -188,8 +213,16 @@ class LocalJob:
         """Send ``sig`` to the process of ``rank`` in the running generation; the injection is logged."""
         s = self.state()
         pid = int(s["pids"][str(rank)])
-        rec = {"time": time.time(), "event": "injection", "gen": s["generation"], "rank": rank, "pid": pid,
-               "node": s["members"][str(rank)], "signal": signal.Signals(sig).name, "step": s.get("last_step")}
+        rec = {
+            "time": time.time(),
+            "event": "injection",
+            "gen": s["generation"],
+            "rank": rank,
+            "pid": pid,
+            "node": s["members"][str(rank)],
+            "signal": signal.Signals(sig).name,
+            "step": s.get("last_step"),
+        }
         os.kill(pid, sig)
         with open(self.dir / "injections.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")

@@ -86,8 +86,16 @@ def _die_with_parent() -> None:
 class NodeAgent:
     """See the module docstring.  ``host``: the address other nodes and the coordinator reach this host at."""
 
-    def __init__(self, controller: str, token: str, node: str, host: str, work_dir: Path,
-                 interval: float = 0.25, orphan_timeout: float = 600.0):
+    def __init__(
+        self,
+        controller: str,
+        token: str,
+        node: str,
+        host: str,
+        work_dir: Path,
+        interval: float = 0.25,
+        orphan_timeout: float = 600.0,
+    ):
         self.node, self.host, self.work_dir = node, host, Path(work_dir)
         self.controller, self.token, self.interval = controller, token, interval
         self.orphan_timeout = orphan_timeout
@@ -109,14 +117,28 @@ class NodeAgent:
         w = self.welcome
         assert w is not None
         argv = [sys.executable if a == "{python}" else a for a in w["argv"]]
-        env = {**os.environ, **w.get("env", {}), "JAXDIST_CONTROLLER": self.controller, TOKEN_ENV: self.token,
-               "JAXDIST_NODE": self.node, "JAXDIST_HEARTBEAT_INTERVAL": str(self.interval),
-               "JAXDIST_LIVENESS_TIMEOUT": str(w.get("liveness_s", 1.0)), "PYTHONUNBUFFERED": "1"}
+        env = {
+            **os.environ,
+            **w.get("env", {}),
+            "JAXDIST_CONTROLLER": self.controller,
+            TOKEN_ENV: self.token,
+            "JAXDIST_NODE": self.node,
+            "JAXDIST_HEARTBEAT_INTERVAL": str(self.interval),
+            "JAXDIST_LIVENESS_TIMEOUT": str(w.get("liveness_s", 1.0)),
+            "PYTHONUNBUFFERED": "1",
+        }
         logs = Path(w.get("log_dir") or self.work_dir)
         logs.mkdir(parents=True, exist_ok=True)
         out = open(logs / f"{self.node}.{time.strftime('%H%M%S')}.{len(self.procs)}.log", "w")
-        p = subprocess.Popen(argv, cwd=w.get("cwd") or None, env=env, stdout=out, stderr=subprocess.STDOUT,
-                             preexec_fn=_die_with_parent, start_new_session=True)
+        p = subprocess.Popen(
+            argv,
+            cwd=w.get("cwd") or None,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,
+        )
         out.close()
         self.procs[p.pid] = _Proc(p, time.time())
         log.info("%s: started worker pid %d", self.node, p.pid)
@@ -145,8 +167,17 @@ class NodeAgent:
                 if rc is not None:
                     p.exit_code = rc
             if p.exit_code is not None and not p.reported:
-                self.peer.send({"t": "exit", "node": self.node, "pid": pid, "rc": p.exit_code,
-                                "gen": p.gen, "rank": p.rank, "role": p.role})
+                self.peer.send(
+                    {
+                        "t": "exit",
+                        "node": self.node,
+                        "pid": pid,
+                        "rc": p.exit_code,
+                        "gen": p.gen,
+                        "rank": p.rank,
+                        "role": p.role,
+                    }
+                )
                 p.reported = True
         done = [pid for pid, p in self.procs.items() if p.reported and time.time() - p.started > 3600]
         for pid in done:
@@ -155,11 +186,22 @@ class NodeAgent:
     # ------------------------------------------------------------------ messages
 
     def heartbeat(self) -> None:
-        procs = [{"pid": pid, "role": p.role, "gen": p.gen, "rank": p.rank, "rc": p.exit_code}
-                 for pid, p in self.procs.items()]
-        self.peer.send({"t": "node_hb", "node": self.node, "host": self.host, "checks": self.checks,
-                        "probe": f"{self.host}:{self.probe_port}", "free_port": free_port(self.host),
-                        "procs": procs, "welcomed": self.welcome is not None})
+        procs = [
+            {"pid": pid, "role": p.role, "gen": p.gen, "rank": p.rank, "rc": p.exit_code}
+            for pid, p in self.procs.items()
+        ]
+        self.peer.send(
+            {
+                "t": "node_hb",
+                "node": self.node,
+                "host": self.host,
+                "checks": self.checks,
+                "probe": f"{self.host}:{self.probe_port}",
+                "free_port": free_port(self.host),
+                "procs": procs,
+                "welcomed": self.welcome is not None,
+            }
+        )
         if self.probe_result is not None:
             self.peer.send({"t": "probe_result", "node": self.node, **self.probe_result})
             self.probe_result = None
@@ -170,8 +212,11 @@ class NodeAgent:
         if t == "welcome":
             first = self.welcome is None
             self.welcome = msg
-            self.checks = self_check(Path(msg.get("work_dir") or self.work_dir), int(msg.get("devices", 1)),
-                                     str(msg.get("device_kind", "cpu")))
+            self.checks = self_check(
+                Path(msg.get("work_dir") or self.work_dir),
+                int(msg.get("devices", 1)),
+                str(msg.get("device_kind", "cpu")),
+            )
             if first and self.checks["ok"]:
                 self.replenish()
         elif t == "replenish":
@@ -183,8 +228,9 @@ class NodeAgent:
         elif t == "kill":
             self.kill(msg.get("pids"))
         elif t == "probe":
-            threading.Thread(target=self._probe, args=(dict(msg["peers"]), int(msg.get("bytes", 1024))),
-                             daemon=True).start()
+            threading.Thread(
+                target=self._probe, args=(dict(msg["peers"]), int(msg.get("bytes", 1024))), daemon=True
+            ).start()
         elif t == "stop":
             self.kill(None)
             self.running = False
@@ -238,8 +284,11 @@ class NodeAgent:
                 training = any(p.role == "active" and p.exit_code is None for p in self.procs.values())
                 if not training and time.monotonic() - self.last_contact > self.orphan_timeout:
                     # A running job goes on without its controller; an idle node does not wait forever.
-                    log.warning("%s: no word from the controller for %.0f s and no training process: stopping",
-                                self.node, self.orphan_timeout)
+                    log.warning(
+                        "%s: no word from the controller for %.0f s and no training process: stopping",
+                        self.node,
+                        self.orphan_timeout,
+                    )
                     self.kill(None)
                     break
         finally:
@@ -258,8 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1", help="address peers reach this host at")
     p.add_argument("--work-dir", default=".", help="directory checked for writing (default: the current one)")
     p.add_argument("--interval", type=float, default=0.25, help="heartbeat interval (s)")
-    p.add_argument("--orphan-timeout", type=float, default=600.0,
-                   help="stop after this long without the controller and without a training process (s)")
+    p.add_argument(
+        "--orphan-timeout",
+        type=float,
+        default=600.0,
+        help="stop after this long without the controller and without a training process (s)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     token = os.environ.get(TOKEN_ENV)
@@ -267,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"node agent: set {TOKEN_ENV} to the job token (see <run>/controller/token)", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: setattr(agent, "running", False))
-    agent = NodeAgent(args.controller, token, args.node, args.host, Path(args.work_dir), args.interval,
-                      args.orphan_timeout)
+    agent = NodeAgent(
+        args.controller, token, args.node, args.host, Path(args.work_dir), args.interval, args.orphan_timeout
+    )
     return agent.run()
 
 

@@ -50,6 +50,7 @@ def choose_group_size(ready: int, min_nodes: int, max_nodes: int, valid: Iterabl
 
 # --------------------------------------------------------------------------- health
 
+
 @dataclass
 class WorkerView:
     """What the controller knows of one member of the running generation.
@@ -82,9 +83,18 @@ class Failure:
 STARTUP_STATES = ("warming", "warm", "joining", "restoring")
 
 
-def find_failures(now: float, workers: Sequence[WorkerView], *, started_at: float, progress_at: float | None,
-                  heartbeat_timeout: float, progress_timeout: float, start_timeout: float,
-                  heartbeat_grace: float | None = None, disconnect_grace: float = 0.25) -> list[Failure]:
+def find_failures(
+    now: float,
+    workers: Sequence[WorkerView],
+    *,
+    started_at: float,
+    progress_at: float | None,
+    heartbeat_timeout: float,
+    progress_timeout: float,
+    start_timeout: float,
+    heartbeat_grace: float | None = None,
+    disconnect_grace: float = 0.25,
+) -> list[Failure]:
     """Failures of a generation at time ``now`` (seconds).
 
     Blamed: a worker that exited with a non-zero code; one whose connection
@@ -109,12 +119,19 @@ def find_failures(now: float, workers: Sequence[WorkerView], *, started_at: floa
             out.append(Failure("exit", w.node, w.rank, f"rank {w.rank} on {w.node}: {how}"))
         elif w.disconnected_at is not None:
             if now - w.disconnected_at > disconnect_grace:  # else: wait for an exit report
-                out.append(Failure("silent", w.node, w.rank,
-                                   f"rank {w.rank} on {w.node}: its connection stopped answering heartbeats "
-                                   f"(last message {silent_s:.1f} s ago)"))
+                out.append(
+                    Failure(
+                        "silent",
+                        w.node,
+                        w.rank,
+                        f"rank {w.rank} on {w.node}: its connection stopped answering heartbeats "
+                        f"(last message {silent_s:.1f} s ago)",
+                    )
+                )
         elif silent_s > (grace if (w.state in STARTUP_STATES or w.connected) else heartbeat_timeout):
-            out.append(Failure("silent", w.node, w.rank,
-                               f"rank {w.rank} on {w.node}: no heartbeat for {silent_s:.1f} s"))
+            out.append(
+                Failure("silent", w.node, w.rank, f"rank {w.rank} on {w.node}: no heartbeat for {silent_s:.1f} s")
+            )
     if out:
         return out
     if any(w.exit_code == 0 or w.state == "done" for w in workers):
@@ -127,8 +144,9 @@ def find_failures(now: float, workers: Sequence[WorkerView], *, started_at: floa
     return out
 
 
-def plan_replacement(members: dict[int, str], failed: set[str], candidates: Sequence[str],
-                     banned: set[str]) -> dict[int, str] | None:
+def plan_replacement(
+    members: dict[int, str], failed: set[str], candidates: Sequence[str], banned: set[str]
+) -> dict[int, str] | None:
     """Rank -> node of the next generation, or None when too few nodes are left.
 
     Healthy members keep their ranks.  Each failed member's rank goes to the
@@ -151,6 +169,7 @@ def plan_replacement(members: dict[int, str], failed: set[str], candidates: Sequ
 
 
 # --------------------------------------------------------------------------- slowness
+
 
 def throughput_anomaly(rates: Sequence[float], recent: int = 5, fraction: float = 0.5) -> bool:
     """True when the median of the last ``recent`` rates (tokens/s) is below ``fraction`` x the median before them."""
@@ -178,6 +197,7 @@ def slow_nodes(rtt: dict[tuple[str, str], float], factor: float = 3.0) -> list[s
 
 
 # --------------------------------------------------------------------------- accounting
+
 
 def lineage(generations: Sequence[tuple[int, int]], final_step: int) -> list[int]:
     """Batch indices (0-based: step s trains batch s-1) behind the final parameters.

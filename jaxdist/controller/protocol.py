@@ -64,8 +64,10 @@ def load_or_create_token(path: Path) -> str:
 def check_bind(host: str, allow_remote: bool) -> None:
     """Refuse (ConfigError) to listen beyond loopback unless ``allow_remote``."""
     if not is_loopback(host) and not allow_remote:
-        raise ConfigError(f"refusing to listen on '{host}', which is not loopback: set controller.allow_remote=true "
-                          "to accept connections from other machines.")
+        raise ConfigError(
+            f"refusing to listen on '{host}', which is not loopback: set controller.allow_remote=true "
+            "to accept connections from other machines."
+        )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -100,8 +102,9 @@ class Signer:
     def frames(self, msg: dict[str, Any]) -> list[bytes]:
         """[body, mac] for ``msg`` (a dict with at least ``t``, the message type)."""
         self.seq += 1
-        body = json.dumps({**msg, "sender": self.sender, "sid": self.sid, "seq": self.seq, "ts": time.time()},
-                          separators=(",", ":")).encode()
+        body = json.dumps(
+            {**msg, "sender": self.sender, "sid": self.sid, "seq": self.seq, "ts": time.time()}, separators=(",", ":")
+        ).encode()
         return [body, _mac(self.token, body)]
 
 
@@ -159,8 +162,15 @@ class Endpoint:
     socket, ``ZMQ_SRCFD``; without it, nothing is known and the caller relies on its own heartbeats).
     """
 
-    def __init__(self, token: str, host: str, port: int, allow_remote: bool = False,
-                 interval_s: float = 0.25, liveness_s: float = 1.0):
+    def __init__(
+        self,
+        token: str,
+        host: str,
+        port: int,
+        allow_remote: bool = False,
+        interval_s: float = 0.25,
+        liveness_s: float = 1.0,
+    ):
         check_bind(host, allow_remote)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -199,7 +209,6 @@ class Endpoint:
         """One authentic message within ``timeout_s``, or None (timeout, a rejected message, a disconnect)."""
         events = dict(self.poller.poll(int(timeout_s * 1000)))
         if self.monitor in events:
-
             ev = recv_monitor_message(self.monitor)
             ident = self._fd_ident.pop(int(ev["value"]), None)
             if ident is not None and ev["event"] == zmq.EVENT_DISCONNECTED:
@@ -247,8 +256,7 @@ class Peer:
     are only worth their newest value).
     """
 
-    def __init__(self, token: str, controller: str, identity: str, interval_s: float = 0.25,
-                 liveness_s: float = 1.0):
+    def __init__(self, token: str, controller: str, identity: str, interval_s: float = 0.25, liveness_s: float = 1.0):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())

@@ -49,10 +49,16 @@ class SetupKey:
     versions: tuple[tuple[str, str], ...]
 
     @staticmethod
-    def make(hosts, devices_per_host: int, device_kind: str, mesh: dict[str, int],
-             versions: dict[str, str]) -> "SetupKey":
-        return SetupKey(tuple(hosts), int(devices_per_host), str(device_kind).lower(),
-                        tuple(sorted((k, int(v)) for k, v in mesh.items())), tuple(sorted(versions.items())))
+    def make(
+        hosts, devices_per_host: int, device_kind: str, mesh: dict[str, int], versions: dict[str, str]
+    ) -> "SetupKey":
+        return SetupKey(
+            tuple(hosts),
+            int(devices_per_host),
+            str(device_kind).lower(),
+            tuple(sorted((k, int(v)) for k, v in mesh.items())),
+            tuple(sorted(versions.items())),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -109,9 +115,15 @@ class SetupEntry:
         return env
 
     def save(self) -> None:
-        data = {"key": self.key.to_dict(), "coordinator": self.coordinator, "complete": self.complete,
-                "mesh_device_order": self.mesh_device_order, "files": self.files, "created": self.created,
-                "compile_cache": str(self.compile_cache)}
+        data = {
+            "key": self.key.to_dict(),
+            "coordinator": self.coordinator,
+            "complete": self.complete,
+            "mesh_device_order": self.mesh_device_order,
+            "files": self.files,
+            "created": self.created,
+            "compile_cache": str(self.compile_cache),
+        }
         tmp = self.path / "entry.json.tmp"
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, self.path / "entry.json")
@@ -167,9 +179,17 @@ class SetupCache:
             self.stale_removed.append(d.name)
             shutil.rmtree(d, ignore_errors=True)
             return None
-        return SetupEntry(d, key, Path(data["compile_cache"]), data.get("coordinator", ""),
-                          data.get("mesh_device_order"), True, False, dict(data.get("files", {})),
-                          data.get("created", 0.0))
+        return SetupEntry(
+            d,
+            key,
+            Path(data["compile_cache"]),
+            data.get("coordinator", ""),
+            data.get("mesh_device_order"),
+            True,
+            False,
+            dict(data.get("files", {})),
+            data.get("created", 0.0),
+        )
 
     @staticmethod
     def _problem(key: SetupKey, d: Path, data: dict) -> str | None:
@@ -210,8 +230,13 @@ class SetupCache:
             try:
                 data = json.loads(f.read_text())
                 k = data["key"]
-                key = SetupKey(tuple(k["hosts"]), k["devices_per_host"], k["device_kind"],
-                               tuple(tuple(x) for x in k["mesh"]), tuple(tuple(x) for x in k["versions"]))
+                key = SetupKey(
+                    tuple(k["hosts"]),
+                    k["devices_per_host"],
+                    k["device_kind"],
+                    tuple(tuple(x) for x in k["mesh"]),
+                    tuple(tuple(x) for x in k["versions"]),
+                )
             except (OSError, ValueError, KeyError, TypeError):
                 continue
             if data.get("complete") and all(getattr(key, name) == value for name, value in fixed.items()):

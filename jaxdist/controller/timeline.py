@@ -43,14 +43,24 @@ def recoveries(run_dir: str | Path) -> list[dict[str, Any]]:
         prev = next((e for e in events if e["event"] == "start" and e["gen"] == f["gen"]), None)
         last = trained[f["gen"]][-1][0] if trained.get(f["gen"]) else None
         lost = None if nxt is None else max(0, (last if last is not None else nxt["resume_step"]) - nxt["resume_step"])
-        swapped = ({r: n for r, n in start["members"].items() if prev is None or prev["members"].get(r) != n}
-                   if start else {})
-        rows.append({"gen": f["gen"], "kind": ",".join(f["kinds"]), "ranks": f["ranks"], "nodes": f["nodes"],
-                     "signal": inj["signal"] if inj else None,
-                     "detect_s": f["time"] - inj["time"] if inj else None,
-                     "to_first_step_s": nxt["time"] - f["time"] if nxt else None,
-                     "lost_steps": lost, "resume_step": nxt["resume_step"] if nxt else None, "swapped": swapped,
-                     "resumed_from": nxt.get("resumed_from") if nxt else None})
+        swapped = (
+            {r: n for r, n in start["members"].items() if prev is None or prev["members"].get(r) != n} if start else {}
+        )
+        rows.append(
+            {
+                "gen": f["gen"],
+                "kind": ",".join(f["kinds"]),
+                "ranks": f["ranks"],
+                "nodes": f["nodes"],
+                "signal": inj["signal"] if inj else None,
+                "detect_s": f["time"] - inj["time"] if inj else None,
+                "to_first_step_s": nxt["time"] - f["time"] if nxt else None,
+                "lost_steps": lost,
+                "resume_step": nxt["resume_step"] if nxt else None,
+                "swapped": swapped,
+                "resumed_from": nxt.get("resumed_from") if nxt else None,
+            }
+        )
     return rows
 
 
@@ -59,8 +69,12 @@ def summary(values: list[float]) -> dict[str, float]:
     v = sorted(x for x in values if x is not None)
     if not v:
         return {"n": 0, "median": float("nan"), "p90": float("nan"), "max": float("nan")}
-    return {"n": len(v), "median": statistics.median(v), "p90": v[min(len(v) - 1, int(0.9 * len(v) + 0.5) - 1)],
-            "max": v[-1]}
+    return {
+        "n": len(v),
+        "median": statistics.median(v),
+        "p90": v[min(len(v) - 1, int(0.9 * len(v) + 0.5) - 1)],
+        "max": v[-1],
+    }
 
 
 def plot_timeline(run_dir: str | Path, ax=None):
@@ -85,8 +99,7 @@ def plot_timeline(run_dir: str | Path, ax=None):
     top = max((r["step"] for r in trained), default=1)
     for j in injections:
         ax.axvline(j["time"] - t0, color="red", ls="--", lw=1)
-        ax.text(j["time"] - t0, top, f" {j['signal']} rank {j['rank']}", color="red", rotation=90, va="top",
-                fontsize=8)
+        ax.text(j["time"] - t0, top, f" {j['signal']} rank {j['rank']}", color="red", rotation=90, va="top", fontsize=8)
     ax.set_xlabel("seconds since the first start (dotted: green start, black failure detected)")
     ax.set_ylabel("step completed")
     ax.legend(fontsize=7, loc="lower right")

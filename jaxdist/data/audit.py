@@ -130,8 +130,11 @@ def verify(run_dir: str | Path, full: bool = False) -> tuple[bool, list[str]]:
             except BatchListError as e:
                 problems.append(f"cannot replay: {e}")
         ok &= not problems
-        lines.append(f"version {v}: " + ("ok" if not problems else "BAD: " + "; ".join(problems))
-                     + f" ({bl.op['kind']}, {len(bl):,} batches)")
+        lines.append(
+            f"version {v}: "
+            + ("ok" if not problems else "BAD: " + "; ".join(problems))
+            + f" ({bl.op['kind']}, {len(bl):,} batches)"
+        )
         good[v] = bl
     if good:
         newest = good[max(good)]
@@ -150,9 +153,11 @@ def verify(run_dir: str | Path, full: bool = False) -> tuple[bool, list[str]]:
     if good and trained_batches(run_dir):
         r = check_exactly_once(run_dir, max(good))
         ok &= r["ok"]
-        lines.append(f"training log: {r['trained']} batches trained, {r['duplicates']} duplicates, "
-                     f"{r['missing']} missing, {r['misplaced']} out of order, {r['gaps']} steps unlogged; "
-                     f"{r['unused']} not yet trained")
+        lines.append(
+            f"training log: {r['trained']} batches trained, {r['duplicates']} duplicates, "
+            f"{r['missing']} missing, {r['misplaced']} out of order, {r['gaps']} steps unlogged; "
+            f"{r['unused']} not yet trained"
+        )
     return ok, lines
 
 
@@ -160,8 +165,10 @@ def describe(run_dir: str | Path, version: int | None = None, head: int = 5) -> 
     """Human summary: versions, sources, cursor, pending additions and the next ``head`` batch ids."""
     journal = Journal(run_dir)
     bl = journal.load(version)
-    out = [f"batch list of {journal.run_dir}: version {bl.version} of {journal.versions()}, {len(bl):,} batches "
-           f"of {bl.batch_size} x {bl.seq_len + 1} tokens"]
+    out = [
+        f"batch list of {journal.run_dir}: version {bl.version} of {journal.versions()}, {len(bl):,} batches "
+        f"of {bl.batch_size} x {bl.seq_len + 1} tokens"
+    ]
     out.append("versions:")
     for v in journal.versions():
         try:
@@ -177,15 +184,19 @@ def describe(run_dir: str | Path, version: int | None = None, head: int = 5) -> 
     src_of = unpack_ids(bl.order)[0]
     for s in bl.sources:
         share = float(np.mean(src_of == s.id)) if len(bl) else 0.0
-        out.append(f"  {s.id}: {s.kind:<8} {s.name}  {s.n_tokens:,} tokens, "
-                   f"{s.batches_per_epoch(bl.batch_size, bl.seq_len):,} batches/epoch, {100 * share:.1f}% of the list, "
-                   f"sha256 {s.fingerprint[:12]}")
+        out.append(
+            f"  {s.id}: {s.kind:<8} {s.name}  {s.n_tokens:,} tokens, "
+            f"{s.batches_per_epoch(bl.batch_size, bl.seq_len):,} batches/epoch, {100 * share:.1f}% of the list, "
+            f"sha256 {s.fingerprint[:12]}"
+        )
     cur = journal.read_cursor()
     trained = trained_batches(run_dir)
     last = trained[-1]["step"] if trained else 0
-    out.append(f"cursor: {last} (last trained step in metrics.jsonl)"
-               + (f"; {cur['cursor']} at the newest checkpoint save (version {cur['version']})" if cur else ""))
-    nxt = [format_id(x) for x in bl.order[last:last + head]]
+    out.append(
+        f"cursor: {last} (last trained step in metrics.jsonl)"
+        + (f"; {cur['cursor']} at the newest checkpoint save (version {cur['version']})" if cur else "")
+    )
+    nxt = [format_id(x) for x in bl.order[last : last + head]]
     out.append(f"next batches: {', '.join(nxt) if nxt else '(list spent: the next epoch is appended on demand)'}")
     pending = journal.pending()
     out.append(f"pending additions: {', '.join(n for n, _ in pending) if pending else 'none'}")

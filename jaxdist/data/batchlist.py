@@ -50,6 +50,7 @@ class BatchListError(ConfigError):
 
 # --------------------------------------------------------------------------- ids
 
+
 def pack_ids(source, epoch, index) -> np.ndarray:
     """int64 batch ids from (source, epoch, index) arrays or scalars."""
     s, e, i = (np.asarray(x, dtype=np.int64) for x in (source, epoch, index))
@@ -76,6 +77,7 @@ def parse_id(text: str) -> int:
 
 
 # --------------------------------------------------------------------------- sources and versions
+
 
 @dataclasses.dataclass(frozen=True)
 class SourceEntry:
@@ -142,8 +144,9 @@ class BatchList:
     def id_at(self, position: int) -> int:
         """Packed id of the batch at ``position`` (0-based)."""
         if not 0 <= position < len(self.order):
-            raise IndexError(f"position {position} is outside batch list version {self.version} "
-                             f"of {len(self.order)} batches")
+            raise IndexError(
+                f"position {position} is outside batch list version {self.version} of {len(self.order)} batches"
+            )
         return int(self.order[position])
 
     def source(self, source_id: int) -> SourceEntry:
@@ -156,11 +159,19 @@ class BatchList:
     def body(self) -> dict[str, Any]:
         """The JSON content of the version file, without its checksum."""
         raw = np.ascontiguousarray(self.order, dtype="<i8").tobytes()
-        return {"format": FORMAT, "version": self.version, "parent": self.parent, "op": self.op,
-                "batch_size": self.batch_size, "seq_len": self.seq_len,
-                "sources": [s.to_dict() for s in self.sources], "n_batches": len(self.order),
-                "order": base64.b64encode(zlib.compress(raw, 6)).decode("ascii"),
-                "order_sha256": self.order_sha256(), "created": self.created}
+        return {
+            "format": FORMAT,
+            "version": self.version,
+            "parent": self.parent,
+            "op": self.op,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "sources": [s.to_dict() for s in self.sources],
+            "n_batches": len(self.order),
+            "order": base64.b64encode(zlib.compress(raw, 6)).decode("ascii"),
+            "order_sha256": self.order_sha256(),
+            "created": self.created,
+        }
 
 
 def _canonical(body: dict) -> bytes:
@@ -191,12 +202,21 @@ def decode(data: bytes, where: str) -> BatchList:
     order = np.frombuffer(raw, dtype="<i8").astype(np.int64)
     order.flags.writeable = False
     assert len(order) == doc["n_batches"], where
-    return BatchList(version=doc["version"], parent=doc["parent"], op=doc["op"], batch_size=doc["batch_size"],
-                     seq_len=doc["seq_len"], sources=tuple(SourceEntry.from_dict(s) for s in doc["sources"]),
-                     order=order, created=doc["created"], checksum=checksum)
+    return BatchList(
+        version=doc["version"],
+        parent=doc["parent"],
+        op=doc["op"],
+        batch_size=doc["batch_size"],
+        seq_len=doc["seq_len"],
+        sources=tuple(SourceEntry.from_dict(s) for s in doc["sources"]),
+        order=order,
+        created=doc["created"],
+        checksum=checksum,
+    )
 
 
 # --------------------------------------------------------------------------- operations (pure)
+
 
 def epoch_ids(source: SourceEntry, epoch: int, batch_size: int, seq_len: int) -> np.ndarray:
     """The ids of every batch of one epoch of ``source``, in index order."""
@@ -221,8 +241,9 @@ def add_order(parent: np.ndarray, splice: int, new_ids: np.ndarray, seed) -> np.
     return np.concatenate([used, np.random.default_rng(seed).permutation(rest)])
 
 
-def epoch_order(parent: np.ndarray, sources: tuple[SourceEntry, ...], batch_size: int, seq_len: int,
-                seed) -> np.ndarray:
+def epoch_order(
+    parent: np.ndarray, sources: tuple[SourceEntry, ...], batch_size: int, seq_len: int, seed
+) -> np.ndarray:
     """``parent`` then the next epoch of every source (one past its highest epoch in ``parent``), shuffled."""
     src, ep, _ = unpack_ids(parent)
     fresh = []
@@ -232,8 +253,9 @@ def epoch_order(parent: np.ndarray, sources: tuple[SourceEntry, ...], batch_size
     return np.concatenate([parent, np.random.default_rng(seed).permutation(np.concatenate(fresh))])
 
 
-def derive(parent: BatchList | None, op: dict[str, Any], sources: tuple[SourceEntry, ...],
-           batch_size: int, seq_len: int) -> np.ndarray:
+def derive(
+    parent: BatchList | None, op: dict[str, Any], sources: tuple[SourceEntry, ...], batch_size: int, seq_len: int
+) -> np.ndarray:
     """The order that ``op`` makes from ``parent`` (None for ``create``): the one rule replay follows."""
     kind, seed = op["kind"], op["seed"]
     if kind == "create":
@@ -247,14 +269,22 @@ def derive(parent: BatchList | None, op: dict[str, Any], sources: tuple[SourceEn
     raise ValueError(f"unknown batch list operation {kind!r}")
 
 
-def make_version(parent: BatchList | None, op: dict[str, Any], sources: tuple[SourceEntry, ...],
-                 batch_size: int, seq_len: int) -> BatchList:
+def make_version(
+    parent: BatchList | None, op: dict[str, Any], sources: tuple[SourceEntry, ...], batch_size: int, seq_len: int
+) -> BatchList:
     """The next version: ``op`` applied to ``parent`` (version 1 when ``parent`` is None)."""
     order = derive(parent, op, sources, batch_size, seq_len)
     order.flags.writeable = False
-    return BatchList(version=1 if parent is None else parent.version + 1,
-                     parent=None if parent is None else parent.version, op=op, batch_size=batch_size,
-                     seq_len=seq_len, sources=sources, order=order, created=time.time())
+    return BatchList(
+        version=1 if parent is None else parent.version + 1,
+        parent=None if parent is None else parent.version,
+        op=op,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        sources=sources,
+        order=order,
+        created=time.time(),
+    )
 
 
 def epoch_seed(create_seed: int, version: int) -> list[int]:

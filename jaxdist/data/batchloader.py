@@ -103,8 +103,7 @@ class BatchLoader:
 
     def __init__(self, reader: BatchReader, start: int, sharding=None, depth: int = 2):
         def read(position: int):
-            batch = (reader.batch(position) if sharding is None
-                     else global_batch_array(reader, position, sharding))
+            batch = reader.batch(position) if sharding is None else global_batch_array(reader, position, sharding)
             return reader.id_at(position), batch
 
         self.reader = reader
@@ -134,8 +133,18 @@ class RunBatchList:
     boundary. ``version`` and ``reader`` follow the version in use.
     """
 
-    def __init__(self, run_dir: str | Path, train_tokens: np.ndarray, source_name: str, seed: int,
-                 batch_size: int, seq_len: int, *, is_main: bool = True, process_count: int = 1):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        train_tokens: np.ndarray,
+        source_name: str,
+        seed: int,
+        batch_size: int,
+        seq_len: int,
+        *,
+        is_main: bool = True,
+        process_count: int = 1,
+    ):
         self.journal = Journal(run_dir)
         self.seed, self.batch_size, self.seq_len = int(seed), int(batch_size), int(seq_len)
         self.is_main, self.process_count = is_main, process_count
@@ -157,9 +166,11 @@ class RunBatchList:
             raise ConfigError(
                 f"the training data ({self._source_name}) holds {base.n_tokens:,} tokens, fewer than one batch of "
                 f"{self.batch_size} sequences of {self.seq_len + 1} tokens: lower train.batch_size or "
-                "train.seq_len, or give it more data.")
-        return make_version(None, {"kind": "create", "seed": self.seed, "splice": 0}, (base,),
-                            self.batch_size, self.seq_len)
+                "train.seq_len, or give it more data."
+            )
+        return make_version(
+            None, {"kind": "create", "seed": self.seed, "splice": 0}, (base,), self.batch_size, self.seq_len
+        )
 
     def _check_config(self, bl: BatchList) -> None:
         where = self.journal.dir
@@ -167,14 +178,19 @@ class RunBatchList:
             raise ConfigError(
                 f"the batch list in {where} holds batches of {bl.batch_size} sequences of {bl.seq_len} tokens, but "
                 f"the config has train.batch_size={self.batch_size} and train.seq_len={self.seq_len}: restore "
-                "them, or use a new train.name.")
+                "them, or use a new train.name."
+            )
         base = bl.sources[0]
         if base.seed != self.seed:
-            raise ConfigError(f"the batch list in {where} was made with data.seed={base.seed} but the config has "
-                              f"{self.seed}: restore it, or use a new train.name.")
+            raise ConfigError(
+                f"the batch list in {where} was made with data.seed={base.seed} but the config has "
+                f"{self.seed}: restore it, or use a new train.name."
+            )
         if base.name != self._source_name:
-            raise ConfigError(f"the batch list in {where} was made from data '{base.name}' but the config gives "
-                              f"'{self._source_name}': restore the data settings, or use a new train.name.")
+            raise ConfigError(
+                f"the batch list in {where} was made from data '{base.name}' but the config gives "
+                f"'{self._source_name}': restore the data settings, or use a new train.name."
+            )
 
     # ------------------------------------------------------------------ versions
 
@@ -209,30 +225,46 @@ class RunBatchList:
     def resume(self, data_meta: dict[str, Any], cursor: int) -> None:
         """Check that a checkpoint's data meta fits this journal and that the positions before ``cursor`` kept their batches."""
         if data_meta.get("sampler") != SAMPLER:
-            raise ConfigError(f"the checkpoint was written without a batch list (data sampler "
-                              f"{data_meta.get('sampler')!r}): start a new run with a new train.name.")
+            raise ConfigError(
+                f"the checkpoint was written without a batch list (data sampler "
+                f"{data_meta.get('sampler')!r}): start a new run with a new train.name."
+            )
         v, where = int(data_meta["version"]), self.journal.dir
         if v not in self.journal.versions():
-            raise ConfigError(f"the checkpoint was written with batch list version {v}, which {where} lacks: copy "
-                              "the run's batchlist folder along with its checkpoints.")
+            raise ConfigError(
+                f"the checkpoint was written with batch list version {v}, which {where} lacks: copy "
+                "the run's batchlist folder along with its checkpoints."
+            )
         then = self.journal.load(v)
         if data_meta.get("order_sha256") not in (None, then.order_sha256()):
-            raise ConfigError(f"batch list version {v} in {where} is not the one the checkpoint was written with "
-                              "(its order differs): copy the run's batchlist folder along with its checkpoints.")
+            raise ConfigError(
+                f"batch list version {v} in {where} is not the one the checkpoint was written with "
+                "(its order differs): copy the run's batchlist folder along with its checkpoints."
+            )
         now = self.current
         if cursor > len(then) or not np.array_equal(now.order[:cursor], then.order[:cursor]):
-            raise BatchListError(f"batch list version {now.version} in {where} changes batches before position "
-                                 f"{cursor}, which the checkpoint (version {v}) already trained: move the versions "
-                                 f"after {v} aside.")
+            raise BatchListError(
+                f"batch list version {now.version} in {where} changes batches before position "
+                f"{cursor}, which the checkpoint (version {v}) already trained: move the versions "
+                f"after {v} aside."
+            )
 
     def checkpoint_meta(self, cursor: int) -> dict[str, Any]:
         """The data part of a checkpoint's meta at ``cursor``; also records it in the journal's cursor file."""
         bl = self.current
         if self.is_main:
             self.journal.write_cursor(bl.version, cursor)
-        return {"sampler": SAMPLER, "source": bl.sources[0].name, "seed": self.seed,
-                "batch_size": self.batch_size, "seq_len": self.seq_len, "position": cursor, "cursor": cursor,
-                "version": bl.version, "order_sha256": bl.order_sha256()}
+        return {
+            "sampler": SAMPLER,
+            "source": bl.sources[0].name,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "position": cursor,
+            "cursor": cursor,
+            "version": bl.version,
+            "order_sha256": bl.order_sha256(),
+        }
 
     def boundary(self, cursor: int, poll: bool = True) -> bool:
         """At the step boundary before position ``cursor``: adopt additions (if ``poll``), extend a spent list.
@@ -272,21 +304,28 @@ class RunBatchList:
                 known = {s.fingerprint for s in bl.sources}
                 if any(s["fingerprint"] in known for s in req["sources"]):
                     raise ValueError("it holds data the batch list already has")
-                new = tuple(SourceEntry.from_dict({**s, "id": len(bl.sources) + k, "seed": req["seed"],
-                                                   "added_in": bl.version + 1})
-                            for k, s in enumerate(req["sources"]))
+                new = tuple(
+                    SourceEntry.from_dict(
+                        {**s, "id": len(bl.sources) + k, "seed": req["seed"], "added_in": bl.version + 1}
+                    )
+                    for k, s in enumerate(req["sources"])
+                )
                 for s in new:
                     read_source(s)  # missing or changed since it was requested: refuse it here
             except (ValueError, KeyError, TypeError, BatchListError) as e:
                 log.warning("batch list: addition %s rejected: %s", name, e)
                 self.journal.settle(name, "rejected")
                 continue
-            op = {"kind": "add", "seed": req["seed"], "splice": cursor, "sources": [s.id for s in new],
-                  "request": name}
+            op = {"kind": "add", "seed": req["seed"], "splice": cursor, "sources": [s.id for s in new], "request": name}
             bl = self.journal.write(make_version(bl, op, bl.sources + new, self.batch_size, self.seq_len))
             self.journal.settle(name, "applied")
-            log.info("batch list version %d: %s added at position %d (%d batches now)",
-                     bl.version, ", ".join(s.name for s in new), cursor, len(bl))
+            log.info(
+                "batch list version %d: %s added at position %d (%d batches now)",
+                bl.version,
+                ", ".join(s.name for s in new),
+                cursor,
+                len(bl),
+            )
         return bl
 
     # ------------------------------------------------------------------ reading

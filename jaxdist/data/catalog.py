@@ -41,7 +41,7 @@ def fingerprint(tokens: np.ndarray) -> str:
     """SHA-256 (hex) of the token ids as stored (dtype name, then the raw bytes): about 1 GB/s."""
     h = hashlib.sha256(str(tokens.dtype).encode())
     for i in range(0, len(tokens), _CHUNK):
-        h.update(np.ascontiguousarray(tokens[i:i + _CHUNK]).view(np.uint8))
+        h.update(np.ascontiguousarray(tokens[i : i + _CHUNK]).view(np.uint8))
     return h.hexdigest()
 
 
@@ -50,15 +50,24 @@ def quick_fingerprint(tokens: np.ndarray) -> str:
     n = len(tokens)
     h = hashlib.sha256(f"{tokens.dtype}:{n}".encode())
     for start in np.linspace(0, max(0, n - _QUICK_LEN), _QUICK_SLICES).astype(np.int64):
-        h.update(np.ascontiguousarray(tokens[start:start + _QUICK_LEN]).view(np.uint8))
+        h.update(np.ascontiguousarray(tokens[start : start + _QUICK_LEN]).view(np.uint8))
     return h.hexdigest()
 
 
 def config_entry(tokens: np.ndarray, name: str, seed: int) -> SourceEntry:
     """Source 0 of a run: the train split of its ``data.*`` source."""
-    return SourceEntry(id=0, kind="config", name=name, path="", token_dtype=str(tokens.dtype),
-                       n_tokens=len(tokens), fingerprint=fingerprint(tokens), quick=quick_fingerprint(tokens),
-                       seed=int(seed), added_in=1)
+    return SourceEntry(
+        id=0,
+        kind="config",
+        name=name,
+        path="",
+        token_dtype=str(tokens.dtype),
+        n_tokens=len(tokens),
+        fingerprint=fingerprint(tokens),
+        quick=quick_fingerprint(tokens),
+        seed=int(seed),
+        added_in=1,
+    )
 
 
 def _text_file(p: Path) -> np.ndarray:
@@ -73,8 +82,10 @@ def _token_file(p: Path, token_dtype: str) -> np.ndarray:
         raise ConfigError(f"token dtype '{token_dtype}' is not supported: use uint16 or uint32.")
     size, itemsize = p.stat().st_size, np.dtype(token_dtype).itemsize
     if size == 0 or size % itemsize:
-        raise ConfigError(f"token file '{p}' has {size} bytes, not a positive multiple of {itemsize} "
-                          f"({token_dtype}): pass the dtype it was written with.")
+        raise ConfigError(
+            f"token file '{p}' has {size} bytes, not a positive multiple of {itemsize} "
+            f"({token_dtype}): pass the dtype it was written with."
+        )
     return np.memmap(p, dtype=token_dtype, mode="r")
 
 
@@ -109,14 +120,23 @@ def read_source(entry: SourceEntry, config_tokens: np.ndarray | None = None) -> 
     else:
         p = Path(entry.path)
         if not p.exists():
-            raise BatchListError(f"source {entry.id} of the batch list, '{entry.path}', is missing: put it back, "
-                                 "since the run's remaining batches read from it.")
-        tokens = (_token_file(p, entry.token_dtype) if entry.kind == "tokens" else
-                  _text_file(p) if entry.kind == "text" else read_path(p)[1])
+            raise BatchListError(
+                f"source {entry.id} of the batch list, '{entry.path}', is missing: put it back, "
+                "since the run's remaining batches read from it."
+            )
+        tokens = (
+            _token_file(p, entry.token_dtype)
+            if entry.kind == "tokens"
+            else _text_file(p)
+            if entry.kind == "text"
+            else read_path(p)[1]
+        )
         what, fix = f"'{entry.path}'", "put back the data that was added"
     if len(tokens) != entry.n_tokens or quick_fingerprint(tokens) != entry.quick:
-        raise BatchListError(f"source {entry.id} of the batch list ({what}) has changed since it was registered "
-                             f"({len(tokens):,} tokens now, {entry.n_tokens:,} then): {fix}.")
+        raise BatchListError(
+            f"source {entry.id} of the batch list ({what}) has changed since it was registered "
+            f"({len(tokens):,} tokens now, {entry.n_tokens:,} then): {fix}."
+        )
     return tokens
 
 
@@ -127,8 +147,14 @@ def _run_token_dtype(run_dir: Path) -> str:
         return "uint16"
 
 
-def add_data(run_dir: str | Path, paths: list[str | Path], *, seed: int | None = None, kind: str = "auto",
-             token_dtype: str | None = None) -> dict[str, Any]:
+def add_data(
+    run_dir: str | Path,
+    paths: list[str | Path],
+    *,
+    seed: int | None = None,
+    kind: str = "auto",
+    token_dtype: str | None = None,
+) -> dict[str, Any]:
     """Register ``paths`` as new training data of the run in ``run_dir``; the trainer mixes it in.
 
     The request waits in ``<run>/batchlist/requests/`` until the trainer's next
@@ -156,16 +182,28 @@ def add_data(run_dir: str | Path, paths: list[str | Path], *, seed: int | None =
         k, tokens = read_path(path, kind, token_dtype)
         fp = fingerprint(tokens)
         if fp in known:
-            raise ConfigError(f"'{path}' holds the same data (fingerprint {fp[:12]}) as {known[fp]}: "
-                              "each piece of data is added once, so leave it out.")
+            raise ConfigError(
+                f"'{path}' holds the same data (fingerprint {fp[:12]}) as {known[fp]}: "
+                "each piece of data is added once, so leave it out."
+            )
         batches = max(0, (len(tokens) - 1) // L) // B
         if batches < 1:
-            raise ConfigError(f"'{path}' holds {len(tokens):,} tokens, fewer than one batch of {B} sequences of "
-                              f"{L + 1} tokens needs ({B * L + 1:,}): add it together with more data.")
+            raise ConfigError(
+                f"'{path}' holds {len(tokens):,} tokens, fewer than one batch of {B} sequences of "
+                f"{L + 1} tokens needs ({B * L + 1:,}): add it together with more data."
+            )
         known[fp] = f"'{path}' given earlier in the same call"
-        entries.append({"kind": k, "name": str(path), "path": str(Path(path).resolve()),
-                        "token_dtype": str(tokens.dtype), "n_tokens": len(tokens), "fingerprint": fp,
-                        "quick": quick_fingerprint(tokens)})
+        entries.append(
+            {
+                "kind": k,
+                "name": str(path),
+                "path": str(Path(path).resolve()),
+                "token_dtype": str(tokens.dtype),
+                "n_tokens": len(tokens),
+                "fingerprint": fp,
+                "quick": quick_fingerprint(tokens),
+            }
+        )
         total += batches
     seed = secrets.randbits(63) if seed is None else int(seed)
     name = journal.submit({"sources": entries, "seed": seed, "created": time.time()})

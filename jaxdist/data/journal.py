@@ -73,28 +73,34 @@ class Journal:
         if version is None:
             version = self.latest()
             if version is None:
-                raise BatchListError(f"{self.run_dir} has no batch list ({self.dir} is empty or missing): "
-                                     "start training once with `jaxdist train` to create it.")
+                raise BatchListError(
+                    f"{self.run_dir} has no batch list ({self.dir} is empty or missing): "
+                    "start training once with `jaxdist train` to create it."
+                )
         path = self.path(version)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            raise BatchListError(f"batch list version {version} does not exist in {self.dir} "
-                                 f"(versions: {self.versions() or 'none'}).") from None
+            raise BatchListError(
+                f"batch list version {version} does not exist in {self.dir} (versions: {self.versions() or 'none'})."
+            ) from None
         try:
             bl = decode(data, str(path))
             if bl.version != version:
                 raise ValueError(f"it holds version {bl.version}")
         except (ValueError, KeyError, TypeError, zlib.error) as e:
-            raise BatchListError(f"batch list version {version} ({path}) is damaged: {e}; "
-                                 f"{self._fallback_hint(version)}") from None
+            raise BatchListError(
+                f"batch list version {version} ({path}) is damaged: {e}; {self._fallback_hint(version)}"
+            ) from None
         return bl
 
     def _fallback_hint(self, version: int) -> str:
         older = [v for v in self.versions() if v < version]
         if older:
-            return (f"move that file aside to continue from version {older[-1]}, which stays usable "
-                    "(`jaxdist data verify` checks every version).")
+            return (
+                f"move that file aside to continue from version {older[-1]}, which stays usable "
+                "(`jaxdist data verify` checks every version)."
+            )
         return "delete the batchlist folder to rebuild version 1 from the config."
 
     def write(self, bl: BatchList) -> BatchList:
@@ -154,8 +160,10 @@ class Journal:
     def write_cursor(self, version: int, cursor: int) -> None:
         """Record the version and cursor of the newest checkpoint save (for ``jaxdist data show``)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        atomic_write(self.dir / "cursor.json",
-                     json.dumps({"version": version, "cursor": cursor, "time": time.time()}).encode() + b"\n")
+        atomic_write(
+            self.dir / "cursor.json",
+            json.dumps({"version": version, "cursor": cursor, "time": time.time()}).encode() + b"\n",
+        )
 
     def read_cursor(self) -> dict[str, Any] | None:
         try:

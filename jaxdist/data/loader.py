@@ -49,7 +49,8 @@ class SequenceSampler:
         if self.n_windows < 1:
             raise ConfigError(
                 f"the {name} split has {len(tokens)} tokens, fewer than one window of seq_len+1 = "
-                f"{self.seq_len + 1}: lower train.seq_len or give the {name} split more data.")
+                f"{self.seq_len + 1}: lower train.seq_len or give the {name} split more data."
+            )
         self._perms: dict[int, np.ndarray] = {}  # the (at most two) epochs last used
         self._lock = threading.Lock()
 
@@ -159,8 +160,7 @@ class Prefetcher:
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._work, args=(start_step,), name="jaxdist-prefetch",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._work, args=(start_step,), name="jaxdist-prefetch", daemon=True)
         self._thread.start()
 
     def _work(self, step: int) -> None:

@@ -53,8 +53,7 @@ class TokenSplit:
     def summary(self) -> str:
         """One line for logs: source, files and token counts."""
         files = f"{self.n_files} files ({self.n_eval_files} eval)" if self.n_eval_files else f"{self.n_files} file(s)"
-        return (f"{self.name}: {files}, {len(self.train):,} train tokens, "
-                f"{len(self.eval):,} eval tokens")
+        return f"{self.name}: {files}, {len(self.train):,} train tokens, {len(self.eval):,} eval tokens"
 
 
 def eval_file_mask(relpaths: list[str], eval_fraction: float) -> np.ndarray:
@@ -84,8 +83,10 @@ def load_source(cfg: DataConfig) -> TokenSplit:
         root = sysconfig.get_paths()["stdlib"]
         entries = _stdlib_files(root)
         if not entries:
-            raise ConfigError(f"no .py files found under the standard library at '{root}': "
-                              "use data.source=text_dir with a directory of text files instead.")
+            raise ConfigError(
+                f"no .py files found under the standard library at '{root}': "
+                "use data.source=text_dir with a directory of text files instead."
+            )
         return _text_split("stdlib", "the standard library", root, entries, cfg)
     if cfg.source == "text_dir":
         return _load_text_dir(cfg)
@@ -120,8 +121,9 @@ def write_token_file(path: str | Path, ids, dtype: str = "uint16") -> Path:
 _Entry = tuple[str, int, int]
 
 
-def _scan(root: str, *, suffix: str = "", skip_dirs: frozenset = frozenset(),
-          ignore_errors: bool = False) -> tuple[_Entry, ...]:
+def _scan(
+    root: str, *, suffix: str = "", skip_dirs: frozenset = frozenset(), ignore_errors: bool = False
+) -> tuple[_Entry, ...]:
     """Regular files under ``root`` (recursively, symlinked dirs not followed), sorted by relative path."""
     out: list[_Entry] = []
     stack = [root]
@@ -161,8 +163,9 @@ def _load_text_dir(cfg: DataConfig) -> TokenSplit:
         raise ConfigError(f"data.path '{root}' is not a directory: point it at a directory of text files.")
     entries = _scan(str(root.resolve()))
     if not entries:
-        raise ConfigError(f"data.path '{root}' contains no files: add text files to it or point data.path "
-                          "at another directory.")
+        raise ConfigError(
+            f"data.path '{root}' contains no files: add text files to it or point data.path at another directory."
+        )
     return _text_split(f"text_dir:{root}", f"data.path '{root}'", str(root.resolve()), entries, cfg)
 
 
@@ -170,12 +173,16 @@ def _text_split(name: str, where: str, root: str, entries: tuple[_Entry, ...], c
     """Cap, split by file and read; ``where`` names the source in error messages."""
     chosen = _cap(entries, cfg.max_bytes)
     if not chosen:
-        raise ConfigError(f"data.max_bytes={cfg.max_bytes} is smaller than the first file '{entries[0][0]}' "
-                          f"({entries[0][1]} bytes) of {where}: raise data.max_bytes or set it to 0.")
+        raise ConfigError(
+            f"data.max_bytes={cfg.max_bytes} is smaller than the first file '{entries[0][0]}' "
+            f"({entries[0][1]} bytes) of {where}: raise data.max_bytes or set it to 0."
+        )
     if len(chosen) < 2:
         cap = f" within data.max_bytes={cfg.max_bytes}" if len(entries) >= 2 else ""
-        raise ConfigError(f"{where} gives only one file{cap}, but train and eval are split by file: "
-                          + ("raise data.max_bytes." if cap else "add at least one more file."))
+        raise ConfigError(
+            f"{where} gives only one file{cap}, but train and eval are split by file: "
+            + ("raise data.max_bytes." if cap else "add at least one more file.")
+        )
     train, eval_, n_eval = _read_split(root, chosen, cfg.eval_fraction)
     return TokenSplit(train=train, eval=eval_, name=name, n_files=len(chosen), n_eval_files=n_eval)
 
@@ -185,7 +192,7 @@ def _cap(entries: tuple[_Entry, ...], max_bytes: int) -> tuple[_Entry, ...]:
     if max_bytes <= 0:
         return entries
     ends = np.cumsum([size for _, size, _ in entries])
-    return entries[:int(np.searchsorted(ends, max_bytes, side="right"))]
+    return entries[: int(np.searchsorted(ends, max_bytes, side="right"))]
 
 
 @functools.lru_cache(maxsize=4)
@@ -220,6 +227,7 @@ def _concat(root: str, entries: list[_Entry]) -> np.ndarray:
 
 # --------------------------------------------------------------------------- token file
 
+
 def _load_token_file(cfg: DataConfig) -> TokenSplit:
     if cfg.token_dtype not in TOKEN_DTYPES:
         raise ConfigError(f"data.token_dtype='{cfg.token_dtype}' is not supported: use uint16 or uint32.")
@@ -231,17 +239,22 @@ def _load_token_file(cfg: DataConfig) -> TokenSplit:
     size = p.stat().st_size
     itemsize = np.dtype(cfg.token_dtype).itemsize
     if size == 0:
-        raise ConfigError(f"token file '{p}' is empty: write tokens to it (see write_token_file) "
-                          "or point data.path at another file.")
+        raise ConfigError(
+            f"token file '{p}' is empty: write tokens to it (see write_token_file) or point data.path at another file."
+        )
     if size % itemsize:
-        raise ConfigError(f"token file '{p}' has {size} bytes, not a multiple of {itemsize} "
-                          f"({cfg.token_dtype}): set data.token_dtype to the type the file was written with.")
+        raise ConfigError(
+            f"token file '{p}' has {size} bytes, not a multiple of {itemsize} "
+            f"({cfg.token_dtype}): set data.token_dtype to the type the file was written with."
+        )
     n = size // itemsize
     n_eval = int(n * cfg.eval_fraction)
     # Two tokens are the least one (input, target) pair needs on each side.
     if n_eval < 2 or n - n_eval < 2:
-        raise ConfigError(f"token file '{p}' holds only {n} tokens, too few to hold out "
-                          f"data.eval_fraction={cfg.eval_fraction} with at least 2 tokens on each side: "
-                          "use a longer token file.")
+        raise ConfigError(
+            f"token file '{p}' holds only {n} tokens, too few to hold out "
+            f"data.eval_fraction={cfg.eval_fraction} with at least 2 tokens on each side: "
+            "use a longer token file."
+        )
     mm = np.memmap(p, dtype=cfg.token_dtype, mode="r")
-    return TokenSplit(train=mm[:n - n_eval], eval=mm[n - n_eval:], name=f"tokens:{p}", n_files=1)
+    return TokenSplit(train=mm[: n - n_eval], eval=mm[n - n_eval :], name=f"tokens:{p}", n_files=1)

@@ -36,7 +36,7 @@ class ByteTokenizer:
         out = np.empty(len(body) + bos + eos, dtype=np.uint16)
         if bos:
             out[0] = BOS
-        out[bos:bos + len(body)] = body
+        out[bos : bos + len(body)] = body
         if eos:
             out[-1] = EOS
         return out

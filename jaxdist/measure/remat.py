@@ -43,14 +43,14 @@ def _cost(cost: Any) -> dict:
     return (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
 
 
-def gradient_program(cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, policy: Any,
-                     rules: Rules = DEFAULT_RULES):
+def gradient_program(cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, policy: Any, rules: Rules = DEFAULT_RULES):
     """(jitted grad function, abstract sharded params, abstract sharded tokens) for ``policy`` on ``mesh``."""
     graphdef, abstract, names = create_abstract(cfg, remat_policy=policy)
 
     def sharded(a, n):
-        return jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                    sharding=NamedSharding(mesh, logical_to_spec(n, rules, mesh, a.shape)))
+        return jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(mesh, logical_to_spec(n, rules, mesh, a.shape))
+        )
 
     params = jax.tree.map(lambda n, a: sharded(a, n), names, abstract, is_leaf=lambda x: isinstance(x, tuple))
     tokens = sharded(jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32), ("batch", "seq"))
@@ -58,8 +58,9 @@ def gradient_program(cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, pol
     return grad, params, tokens
 
 
-def compiled_cost(cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, policy: Any,
-                  rules: Rules = DEFAULT_RULES) -> CompiledCost:
+def compiled_cost(
+    cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, policy: Any, rules: Rules = DEFAULT_RULES
+) -> CompiledCost:
     """Compile the gradient program with ``policy`` (None: no checkpointing) and read XLA's figures."""
     grad, params, tokens = gradient_program(cfg, mesh, batch, seq_len, policy, rules)
     with sharded_tracing(mesh, rules):
@@ -69,8 +70,9 @@ def compiled_cost(cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, policy
     return CompiledCost(int(mem.temp_size_in_bytes), float(_cost(compiled.cost_analysis()).get("flops", 0.0)))
 
 
-def measure_policies(cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, policies: dict[str, Any],
-                     rules: Rules = DEFAULT_RULES) -> dict[str, CompiledCost]:
+def measure_policies(
+    cfg: ModelConfig, mesh: Mesh, batch: int, seq_len: int, policies: dict[str, Any], rules: Rules = DEFAULT_RULES
+) -> dict[str, CompiledCost]:
     """:func:`compiled_cost` for each named policy; policies that save the same thing compile once.
 
     Two policies are the same when they are the same object, or both save
@@ -105,8 +107,9 @@ def _closure_names(policy: Any) -> frozenset | None:
     return None
 
 
-def dominated_by(point: tuple[float, float], others: dict[str, tuple[float, float]],
-                 tol: tuple[float, float] = (0.0, 0.0)) -> str | None:
+def dominated_by(
+    point: tuple[float, float], others: dict[str, tuple[float, float]], tol: tuple[float, float] = (0.0, 0.0)
+) -> str | None:
     """Name of the first of ``others`` that dominates ``point`` = (bytes, flops), or None.
 
     B dominates A when B is no worse in both (within ``tol``) and better in

@@ -56,8 +56,15 @@ RANKING_STRATEGIES = [
     ["mesh.data=1", "mesh.fsdp=4", "mesh.tensor=2", "train.microbatches=8"],
 ]
 # One pair of the small preset the memory and collective checks add to those.
-SMALL_CHECK = ["model=small", "train.batch_size=32", "train.seq_len=64", "mesh.data=2", "mesh.fsdp=2",
-               "mesh.tensor=2", "train.remat=full"]
+SMALL_CHECK = [
+    "model=small",
+    "train.batch_size=32",
+    "train.seq_len=64",
+    "mesh.data=2",
+    "mesh.fsdp=2",
+    "mesh.tensor=2",
+    "train.remat=full",
+]
 
 _RUNS = itertools.count()  # one run directory per measured config: each keeps its own batch list
 
@@ -65,8 +72,14 @@ _RUNS = itertools.count()  # one run directory per measured config: each keeps i
 def measurement_config(overrides: list[str], runs_dir: str | None = None) -> Config:
     """A config for measuring: no checkpoints, no progress bar, no TensorBoard, little data, runs in a temp dir."""
     runs_dir = runs_dir or tempfile.mkdtemp(prefix="jaxdist-measure-")
-    base = ["data.max_bytes=200000", "train.progress=false", "train.tensorboard=false",
-            "checkpoint.enabled=false", f"train.runs_dir={runs_dir}", f"train.name=measure-{next(_RUNS)}"]
+    base = [
+        "data.max_bytes=200000",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "checkpoint.enabled=false",
+        f"train.runs_dir={runs_dir}",
+        f"train.name=measure-{next(_RUNS)}",
+    ]
     return load_config(None, base + list(overrides))
 
 
@@ -88,8 +101,9 @@ def _zero_state(trainer) -> dict:
     return jax.tree.map(lambda a: jax.device_put(np.zeros(a.shape, a.dtype), a.sharding), trainer.abstract_state())
 
 
-def measure_strategies(cfgs: list[Config], devices: list | None = None, rounds: int = 5,
-                       steps_per_round: int = 3, warmup: int = 2) -> list[StepMeasurement]:
+def measure_strategies(
+    cfgs: list[Config], devices: list | None = None, rounds: int = 5, steps_per_round: int = 3, warmup: int = 2
+) -> list[StepMeasurement]:
     """Memory, collectives and seconds per step of each config's compiled Trainer step, timed round-robin.
 
     All configs are compiled and initialised first; then each round runs
@@ -103,17 +117,23 @@ def measure_strategies(cfgs: list[Config], devices: list | None = None, rounds: 
         trainer = Trainer(cfg, devices)
         compiled = _compile(trainer)
         ma = compiled.memory_analysis()
-        found.append(StepMeasurement(
-            memory_bytes=int(ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-                             - ma.alias_size_in_bytes),
-            temp_bytes=int(ma.temp_size_in_bytes), argument_bytes=int(ma.argument_size_in_bytes),
-            collective_bytes=collective_bytes(compiled.as_text(), len(devices))))
+        found.append(
+            StepMeasurement(
+                memory_bytes=int(
+                    ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes - ma.alias_size_in_bytes
+                ),
+                temp_bytes=int(ma.temp_size_in_bytes),
+                argument_bytes=int(ma.argument_size_in_bytes),
+                collective_bytes=collective_bytes(compiled.as_text(), len(devices)),
+            )
+        )
         if rounds <= 0:
             trainer.close()
             continue
         state = _zero_state(trainer)
         tokens = np.random.default_rng(0).integers(
-            0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), dtype=np.int32)
+            0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.train.seq_len + 1), dtype=np.int32
+        )
         batch = jax.device_put(tokens, trainer.batch_sharding)
         for _ in range(warmup):
             state, metrics = compiled(state, batch)

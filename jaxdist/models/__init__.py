@@ -8,8 +8,15 @@ import importlib
 
 from jaxdist.models.names import CHECKPOINT_NAMES
 
-__all__ = ["CHECKPOINT_NAMES", "Transformer", "apply", "apply_with_aux", "block_forward", "create_abstract",
-           "init_params"]
+__all__ = [
+    "CHECKPOINT_NAMES",
+    "Transformer",
+    "apply",
+    "apply_with_aux",
+    "block_forward",
+    "create_abstract",
+    "init_params",
+]
 
 
 def __getattr__(name):

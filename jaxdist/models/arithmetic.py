@@ -36,6 +36,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 # --------------------------------------------------------------------------- parameters (elements)
 
+
 def moe_blocks(m: ModelConfig) -> int:
     """Number of MoE blocks: every ``moe.every``-th of ``n_layers`` (0 for a dense model)."""
     return m.n_layers // m.moe.every if m.moe.experts else 0
@@ -92,6 +93,7 @@ def matmul_params(m: ModelConfig, active: bool = True) -> int:
 
 # --------------------------------------------------------------------------- FLOPs (per token)
 
+
 def score_flops_fwd(m: ModelConfig, seq_len: int) -> float:
     """Forward FLOPs per token of one block's attention scores ``q k^T`` (the context ``p v`` costs as much)."""
     return 2.0 * m.n_heads * m.head_dim * seq_len
@@ -134,6 +136,7 @@ def train_flops_per_token(m: ModelConfig, seq_len: int) -> float:
 
 
 # --------------------------------------------------------------------------- train-state bytes (per device)
+
 
 @dataclass(frozen=True)
 class TrainStateBytes:

@@ -27,8 +27,9 @@ Constrain = Callable[[Any, Sequence["str | None"]], Any]
 ExpertDispatch = Callable[..., tuple[Any, Any]]
 
 _CONSTRAIN: contextvars.ContextVar[Constrain | None] = contextvars.ContextVar("jaxdist_constrain", default=None)
-_DISPATCH: contextvars.ContextVar[ExpertDispatch | None] = contextvars.ContextVar("jaxdist_expert_dispatch",
-                                                                                  default=None)
+_DISPATCH: contextvars.ContextVar[ExpertDispatch | None] = contextvars.ContextVar(
+    "jaxdist_expert_dispatch", default=None
+)
 
 
 def constrain(x, names: Sequence[str | None]):

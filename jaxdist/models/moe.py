@@ -77,20 +77,26 @@ def moe_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[
     }
     if cfg.moe.shared_d_ff:
         fs = cfg.moe.shared_d_ff
-        specs.update({"ws_gate": ((d, fs), ("embed", "mlp")), "ws_up": ((d, fs), ("embed", "mlp")),
-                      "ws_down": ((fs, d), ("mlp", "embed"))})
+        specs.update(
+            {
+                "ws_gate": ((d, fs), ("embed", "mlp")),
+                "ws_up": ((d, fs), ("embed", "mlp")),
+                "ws_down": ((fs, d), ("mlp", "embed")),
+            }
+        )
     return specs
 
 
 # --------------------------------------------------------------------------- routing
+
 
 class Routing(NamedTuple):
     """A router's decision for N tokens."""
 
     experts: jax.Array  # [N, k] int32 expert ids, best first
     weights: jax.Array  # [N, k] float32 combine weights
-    probs: jax.Array    # [N, E] float32 router distribution (for the balance loss)
-    logits: jax.Array   # [N, E] float32 router logits (for the z-loss)
+    probs: jax.Array  # [N, E] float32 router distribution (for the balance loss)
+    logits: jax.Array  # [N, E] float32 router logits (for the z-loss)
 
 
 def route(x: jax.Array, w_router: jax.Array, cfg: ModelConfig) -> Routing:
@@ -122,6 +128,7 @@ def router_losses(r: Routing, n_experts: int) -> dict[str, jax.Array]:
 
 # --------------------------------------------------------------------------- expert kernels
 
+
 def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU FFN of rows x [..., d] with [d, f], [d, f], [f, d] weights."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
@@ -139,8 +146,9 @@ def experts_reference(x: jax.Array, experts: jax.Array, weights: jax.Array, p: d
     return jnp.einsum("nk,nkd->nd", weights.astype(y.dtype), y)
 
 
-def grouped_ffn(rows: jax.Array, expert: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array,
-                rows_sorted: bool = False) -> jax.Array:
+def grouped_ffn(
+    rows: jax.Array, expert: jax.Array, wg: jax.Array, wu: jax.Array, wd: jax.Array, rows_sorted: bool = False
+) -> jax.Array:
     """SwiGLU of each row [R, d] through its expert (ids [R] in 0..E_local; E_local marks padding).
 
     Rows are grouped by expert and run through ``jax.lax.ragged_dot`` (one
@@ -178,7 +186,7 @@ def capacity_slots(experts: jax.Array, n_experts: int, capacity: int) -> tuple[j
     capacity + position, or ``n_experts * capacity`` for a dropped assignment.
     """
     n, k = experts.shape
-    by_choice = experts.T.reshape(-1)                                   # [k*N], choice-major
+    by_choice = experts.T.reshape(-1)  # [k*N], choice-major
     onehot = jax.nn.one_hot(by_choice, n_experts, dtype=jnp.int32)
     position = jnp.take_along_axis(jnp.cumsum(onehot, axis=0) - 1, by_choice[:, None], axis=1)[:, 0]
     position = position.reshape(k, n).T
@@ -198,9 +206,14 @@ def _no_reduce(y: jax.Array) -> jax.Array:
     return y
 
 
-def local_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, params: dict[str, jax.Array],
-                  cfg: ModelConfig, reduce: Callable[[jax.Array], jax.Array] = _no_reduce
-                  ) -> tuple[jax.Array, jax.Array]:
+def local_experts(
+    x: jax.Array,
+    experts: jax.Array,
+    weights: jax.Array,
+    params: dict[str, jax.Array],
+    cfg: ModelConfig,
+    reduce: Callable[[jax.Array], jax.Array] = _no_reduce,
+) -> tuple[jax.Array, jax.Array]:
     """Routed expert outputs for tokens x [N, d] with expert ids / weights [N, k], every expert held here.
 
     ``params``: we_gate, we_up [E, d, f] and we_down [E, f, d].  Returns
@@ -234,6 +247,7 @@ def local_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, params: 
 
 
 # --------------------------------------------------------------------------- the block
+
 
 def moe_forward(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE feed-forward of one block on normed activations x [B, T, d].

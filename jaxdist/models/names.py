@@ -10,8 +10,18 @@ from __future__ import annotations
 
 from jaxdist.config import ModelConfig
 
-CHECKPOINT_NAMES = ("attn_norm", "query_proj", "key_proj", "value_proj", "attn_context",
-                    "attn_out", "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
+CHECKPOINT_NAMES = (
+    "attn_norm",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "attn_context",
+    "attn_out",
+    "mlp_norm",
+    "mlp_gate",
+    "mlp_up",
+    "mlp_out",
+)
 
 
 def block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:

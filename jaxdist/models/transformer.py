@@ -84,8 +84,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: int = 0
     return out.reshape(b, tq, h, dh).astype(q.dtype)
 
 
-def _attention_inputs(w: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
-                      cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _attention_inputs(
+    w: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Norm, q/k/v projections and rotary of one block: (q [B,T,H,D], k, v [B,T,KV,D]), named and constrained."""
     h = checkpoint_name(rms_norm(x, w["attn_norm"], cfg.norm_eps), "attn_norm")
     q = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wq"]), "query_proj")
@@ -113,8 +114,9 @@ def _mlp_residual(w: dict[str, jax.Array], x: jax.Array, h: jax.Array) -> jax.Ar
     return constrain(x + out, ("batch", "seq", "embed"))
 
 
-def block_forward(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
-                  cfg: ModelConfig, with_aux: bool = False) -> jax.Array:
+def block_forward(
+    p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig, with_aux: bool = False
+) -> jax.Array:
     """One transformer block on activations x [B, T, d_model]; p holds one layer's weights.
 
     A block whose weights include a ``router`` runs the MoE (jaxdist.models.moe)
@@ -134,9 +136,15 @@ def block_forward(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: ja
     return (x, {}) if with_aux else x
 
 
-def block_forward_cached(p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
-                         cfg: ModelConfig, k_prefix: jax.Array | None = None,
-                         v_prefix: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def block_forward_cached(
+    p: dict[str, jax.Array],
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    cfg: ModelConfig,
+    k_prefix: jax.Array | None = None,
+    v_prefix: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One dense block on a chunk of a sequence whose earlier positions' keys and values are cached.
 
     x [B, Tc, d] holds positions P..P+Tc-1, P = k_prefix.shape[1] (0 without a
@@ -251,6 +259,7 @@ class Transformer(nnx.Module):
 
         stacked = {k: v[...] for k, v in self.layers.items()}
         if cfg.moe.experts:  # scan over groups of moe.every blocks, the last of each an MoE block
+
             def body(x, group):
                 aux = {}
                 for j in range(cfg.moe.every):
@@ -284,15 +293,17 @@ def create_abstract(cfg: ModelConfig, seed: int = 0, remat_policy: Any = None):
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed), remat_policy=remat_policy))
     graphdef, state = nnx.split(model)
-    names = jax.tree.map(lambda v: tuple(v.get_metadata().get("out_sharding") or ()), state,
-                         is_leaf=lambda v: isinstance(v, nnx.Variable))
+    names = jax.tree.map(
+        lambda v: tuple(v.get_metadata().get("out_sharding") or ()),
+        state,
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
     return graphdef, state.to_pure_dict(), _pure(names)
 
 
 def _pure(state) -> dict:
     # nnx.State of plain leaves -> nested dict.
-    return {k: _pure(v) if isinstance(v, (dict, nnx.State)) or hasattr(v, "items") else v
-            for k, v in state.items()}
+    return {k: _pure(v) if isinstance(v, (dict, nnx.State)) or hasattr(v, "items") else v for k, v in state.items()}
 
 
 def init_params(cfg: ModelConfig, seed: int = 0) -> dict:

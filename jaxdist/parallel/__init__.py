@@ -12,7 +12,15 @@ from jaxdist.parallel.rules import (
 )
 
 __all__ = [
-    "build_mesh", "cluster_from_devices", "describe_mesh", "hybrid_shapes",
-    "DEFAULT_RULES", "activation_sharding", "constrain", "logical_to_spec", "state_shardings",
-    "Parallelism", "sharded_tracing",
+    "build_mesh",
+    "cluster_from_devices",
+    "describe_mesh",
+    "hybrid_shapes",
+    "DEFAULT_RULES",
+    "activation_sharding",
+    "constrain",
+    "logical_to_spec",
+    "state_shardings",
+    "Parallelism",
+    "sharded_tracing",
 ]

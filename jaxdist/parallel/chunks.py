@@ -77,8 +77,9 @@ def _spread(bounds: list[int], cost: ChunkCost) -> float:
     return max(c) - min(c)
 
 
-def chunk_boundaries(seq_len: int, chunks: int, cost: ChunkCost | None = None, split: str = "cost",
-                     multiple_of: int = 1) -> tuple[int, ...]:
+def chunk_boundaries(
+    seq_len: int, chunks: int, cost: ChunkCost | None = None, split: str = "cost", multiple_of: int = 1
+) -> tuple[int, ...]:
     """Chunk boundaries ``(0, b1, ..., seq_len)`` (``chunks + 1`` token positions).
 
     ``split="cost"`` equalises ``cost(a, b)`` (needs ``cost``); ``"equal"`` cuts
@@ -91,14 +92,18 @@ def chunk_boundaries(seq_len: int, chunks: int, cost: ChunkCost | None = None, s
     if chunks < 1 or multiple_of < 1:
         raise ValueError(f"chunks={chunks} and multiple_of={multiple_of} must be positive.")
     if seq_len % multiple_of or seq_len // multiple_of < chunks:
-        raise ValueError(f"a sequence of {seq_len} tokens does not split into {chunks} chunks of whole "
-                         f"{multiple_of}-token blocks: choose a sequence length that is a multiple of "
-                         f"{chunks * multiple_of}.")
+        raise ValueError(
+            f"a sequence of {seq_len} tokens does not split into {chunks} chunks of whole "
+            f"{multiple_of}-token blocks: choose a sequence length that is a multiple of "
+            f"{chunks * multiple_of}."
+        )
     g, n = multiple_of, seq_len // multiple_of
     if split == "equal" or chunks == 1:
         if n % chunks:
-            raise ValueError(f"a sequence of {seq_len} tokens does not split into {chunks} equal chunks: "
-                             f"choose a sequence length that is a multiple of {chunks * g}.")
+            raise ValueError(
+                f"a sequence of {seq_len} tokens does not split into {chunks} equal chunks: "
+                f"choose a sequence length that is a multiple of {chunks * g}."
+            )
         return tuple(i * seq_len // chunks for i in range(chunks + 1))
     if cost is None:
         raise ValueError("split='cost' needs a cost model (chunk_cost_model(model_config)).")

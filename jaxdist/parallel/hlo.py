@@ -27,8 +27,25 @@ from dataclasses import dataclass
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 # Bytes per element of each HLO element type (pred is stored as one byte).
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1}
+DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
@@ -190,10 +207,33 @@ def instruction_bytes(hlo_text: str, op: str = "all-to-all") -> int:
 # --------------------------------------------------------------------------- FLOPs
 
 # Element-wise ops XLA's cost analysis counts as one FLOP per output element (transcendentals apart).
-_ELEMENTWISE = frozenset((
-    "add", "subtract", "multiply", "divide", "maximum", "minimum", "negate", "abs", "compare", "select", "clamp",
-    "power", "remainder", "and", "or", "xor", "not", "sign", "floor", "ceil", "round-nearest-afz",
-    "round-nearest-even", "atan2"))
+_ELEMENTWISE = frozenset(
+    (
+        "add",
+        "subtract",
+        "multiply",
+        "divide",
+        "maximum",
+        "minimum",
+        "negate",
+        "abs",
+        "compare",
+        "select",
+        "clamp",
+        "power",
+        "remainder",
+        "and",
+        "or",
+        "xor",
+        "not",
+        "sign",
+        "floor",
+        "ceil",
+        "round-nearest-afz",
+        "round-nearest-even",
+        "atan2",
+    )
+)
 
 
 def _elements(type_text: str) -> int:

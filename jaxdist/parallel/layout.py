@@ -63,12 +63,17 @@ class Parallelism:
     def build(cls, config, devices: Sequence[Any] | None = None) -> "Parallelism":
         """The parallelism of a whole Config on ``devices`` (default all); ConfigError if the config cannot run."""
         mesh = build_mesh(config.mesh, devices)
-        return cls.for_mesh(mesh, DEFAULT_RULES, config.mesh.expert_tensor,
-                            pipeline_plan_for(config) if config.mesh.pipeline > 1 else None)
+        return cls.for_mesh(
+            mesh,
+            DEFAULT_RULES,
+            config.mesh.expert_tensor,
+            pipeline_plan_for(config) if config.mesh.pipeline > 1 else None,
+        )
 
     @classmethod
-    def for_mesh(cls, mesh: Mesh, rules: Rules = DEFAULT_RULES, expert_tensor: int = 0,
-                 pipeline: PipelinePlan | None = None) -> "Parallelism":
+    def for_mesh(
+        cls, mesh: Mesh, rules: Rules = DEFAULT_RULES, expert_tensor: int = 0, pipeline: PipelinePlan | None = None
+    ) -> "Parallelism":
         """The parallelism of an already built mesh, ``expert_tensor`` devices per expert (0: all of ``tensor``)."""
         return cls(mesh, rules, expert_layout(mesh, expert_tensor, rules), pipeline)
 
@@ -84,8 +89,9 @@ class Parallelism:
 
     def param_shardings(self, names: Any, abstract_params: Any) -> Any:
         """Shardings of a parameter tree from its logical names (``create_abstract``'s third output), same tree."""
-        return jax.tree.map(lambda n, a: self.param_sharding(n, a.shape), names, abstract_params,
-                            is_leaf=lambda x: isinstance(x, tuple))
+        return jax.tree.map(
+            lambda n, a: self.param_sharding(n, a.shape), names, abstract_params, is_leaf=lambda x: isinstance(x, tuple)
+        )
 
     @property
     def batch_sharding(self) -> NamedSharding:

@@ -33,12 +33,18 @@ DEFAULT_MEMORY_BYTES = 2 * 2**30
 
 # Figures for a device kind that no meshes/*.toml describes: nominal CPU-like
 # numbers, so a plan can still be computed (and will look slow, not wrong-fast).
-_FALLBACK = dict(peak_flops_bf16=5.0e10, peak_flops_fp32=5.0e10,
-                 intra_node_bandwidth=1.0e10, inter_node_bandwidth=1.0e9,
-                 intra_node_latency=1.0e-5, inter_node_latency=1.0e-4)
+_FALLBACK = dict(
+    peak_flops_bf16=5.0e10,
+    peak_flops_fp32=5.0e10,
+    intra_node_bandwidth=1.0e10,
+    inter_node_bandwidth=1.0e9,
+    intra_node_latency=1.0e-5,
+    inter_node_latency=1.0e-4,
+)
 
 
 # --------------------------------------------------------------------------- live devices
+
 
 def _by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
     groups: dict[int, list[Any]] = {}
@@ -50,8 +56,10 @@ def _by_process(devices: Sequence[Any]) -> dict[int, list[Any]]:
 def _nodes_and_per_node(devices: Sequence[Any]) -> tuple[int, int]:
     counts = Counter(d.process_index for d in devices)
     if len(set(counts.values())) != 1:
-        raise ConfigError(f"the devices are spread unevenly over processes ({dict(sorted(counts.items()))} "
-                          "devices per process): give every process the same number of devices.")
+        raise ConfigError(
+            f"the devices are spread unevenly over processes ({dict(sorted(counts.items()))} "
+            "devices per process): give every process the same number of devices."
+        )
     return len(counts), next(iter(counts.values()))
 
 
@@ -87,12 +95,19 @@ def cluster_from_devices(devices: Sequence[Any] | None = None) -> ClusterSpec:
     nodes, per_node = _nodes_and_per_node(devices)
     kind = devices[0].device_kind
     preset = preset_for_kind(kind)
-    figures = ({k: getattr(preset, k) for k in _FALLBACK} if preset is not None else dict(_FALLBACK))
-    return ClusterSpec(name="live", device_kind=kind, nodes=nodes, devices_per_node=per_node,
-                       memory_bytes=_device_memory(devices[0], per_node, preset), **figures)
+    figures = {k: getattr(preset, k) for k in _FALLBACK} if preset is not None else dict(_FALLBACK)
+    return ClusterSpec(
+        name="live",
+        device_kind=kind,
+        nodes=nodes,
+        devices_per_node=per_node,
+        memory_bytes=_device_memory(devices[0], per_node, preset),
+        **figures,
+    )
 
 
 # --------------------------------------------------------------------------- mesh
+
 
 def hybrid_shapes(sizes: dict[str, int], n_nodes: int, per_node: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Split resolved axis sizes into (inside-node shape, across-node shape), both in MESH_AXES order.
@@ -108,12 +123,14 @@ def hybrid_shapes(sizes: dict[str, int], n_nodes: int, per_node: int) -> tuple[t
     if per_node % local:
         raise ConfigError(
             f"mesh tensor*expert*pipeline = {local} does not fit inside one node of {per_node} devices: "
-            f"choose sizes whose product divides {per_node} and move the rest to data or fsdp.")
+            f"choose sizes whose product divides {per_node} and move the rest to data or fsdp."
+        )
     data, fsdp = sizes["data"], sizes["fsdp"]
     if (data * fsdp) % n_nodes or data * fsdp * local != n_nodes * per_node:
         raise ConfigError(
             f"mesh data*fsdp = {data * fsdp} cannot span the {n_nodes} nodes of {per_node} devices "
-            f"with tensor*expert*pipeline = {local}: make data*fsdp = {n_nodes * per_node // local}.")
+            f"with tensor*expert*pipeline = {local}: make data*fsdp = {n_nodes * per_node // local}."
+        )
     dcn_data = math.gcd(data, n_nodes)
     # n_nodes divides data*fsdp, so what data cannot take divides fsdp.
     dcn_fsdp = n_nodes // dcn_data

@@ -97,8 +97,13 @@ class ExpertLayout:
         """Expert tensor-parallel size: each expert's hidden width is split this many ways."""
         return self.size(self.etp_axes)
 
-    def sharding(self, names: Sequence[str | None], shape: Sequence[int] | None = None,
-                 rules: Rules = DEFAULT_RULES, mesh: Mesh | None = None) -> NamedSharding:
+    def sharding(
+        self,
+        names: Sequence[str | None],
+        shape: Sequence[int] | None = None,
+        rules: Rules = DEFAULT_RULES,
+        mesh: Mesh | None = None,
+    ) -> NamedSharding:
         """Sharding of a parameter with logical ``names``: on the expert view if it has an ``expert`` dimension, else on ``mesh``."""
         target = self.mesh if "expert" in names or mesh is None else mesh
         return NamedSharding(target, logical_to_spec(names, rules, target, shape))
@@ -112,8 +117,9 @@ def _rule_axes(rules: Rules, name: str, mesh: Mesh) -> tuple[str, ...]:
     raise ValueError(f"the sharding rules have no entry for logical axis '{name}'")
 
 
-def expert_layout(mesh: Mesh, expert_tensor: int = 0, rules: Rules = DEFAULT_RULES,
-                  exchange: str | None = None) -> ExpertLayout:
+def expert_layout(
+    mesh: Mesh, expert_tensor: int = 0, rules: Rules = DEFAULT_RULES, exchange: str | None = None
+) -> ExpertLayout:
     """The :class:`ExpertLayout` for ``mesh`` with ``expert_tensor`` devices per expert (0: all of ``tensor``).
 
     ``exchange`` None picks ``ragged`` on GPUs and ``padded`` elsewhere.
@@ -122,15 +128,17 @@ def expert_layout(mesh: Mesh, expert_tensor: int = 0, rules: Rules = DEFAULT_RUL
     tensor = mesh.shape.get("tensor", 1)
     etp = expert_tensor or tensor
     if etp <= 0 or tensor % etp:
-        raise ConfigError(f"mesh.expert_tensor={expert_tensor} does not divide mesh.tensor={tensor}: "
-                          "choose a divisor of the tensor size (or 0 to use all of it).")
+        raise ConfigError(
+            f"mesh.expert_tensor={expert_tensor} does not divide mesh.tensor={tensor}: "
+            "choose a divisor of the tensor size (or 0 to use all of it)."
+        )
     view = mesh
     if etp != tensor:
         names = list(mesh.axis_names)
         i = names.index("tensor")
         shape = list(mesh.devices.shape)
-        shape[i:i + 1] = [tensor // etp, etp]
-        names[i:i + 1] = [EXPERT_TENSOR_SPLIT_AXIS, "tensor"]
+        shape[i : i + 1] = [tensor // etp, etp]
+        names[i : i + 1] = [EXPERT_TENSOR_SPLIT_AXIS, "tensor"]
         view = Mesh(mesh.devices.reshape(shape), tuple(names), axis_types=(AxisType.Auto,) * len(names))
     ep = _rule_axes(rules, "expert", view)
     etp_axes = _rule_axes(rules, "expert_mlp", view)
@@ -178,8 +186,10 @@ def current_layout() -> ExpertLayout | None:
 
 # --------------------------------------------------------------------------- dispatch
 
-def run_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, params: dict[str, jax.Array],
-                cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+
+def run_experts(
+    x: jax.Array, experts: jax.Array, weights: jax.Array, params: dict[str, jax.Array], cfg: ModelConfig
+) -> tuple[jax.Array, jax.Array]:
     """Routed expert outputs for tokens x [N, d] with expert ids / weights [N, k].
 
     ``params``: we_gate, we_up [E, d, f] and we_down [E, f, d].  Returns
@@ -193,17 +203,28 @@ def run_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, params: di
         return local_experts(x, experts, weights, params, cfg)
     n_shards = layout.size(layout.token_axes)
     if x.shape[0] % n_shards:
-        raise ValueError(f"{x.shape[0]} tokens cannot be split over the {n_shards} token shards of the MoE "
-                         f"layer (axes {layout.token_axes}): make batch x seq a multiple of {n_shards}.")
+        raise ValueError(
+            f"{x.shape[0]} tokens cannot be split over the {n_shards} token shards of the MoE "
+            f"layer (axes {layout.token_axes}): make batch x seq a multiple of {n_shards}."
+        )
     tok = P(layout.token_axes or None, None)
-    w_in, w_out = P(layout.ep_axes or None, None, layout.etp_axes or None), \
-        P(layout.ep_axes or None, layout.etp_axes or None, None)
+    w_in, w_out = (
+        P(layout.ep_axes or None, None, layout.etp_axes or None),
+        P(layout.ep_axes or None, layout.etp_axes or None, None),
+    )
     fn = jax.shard_map(
-        partial(_dispatch, cfg=cfg, ep_axes=layout.ep_axes, ep_size=layout.ep_size, etp_axes=layout.etp_axes,
-                exchange=layout.exchange),
+        partial(
+            _dispatch,
+            cfg=cfg,
+            ep_axes=layout.ep_axes,
+            ep_size=layout.ep_size,
+            etp_axes=layout.etp_axes,
+            exchange=layout.exchange,
+        ),
         mesh=layout.mesh,
         in_specs=(tok, tok, tok, {"we_gate": w_in, "we_up": w_in, "we_down": w_out}),
-        out_specs=(tok, tok))
+        out_specs=(tok, tok),
+    )
     with _rules.activation_sharding(None):  # whole-mesh constraints do not apply inside shard_map
         y, keep = fn(x, experts, weights, params)
     # Back onto the model's mesh: tokens split over tensor_ep exist only in the expert view.
@@ -217,8 +238,7 @@ def _dispatch(x, experts, weights, params, *, cfg: ModelConfig, ep_axes, ep_size
         return local_experts(x, experts, weights, params, cfg, reduce=partial(_psum, axes=etp_axes))
     wg, wu, wd = params["we_gate"], params["we_up"], params["we_down"]
     if cfg.moe.dispatch == "capacity":
-        out, keep = _capacity(x, experts, wg, wu, wd, n_experts, cfg.moe.capacity_factor,
-                              ep_axes, ep_size, etp_axes)
+        out, keep = _capacity(x, experts, wg, wu, wd, n_experts, cfg.moe.capacity_factor, ep_axes, ep_size, etp_axes)
     else:
         out = _dropless(x, experts, wg, wu, wd, n_experts, ep_axes, ep_size, etp_axes, exchange)
         keep = jnp.ones(experts.shape, bool)
@@ -236,13 +256,13 @@ def _dropless(x, experts, wg, wu, wd, n_experts, ep_axes, ep_size, etp_axes, exc
     k = experts.shape[1]
     n_local = n_experts // ep_size
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)          # assignments grouped by expert (hence by peer)
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert (hence by peer)
     sorted_e = flat[order]
-    rows = x[order // k]                             # [n*k, d]
+    rows = x[order // k]  # [n*k, d]
     dest = sorted_e // n_local
     counts = jnp.zeros((ep_size,), jnp.int32).at[dest].add(1)
     starts = jnp.cumsum(counts) - counts
-    cap = n * min(k, n_local)                        # most rows one peer can get from us
+    cap = n * min(k, n_local)  # most rows one peer can get from us
     local_e = sorted_e % n_local
     if exchange == "padded":
         pos = jnp.arange(n * k) - starts[dest]
@@ -257,11 +277,11 @@ def _dropless(x, experts, wg, wu, wd, n_experts, ep_axes, ep_size, etp_axes, exc
         a2a = jax.lax.ragged_all_to_all if exchange == "ragged" else partial(_emulated_ragged, n_peers=ep_size)
         recv_sizes = jax.lax.all_to_all(counts, ep_axes, 0, 0, tiled=True)
         me = jax.lax.axis_index(ep_axes)
-        land = jnp.full((ep_size,), me * cap, jnp.int32)   # our block in every peer's receive buffer
-        recv = a2a(rows, jnp.zeros((ep_size * cap, d), x.dtype), starts, counts, land, recv_sizes,
-                   axis_name=ep_axes)
-        recv_e = a2a(local_e, jnp.full((ep_size * cap,), n_local, jnp.int32), starts, counts, land,
-                     recv_sizes, axis_name=ep_axes)
+        land = jnp.full((ep_size,), me * cap, jnp.int32)  # our block in every peer's receive buffer
+        recv = a2a(rows, jnp.zeros((ep_size * cap, d), x.dtype), starts, counts, land, recv_sizes, axis_name=ep_axes)
+        recv_e = a2a(
+            local_e, jnp.full((ep_size * cap,), n_local, jnp.int32), starts, counts, land, recv_sizes, axis_name=ep_axes
+        )
         out = _psum(grouped_ffn(recv, recv_e, wg, wu, wd), etp_axes)
         back_at = jax.lax.all_to_all(starts, ep_axes, 0, 0, tiled=True)  # where our rows sit at each source
         blocks = jnp.arange(ep_size, dtype=jnp.int32) * cap
@@ -290,22 +310,22 @@ def _capacity(x, experts, wg, wu, wd, n_experts, factor, ep_axes, ep_size, etp_a
     return jnp.where(keep[..., None], y, 0), keep
 
 
-def _emulated_ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                     axis_name, n_peers):
+def _emulated_ragged(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, n_peers):
     """``ragged_all_to_all`` semantics built from a padded ``all_to_all`` (XLA:CPU lacks the op)."""
     rows = operand.shape[0]
     r = jnp.arange(rows)
-    src = jnp.clip(input_offsets[:, None] + r[None, :], 0, rows - 1)            # [peers, rows]
+    src = jnp.clip(input_offsets[:, None] + r[None, :], 0, rows - 1)  # [peers, rows]
     chunks = operand[src]
     valid = (r[None, :] < send_sizes[:, None]).reshape(n_peers, rows, *([1] * (operand.ndim - 1)))
     chunks = jnp.where(valid, chunks, jnp.zeros((), operand.dtype))
-    got = jax.lax.all_to_all(chunks, axis_name, 0, 0)                           # [sources, rows, ...]
-    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)         # where each source's rows land
+    got = jax.lax.all_to_all(chunks, axis_name, 0, 0)  # [sources, rows, ...]
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # where each source's rows land
     dst = jnp.where(r[None, :] < recv_sizes[:, None], at[:, None] + r[None, :], output.shape[0])
     return output.at[dst.reshape(-1)].set(got.reshape(n_peers * rows, *operand.shape[1:]), mode="drop")
 
 
 # --------------------------------------------------------------------------- accounting
+
 
 def dispatch_bytes(cfg: ModelConfig, layout: ExpertLayout, n_tokens: int, dtype_bytes: int) -> dict[str, int]:
     """Bytes each device passes to ``all_to_all`` in one MoE layer's forward pass (padded exchange).

@@ -57,9 +57,11 @@ from jaxdist.parallel.rules import DEFAULT_RULES, Rules, constrain
 from jaxdist.parallel.schedule import ExecutorTables, Schedule, build_schedule, executor_tables
 
 # Why MoE x pipeline cannot run (jaxdist.config_checks says the same for a config).
-MOE_NOT_PIPELINED = ("pipeline stages do not support MoE models yet: a stage runs the dense sequence-chunked "
-                     "block only, and the router losses of every stage's MoE layers would have to join the last "
-                     "stage's loss: set mesh.pipeline=1.")
+MOE_NOT_PIPELINED = (
+    "pipeline stages do not support MoE models yet: a stage runs the dense sequence-chunked "
+    "block only, and the router losses of every stage's MoE layers would have to join the last "
+    "stage's loss: set mesh.pipeline=1."
+)
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,15 @@ class PipelinePlan:
         return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:]))
 
 
-def plan_pipeline(model: ModelConfig, stages: int, microbatches: int, seq_len: int, kind: str = "seq1f1b",
-                  chunks: int = 1, split: str = "cost") -> PipelinePlan:
+def plan_pipeline(
+    model: ModelConfig,
+    stages: int,
+    microbatches: int,
+    seq_len: int,
+    kind: str = "seq1f1b",
+    chunks: int = 1,
+    split: str = "cost",
+) -> PipelinePlan:
     """Schedule, tables and chunk boundaries for a model on ``stages`` stages (ValueError if impossible)."""
     schedule = build_schedule(stages, microbatches, chunks, kind)
     bounds = chunk_boundaries(seq_len, chunks, chunk_cost_model(model), split)
@@ -86,9 +95,19 @@ def plan_pipeline(model: ModelConfig, stages: int, microbatches: int, seq_len: i
 
 # --------------------------------------------------------------------------- executor
 
-def pipeline_loss_and_grads(params: dict, tokens: jax.Array, *, model: ModelConfig, mesh, plan: PipelinePlan,
-                            remat: str | Remat = "none", rules: Rules = DEFAULT_RULES, with_trace: bool = False,
-                            tables: tuple[jax.Array, jax.Array] | None = None):
+
+def pipeline_loss_and_grads(
+    params: dict,
+    tokens: jax.Array,
+    *,
+    model: ModelConfig,
+    mesh,
+    plan: PipelinePlan,
+    remat: str | Remat = "none",
+    rules: Rules = DEFAULT_RULES,
+    with_trace: bool = False,
+    tables: tuple[jax.Array, jax.Array] | None = None,
+):
     """(mean next-token loss, grads) of ``tokens`` [B, T+1], run as a pipeline over ``mesh``'s pipeline axis.
 
     ``params`` is the model's pure parameter dict (``init_params``); the grads
@@ -117,8 +136,14 @@ def pipeline_loss_and_grads(params: dict, tokens: jax.Array, *, model: ModelConf
     body = partial(run_stage, model=model, plan=plan, remat=remat, rules=rules, n_tokens=b * (t1 - 1))
     if tables is None:
         tables = (jnp.asarray(plan.tables.stacked()), jnp.asarray(plan.tables.unit_slot, jnp.int32))
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(AXIS), P(), P(), P()),
-                       out_specs=(P(), P(AXIS), P(), P(AXIS)), axis_names={AXIS}, check_vma=False)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(AXIS), P(), P(), P()),
+        out_specs=(P(), P(AXIS), P(), P(AXIS)),
+        axis_names={AXIS},
+        check_vma=False,
+    )
     loss, g_layers, g_shared, trace = fn(params["layers"], shared, mb_tokens, tables)
     grads = dict(g_shared, layers=g_layers)
     return (loss, grads, trace) if with_trace else (loss, grads)
@@ -131,8 +156,9 @@ def pipeline_plan_for(config) -> PipelinePlan:
     p = config.pipeline
     chunks = p.chunks if p.schedule == "seq1f1b" else 1
     try:
-        plan = plan_pipeline(config.model, config.mesh.pipeline, t.microbatches, t.seq_len,
-                             p.schedule, chunks, p.chunk_split)
+        plan = plan_pipeline(
+            config.model, config.mesh.pipeline, t.microbatches, t.seq_len, p.schedule, chunks, p.chunk_split
+        )
         stage_remat_policy(t.remat_spec, chunks)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -146,8 +172,9 @@ def pipeline_grads_fn(config, mesh, rules: Rules = DEFAULT_RULES, plan: Pipeline
     plan = plan or pipeline_plan_for(config)
 
     def fn(params, tokens):
-        loss, grads = pipeline_loss_and_grads(params, tokens, model=config.model, mesh=mesh, plan=plan,
-                                              remat=t.remat_spec, rules=rules)
+        loss, grads = pipeline_loss_and_grads(
+            params, tokens, model=config.model, mesh=mesh, plan=plan, remat=t.remat_spec, rules=rules
+        )
         return loss, {}, grads
 
     fn.plan = plan

@@ -56,8 +56,9 @@ def stage_remat_policy(remat: str | Remat, chunks: int = 1) -> Callable:
     else:
         policy = getattr(cp, spec.policy, None)
         if spec.kind == "auto" or policy is None or not callable(policy):
-            raise ValueError(f"remat policy '{spec}' is unknown: use none, full, save:NAME[,NAME] or a "
-                             "jax.checkpoint_policies name.")
+            raise ValueError(
+                f"remat policy '{spec}' is unknown: use none, full, save:NAME[,NAME] or a jax.checkpoint_policies name."
+            )
         return policy
     if chunks > 1:
         names = [n for n in names if n not in ("key_proj", "value_proj")]
@@ -65,6 +66,7 @@ def stage_remat_policy(remat: str | Remat, chunks: int = 1) -> Callable:
 
 
 # --------------------------------------------------------------------------- residuals
+
 
 def _vjp_split(fn: Callable, args: tuple, resupplied: tuple):
     """(out, kept residuals, treedef, layout): layout[i] is the index of residual i among the
@@ -98,8 +100,8 @@ def _put(x: jax.Array, v: jax.Array, i) -> jax.Array:
 
 def _at(x: jax.Array, index: tuple, shape: tuple[int, ...] = (), starts: tuple[int, ...] = ()) -> jax.Array:
     """x[index] (dynamic leading indices), its first ``len(shape)`` axes cropped to ``shape`` from ``starts``."""
-    rest = x.shape[len(index):]
-    sizes = tuple(shape) + rest[len(shape):]
+    rest = x.shape[len(index) :]
+    sizes = tuple(shape) + rest[len(shape) :]
     begin = tuple(index) + tuple(starts or (0,) * len(shape)) + (0,) * (len(rest) - len(shape))
     return jax.lax.dynamic_slice(x, begin, (1,) * len(index) + sizes).reshape(sizes)
 
@@ -114,8 +116,18 @@ def _add(x: jax.Array, index: tuple, v: jax.Array) -> jax.Array:
     return _set(x, index, _at(x, index, v.shape) + v.astype(x.dtype))
 
 
-def run_stage(layers: dict, shared: dict, tokens: jax.Array, tables, *, model: ModelConfig, plan, remat: str | Remat,
-              rules: Rules, n_tokens: int):
+def run_stage(
+    layers: dict,
+    shared: dict,
+    tokens: jax.Array,
+    tables,
+    *,
+    model: ModelConfig,
+    plan,
+    remat: str | Remat,
+    rules: Rules,
+    n_tokens: int,
+):
     """One stage's program, inside ``shard_map`` manual over ``pipeline``.
 
     ``layers``: this stage's blocks [L/p, ...]; ``shared``: embedding, final norm
@@ -132,8 +144,7 @@ def run_stage(layers: dict, shared: dict, tokens: jax.Array, tables, *, model: M
 class _StageRun:
     """Traces one stage's tick loop; a class only to share the many static pieces between branches."""
 
-    def __init__(self, layers, shared, tokens, tables, cfg: ModelConfig, plan, remat: str | Remat,
-                 n_tokens: int):
+    def __init__(self, layers, shared, tokens, tables, cfg: ModelConfig, plan, remat: str | Remat, n_tokens: int):
         self.cfg, self.plan, self.n_tokens = cfg, plan, n_tokens
         sch = plan.schedule
         self.p, self.s = sch.stages, sch.chunks
@@ -153,8 +164,10 @@ class _StageRun:
         self.res = [self._residual_layout(c) for c in range(self.s)]
         n = len(self.res[0]["shapes"])
         assert all(len(r["shapes"]) == n for r in self.res), "residual structure differs between chunks"
-        self.res_shapes = [tuple(max(r["shapes"][i][d] for r in self.res) for d in range(len(self.res[0]["shapes"][i])))
-                           for i in range(n)]
+        self.res_shapes = [
+            tuple(max(r["shapes"][i][d] for r in self.res) for d in range(len(self.res[0]["shapes"][i])))
+            for i in range(n)
+        ]
         self.res_dtypes = self.res[0]["dtypes"]
 
     # ---------------------------------------------------------------- per-chunk pieces
@@ -230,8 +243,13 @@ class _StageRun:
                 full, again = self._args(c, p_l, x, cos, sin, kp, vp)
                 (y, k, v), kept, _, layout = _vjp_split(block, full, again)
                 assert layout == self.res[c]["layout"], "residual layout differs from the plan"
-                carry = dict(carry, stash=[_set(st, (slot, l), _pad(r, shape))
-                                           for st, r, shape in zip(carry["stash"], kept, self.res_shapes)])
+                carry = dict(
+                    carry,
+                    stash=[
+                        _set(st, (slot, l), _pad(r, shape))
+                        for st, r, shape in zip(carry["stash"], kept, self.res_shapes)
+                    ],
+                )
                 if self.s > 1:
                     carry["kv_k"] = _set(carry["kv_k"], (slot, l), self._pad_tokens(k))
                     carry["kv_v"] = _set(carry["kv_v"], (slot, l), self._pad_tokens(v))
@@ -309,12 +327,15 @@ class _StageRun:
         tab, cfg, dt = self.plan.tables, self.cfg, self.dt
         msg = jnp.zeros((self.batch, self.tmax, cfg.d_model), dt)
         carry = {
-            "out": msg, "op": jnp.zeros((), jnp.int32),  # the last tick's output and branch, sent next tick
+            "out": msg,
+            "op": jnp.zeros((), jnp.int32),  # the last tick's output and branch, sent next tick
             "act_in": jnp.zeros((tab.act_buffers + 1, *msg.shape), dt),
             "grad_in": jnp.zeros((tab.grad_buffers + 1, *msg.shape), dt),
             "dy": jnp.zeros((tab.slots, *msg.shape), dt),
-            "stash": [jnp.zeros((tab.slots, self.n_layers, *shape), dtype)
-                      for shape, dtype in zip(self.res_shapes, self.res_dtypes)],
+            "stash": [
+                jnp.zeros((tab.slots, self.n_layers, *shape), dtype)
+                for shape, dtype in zip(self.res_shapes, self.res_dtypes)
+            ],
             "loss": jnp.zeros((), jnp.float32),
             "g_layers": {k: jnp.zeros(v.shape, self.param_dtypes[k]) for k, v in self.lp.items()},
         }
@@ -330,7 +351,7 @@ class _StageRun:
     def run(self):
         p, s, tm = self.p, self.s, self.tmax
         branches = [self._idle] + [self._forward(c) for c in range(s)] + [self._backward(c) for c in range(s)]
-        starts = jnp.asarray(self.plan.bounds[:-1], jnp.int32)   # first token of each chunk
+        starts = jnp.asarray(self.plan.bounds[:-1], jnp.int32)  # first token of each chunk
         lengths = jnp.asarray(self.lengths, jnp.int32)
         # Tokens padded so that a chunk's window [start, start + tmax + 1) never runs off the end.
         tokens = jnp.pad(self.tokens, ((0, 0), (0, 0), (0, tm)))
@@ -345,21 +366,29 @@ class _StageRun:
             # conditional that holds the stage's data/tensor reductions, and then they deadlock.
             prev, prev_op = carry["out"], carry["op"]
             zeros = jnp.zeros_like(prev)
-            act = jax.lax.ppermute(jnp.where((prev_op >= 1) & (prev_op <= s), prev, zeros), AXIS,
-                                   [(k, k + 1) for k in range(p - 1)])
+            act = jax.lax.ppermute(
+                jnp.where((prev_op >= 1) & (prev_op <= s), prev, zeros), AXIS, [(k, k + 1) for k in range(p - 1)]
+            )
             grad = jax.lax.ppermute(jnp.where(prev_op > s, prev, zeros), AXIS, [(k + 1, k) for k in range(p - 1)])
             carry = dict(carry, act_in=_put(carry["act_in"], act, row[5]), grad_in=_put(carry["grad_in"], grad, row[6]))
             tok = jax.lax.dynamic_slice_in_dim(_take(tokens, mb), starts[chunk], tm + 1, axis=1)
             # Input of a forward (stage 0: the embedding) or of a backward (last stage: its stashed dy).
-            x_f = jnp.where(self.is_first, self._embed(self.shared["embed"], tok[:, :-1]),
-                            _take(carry["act_in"], row[4]))
+            x_f = jnp.where(
+                self.is_first, self._embed(self.shared["embed"], tok[:, :-1]), _take(carry["act_in"], row[4])
+            )
             x_b = jnp.where(self.is_last, _take(carry["dy"], slot), _take(carry["grad_in"], row[4]))
             carry, out = jax.lax.switch(op, branches, carry, row, jnp.where(is_f, x_f, x_b))
-            carry, dy = jax.lax.cond(self.is_last & is_f, partial(self._head, tok=tok, n=lengths[chunk]),
-                                     lambda carry, y: (carry, jnp.zeros_like(y)), carry, out)
+            carry, dy = jax.lax.cond(
+                self.is_last & is_f,
+                partial(self._head, tok=tok, n=lengths[chunk]),
+                lambda carry, y: (carry, jnp.zeros_like(y)),
+                carry,
+                out,
+            )
             carry["dy"] = _put(carry["dy"], jnp.where(self.is_last & is_f, dy, _take(carry["dy"], slot)), slot)
-            carry = jax.lax.cond(self.is_first & is_b, partial(self._embed_grad, tok=tok),
-                                 lambda carry, dx: carry, carry, out)
+            carry = jax.lax.cond(
+                self.is_first & is_b, partial(self._embed_grad, tok=tok), lambda carry, dx: carry, carry, out
+            )
             carry["out"], carry["op"] = out, op
             return carry, op
 

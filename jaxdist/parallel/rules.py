@@ -31,17 +31,17 @@ Rules = Sequence[tuple[str, tuple[str, ...]]]
 
 DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp", "expert")),  # examples: every data-parallel axis; attention also uses expert as one
-    ("seq", ()),                   # tokens of one sequence stay together
-    ("embed", ("fsdp",)),          # model width: FSDP shards parameters along it
-    ("heads", ("tensor",)),        # attention heads: Megatron column split
-    ("kv_heads", ("tensor",)),     # GQA key/value heads; replicated when tensor does not divide them
+    ("seq", ()),  # tokens of one sequence stay together
+    ("embed", ("fsdp",)),  # model width: FSDP shards parameters along it
+    ("heads", ("tensor",)),  # attention heads: Megatron column split
+    ("kv_heads", ("tensor",)),  # GQA key/value heads; replicated when tensor does not divide them
     ("head_dim", ()),
-    ("mlp", ("tensor",)),          # MLP hidden width: column split in, row split out
-    ("vocab", ("tensor",)),        # embedding / output projection rows
+    ("mlp", ("tensor",)),  # MLP hidden width: column split in, row split out
+    ("vocab", ("tensor",)),  # embedding / output projection rows
     ("expert", ("expert", "tensor_ep")),  # MoE experts; tensor_ep exists only in the expert view (parallel/moe.py)
-    ("expert_mlp", ("tensor",)),   # an expert's hidden width: its own tensor group (mesh.expert_tensor)
-    ("layers", ("pipeline",)),     # stacked (scanned) blocks: one slice per pipeline stage
-    ("norm", ()),                  # norm scales: small, replicated
+    ("expert_mlp", ("tensor",)),  # an expert's hidden width: its own tensor group (mesh.expert_tensor)
+    ("layers", ("pipeline",)),  # stacked (scanned) blocks: one slice per pipeline stage
+    ("norm", ()),  # norm scales: small, replicated
 )
 
 
@@ -54,8 +54,12 @@ def _rule_table(rules: Rules | Mapping[str, Sequence[str]]) -> dict[str, tuple[s
     return table
 
 
-def logical_to_spec(names: Sequence[str | None], rules: Rules = DEFAULT_RULES,
-                    mesh: Mesh | None = None, shape: Sequence[int] | None = None) -> PartitionSpec:
+def logical_to_spec(
+    names: Sequence[str | None],
+    rules: Rules = DEFAULT_RULES,
+    mesh: Mesh | None = None,
+    shape: Sequence[int] | None = None,
+) -> PartitionSpec:
     """PartitionSpec for an array whose dimensions carry logical ``names`` (None: replicated).
 
     Each dimension takes the mesh axes its rule lists, minus those an earlier
@@ -110,6 +114,7 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULE
     replicated.  Use the result as ``jax.jit(..., out_shardings=...)`` to
     create the state directly sharded.
     """
+
     def one(leaf: Any) -> Any:
         if isinstance(leaf, nnx.Variable):
             names = _logical_names(leaf)
@@ -126,7 +131,8 @@ def state_shardings(abstract_state: Any, mesh: Mesh, rules: Rules = DEFAULT_RULE
 # --------------------------------------------------------------------------- activations
 
 _ACTIVE: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar(
-    "jaxdist_activation_sharding", default=None)
+    "jaxdist_activation_sharding", default=None
+)
 
 
 @contextlib.contextmanager

@@ -105,12 +105,15 @@ class Schedule:
         """One line: kind, shape, ticks, bubble (measured and closed form), peak in flight."""
         p, m, s = self.stages, self.microbatches, self.chunks
         unit = "chunks" if s > 1 else "microbatches"
-        return (f"{self.kind}: p={p} m={m} s={s}, {self.n_ticks} ticks; bubble {self.bubble_fraction():.3f} "
-                f"(formula {bubble_formula(self.kind, p, m, s):.3f}); peak in flight on stage 0: "
-                f"{self.peak_in_flight(0)} {unit} = {self.activation_microbatches(0):.2f} microbatches")
+        return (
+            f"{self.kind}: p={p} m={m} s={s}, {self.n_ticks} ticks; bubble {self.bubble_fraction():.3f} "
+            f"(formula {bubble_formula(self.kind, p, m, s):.3f}); peak in flight on stage 0: "
+            f"{self.peak_in_flight(0)} {unit} = {self.activation_microbatches(0):.2f} microbatches"
+        )
 
 
 # --------------------------------------------------------------------------- closed forms
+
 
 def bubble_formula(kind: str, stages: int, microbatches: int, chunks: int = 1) -> float:
     """Idle share of a schedule in the equal-tick model: (p-1)/(s*m+p-1) (s=1 for gpipe, 1f1b)."""
@@ -134,6 +137,7 @@ def activation_memory_ratio(stages: int, chunks: int) -> float:
 
 # --------------------------------------------------------------------------- building
 
+
 def check_shape(kind: str, stages: int, microbatches: int, chunks: int) -> None:
     """Raise ValueError (one sentence) for a schedule that cannot be built."""
     if kind not in KINDS:
@@ -142,11 +146,14 @@ def check_shape(kind: str, stages: int, microbatches: int, chunks: int) -> None:
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"pipeline {name}={v} must be a positive integer.")
     if chunks > 1 and kind != "seq1f1b":
-        raise ValueError(f"{chunks} sequence chunks need the seq1f1b schedule, not {kind}: "
-                         "set chunks=1 or the schedule to seq1f1b.")
+        raise ValueError(
+            f"{chunks} sequence chunks need the seq1f1b schedule, not {kind}: set chunks=1 or the schedule to seq1f1b."
+        )
     if kind == "1f1b" and microbatches < stages:
-        raise ValueError(f"1f1b needs at least as many microbatches as stages ({microbatches} < {stages}): "
-                         f"use {stages} or more microbatches, or the gpipe schedule.")
+        raise ValueError(
+            f"1f1b needs at least as many microbatches as stages ({microbatches} < {stages}): "
+            f"use {stages} or more microbatches, or the gpipe schedule."
+        )
 
 
 def stage_orders(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
@@ -164,7 +171,7 @@ def stage_orders(kind: str, stages: int, microbatches: int, chunks: int = 1) -> 
         order = fwd[:warm]
         for j in range(len(fwd) - warm):
             order += [fwd[warm + j], bwd[j]]
-        order += bwd[len(fwd) - warm:]
+        order += bwd[len(fwd) - warm :]
         orders.append(order)
     return orders
 
@@ -253,14 +260,25 @@ class ExecutorTables:
 
         recv_act = np.where(self.recv_act == self.act_buffers, act_buffers, self.recv_act)
         recv_grad = np.where(self.recv_grad == self.grad_buffers, grad_buffers, self.recv_grad)
-        return ExecutorTables(grow(self.branch, IDLE), grow(self.microbatch, 0), grow(self.chunk, 0),
-                              grow(self.slot, 0), grow(self.in_slot, 0), grow(recv_act, act_buffers),
-                              grow(recv_grad, grad_buffers), self.unit_slot, slots, act_buffers, grad_buffers)
+        return ExecutorTables(
+            grow(self.branch, IDLE),
+            grow(self.microbatch, 0),
+            grow(self.chunk, 0),
+            grow(self.slot, 0),
+            grow(self.in_slot, 0),
+            grow(recv_act, act_buffers),
+            grow(recv_grad, grad_buffers),
+            self.unit_slot,
+            slots,
+            act_buffers,
+            grad_buffers,
+        )
 
     def stacked(self) -> np.ndarray:
         """[ticks, stages, 7] int32: branch, microbatch, chunk, slot, in_slot, recv_act, recv_grad."""
-        return np.stack([self.branch, self.microbatch, self.chunk, self.slot, self.in_slot, self.recv_act,
-                         self.recv_grad], axis=-1).astype(np.int32)
+        return np.stack(
+            [self.branch, self.microbatch, self.chunk, self.slot, self.in_slot, self.recv_act, self.recv_grad], axis=-1
+        ).astype(np.int32)
 
 
 class _Slots:
@@ -318,7 +336,8 @@ def executor_tables(schedule: Schedule) -> ExecutorTables:
         else:
             sizes = [max(a, b) for a, b in zip(sizes, (stash_size, act_size, grad_size))]
     slots, act_buffers, grad_buffers = sizes
-    recv_act[recv_act < 0] = act_buffers      # scratch slot: a message nobody waits for
+    recv_act[recv_act < 0] = act_buffers  # scratch slot: a message nobody waits for
     recv_grad[recv_grad < 0] = grad_buffers
-    return ExecutorTables(branch, mb, chunk, slot, in_slot, recv_act, recv_grad, unit_slot,
-                          slots, act_buffers, grad_buffers)
+    return ExecutorTables(
+        branch, mb, chunk, slot, in_slot, recv_act, recv_grad, unit_slot, slots, act_buffers, grad_buffers
+    )

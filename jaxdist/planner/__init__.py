@@ -11,6 +11,24 @@ from jaxdist.planner.computation import ComputationView, computation_view
 from jaxdist.planner.cost import Estimate, Memory, collectives, estimate, memory
 from jaxdist.planner.plan import Plan, PlanError, plan, resolve_auto
 
-__all__ = ["REMAT_CHOICES", "Calibration", "ClusterView", "ComputationView", "Estimate", "Memory", "Plan",
-           "PlanError", "RematChoice", "Strategy", "candidates", "cluster_view", "collectives", "computation_view",
-           "estimate", "load_allocation", "memory", "plan", "resolve_auto"]
+__all__ = [
+    "REMAT_CHOICES",
+    "Calibration",
+    "ClusterView",
+    "ComputationView",
+    "Estimate",
+    "Memory",
+    "Plan",
+    "PlanError",
+    "RematChoice",
+    "Strategy",
+    "candidates",
+    "cluster_view",
+    "collectives",
+    "computation_view",
+    "estimate",
+    "load_allocation",
+    "memory",
+    "plan",
+    "resolve_auto",
+]

@@ -53,16 +53,19 @@ def default_calibration(device_kind: str) -> Calibration | None:
     return load_calibration(p) if p.is_file() else None
 
 
-def reference_overrides(n_devices: int, model: str = "small", batch_per_device: int = 8,
-                        seq_len: int = 32) -> list[list[str]]:
+def reference_overrides(
+    n_devices: int, model: str = "small", batch_per_device: int = 8, seq_len: int = 32
+) -> list[list[str]]:
     """The three reference steps calibrate times, all on ``n_devices`` at one batch: data-parallel in one
     microbatch, data-parallel in ``batch_per_device`` microbatches (many block passes), and fully sharded
     in ``batch_per_device // 2`` microbatches (many collectives)."""
     n, b = n_devices, batch_per_device
     common = [f"model={model}", f"train.seq_len={seq_len}", f"train.batch_size={b * n}"]
-    return [common + [f"mesh.data={n}"],
-            common + [f"mesh.data={n}", f"train.microbatches={b}"],
-            common + ["mesh.data=1", f"mesh.fsdp={n}", f"train.microbatches={max(1, b // 2)}"]]
+    return [
+        common + [f"mesh.data={n}"],
+        common + [f"mesh.data={n}", f"train.microbatches={b}"],
+        common + ["mesh.data=1", f"mesh.fsdp={n}", f"train.microbatches={max(1, b // 2)}"],
+    ]
 
 
 def fit(times: Sequence[float], estimates: Sequence, peak: float) -> tuple[float, float, float]:
@@ -82,17 +85,27 @@ def fit(times: Sequence[float], estimates: Sequence, peak: float) -> tuple[float
     return (1.0 / inv_eff if inv_eff > 0 else 1.0), pass_overhead, collective_overhead
 
 
-def calibration_from(cfgs: Sequence, times: Sequence[float], spec, n_devices: int, latency: float,
-                     bandwidth: float) -> Calibration:
+def calibration_from(
+    cfgs: Sequence, times: Sequence[float], spec, n_devices: int, latency: float, bandwidth: float
+) -> Calibration:
     """The Calibration that fits measured step ``times`` of ``cfgs`` on ``n_devices`` of cluster ``spec``."""
-    linked = Calibration(device_kind=spec.device_kind, efficiency=1.0, intra_node_bandwidth=bandwidth,
-                         intra_node_latency=latency, collective_overhead=0.0, pass_overhead=0.0)
+    linked = Calibration(
+        device_kind=spec.device_kind,
+        efficiency=1.0,
+        intra_node_bandwidth=bandwidth,
+        intra_node_latency=latency,
+        collective_overhead=0.0,
+        pass_overhead=0.0,
+    )
     view = cluster_view(dataclasses.replace(spec, nodes=1, devices_per_node=n_devices), calibration=linked)
-    estimates = [estimate(computation_view(c.model, c.train.seq_len), view, strategy_of(c, n_devices),
-                          c.train.batch_size) for c in cfgs]
+    estimates = [
+        estimate(computation_view(c.model, c.train.seq_len), view, strategy_of(c, n_devices), c.train.batch_size)
+        for c in cfgs
+    ]
     efficiency, pass_overhead, collective_overhead = fit(times, estimates, view.peak_flops(cfgs[0].model.dtype))
-    return dataclasses.replace(linked, efficiency=min(efficiency, 1.0), pass_overhead=pass_overhead,
-                               collective_overhead=collective_overhead)
+    return dataclasses.replace(
+        linked, efficiency=min(efficiency, 1.0), pass_overhead=pass_overhead, collective_overhead=collective_overhead
+    )
 
 
 def write_calibration(cal: Calibration, path: str | Path | None = None) -> Path:
@@ -101,4 +114,3 @@ def write_calibration(cal: Calibration, path: str | Path | None = None) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(cal.to_json() + "\n")
     return p
-

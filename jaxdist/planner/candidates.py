@@ -148,9 +148,16 @@ def mesh_allowed(view: ComputationView, sizes: dict[str, int], nodes: int, per_n
     return None
 
 
-def candidates(view: ComputationView, n_devices: int, nodes: int, per_node: int, batch_size: int,
-               remat: Sequence[RematChoice] = REMAT_CHOICES, axes: Sequence[str] = MESH_AXES,
-               max_microbatches: int = 64) -> Iterator[Strategy]:
+def candidates(
+    view: ComputationView,
+    n_devices: int,
+    nodes: int,
+    per_node: int,
+    batch_size: int,
+    remat: Sequence[RematChoice] = REMAT_CHOICES,
+    axes: Sequence[str] = MESH_AXES,
+    max_microbatches: int = 64,
+) -> Iterator[Strategy]:
     """Every strategy allowed on ``n_devices`` (= nodes x per_node) for global batch ``batch_size`` sequences.
 
     Axes outside ``axes`` stay at size 1 (e.g. leave out ``pipeline`` where
@@ -199,9 +206,16 @@ def with_pipeline(s: Strategy, view: ComputationView, **sizes: int) -> list[Stra
     return out
 
 
-def neighbours(s: Strategy, view: ComputationView, nodes: int, per_node: int, batch_size: int,
-               remat: Sequence[RematChoice] = REMAT_CHOICES, axes: Sequence[str] = MESH_AXES,
-               max_microbatches: int = 64) -> Iterator[Strategy]:
+def neighbours(
+    s: Strategy,
+    view: ComputationView,
+    nodes: int,
+    per_node: int,
+    batch_size: int,
+    remat: Sequence[RematChoice] = REMAT_CHOICES,
+    axes: Sequence[str] = MESH_AXES,
+    max_microbatches: int = 64,
+) -> Iterator[Strategy]:
     """Strategies one move away from ``s``: a prime factor moved between two axes, microbatches
     doubled or halved (or set to the pipeline depth), another schedule, another remat choice.
     Only allowed strategies are returned."""
@@ -234,8 +248,9 @@ def neighbours(s: Strategy, view: ComputationView, nodes: int, per_node: int, ba
             yield c
 
 
-def valid(s: Strategy, view: ComputationView, nodes: int, per_node: int, batch_size: int,
-          max_microbatches: int = 64) -> bool:
+def valid(
+    s: Strategy, view: ComputationView, nodes: int, per_node: int, batch_size: int, max_microbatches: int = 64
+) -> bool:
     """Whether ``s`` is one of the strategies :func:`candidates` enumerates (remat and axes aside)."""
     if s.n_devices != nodes * per_node or mesh_allowed(view, s.mesh, nodes, per_node) is not None:
         return False

@@ -120,8 +120,10 @@ class ClusterView:
 
     def describe(self) -> str:
         """One line, e.g. ``h100x64: 8 nodes x 8 NVIDIA H100 80GB HBM3 (64 devices; 0 busy)``."""
-        return (f"{self.spec.name}: {self.nodes} node{'s' if self.nodes != 1 else ''} x {self.devices_per_node} "
-                f"{self.spec.device_kind} ({self.n_devices} devices; {len(self.busy)} busy)")
+        return (
+            f"{self.spec.name}: {self.nodes} node{'s' if self.nodes != 1 else ''} x {self.devices_per_node} "
+            f"{self.spec.device_kind} ({self.n_devices} devices; {len(self.busy)} busy)"
+        )
 
 
 def _parse_device(item: Any, spec: ClusterSpec) -> list[int]:
@@ -176,8 +178,9 @@ def load_allocation(path: str | Path, spec: ClusterSpec) -> list[int]:
     return out
 
 
-def cluster_view(spec: ClusterSpec, busy: Iterable[Any] | str | Path | None = None,
-                 calibration: Calibration | None = None) -> ClusterView:
+def cluster_view(
+    spec: ClusterSpec, busy: Iterable[Any] | str | Path | None = None, calibration: Calibration | None = None
+) -> ClusterView:
     """The free devices of ``spec`` as a ClusterView (``busy``: device list or allocation file path).
 
     Keeps the block ``nodes x k`` of free devices with the most devices (ties:
@@ -201,17 +204,30 @@ def cluster_view(spec: ClusterSpec, busy: Iterable[Any] | str | Path | None = No
     n, k = best
     # Node-local axes need a divisor of k; keep k a power-of-two-friendly count by using what is free.
     used = tuple(node * per + x for node, f in enumerate(free_by_node) if len(f) >= k for x in f[:k])
-    figures = dict(efficiency=DEFAULT_EFFICIENCY, intra_node_bandwidth=spec.intra_node_bandwidth,
-                   intra_node_latency=spec.intra_node_latency, collective_overhead=0.0, pass_overhead=0.0)
+    figures = dict(
+        efficiency=DEFAULT_EFFICIENCY,
+        intra_node_bandwidth=spec.intra_node_bandwidth,
+        intra_node_latency=spec.intra_node_latency,
+        collective_overhead=0.0,
+        pass_overhead=0.0,
+    )
     if calibration is not None:
         for key in figures:
             value = getattr(calibration, key)
             if value is not None:
                 figures[key] = value
-    return ClusterView(spec=spec, nodes=n, devices_per_node=k, devices=used, busy=tuple(sorted(taken_set)),
-                       inter_node_bandwidth=spec.inter_node_bandwidth, inter_node_latency=spec.inter_node_latency,
-                       overlap=DEFAULT_OVERLAP.get(spec.device_kind.lower(), GPU_OVERLAP), calibration=calibration,
-                       **figures)
+    return ClusterView(
+        spec=spec,
+        nodes=n,
+        devices_per_node=k,
+        devices=used,
+        busy=tuple(sorted(taken_set)),
+        inter_node_bandwidth=spec.inter_node_bandwidth,
+        inter_node_latency=spec.inter_node_latency,
+        overlap=DEFAULT_OVERLAP.get(spec.device_kind.lower(), GPU_OVERLAP),
+        calibration=calibration,
+        **figures,
+    )
 
 
 def smaller_views(view: ClusterView) -> list[ClusterView]:

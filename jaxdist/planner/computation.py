@@ -114,11 +114,11 @@ class ComputationView:
 
     model: ModelConfig
     seq_len: int
-    blocks: tuple[BlockKind, ...]       # dense blocks first, then MoE blocks (if any)
+    blocks: tuple[BlockKind, ...]  # dense blocks first, then MoE blocks (if any)
     other_params: tuple[ParamTensor, ...]
-    param_bytes: int                    # bytes per parameter element (param_dtype)
-    act_bytes: int                      # bytes per activation element (compute dtype)
-    head_flops_fwd: float               # FLOPs per token of the output projection's forward pass
+    param_bytes: int  # bytes per parameter element (param_dtype)
+    act_bytes: int  # bytes per activation element (compute dtype)
+    head_flops_fwd: float  # FLOPs per token of the output projection's forward pass
 
     @property
     def n_layers(self) -> int:
@@ -148,8 +148,11 @@ class ComputationView:
 
 def _attention(m: ModelConfig, t: int, a: int) -> tuple[list[ParamTensor], list[ActivationTensor], tuple[str, ...]]:
     d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
-    params = [ParamTensor(name, shape, axes) for name, (shape, axes) in block_param_specs(m).items()
-              if name not in DENSE_MLP_KEYS]
+    params = [
+        ParamTensor(name, shape, axes)
+        for name, (shape, axes) in block_param_specs(m).items()
+        if name not in DENSE_MLP_KEYS
+    ]
     acts = [
         ActivationTensor("layer_input", (d,), ("embed",), a),
         ActivationTensor("attn_norm_unscaled", (d,), ("embed",), a),
@@ -168,8 +171,20 @@ def _attention(m: ModelConfig, t: int, a: int) -> tuple[list[ParamTensor], list[
         ActivationTensor("mlp_norm", (d,), ("embed",), a, "mlp_norm"),
         ActivationTensor("mlp_out", (d,), ("embed",), a, "mlp_out", read_by_backward=False),
     ]
-    saved = ("layer_input", "attn_norm_unscaled", "attn_norm", "query_rotated", "key_rotated", "value",
-             "attn_scores", "attn_probs", "attn_context", "attn_residual", "mlp_norm_unscaled", "mlp_norm")
+    saved = (
+        "layer_input",
+        "attn_norm_unscaled",
+        "attn_norm",
+        "query_rotated",
+        "key_rotated",
+        "value",
+        "attn_scores",
+        "attn_probs",
+        "attn_context",
+        "attn_residual",
+        "mlp_norm_unscaled",
+        "mlp_norm",
+    )
     return params, acts, saved
 
 
@@ -177,8 +192,12 @@ def _swiglu(prefix: str, f: int, rows: int, axis: str, a: int) -> tuple[list[Act
     """The SwiGLU activations per token (``rows`` copies of width ``f``) and the six the backward keeps."""
     names = ("gate", "up", "sigmoid", "silu", "silu_grad", "hidden")
     tags = {"gate": "mlp_gate", "up": "mlp_up"} if prefix == "mlp" else {}
-    acts = [ActivationTensor(f"{prefix}_{n}", (rows, f) if rows > 1 else (f,), (None, axis) if rows > 1 else (axis,),
-                             a, tags.get(n, "")) for n in names]
+    acts = [
+        ActivationTensor(
+            f"{prefix}_{n}", (rows, f) if rows > 1 else (f,), (None, axis) if rows > 1 else (axis,), a, tags.get(n, "")
+        )
+        for n in names
+    ]
     return acts, tuple(x.name for x in acts)
 
 
@@ -195,25 +214,43 @@ def computation_view(model: ModelConfig, seq_len: int) -> ComputationView:
         params, acts, saved = _attention(m, t, a)
         params += [ParamTensor(name, *specs[name]) for name in DENSE_MLP_KEYS]
         mlp, mlp_saved = _swiglu("mlp", f, 1, "mlp", a)
-        blocks.append(BlockKind("dense", m.n_layers - n_moe, tuple(params), tuple(acts + mlp), saved + mlp_saved,
-                                arithmetic.dense_block_flops_fwd(m, t), scores))
+        blocks.append(
+            BlockKind(
+                "dense",
+                m.n_layers - n_moe,
+                tuple(params),
+                tuple(acts + mlp),
+                saved + mlp_saved,
+                arithmetic.dense_block_flops_fwd(m, t),
+                scores,
+            )
+        )
     if n_moe:
         experts, fe, k, fs = m.moe.experts, m.moe.d_ff or f, m.moe.top_k, m.moe.shared_d_ff
         params, acts, saved = _attention(m, t, a)
         params += [ParamTensor(name, shape, axes) for name, (shape, axes) in moe_param_specs(m).items()]
         expert_acts, expert_saved = _swiglu("expert", fe, k, "expert_mlp", a)
-        acts += expert_acts + [ActivationTensor("router_probs", (experts,), (None,), 4),
-                               ActivationTensor("dispatched", (k, d), (None, "embed"), a)]
+        acts += expert_acts + [
+            ActivationTensor("router_probs", (experts,), (None,), 4),
+            ActivationTensor("dispatched", (k, d), (None, "embed"), a),
+        ]
         saved += expert_saved + ("router_probs", "dispatched")
         if fs:  # the shared expert's weights came with moe_param_specs
             shared, shared_saved = _swiglu("shared", fs, 1, "mlp", a)
             acts += shared
             saved += shared_saved
-        blocks.append(BlockKind("moe", n_moe, tuple(params), tuple(acts), saved, arithmetic.moe_block_flops_fwd(m, t),
-                                scores, k))
+        blocks.append(
+            BlockKind("moe", n_moe, tuple(params), tuple(acts), saved, arithmetic.moe_block_flops_fwd(m, t), scores, k)
+        )
     other = [ParamTensor("embed", (v, d), ("vocab", "embed")), ParamTensor("final_norm", (d,), ("norm",))]
     if not m.tie_embeddings:
         other.append(ParamTensor("lm_head", (d, v), ("embed", "vocab")))
-    return ComputationView(model=m, seq_len=t, blocks=tuple(blocks), other_params=tuple(other),
-                           param_bytes=DTYPE_BYTES[m.param_dtype], act_bytes=a,
-                           head_flops_fwd=arithmetic.head_flops_fwd(m))
+    return ComputationView(
+        model=m,
+        seq_len=t,
+        blocks=tuple(blocks),
+        other_params=tuple(other),
+        param_bytes=DTYPE_BYTES[m.param_dtype],
+        act_bytes=a,
+        head_flops_fwd=arithmetic.head_flops_fwd(m),
+    )

@@ -177,8 +177,9 @@ def _shards(axes: tuple[str, ...], shape: tuple[int, ...], sizes: tuple[tuple[st
     return tuple(out)
 
 
-def collective_seconds(kind: str, nbytes: float, group: int, bandwidth: float, latency: float,
-                       overhead: float = 0.0) -> float:
+def collective_seconds(
+    kind: str, nbytes: float, group: int, bandwidth: float, latency: float, overhead: float = 0.0
+) -> float:
     """Ring-algorithm time of one collective over ``group`` devices (bytes, bytes/s, s -> s), plus a fixed ``overhead``."""
     if group <= 1:
         return 0.0
@@ -228,8 +229,9 @@ def _per_token_bytes(view: ComputationView, block: BlockKind, names, sizes: tupl
 def _kept(block: BlockKind, remat: RematChoice) -> tuple[str, ...]:
     if remat.saved is None:
         return block.saved_without_remat
-    return ("layer_input",) + tuple(a.name for a in block.activations
-                                    if a.checkpoint_name in remat.saved and a.read_by_backward)
+    return ("layer_input",) + tuple(
+        a.name for a in block.activations if a.checkpoint_name in remat.saved and a.read_by_backward
+    )
 
 
 def _batch_ways(s: Strategy) -> int:
@@ -257,6 +259,7 @@ class MemoryTerms:
 
     def memory(self, coeff: MemoryCoefficients) -> Memory:
         """Bytes per device under ``coeff``."""
+
         def c(name: str) -> float:
             if name.startswith("layer_working:"):
                 return coeff.working(name.split(":", 1)[1])
@@ -264,8 +267,14 @@ class MemoryTerms:
 
         extra_grads = c("grad_copies") * self.scaled.get("grad_copies", 0.0)
         working = sum(c(k) * v for k, v in self.scaled.items() if k != "grad_copies")
-        return Memory(params=self.state.params, optimizer=self.state.optimizer, grads=self.state.grads + extra_grads,
-                      activations=self.activations, working=working, batch=self.batch)
+        return Memory(
+            params=self.state.params,
+            optimizer=self.state.optimizer,
+            grads=self.state.grads + extra_grads,
+            activations=self.activations,
+            working=working,
+            batch=self.batch,
+        )
 
 
 def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryTerms:
@@ -273,14 +282,14 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     sizes = tuple(s.mesh.items())
     pb, T = view.param_bytes, view.seq_len
     remat = remat_choice(s.remat)
-    rows_mb = batch_size // s.microbatches                  # sequences per microbatch, whole job
-    tokens = rows_mb // _batch_ways(s) * T                  # tokens per microbatch on one device
-    chunks, units = in_flight(s)                           # units of 1/chunks of a microbatch on stage 0
-    held = math.ceil(units / chunks)                        # microbatches with a chunk in flight
+    rows_mb = batch_size // s.microbatches  # sequences per microbatch, whole job
+    tokens = rows_mb // _batch_ways(s) * T  # tokens per microbatch on one device
+    chunks, units = in_flight(s)  # units of 1/chunks of a microbatch on stage 0
+    held = math.ceil(units / chunks)  # microbatches with a chunk in flight
     local = sum(_local(p, sizes) for p in view.other_params)  # parameter elements on one device
     activations = working_layer = gathered = 0.0
     for b in view.blocks:
-        layers = math.ceil(b.count / s.pipeline)           # blocks on one pipeline stage
+        layers = math.ceil(b.count / s.pipeline)  # blocks on one pipeline stage
         matmul, norms, full = _block_weights(b, sizes)
         local += layers * (matmul + norms)
         activations += layers * tokens / chunks * _per_token_bytes(view, b, _kept(b, remat), sizes, rows_mb) * units
@@ -292,15 +301,18 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     state = train_state_bytes(local, view.model.param_dtype)
     vocab_local = view.model.vocab_size / _shards(("vocab",), (view.model.vocab_size,), sizes)[0]
     embedding = sum(p.size for p in view.other_params if p.axes != ("norm",)) * pb  # embedding (+ head), whole
-    scaled = {f"layer_working:{s.remat}": working_layer,
-              "microbatch_working": working_layer if s.microbatches > 1 else 0.0,
-              "logits_working": tokens * vocab_local * 4,
-              "gathered_weights": gathered if s.fsdp > 1 else 0.0,
-              "grad_copies": state.params if s.microbatches > 1 else 0.0,
-              "gathered_embedding": embedding if s.fsdp * s.tensor > 1 else 0.0,
-              "fixed": 1.0}
-    return MemoryTerms(state=state, activations=activations, batch=batch_size // _batch_ways(s) * (T + 1) * 4,
-                       scaled=scaled)
+    scaled = {
+        f"layer_working:{s.remat}": working_layer,
+        "microbatch_working": working_layer if s.microbatches > 1 else 0.0,
+        "logits_working": tokens * vocab_local * 4,
+        "gathered_weights": gathered if s.fsdp > 1 else 0.0,
+        "grad_copies": state.params if s.microbatches > 1 else 0.0,
+        "gathered_embedding": embedding if s.fsdp * s.tensor > 1 else 0.0,
+        "fixed": 1.0,
+    }
+    return MemoryTerms(
+        state=state, activations=activations, batch=batch_size // _batch_ways(s) * (T + 1) * 4, scaled=scaled
+    )
 
 
 def in_flight(s: Strategy) -> tuple[int, int]:
@@ -314,8 +326,7 @@ def in_flight(s: Strategy) -> tuple[int, int]:
     return 1, min(s.microbatches, s.pipeline)
 
 
-def memory(view: ComputationView, s: Strategy, batch_size: int,
-           coeff: MemoryCoefficients = XLA_CPU_MEMORY) -> Memory:
+def memory(view: ComputationView, s: Strategy, batch_size: int, coeff: MemoryCoefficients = XLA_CPU_MEMORY) -> Memory:
     """Predicted bytes per device of strategy ``s`` at global batch ``batch_size`` sequences."""
     return memory_terms(view, s, batch_size).memory(coeff)
 
@@ -327,18 +338,17 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
     pb, ab, T, d = view.param_bytes, view.act_bytes, view.seq_len, view.model.d_model
     V = view.model.vocab_size
     local_rows = batch_size // m // _batch_ways(s)
-    X = local_rows * T * d * ab                   # one block's output on one device, per microbatch
-    S = local_rows * T * 4                        # one float32 per token
+    X = local_rows * T * d * ab  # one block's output on one device, per microbatch
+    S = local_rows * T * 4  # one float32 per token
     remat = remat_choice(s.remat)
     items: list[CommItem] = []
 
     def add(name, kind, axes, nbytes, count, overlappable=True):
         group = math.prod(s.mesh[a] for a in axes)
         if group > 1 and nbytes > 0 and count > 0:
-            items.append(CommItem(name, kind, tuple(axes), group, float(nbytes), int(count),
-                                  overlappable=overlappable))
+            items.append(CommItem(name, kind, tuple(axes), group, float(nbytes), int(count), overlappable=overlappable))
 
-    chunks = in_flight(s)[0]                    # seq1f1b: every block pass is over 1/chunks of a sequence
+    chunks = in_flight(s)[0]  # seq1f1b: every block pass is over 1/chunks of a sequence
     X_chunk = X / chunks
     for b in view.blocks:
         per_layer = math.ceil(b.count / p) * m
@@ -351,8 +361,14 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
         # Tensor parallel: two forward all-reduces per block, one per input projection backward;
         # a full-remat backward recomputes the attention output (the MLP output is not needed).
         bwd = 5 + (1 if remat.recompute == 1.0 else 0)
-        add("tensor activation all-reduce", "all-reduce", ("tensor",), X_chunk, (2 + bwd) * per_layer * chunks,
-            overlappable=False)
+        add(
+            "tensor activation all-reduce",
+            "all-reduce",
+            ("tensor",),
+            X_chunk,
+            (2 + bwd) * per_layer * chunks,
+            overlappable=False,
+        )
         # Gradients, every microbatch: full size over fsdp, then the shard over data.
         if F > 1 and D > 1:
             add("gradient reduce (fsdp)", "all-reduce", ("fsdp",), gathered * pb, per_layer)
@@ -362,8 +378,7 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
             add("gradient reduce", "all-reduce", ("data", "fsdp"), (gathered + norms) * pb, per_layer)
         if b.dispatch_rows:
             # Tokens to their experts and back, forward and backward.
-            add("expert all-to-all", "all-to-all", ("expert",), X * b.dispatch_rows, 4 * per_layer,
-                overlappable=False)
+            add("expert all-to-all", "all-to-all", ("expert",), X * b.dispatch_rows, 4 * per_layer, overlappable=False)
     # Embedding and output head.  Loop-invariant: XLA hoists the table gathers out of the microbatch loop.
     E = V * d * pb
     vocab_shards = _shards(("vocab",), (V,), sizes)[0]
@@ -386,8 +401,14 @@ def recompute_flops(view: ComputationView, remat: RematChoice) -> dict[str, floa
     return out
 
 
-def estimate(view: ComputationView, cluster: ClusterView, s: Strategy, batch_size: int,
-             memory_fraction: float = 0.9, coeff: MemoryCoefficients = XLA_CPU_MEMORY) -> Estimate:
+def estimate(
+    view: ComputationView,
+    cluster: ClusterView,
+    s: Strategy,
+    batch_size: int,
+    memory_fraction: float = 0.9,
+    coeff: MemoryCoefficients = XLA_CPU_MEMORY,
+) -> Estimate:
     """Predicted step time, memory and collectives of ``s``; ``fits`` is false (with the reason)
     when the memory per device exceeds ``memory_fraction`` of the device's memory."""
     mem = memory(view, s, batch_size, coeff)
@@ -408,8 +429,9 @@ def estimate(view: ComputationView, cluster: ClusterView, s: Strategy, batch_siz
     peak = cluster.peak_flops(view.model.dtype)
     # Fixed cost per block pass (forward, backward, recomputed forward) per microbatch, and the head's two.
     chunks = in_flight(s)[0]
-    passes = s.microbatches * (2 + chunks * sum(b.count / s.pipeline * (2 + (1 if rec[b.name] else 0))
-                                                for b in view.blocks))
+    passes = s.microbatches * (
+        2 + chunks * sum(b.count / s.pipeline * (2 + (1 if rec[b.name] else 0)) for b in view.blocks)
+    )
     compute = flops_dev / (peak * cluster.efficiency) + passes * cluster.pass_overhead
     critical = sum(c.seconds for c in timed if not c.overlappable)
     hidden = sum(c.seconds for c in timed if c.overlappable)
@@ -420,8 +442,19 @@ def estimate(view: ComputationView, cluster: ClusterView, s: Strategy, batch_siz
     fits = mem.total <= limit
     reason = "" if fits else f"needs {mem.total / 2**30:.1f} GiB per device, {limit / 2**30:.1f} GiB usable"
     model_flops = tokens * train_flops_per_token(view.model, view.seq_len) / s.n_devices  # no recompute
-    return Estimate(strategy=s, step_time=step, compute_time=compute, comm_time=comm, bubble_time=bubble,
-                    memory=mem, comm=tuple(timed), flops_per_device=flops_dev, tokens_per_step=tokens,
-                    peak_flops=peak, memory_limit=limit, fits=fits, reason=reason,
-                    extra={"model_flops_per_device": model_flops, "passes": passes,
-                           "collectives": sum(c.count for c in timed)})
+    return Estimate(
+        strategy=s,
+        step_time=step,
+        compute_time=compute,
+        comm_time=comm,
+        bubble_time=bubble,
+        memory=mem,
+        comm=tuple(timed),
+        flops_per_device=flops_dev,
+        tokens_per_step=tokens,
+        peak_flops=peak,
+        memory_limit=limit,
+        fits=fits,
+        reason=reason,
+        extra={"model_flops_per_device": model_flops, "passes": passes, "collectives": sum(c.count for c in timed)},
+    )

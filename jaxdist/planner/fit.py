@@ -46,9 +46,13 @@ def _names(terms: list[MemoryTerms]) -> list[str]:
 LOWER_BOUNDS = {"logits_working": 2.0, "gathered_embedding": 2.0}
 
 
-def fit_memory_coefficients(terms: list[MemoryTerms], measured: list[float], c_max: float = 8.0,
-                            base: MemoryCoefficients | None = None,
-                            lower: dict[str, float] | None = None) -> MemoryFit:
+def fit_memory_coefficients(
+    terms: list[MemoryTerms],
+    measured: list[float],
+    c_max: float = 8.0,
+    base: MemoryCoefficients | None = None,
+    lower: dict[str, float] | None = None,
+) -> MemoryFit:
     """Coefficients minimising the largest relative error of ``terms`` against ``measured`` bytes.
 
     Each coefficient lies in [``lower`` (default :data:`LOWER_BOUNDS`), ``c_max``];
@@ -73,8 +77,10 @@ def fit_memory_coefficients(terms: list[MemoryTerms], measured: list[float], c_m
     cost[-1] = 1.0
     # scale each column so the solver sees numbers near 1 (bytes differ by orders of magnitude)
     scale = np.maximum(np.abs(a_ub).max(axis=0), 1e-30)
-    bounds = [(lower.get(n, 0.0) * s, None if n == "fixed" else c_max * s)  # fixed: bytes, no upper bound
-              for n, s in zip(names, scale[:k])]
+    bounds = [
+        (lower.get(n, 0.0) * s, None if n == "fixed" else c_max * s)  # fixed: bytes, no upper bound
+        for n, s in zip(names, scale[:k])
+    ]
     res = linprog(cost, A_ub=a_ub / scale, b_ub=b_ub, bounds=bounds + [(0, None)], method="highs")
     if not res.success:
         raise RuntimeError(f"the memory fit did not solve: {res.message}")
@@ -99,5 +105,13 @@ def relative_errors(terms: list[MemoryTerms], measured: list[float], coeff: Memo
     return [t.memory(coeff).total / m - 1 for t, m in zip(terms, measured)]
 
 
-_ZERO = MemoryCoefficients(layer_working=(), default_working=0.0, microbatch_working=0.0, logits_working=0.0,
-                           gathered_weights=0.0, grad_copies=0.0, gathered_embedding=0.0, fixed=0.0)
+_ZERO = MemoryCoefficients(
+    layer_working=(),
+    default_working=0.0,
+    microbatch_working=0.0,
+    logits_working=0.0,
+    gathered_weights=0.0,
+    grad_copies=0.0,
+    gathered_embedding=0.0,
+    fixed=0.0,
+)

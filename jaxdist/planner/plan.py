@@ -67,37 +67,47 @@ class Plan:
 
     def table(self, n: int = 8) -> str:
         """The best ``n`` fitting strategies as a text table (and how many were rejected for memory)."""
-        head = (f"{'#':>2}  {'mesh':<34} {'mb':>4} {'remat':<6} {'step s':>9} {'tokens/s':>10} {'MFU':>6} "
-                f"{'GiB/dev':>8}  dominated by")
+        head = (
+            f"{'#':>2}  {'mesh':<34} {'mb':>4} {'remat':<6} {'step s':>9} {'tokens/s':>10} {'MFU':>6} "
+            f"{'GiB/dev':>8}  dominated by"
+        )
         lines = [head, "-" * len(head)]
         for i, e in enumerate(self.fitting()[:n], 1):
             s = e.strategy
             mesh = " ".join(f"{a}={v}" for a, v in s.mesh.items() if v != 1) or "single device"
             if s.pipeline > 1:
                 mesh += f" ({s.schedule}{f' x{s.chunks}' if s.schedule == 'seq1f1b' else ''})"
-            lines.append(f"{i:>2}  {mesh:<34} {s.microbatches:>4} {s.remat:<6} {e.step_time:>9.4g} "
-                         f"{e.tokens_per_s:>10.4g} {e.mfu:>6.1%} {e.memory.total / GIB:>8.2f}  {e.dominant}")
+            lines.append(
+                f"{i:>2}  {mesh:<34} {s.microbatches:>4} {s.remat:<6} {e.step_time:>9.4g} "
+                f"{e.tokens_per_s:>10.4g} {e.mfu:>6.1%} {e.memory.total / GIB:>8.2f}  {e.dominant}"
+            )
         rejected = [e for e in self.ranked if not e.fits]
         if rejected:
             closest = min(rejected, key=lambda e: e.memory.total)
-            lines.append(f"({len(rejected)} of {len(self.ranked)} evaluated plans do not fit; the closest, "
-                         f"{closest.strategy.describe()}, {closest.reason})")
+            lines.append(
+                f"({len(rejected)} of {len(self.ranked)} evaluated plans do not fit; the closest, "
+                f"{closest.strategy.describe()}, {closest.reason})"
+            )
         return "\n".join(lines)
 
     def explain(self) -> str:
         """A few lines on the chosen plan: where the time and the memory go."""
         e = self.best
         m = e.memory
-        lines = [f"chosen: {e.strategy.describe()}",
-                 f"  step {e.step_time:.4g} s = compute {e.compute_time:.4g} s + exposed communication "
-                 f"{e.comm_time:.4g} s + pipeline bubble {e.bubble_time:.4g} s; "
-                 f"{e.tokens_per_s:.4g} tokens/s, MFU {e.mfu:.1%}",
-                 f"  memory per device {m.total / GIB:.2f} GiB of {e.memory_limit / GIB:.2f} usable: params "
-                 f"{m.params / GIB:.2f}, optimizer {m.optimizer / GIB:.2f}, grads {m.grads / GIB:.2f}, "
-                 f"activations {m.activations / GIB:.2f}, working {m.working / GIB:.2f}"]
+        lines = [
+            f"chosen: {e.strategy.describe()}",
+            f"  step {e.step_time:.4g} s = compute {e.compute_time:.4g} s + exposed communication "
+            f"{e.comm_time:.4g} s + pipeline bubble {e.bubble_time:.4g} s; "
+            f"{e.tokens_per_s:.4g} tokens/s, MFU {e.mfu:.1%}",
+            f"  memory per device {m.total / GIB:.2f} GiB of {e.memory_limit / GIB:.2f} usable: params "
+            f"{m.params / GIB:.2f}, optimizer {m.optimizer / GIB:.2f}, grads {m.grads / GIB:.2f}, "
+            f"activations {m.activations / GIB:.2f}, working {m.working / GIB:.2f}",
+        ]
         for c in sorted(e.comm, key=lambda c: -c.seconds)[:4]:
-            lines.append(f"  {c.name}: {c.kind} over {' x '.join(c.axes)} ({c.group} devices, {c.link}-node), "
-                         f"{c.count} x {c.bytes / 2**20:.3g} MiB, {c.seconds:.3g} s")
+            lines.append(
+                f"  {c.name}: {c.kind} over {' x '.join(c.axes)} ({c.group} devices, {c.link}-node), "
+                f"{c.count} x {c.bytes / 2**20:.3g} MiB, {c.seconds:.3g} s"
+            )
         return "\n".join(lines)
 
     def to_config(self, base: Config | None = None) -> Config:
@@ -110,8 +120,9 @@ class Plan:
             cluster = cfg.mesh.cluster
         mesh = dataclasses.replace(cfg.mesh, cluster=cluster, **{a: getattr(s, a) for a in MESH_AXES})
         mesh = dataclasses.replace(mesh, auto=False)
-        train = dataclasses.replace(cfg.train, batch_size=self.batch_size, seq_len=self.seq_len,
-                                    microbatches=s.microbatches, remat=remat)
+        train = dataclasses.replace(
+            cfg.train, batch_size=self.batch_size, seq_len=self.seq_len, microbatches=s.microbatches, remat=remat
+        )
         pipeline = cfg.pipeline
         if s.pipeline > 1:
             pipeline = dataclasses.replace(pipeline, schedule=s.schedule, chunks=max(1, s.chunks))
@@ -120,9 +131,12 @@ class Plan:
     def to_toml(self, base: Config | None = None) -> str:
         """The config of :meth:`to_config` as TOML, headed by a comment with the plan."""
         e = self.best
-        head = [f"# jaxdist plan: {self.model.preset} on {self.cluster.describe()}",
-                f"# {e.strategy.describe()}: predicted {e.step_time:.4g} s/step, {e.tokens_per_s:.4g} tokens/s, "
-                f"MFU {e.mfu:.1%}, {e.memory.total / GIB:.2f} GiB/device", ""]
+        head = [
+            f"# jaxdist plan: {self.model.preset} on {self.cluster.describe()}",
+            f"# {e.strategy.describe()}: predicted {e.step_time:.4g} s/step, {e.tokens_per_s:.4g} tokens/s, "
+            f"MFU {e.mfu:.1%}, {e.memory.total / GIB:.2f} GiB/device",
+            "",
+        ]
         return "\n".join(head) + self.to_config(base).to_toml()
 
 
@@ -157,11 +171,22 @@ def _as_view(cluster: Any, busy: Any, calibration: Calibration | None) -> tuple[
     return cluster_view(spec, busy, calibration), source
 
 
-def plan(model: ModelConfig, cluster: ClusterSpec | ClusterView | str, *, batch_size: int = 32,
-         seq_len: int | None = None, busy: Any = None, calibration: Calibration | None = None,
-         remat: Sequence[RematChoice] = REMAT_CHOICES, axes: Sequence[str] | None = None,
-         enumerate_all: bool = False, budget: int = 4000, memory_fraction: float = 0.9,
-         max_microbatches: int = 64, coefficients: MemoryCoefficients = XLA_CPU_MEMORY) -> Plan:
+def plan(
+    model: ModelConfig,
+    cluster: ClusterSpec | ClusterView | str,
+    *,
+    batch_size: int = 32,
+    seq_len: int | None = None,
+    busy: Any = None,
+    calibration: Calibration | None = None,
+    remat: Sequence[RematChoice] = REMAT_CHOICES,
+    axes: Sequence[str] | None = None,
+    enumerate_all: bool = False,
+    budget: int = 4000,
+    memory_fraction: float = 0.9,
+    max_microbatches: int = 64,
+    coefficients: MemoryCoefficients = XLA_CPU_MEMORY,
+) -> Plan:
     """Plan ``model`` on the free devices of ``cluster`` (a ClusterSpec, ClusterView, a name or path of a
     meshes/ file, or ``"live"`` for the devices JAX sees).
 
@@ -189,36 +214,60 @@ def plan(model: ModelConfig, cluster: ClusterSpec | ClusterView | str, *, batch_
     space = None
     for view in [view] + smaller_views(view):  # fewer devices only when no mesh of all of them suits
         if enumerate_all:
-            points = list(candidates(comp, view.n_devices, view.nodes, view.devices_per_node, batch_size, remat,
-                                     axes, max_microbatches))
+            points = list(
+                candidates(
+                    comp, view.n_devices, view.nodes, view.devices_per_node, batch_size, remat, axes, max_microbatches
+                )
+            )
             if not points:
                 continue
             space = len(points)
             result: SearchResult = exhaustive(lambda s: evaluate(s, view), points)
             break
         try:
-            result = search(lambda s: evaluate(s, view), comp, view.nodes, view.devices_per_node, batch_size,
-                            remat, axes, max_microbatches, budget=budget)
+            result = search(
+                lambda s: evaluate(s, view),
+                comp,
+                view.nodes,
+                view.devices_per_node,
+                batch_size,
+                remat,
+                axes,
+                max_microbatches,
+                budget=budget,
+            )
             break
         except ValueError:
             continue
     else:
         raise PlanError(_no_candidate(model, full_view, batch_size))
-    p = Plan(model=model, cluster=view, batch_size=batch_size, seq_len=seq_len, ranked=result.ranked,
-             evaluations=result.evaluations, space=space, seconds=time.perf_counter() - t0, cluster_source=source)
+    p = Plan(
+        model=model,
+        cluster=view,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        ranked=result.ranked,
+        evaluations=result.evaluations,
+        space=space,
+        seconds=time.perf_counter() - t0,
+        cluster_source=source,
+    )
     if not p.best.fits:
         e = p.best
         raise PlanError(
             f"model '{model.preset}' ({comp.param_count / 1e9:.3g}B parameters, batch {batch_size} x {seq_len} "
             f"tokens) does not fit on {view.describe()}: the least memory any plan needs is "
             f"{e.memory.total / GIB:.1f} GiB per device ({e.strategy.describe()}) but {e.memory_limit / GIB:.1f} GiB "
-            "are usable; use more devices, a smaller train.batch_size or train.seq_len, or devices with more memory.")
+            "are usable; use more devices, a smaller train.batch_size or train.seq_len, or devices with more memory."
+        )
     return p
 
 
 def _no_candidate(model: ModelConfig, view: ClusterView, batch_size: int) -> str:
-    return (f"no mesh of the {view.n_devices} free devices (or of fewer) suits model '{model.preset}' with batch "
-            f"{batch_size}: make train.batch_size a multiple of the number of devices to use.")
+    return (
+        f"no mesh of the {view.n_devices} free devices (or of fewer) suits model '{model.preset}' with batch "
+        f"{batch_size}: make train.batch_size a multiple of the number of devices to use."
+    )
 
 
 def resolve_auto(cfg: Config, devices: Sequence[Any]) -> Config:

@@ -65,8 +65,11 @@ def exhaustive(evaluate: Callable[[Strategy], Estimate], points: Iterable[Strate
 
 def _fix_microbatches(s: Strategy, batch_size: int, max_microbatches: int) -> list[Strategy]:
     ways = s.data * s.fsdp * s.expert
-    ok = [m for m in range(1, min(batch_size, max_microbatches) + 1)
-          if batch_size % m == 0 and (batch_size // m) % ways == 0]
+    ok = [
+        m
+        for m in range(1, min(batch_size, max_microbatches) + 1)
+        if batch_size % m == 0 and (batch_size // m) % ways == 0
+    ]
     if not ok:
         return []
     below = [m for m in ok if m <= s.microbatches]
@@ -75,10 +78,18 @@ def _fix_microbatches(s: Strategy, batch_size: int, max_microbatches: int) -> li
     return [replace(s, microbatches=m) for m in sorted(picks)]
 
 
-def start_points(view: ComputationView, nodes: int, per_node: int, batch_size: int,
-                 remat: Sequence[RematChoice] = REMAT_CHOICES, axes: Sequence[str] = MESH_AXES,
-                 max_microbatches: int = 64, n_random: int = 0, seed: int = 0,
-                 starts_remat_last: bool = True) -> list[Strategy]:
+def start_points(
+    view: ComputationView,
+    nodes: int,
+    per_node: int,
+    batch_size: int,
+    remat: Sequence[RematChoice] = REMAT_CHOICES,
+    axes: Sequence[str] = MESH_AXES,
+    max_microbatches: int = 64,
+    n_random: int = 0,
+    seed: int = 0,
+    starts_remat_last: bool = True,
+) -> list[Strategy]:
     """A small, varied first set of evaluation points (all valid): canonical meshes with the last (most
     memory-saving) remat choice, the smallest valid microbatch count, and ``n_random`` random candidates."""
     n = nodes * per_node
@@ -87,8 +98,11 @@ def start_points(view: ComputationView, nodes: int, per_node: int, batch_size: i
         if per_node % t:
             continue
         rest = n // t
-        meshes += [dict(data=rest, tensor=t), dict(fsdp=rest, tensor=t),
-                   dict(data=nodes, fsdp=rest // nodes, tensor=t) if rest % nodes == 0 else dict(fsdp=rest, tensor=t)]
+        meshes += [
+            dict(data=rest, tensor=t),
+            dict(fsdp=rest, tensor=t),
+            dict(data=nodes, fsdp=rest // nodes, tensor=t) if rest % nodes == 0 else dict(fsdp=rest, tensor=t),
+        ]
     points: list[Strategy] = []
     for mesh in meshes:
         if any(a not in axes and s > 1 for a, s in mesh.items()):
@@ -104,10 +118,21 @@ def start_points(view: ComputationView, nodes: int, per_node: int, batch_size: i
     return list(dict.fromkeys(points))
 
 
-def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, nodes: int, per_node: int,
-           batch_size: int, remat: Sequence[RematChoice] = REMAT_CHOICES, axes: Sequence[str] = MESH_AXES,
-           max_microbatches: int = 64, budget: int = 2000, beam: int = 2, patience: int = 2,
-           seed: int = 0, repair: int = 1) -> SearchResult:
+def search(
+    evaluate: Callable[[Strategy], Estimate],
+    view: ComputationView,
+    nodes: int,
+    per_node: int,
+    batch_size: int,
+    remat: Sequence[RematChoice] = REMAT_CHOICES,
+    axes: Sequence[str] = MESH_AXES,
+    max_microbatches: int = 64,
+    budget: int = 2000,
+    beam: int = 2,
+    patience: int = 2,
+    seed: int = 0,
+    repair: int = 1,
+) -> SearchResult:
     """Local search over evaluation points; returns every point it evaluated, best first.
 
     ``budget`` caps the evaluations, ``beam`` is how many of the best points
@@ -134,8 +159,11 @@ def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, node
         """More microbatches (fewer activations in flight) for a point that does not fit, until it does."""
         m = s.microbatches
         while s in seen and not seen[s].fits and len(seen) < budget:
-            bigger = [c for c in _fix_microbatches(replace(s, microbatches=2 * m), batch_size, max_microbatches)
-                      if c.microbatches > m and valid(c, view, nodes, per_node, batch_size, max_microbatches)]
+            bigger = [
+                c
+                for c in _fix_microbatches(replace(s, microbatches=2 * m), batch_size, max_microbatches)
+                if c.microbatches > m and valid(c, view, nodes, per_node, batch_size, max_microbatches)
+            ]
             if not bigger:
                 break
             s, m = bigger[0], bigger[0].microbatches
@@ -156,12 +184,17 @@ def search(evaluate: Callable[[Strategy], Estimate], view: ComputationView, node
             moves = list(neighbours(s, view, nodes, per_node, batch_size, remat, axes, max_microbatches))
             # A mesh move that breaks the microbatch divisibility gets the nearest valid microbatch counts.
             for c in _mesh_moves(s, view, axes):
-                moves += [f for f in _fix_microbatches(c, batch_size, max_microbatches)
-                          if valid(f, view, nodes, per_node, batch_size, max_microbatches)]
+                moves += [
+                    f
+                    for f in _fix_microbatches(c, batch_size, max_microbatches)
+                    if valid(f, view, nodes, per_node, batch_size, max_microbatches)
+                ]
             run(moves)
             # a faster move that runs out of memory may fit with more microbatches: repair the nearest to fitting
-            over = sorted((seen[c] for c in moves if c in seen and not seen[c].fits and seen[c].step_time
-                           < seen[s].step_time), key=lambda e: e.memory.total)
+            over = sorted(
+                (seen[c] for c in moves if c in seen and not seen[c].fits and seen[c].step_time < seen[s].step_time),
+                key=lambda e: e.memory.total,
+            )
             for e in over[:repair]:
                 until_it_fits(e.strategy)
         new_best = min(seen.values(), key=objective)

@@ -22,8 +22,22 @@ from jaxdist.models.arithmetic import param_count
 from jaxdist.remat.plan import compare_policies, format_bytes, format_comparison, plan_remat
 from jaxdist.remat.policy import auto_budget, memory_breakdown, profile_for_config
 
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
-          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 2**10,
+    "m": 1e6,
+    "mb": 1e6,
+    "mib": 2**20,
+    "g": 1e9,
+    "gb": 1e9,
+    "gib": 2**30,
+    "t": 1e12,
+    "tb": 1e12,
+    "tib": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:
@@ -37,8 +51,9 @@ def parse_bytes(text: str) -> int:
     return int(value)
 
 
-def run_remat(cfg: Config, budget: str | None = None, measure: bool = False, operators: bool = False,
-              repeats: int = 5, out=None) -> int:
+def run_remat(
+    cfg: Config, budget: str | None = None, measure: bool = False, operators: bool = False, repeats: int = 5, out=None
+) -> int:
     """Print the plan and the comparison for ``cfg`` (model, mesh sizes, cluster, batch, seq_len)."""
     # Imported here, not at the top: they import JAX, which `jaxdist --help` must not.
 
@@ -51,12 +66,18 @@ def run_remat(cfg: Config, budget: str | None = None, measure: bool = False, ope
     shape = " ".join(f"{a}={s}" for a, s in sizes.items() if s > 1) or "one device"
     n = param_count(cfg.model)
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-    print(f"model {cfg.model.preset} ({size} params, {cfg.model.dtype}), "
-          f"{profile.n_layers} scanned blocks; cluster {cluster.name} ({cluster.device_kind}, "
-          f"{format_bytes(cluster.memory_bytes)} per device); mesh {shape}; microbatch "
-          f"{t.batch_size // t.microbatches} x {t.seq_len} tokens (global)", file=out)
-    print(f"block: {len(profile.operators)} forward operators, input {format_bytes(profile.input_bytes)} per device; "
-          f"times: {profile.timing}", file=out)
+    print(
+        f"model {cfg.model.preset} ({size} params, {cfg.model.dtype}), "
+        f"{profile.n_layers} scanned blocks; cluster {cluster.name} ({cluster.device_kind}, "
+        f"{format_bytes(cluster.memory_bytes)} per device); mesh {shape}; microbatch "
+        f"{t.batch_size // t.microbatches} x {t.seq_len} tokens (global)",
+        file=out,
+    )
+    print(
+        f"block: {len(profile.operators)} forward operators, input {format_bytes(profile.input_bytes)} per device; "
+        f"times: {profile.timing}",
+        file=out,
+    )
     if budget is not None:
         budget_bytes = parse_bytes(budget)
     elif t.remat_budget_bytes:
@@ -72,6 +93,9 @@ def run_remat(cfg: Config, budget: str | None = None, measure: bool = False, ope
     print(format_comparison(compare_policies(profile, plan)), file=out)
     tags = plan.saved_tags
     only_tags = len(tags) == sum(plan.saved)
-    print(f"\ntrain.remat=auto{'' if budget is None else f' train.remat_budget_bytes={budget_bytes}'} applies this plan"
-          + (f" (the same as train.remat=save:{','.join(tags)})" if only_tags and tags else ""), file=out)
+    print(
+        f"\ntrain.remat=auto{'' if budget is None else f' train.remat_budget_bytes={budget_bytes}'} applies this plan"
+        + (f" (the same as train.remat=save:{','.join(tags)})" if only_tags and tags else ""),
+        file=out,
+    )
     return 0

@@ -83,8 +83,8 @@ class Evaluation:
 
     bytes: float
     time: float
-    saved: np.ndarray        # bool [n]: saved and used by the backward pass
-    recomputed: np.ndarray   # bool [n]
+    saved: np.ndarray  # bool [n]: saved and used by the backward pass
+    recomputed: np.ndarray  # bool [n]
 
 
 @dataclass(frozen=True)
@@ -133,12 +133,15 @@ def evaluate(graph: OperatorGraph, saved_units: Iterable[int]) -> Evaluation:
 def check_budget(graph: OperatorGraph, budget: float) -> None:
     """Raise :class:`InfeasibleBudget` for a negative budget (bytes): even saving nothing needs 0."""
     if budget < 0:
-        raise InfeasibleBudget(f"a budget of {budget:.0f} bytes cannot be met: the smallest feasible budget is "
-                               "0 bytes (save nothing).", 0.0)
+        raise InfeasibleBudget(
+            f"a budget of {budget:.0f} bytes cannot be met: the smallest feasible budget is 0 bytes (save nothing).",
+            0.0,
+        )
 
 
-def make_selection(graph: OperatorGraph, units: Iterable[int], budget: float, method: str, bound: float,
-                   t0: float) -> Selection:
+def make_selection(
+    graph: OperatorGraph, units: Iterable[int], budget: float, method: str, bound: float, t0: float
+) -> Selection:
     """The :class:`Selection` saving ``units`` (those nothing uses dropped), found by ``method`` since
     ``t0`` (``time.perf_counter()`` seconds), with lower bound ``bound`` (seconds, capped at its time)."""
     ev = evaluate(graph, units)

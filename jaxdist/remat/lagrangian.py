@@ -28,8 +28,8 @@ from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from jaxdist.remat.graph import OperatorGraph, Selection, check_budget, evaluate, make_selection
 
-_CAPACITY = 10 ** 9          # finite capacities are scaled to sum to at most this (int32 max flow)
-_INFINITE = 2 ** 31 - 1
+_CAPACITY = 10**9  # finite capacities are scaled to sum to at most this (int32 max flow)
+_INFINITE = 2**31 - 1
 
 
 def _closure_cut(graph: OperatorGraph, lam: float) -> frozenset[int]:
@@ -75,7 +75,7 @@ def _closure_cut(graph: OperatorGraph, lam: float) -> frozenset[int]:
     reach = breadth_first_order(residual, src, directed=True, return_predecessors=False)
     one = np.zeros(2 * n + 2, dtype=bool)
     one[reach] = True
-    saved = one[:n] & ~one[n:2 * n] & (graph.unit >= 0)
+    saved = one[:n] & ~one[n : 2 * n] & (graph.unit >= 0)
     return frozenset(int(u) for u in np.unique(graph.unit[saved]))
 
 

@@ -40,8 +40,10 @@ def remat_policy(remat: str | Remat) -> Any:
     policy = getattr(jax.checkpoint_policies, spec.policy, None)
     if spec.kind == "auto" or policy is None or not callable(policy):
         hint = " (auto is resolved with the model and mesh: call resolve_remat_policy)" if spec.kind == "auto" else ""
-        raise ConfigError(f"train.remat='{spec}' is unknown{hint}: use none, full, auto, save:NAME[,NAME] or one of "
-                          "nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable.")
+        raise ConfigError(
+            f"train.remat='{spec}' is unknown{hint}: use none, full, auto, save:NAME[,NAME] or one of "
+            "nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable."
+        )
     return policy
 
 

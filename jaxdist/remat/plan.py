@@ -64,8 +64,8 @@ class RematPlan:
     budget_bytes: float
     selection: Selection
     saved_signatures: frozenset[str]
-    saved: tuple[bool, ...]          # per operator: saved for the backward pass
-    recomputed: tuple[bool, ...]     # per operator: recomputed in the backward pass
+    saved: tuple[bool, ...]  # per operator: saved for the backward pass
+    recomputed: tuple[bool, ...]  # per operator: recomputed in the backward pass
 
     @property
     def block_bytes(self) -> float:
@@ -103,12 +103,18 @@ class RematPlan:
     def describe(self) -> str:
         """One line: budget, saved bytes, recompute time, solver."""
         sel = self.selection
-        return (f"budget {format_bytes(self.budget_bytes)} per device for {self.profile.n_layers} blocks; "
-                f"saves {format_bytes(self.activation_bytes)} (inputs {format_bytes(self.profile.n_layers * self.profile.input_bytes)}"
-                f" + {format_bytes(self.profile.n_layers * self.block_bytes)} intermediates), recomputes "
-                f"{format_seconds(self.recompute_time)} / {self.recompute_flops / 1e9:.3g} GFLOP per step; "
-                f"{sel.method} in {sel.solve_seconds * 1e3:.0f} ms"
-                + (f", proven within {sel.gap:.2%} of optimal" if not sel.method.startswith("exact") and sel.gap > 0 else ""))
+        return (
+            f"budget {format_bytes(self.budget_bytes)} per device for {self.profile.n_layers} blocks; "
+            f"saves {format_bytes(self.activation_bytes)} (inputs {format_bytes(self.profile.n_layers * self.profile.input_bytes)}"
+            f" + {format_bytes(self.profile.n_layers * self.block_bytes)} intermediates), recomputes "
+            f"{format_seconds(self.recompute_time)} / {self.recompute_flops / 1e9:.3g} GFLOP per step; "
+            f"{sel.method} in {sel.solve_seconds * 1e3:.0f} ms"
+            + (
+                f", proven within {sel.gap:.2%} of optimal"
+                if not sel.method.startswith("exact") and sel.gap > 0
+                else ""
+            )
+        )
 
     def table(self, by_group: bool = False) -> str:
         """Operators the backward pass touches: bytes, time, saved or recomputed, and totals per block."""
@@ -122,8 +128,10 @@ class RematPlan:
                 g[2] += s
                 g[3] += r
             rows = [f"{'group':<16} {'saved':>12} {'recompute':>12} {'#saved':>7} {'#recomp':>7}"]
-            rows += [f"{name:<16} {format_bytes(b):>12} {format_seconds(t):>12} {ns:>7} {nr:>7}"
-                     for name, (b, t, ns, nr) in groups.items()]
+            rows += [
+                f"{name:<16} {format_bytes(b):>12} {format_seconds(t):>12} {ns:>7} {nr:>7}"
+                for name, (b, t, ns, nr) in groups.items()
+            ]
         else:
             rows = [f"{'#':>4} {'group':<14} {'operator':<36} {'bytes':>11} {'time':>10}  decision"]
             for op, s, r in zip(ops, self.saved, self.recomputed):
@@ -132,10 +140,14 @@ class RematPlan:
                 what = "saved" + (" (tag)" if op.tag else "") if s else "recomputed"
                 if s and op.invariant:
                     what += ", layer-invariant: stored once"
-                rows.append(f"{op.index:>4} {op.group:<14} {op.label[:36]:<36} "
-                            f"{format_bytes(op.bytes):>11} {format_seconds(op.time):>10}  {what}")
-        rows.append(f"per block: saved {format_bytes(self.block_bytes)} + input {format_bytes(self.profile.input_bytes)}, "
-                    f"recompute {format_seconds(self.selection.time)}")
+                rows.append(
+                    f"{op.index:>4} {op.group:<14} {op.label[:36]:<36} "
+                    f"{format_bytes(op.bytes):>11} {format_seconds(op.time):>10}  {what}"
+                )
+        rows.append(
+            f"per block: saved {format_bytes(self.block_bytes)} + input {format_bytes(self.profile.input_bytes)}, "
+            f"recompute {format_seconds(self.selection.time)}"
+        )
         rows.append(self.describe())
         return "\n".join(rows)
 
@@ -151,7 +163,8 @@ def _block_budget(profile: BlockProfile, budget_bytes: float) -> float:
             f"a remat budget of {format_bytes(budget_bytes)} per device cannot be met: even saving nothing keeps "
             f"the {profile.n_layers} block inputs, {format_bytes(floor)}; raise the budget to at least "
             f"{format_bytes(floor)} ({int(floor)} bytes), or shard the activations more (mesh.data, mesh.fsdp).",
-            floor)
+            floor,
+        )
     return block
 
 
@@ -187,8 +200,9 @@ def recompute_slack(profile: BlockProfile, share: float = SLACK_SHARE) -> float:
     return share * evaluate(graph, ()).time
 
 
-def plan_remat(profile: BlockProfile, budget_bytes: float, exact_max_units: int = EXACT_MAX_UNITS,
-               slack_share: float = SLACK_SHARE) -> RematPlan:
+def plan_remat(
+    profile: BlockProfile, budget_bytes: float, exact_max_units: int = EXACT_MAX_UNITS, slack_share: float = SLACK_SHARE
+) -> RematPlan:
     """The plan with the least recompute whose saved activations fit ``budget_bytes`` per device (all blocks).
 
     Among plans whose recompute time is within ``slack_share`` (3%) of the
@@ -209,8 +223,14 @@ def plan_remat(profile: BlockProfile, budget_bytes: float, exact_max_units: int 
     units = _prefer_tags(profile, graph, set(sel.saved_units))
     ev = evaluate(graph, units)
     sel = dataclasses.replace(sel, saved_units=frozenset(units), bytes=ev.bytes, time=ev.time)
-    return RematPlan(profile, float(budget_bytes), sel, frozenset(unit_sigs[u] for u in units),
-                     tuple(bool(s) for s in ev.saved), tuple(bool(r) for r in ev.recomputed))
+    return RematPlan(
+        profile,
+        float(budget_bytes),
+        sel,
+        frozenset(unit_sigs[u] for u in units),
+        tuple(bool(s) for s in ev.saved),
+        tuple(bool(r) for r in ev.recomputed),
+    )
 
 
 def budget_range(profile: BlockProfile) -> tuple[float, float]:
@@ -221,6 +241,7 @@ def budget_range(profile: BlockProfile) -> tuple[float, float]:
 
 
 # --------------------------------------------------------------------------- comparison
+
 
 @dataclass(frozen=True)
 class PolicyPoint:
@@ -238,18 +259,31 @@ def policy_point(profile: BlockProfile, name: str, policy: Any, budget_bytes: fl
     ev = profile.evaluate(policy)
     L = profile.n_layers
     act = L * (profile.input_bytes + ev.bytes)
-    return PolicyPoint(name, act, L * ev.time, L * profile.recompute_flops(ev.recomputed),
-                       None if budget_bytes is None else act <= budget_bytes)
+    return PolicyPoint(
+        name,
+        act,
+        L * ev.time,
+        L * profile.recompute_flops(ev.recomputed),
+        None if budget_bytes is None else act <= budget_bytes,
+    )
 
 
-def compare_policies(profile: BlockProfile, plan: RematPlan | None = None,
-                     budget_bytes: float | None = None) -> list[PolicyPoint]:
+def compare_policies(
+    profile: BlockProfile, plan: RematPlan | None = None, budget_bytes: float | None = None
+) -> list[PolicyPoint]:
     """The plan (if given) beside jax's built-in policies and the named recipes, all predicted."""
     budget = plan.budget_bytes if plan is not None and budget_bytes is None else budget_bytes
     rows = []
     if plan is not None:
-        rows.append(PolicyPoint("selected (auto)", plan.activation_bytes, plan.recompute_time,
-                                plan.recompute_flops, plan.activation_bytes <= plan.budget_bytes))
+        rows.append(
+            PolicyPoint(
+                "selected (auto)",
+                plan.activation_bytes,
+                plan.recompute_time,
+                plan.recompute_flops,
+                plan.activation_bytes <= plan.budget_bytes,
+            )
+        )
     for name, policy in named_policies().items():
         rows.append(policy_point(profile, name, policy, budget))
     return rows
@@ -260,7 +294,9 @@ def format_comparison(rows: list[PolicyPoint]) -> str:
     out = [f"{'policy':<34} {'saved activations':>18} {'recompute/step':>15} {'GFLOP/step':>11}  fits"]
     for r in rows:
         fits = "" if r.fits is None else "yes" if r.fits else "no"
-        out.append(f"{r.name[:34]:<34} {format_bytes(r.activation_bytes):>18} {format_seconds(r.recompute_time):>15} "
-                   f"{r.recompute_flops / 1e9:>11.3f}  {fits}")
+        out.append(
+            f"{r.name[:34]:<34} {format_bytes(r.activation_bytes):>18} {format_seconds(r.recompute_time):>15} "
+            f"{r.recompute_flops / 1e9:>11.3f}  {fits}"
+        )
     recipes = [f"  {name}: train.remat={value}" for name, value in RECIPES.items() if any(r.name == name for r in rows)]
     return "\n".join(out + (["recipes:"] + recipes if recipes else []))

@@ -37,16 +37,19 @@ def _mesh_sizes(config: Config, mesh_sizes: Mapping[str, int] | None, n_devices:
     return dict(mesh_sizes) if mesh_sizes is not None else config.mesh.resolved(n_devices)
 
 
-def profile_for_config(config: Config, mesh_sizes: Mapping[str, int], peak_flops: float,
-                       measure: bool = False) -> BlockProfile:
+def profile_for_config(
+    config: Config, mesh_sizes: Mapping[str, int], peak_flops: float, measure: bool = False
+) -> BlockProfile:
     """The block profile at the run's microbatch (global) x seq_len, on a mesh of ``mesh_sizes``."""
     t = config.train
-    return profile_block(config.model, t.batch_size // t.microbatches, t.seq_len, mesh_sizes,
-                         measure=measure, peak_flops=peak_flops)
+    return profile_block(
+        config.model, t.batch_size // t.microbatches, t.seq_len, mesh_sizes, measure=measure, peak_flops=peak_flops
+    )
 
 
-def memory_breakdown(config: Config, mesh_sizes: Mapping[str, int], memory_bytes: int,
-                     profile: BlockProfile) -> dict[str, float]:
+def memory_breakdown(
+    config: Config, mesh_sizes: Mapping[str, int], memory_bytes: int, profile: BlockProfile
+) -> dict[str, float]:
     """Bytes per device: parameters, gradients, optimizer state, working space, and what is left for activations.
 
     Parameters, gradients and AdamW's two moments in ``model.param_dtype``
@@ -70,13 +73,20 @@ def memory_breakdown(config: Config, mesh_sizes: Mapping[str, int], memory_bytes
     state = train_state_bytes(local, config.model.param_dtype)
     t, m = config.train, config.model
     micro = t.batch_size // t.microbatches
-    logit_spec = spec_from_partition(logical_to_spec(("batch", "seq", "vocab"), DEFAULT_RULES, mesh,
-                                                     (micro, t.seq_len, m.vocab_size)), 3)
+    logit_spec = spec_from_partition(
+        logical_to_spec(("batch", "seq", "vocab"), DEFAULT_RULES, mesh, (micro, t.seq_len, m.vocab_size)), 3
+    )
     logits = 3 * 4 * micro * t.seq_len * m.vocab_size * shard_fraction(logit_spec, sizes)
     needed = sum(op.bytes for op in profile.operators if op.needed)
     working = logits + 2 * needed + HEADROOM * memory_bytes
-    return {"memory": float(memory_bytes), "parameters": state.params, "gradients": state.grads,
-            "optimizer": state.optimizer, "working": working, "activations": memory_bytes - state.total - working}
+    return {
+        "memory": float(memory_bytes),
+        "parameters": state.params,
+        "gradients": state.grads,
+        "optimizer": state.optimizer,
+        "working": working,
+        "activations": memory_bytes - state.total - working,
+    }
 
 
 def auto_budget(config: Config, mesh_sizes: Mapping[str, int], memory_bytes: int, profile: BlockProfile) -> float:
@@ -89,12 +99,14 @@ def auto_budget(config: Config, mesh_sizes: Mapping[str, int], memory_bytes: int
             f"({format_bytes(b['parameters'] + b['gradients'] + b['optimizer'])}) and working space "
             f"({format_bytes(b['working'])}) leaves {format_bytes(b['activations'])} for activations, less than the "
             f"{format_bytes(floor)} the block inputs need: shard more (mesh.fsdp), lower train.batch_size, raise "
-            "train.microbatches, or set train.remat_budget_bytes.")
+            "train.microbatches, or set train.remat_budget_bytes."
+        )
     return b["activations"]
 
 
-def resolve_remat_policy(config: Config, mesh_sizes: Mapping[str, int] | None = None, cluster: Any = None,
-                         n_devices: int | None = None) -> tuple[Any, RematPlan | None]:
+def resolve_remat_policy(
+    config: Config, mesh_sizes: Mapping[str, int] | None = None, cluster: Any = None, n_devices: int | None = None
+) -> tuple[Any, RematPlan | None]:
     """(policy for the Transformer, the plan when ``train.remat=auto``).
 
     ``cluster`` (a ClusterSpec; default ``load_cluster(config.mesh.cluster)``)

@@ -53,8 +53,18 @@ from jaxdist.remat.trace import (
 )
 
 # Equations that move no data and do no arithmetic: cost 0, never compiled.
-IDENTITY_PRIMITIVES = frozenset({"name", "sharding_constraint", "mesh_cast", "reshard", "pvary",
-                                 "stop_gradient", "reduce_precision", "optimization_barrier"})
+IDENTITY_PRIMITIVES = frozenset(
+    {
+        "name",
+        "sharding_constraint",
+        "mesh_cast",
+        "reshard",
+        "pvary",
+        "stop_gradient",
+        "reduce_precision",
+        "optimization_barrier",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -117,8 +127,13 @@ class BlockProfile:
         unit_of = {s: u for u, s in enumerate(sigs)}
         # A layer-invariant value is hoisted out of the scan: stored once for all layers.
         bytes_ = [op.bytes / self.n_layers if op.invariant else op.bytes for op in ops]
-        g = OperatorGraph(bytes_, [op.time for op in ops], [op.inputs for op in ops], [op.needed for op in ops],
-                          [unit_of[op.signature] if ok else -1 for op, ok in zip(ops, saveable)])
+        g = OperatorGraph(
+            bytes_,
+            [op.time for op in ops],
+            [op.inputs for op in ops],
+            [op.needed for op in ops],
+            [unit_of[op.signature] if ok else -1 for op, ok in zip(ops, saveable)],
+        )
         return g, tuple(sigs)
 
     def saveable(self, policy: Callable | None) -> np.ndarray:
@@ -142,20 +157,23 @@ class BlockProfile:
         """Every operator: group, primitive and shape, bytes, FLOPs, time, read by the backward pass."""
         rows = [f"{'#':>4} {'group':<14} {'operator':<40} {'MiB':>9} {'MFLOP':>10} {'us':>9} needed"]
         for op in self.operators:
-            rows.append(f"{op.index:>4} {op.group:<14} {op.label[:40]:<40} {op.bytes / 2**20:>9.3f} "
-                        f"{op.flops / 1e6:>10.3f} {op.time * 1e6:>9.2f} {'yes' if op.needed else ''}"
-                        + (" (layer-invariant)" if op.invariant else ""))
+            rows.append(
+                f"{op.index:>4} {op.group:<14} {op.label[:40]:<40} {op.bytes / 2**20:>9.3f} "
+                f"{op.flops / 1e6:>10.3f} {op.time * 1e6:>9.2f} {'yes' if op.needed else ''}"
+                + (" (layer-invariant)" if op.invariant else "")
+            )
         return "\n".join(rows)
 
 
 def _is_saveable(decision: Any) -> bool:
-    kind = type(decision).__name__   # jax's Saveable / Recompute / Offloadable markers, else a truth value
+    kind = type(decision).__name__  # jax's Saveable / Recompute / Offloadable markers, else a truth value
     if kind in ("SaveableType", "RecomputeType", "OffloadableType", "Offloadable"):
         return kind == "SaveableType"
     return bool(decision)
 
 
 # --------------------------------------------------------------------------- costs
+
 
 def _bind_fn(eqn: Equation) -> tuple[Callable, list[jax.ShapeDtypeStruct]]:
     lits = {k: r[1] for k, r in enumerate(eqn.inputs) if r[0] == "lit"}
@@ -211,11 +229,23 @@ def _dispatch_overhead(repeats: int) -> float:
 
 # --------------------------------------------------------------------------- profiling
 
-def profile_function(fn: Callable, params: Any, x: Any, invariants: Sequence[Any] = (), *,
-                     param_specs: Any = None, x_spec: Any = None, invariant_specs: Sequence[Any] | None = None,
-                     mesh_shape: Mapping[str, int] | None = None, n_layers: int = 1,
-                     measure: bool = False, peak_flops: float | None = None, repeats: int = 5,
-                     trace_context: Callable[[], Any] | None = None) -> BlockProfile:
+
+def profile_function(
+    fn: Callable,
+    params: Any,
+    x: Any,
+    invariants: Sequence[Any] = (),
+    *,
+    param_specs: Any = None,
+    x_spec: Any = None,
+    invariant_specs: Sequence[Any] | None = None,
+    mesh_shape: Mapping[str, int] | None = None,
+    n_layers: int = 1,
+    measure: bool = False,
+    peak_flops: float | None = None,
+    repeats: int = 5,
+    trace_context: Callable[[], Any] | None = None,
+) -> BlockProfile:
     """Profile ``fn(params, x, *invariants) -> x'``, one scanned block, as ``jax.checkpoint`` sees it.
 
     ``params``, ``x``, ``invariants``: pytrees of ShapeDtypeStruct at global
@@ -236,9 +266,12 @@ def profile_function(fn: Callable, params: Any, x: Any, invariants: Sequence[Any
         flat = jax.tree.leaves(spec_tree, is_leaf=lambda s: s is None or isinstance(s, jax.sharding.PartitionSpec))
         return [() if s is None else spec_from_partition(s, len(a.shape)) for s, a in zip(flat, jax.tree.leaves(tree))]
 
-    leaf_specs = (specs_of(params, param_specs) + specs_of(x, x_spec)
-                  + specs_of(tuple(invariants), tuple(invariant_specs) if invariant_specs is not None else None))
-    with (trace_context() if trace_context is not None else _null()):
+    leaf_specs = (
+        specs_of(params, param_specs)
+        + specs_of(x, x_spec)
+        + specs_of(tuple(invariants), tuple(invariant_specs) if invariant_specs is not None else None)
+    )
+    with trace_context() if trace_context is not None else _null():
         eqns, kinds, origins = trace_checkpointed(fn, params, x, invariants)
     input_specs = [leaf_specs[o] if o is not None else () for o in origins]
     propagate_shardings(eqns, input_specs, sizes)
@@ -259,21 +292,34 @@ def profile_function(fn: Callable, params: Any, x: Any, invariants: Sequence[Any
         out_bytes = sum(nbytes(a) * f for a, f in zip(e.out_avals, fracs))
         work = min(fracs + [_input_fraction(eqns, e, r, input_specs, sizes) for r in e.inputs if r[0] != "lit"])
         a0 = e.out_avals[0] if e.out_avals else None
-        operators.append(Operator(
-            index=k, primitive=e.name, group=groups[k], shape=tuple(getattr(a0, "shape", ())),
-            dtype=str(getattr(a0, "dtype", "")), bytes=int(round(out_bytes)), flops=flops * work,
-            time=seconds * work if measure else flops * work / peak_flops,
-            inputs=tuple(sorted({new_index[r[1]] for r in e.inputs if r[0] == "op"})),
-            needed=e.needed, invariant=e.invariant, signature=sig,
-            tag=e.params.get("name") if e.name == "name" else None))
+        operators.append(
+            Operator(
+                index=k,
+                primitive=e.name,
+                group=groups[k],
+                shape=tuple(getattr(a0, "shape", ())),
+                dtype=str(getattr(a0, "dtype", "")),
+                bytes=int(round(out_bytes)),
+                flops=flops * work,
+                time=seconds * work if measure else flops * work / peak_flops,
+                inputs=tuple(sorted({new_index[r[1]] for r in e.inputs if r[0] == "op"})),
+                needed=e.needed,
+                invariant=e.invariant,
+                signature=sig,
+                tag=e.params.get("name") if e.name == "name" else None,
+            )
+        )
         equations.append((e.primitive, tuple(e.in_avals), e.params))
-    x_bytes = sum(nbytes(a) * shard_fraction(s, sizes)
-                  for a, s in zip(jax.tree.leaves(x), specs_of(x, x_spec)))
+    x_bytes = sum(nbytes(a) * shard_fraction(s, sizes) for a, s in zip(jax.tree.leaves(x), specs_of(x, x_spec)))
     backend = jax.default_backend()
-    timing = (f"measured on {backend} (median of {repeats}, minus {overhead * 1e6:.1f} us dispatch)" if measure
-              else f"XLA FLOPs / {peak_flops:.3g} FLOP/s")
-    return BlockProfile(tuple(operators), int(round(x_bytes)), n_layers, tuple(sorted(sizes.items())), timing,
-                        tuple(equations))
+    timing = (
+        f"measured on {backend} (median of {repeats}, minus {overhead * 1e6:.1f} us dispatch)"
+        if measure
+        else f"XLA FLOPs / {peak_flops:.3g} FLOP/s"
+    )
+    return BlockProfile(
+        tuple(operators), int(round(x_bytes)), n_layers, tuple(sorted(sizes.items())), timing, tuple(equations)
+    )
 
 
 def _input_fraction(eqns, e, ref, input_specs, sizes) -> float:
@@ -332,9 +378,18 @@ def _scan_unit(cfg: ModelConfig, layers: dict, names: dict, block_fn: Callable):
     return fn, step, step_names
 
 
-def profile_block(cfg: ModelConfig, batch: int, seq_len: int, mesh_shape: Mapping[str, int] | None = None,
-                  rules: Rules = DEFAULT_RULES, *, measure: bool = False, peak_flops: float | None = None,
-                  repeats: int = 5, block_fn: Callable | None = None) -> BlockProfile:
+def profile_block(
+    cfg: ModelConfig,
+    batch: int,
+    seq_len: int,
+    mesh_shape: Mapping[str, int] | None = None,
+    rules: Rules = DEFAULT_RULES,
+    *,
+    measure: bool = False,
+    peak_flops: float | None = None,
+    repeats: int = 5,
+    block_fn: Callable | None = None,
+) -> BlockProfile:
     """Profile one step of the model's layer scan at batch x seq_len tokens (global) on a mesh of ``mesh_shape``.
 
     One step is one block (a group of ``moe.every`` blocks for an MoE model).
@@ -356,6 +411,16 @@ def profile_block(cfg: ModelConfig, batch: int, seq_len: int, mesh_shape: Mappin
     table = jax.ShapeDtypeStruct((seq_len, cfg.head_dim // 2), jnp.float32)
     steps = cfg.n_layers // cfg.moe.every if cfg.moe.experts else cfg.n_layers
     return profile_function(
-        fn, layer, x, (table, table), param_specs=specs, x_spec=x_spec, mesh_shape=dict(mesh.shape),
-        n_layers=steps, measure=measure, peak_flops=peak_flops, repeats=repeats,
-        trace_context=lambda: sharded_tracing(mesh, rules))   # as the Trainer traces the model
+        fn,
+        layer,
+        x,
+        (table, table),
+        param_specs=specs,
+        x_spec=x_spec,
+        mesh_shape=dict(mesh.shape),
+        n_layers=steps,
+        measure=measure,
+        peak_flops=peak_flops,
+        repeats=repeats,
+        trace_context=lambda: sharded_tracing(mesh, rules),
+    )  # as the Trainer traces the model

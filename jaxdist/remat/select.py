@@ -72,6 +72,7 @@ BRUTE_FORCE_MAX_UNITS = 22
 
 # --------------------------------------------------------------------------- exact
 
+
 @contextlib.contextmanager
 def _quiet_stdout():
     # HiGHS prints a debug line ("HighsMipSolverData::...") to the C-level stdout on some solves.
@@ -91,9 +92,15 @@ def _quiet_stdout():
         os.close(null)
 
 
-def select_exact(graph: OperatorGraph, budget: float, *, time_cap: float | None = None,
-                 rel_gap: float = 1e-9, node_limit: int | None = None,
-                 time_limit: float | None = None) -> Selection:
+def select_exact(
+    graph: OperatorGraph,
+    budget: float,
+    *,
+    time_cap: float | None = None,
+    rel_gap: float = 1e-9,
+    node_limit: int | None = None,
+    time_limit: float | None = None,
+) -> Selection:
     """The optimal selection, from a mixed-integer program (scipy.optimize.milp / HiGHS).
 
     Variables: g[u] binary (unit u saved), r[i] in [0, 1] (operator i
@@ -141,11 +148,11 @@ def select_exact(graph: OperatorGraph, budget: float, *, time_cap: float | None 
     positive_t = graph.time[graph.time > 0]
     tscale = positive_t.min() if positive_t.size else 1.0
     byte_coef = np.zeros(nv)
-    byte_coef[M:M + n] = np.where(shared, graph.bytes, 0.0) / bscale
+    byte_coef[M : M + n] = np.where(shared, graph.bytes, 0.0) / bscale
     for u in np.flatnonzero(sizes == 1):
         byte_coef[G + u] = graph.bytes[graph.unit == u].sum() / bscale
     time_coef = np.zeros(nv)
-    time_coef[R:R + n] = graph.time / tscale
+    time_coef[R : R + n] = graph.time / tscale
     add([(k, v) for k, v in enumerate(byte_coef) if v], -np.inf, float(budget) / bscale)
     if time_cap is None:
         c = time_coef + 1e-9 * byte_coef
@@ -154,17 +161,22 @@ def select_exact(graph: OperatorGraph, budget: float, *, time_cap: float | None 
         c = byte_coef + 1e-9 * time_coef / max(time_coef.sum(), 1.0)
     A = sp.csr_array((vals, (rows, cols)), shape=(len(lo), nv))
     upper = np.ones(nv)
-    upper[M:M + n][~shared] = 0.0
+    upper[M : M + n][~shared] = 0.0
     integrality = np.zeros(nv)
-    integrality[G:G + U] = 1
+    integrality[G : G + U] = 1
     options = {"mip_rel_gap": rel_gap, "disp": False}
     if time_limit is not None:
         options["time_limit"] = time_limit
     if node_limit is not None:
         options["node_limit"] = node_limit
     with _quiet_stdout():
-        res = milp(c, integrality=integrality, bounds=Bounds(np.zeros(nv), upper),
-                   constraints=LinearConstraint(A, lo, hi), options=options)
+        res = milp(
+            c,
+            integrality=integrality,
+            bounds=Bounds(np.zeros(nv), upper),
+            constraints=LinearConstraint(A, lo, hi),
+            options=options,
+        )
     if res.x is None:
         raise RuntimeError(f"MILP solver failed: {res.message}")
     units = [u for u in range(U) if res.x[G + u] > 0.5]
@@ -181,7 +193,7 @@ def select_brute_force(graph: OperatorGraph, budget: float) -> Selection:
     U = graph.n_units
     if U > BRUTE_FORCE_MAX_UNITS:
         raise ValueError(f"brute force over {U} units would try 2**{U} subsets; use select_exact")
-    masks = np.arange(2 ** U, dtype=np.int64)
+    masks = np.arange(2**U, dtype=np.int64)
     n = graph.n
     required = [None] * n
     recomputed = [None] * n
@@ -203,8 +215,9 @@ def select_brute_force(graph: OperatorGraph, budget: float) -> Selection:
     return make_selection(graph, units, budget, "brute force", float(total_t[ok][order[0]]), t0)
 
 
-def select_approximate(graph: OperatorGraph, budget: float, rel_gap: float = APPROX_REL_GAP,
-                       node_limit: int = APPROX_NODE_LIMIT) -> Selection:
+def select_approximate(
+    graph: OperatorGraph, budget: float, rel_gap: float = APPROX_REL_GAP, node_limit: int = APPROX_NODE_LIMIT
+) -> Selection:
     """Within ``rel_gap`` of the optimum: the MILP stopped at that proven relative gap.
 
     Deterministic (a node limit, not a time limit), so every process of a
@@ -225,12 +238,17 @@ def select_approximate(graph: OperatorGraph, budget: float, rel_gap: float = APP
     lag = select_lagrangian(graph, budget)
     best = lag if res is None or (lag.time, lag.bytes) < (res.time, res.bytes) else res
     bound = max(lag.lower_bound, res.lower_bound if res is not None else -math.inf)
-    return dataclasses.replace(best, method=f"{best.method} (MILP node limit)", lower_bound=min(bound, best.time),
-                               solve_seconds=_time.perf_counter() - t0)
+    return dataclasses.replace(
+        best,
+        method=f"{best.method} (MILP node limit)",
+        lower_bound=min(bound, best.time),
+        solve_seconds=_time.perf_counter() - t0,
+    )
 
 
-def select(graph: OperatorGraph, budget: float, exact_max_units: int = EXACT_MAX_UNITS,
-           slack: float = 0.0) -> Selection:
+def select(
+    graph: OperatorGraph, budget: float, exact_max_units: int = EXACT_MAX_UNITS, slack: float = 0.0
+) -> Selection:
     """Least recompute time within ``budget`` bytes: exact up to ``exact_max_units`` units, else :func:`select_approximate`.
 
     With ``slack`` (seconds) > 0, a second solve returns a selection with
@@ -248,11 +266,16 @@ def select(graph: OperatorGraph, budget: float, exact_max_units: int = EXACT_MAX
         return best
     if lean.bytes > best.bytes or lean.time > best.time + slack * (1 + 1e-9):
         return best
-    return dataclasses.replace(lean, method=f"{best.method}, then least bytes within {slack:.3g} s",
-                               lower_bound=best.lower_bound, solve_seconds=best.solve_seconds + _time.perf_counter() - t0)
+    return dataclasses.replace(
+        lean,
+        method=f"{best.method}, then least bytes within {slack:.3g} s",
+        lower_bound=best.lower_bound,
+        solve_seconds=best.solve_seconds + _time.perf_counter() - t0,
+    )
 
 
 # --------------------------------------------------------------------------- generated graphs
+
 
 def random_graph(n: int, kind: str = "branching", seed: int = 0, needed_fraction: float = 0.5) -> OperatorGraph:
     """A generated operator graph for tests and benchmarks.
@@ -265,7 +288,7 @@ def random_graph(n: int, kind: str = "branching", seed: int = 0, needed_fraction
     ``needed_fraction`` of the operators are read by the backward pass.
     """
     rng = np.random.default_rng(seed)
-    nbytes = np.exp(rng.uniform(np.log(2 ** 10), np.log(2 ** 24), n)).round()
+    nbytes = np.exp(rng.uniform(np.log(2**10), np.log(2**24), n)).round()
     times = np.exp(rng.uniform(np.log(1e-6), np.log(1e-2), n))
     needed = rng.random(n) < needed_fraction
     inputs: list[tuple[int, ...]] = []

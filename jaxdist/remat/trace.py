@@ -27,15 +27,35 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-Spec = tuple[tuple[str, ...], ...]   # mesh axes per dimension
+Spec = tuple[tuple[str, ...], ...]  # mesh axes per dimension
 
 # Call-like primitives whose body is inlined (their partial-eval rules recurse with the same policy).
-_INLINE = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-           "remat2": "jaxpr", "checkpoint": "jaxpr", "custom_jvp_call": "call_jaxpr",
-           "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr", "shard_map": "jaxpr"}
+_INLINE = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "shard_map": "jaxpr",
+}
 # Parameters that say where a value lives, not what is computed: left out of signatures.
-_PLACEMENT_PARAMS = {"sharding", "out_sharding", "out_shardings", "in_shardings", "mesh", "context_mesh",
-                     "layout", "unconstrained_dims", "resource_env", "donated_invars", "ctx_mesh"}
+_PLACEMENT_PARAMS = {
+    "sharding",
+    "out_sharding",
+    "out_shardings",
+    "in_shardings",
+    "mesh",
+    "context_mesh",
+    "layout",
+    "unconstrained_dims",
+    "resource_env",
+    "donated_invars",
+    "ctx_mesh",
+}
 
 
 @dataclass
@@ -47,7 +67,7 @@ class Equation:
     inputs: list[tuple]
     in_avals: list[Any]
     out_avals: list[Any]
-    local: bool                      # inside a shard_map body: shapes are per device already
+    local: bool  # inside a shard_map body: shapes are per device already
     known: bool = False
     live: bool = False
     needed: bool = False
@@ -97,8 +117,16 @@ def _flatten(jaxpr: Jaxpr, inputs: list[tuple], consts: list[tuple], out: list[E
             outs = _flatten(body, ins, body_consts, out, local or eqn.primitive.name == "shard_map")
         else:
             idx = len(out)
-            out.append(Equation(eqn.primitive, dict(eqn.params), ins, [v.aval for v in eqn.invars],
-                                [v.aval for v in eqn.outvars], local))
+            out.append(
+                Equation(
+                    eqn.primitive,
+                    dict(eqn.params),
+                    ins,
+                    [v.aval for v in eqn.invars],
+                    [v.aval for v in eqn.outvars],
+                    local,
+                )
+            )
             outs = [("op", idx, j) for j in range(len(eqn.outvars))]
         env.update(zip(eqn.outvars, outs))
     return [read(v) for v in jaxpr.outvars]
@@ -111,8 +139,9 @@ def _find_remat(jaxpr: Jaxpr):
     raise AssertionError("jax.jvp(jax.checkpoint(fn)) produced no remat equation")
 
 
-def trace_checkpointed(fn: Callable, params: Any, x: Any, invariants: Sequence[Any] = ()
-                       ) -> tuple[list[Equation], list[str], list[int | None]]:
+def trace_checkpointed(
+    fn: Callable, params: Any, x: Any, invariants: Sequence[Any] = ()
+) -> tuple[list[Equation], list[str], list[int | None]]:
     """Flat forward/backward equations of ``jax.checkpoint(fn)`` under differentiation.
 
     ``fn(params, x, *invariants)``; ``params`` and ``x`` (pytrees of
@@ -137,8 +166,7 @@ def trace_checkpointed(fn: Callable, params: Any, x: Any, invariants: Sequence[A
     n_p, n_x, n_inv = len(p_leaves), len(x_leaves), len(jax.tree.leaves(tuple(invariants)))
     n_primal = n_p + n_x + n_inv
     for k, v in enumerate(top.invars):
-        kinds_of[v] = ("param" if k < n_p else "x" if k < n_p + n_x else
-                       "invariant" if k < n_primal else "tangent")
+        kinds_of[v] = "param" if k < n_p else "x" if k < n_p + n_x else "invariant" if k < n_primal else "tangent"
         origin_of[v] = k if k < n_primal else k - n_primal  # tangents follow (params, x) order
     remat = _find_remat(top)
     kinds, origins, inputs = [], [], []
@@ -158,8 +186,11 @@ def _classify(eqns: list[Equation], kinds: list[str], outs: list[tuple]) -> None
         return (ref[0] == "in" and kinds[ref[1]] == "tangent") or (ref[0] == "op" and not eqns[ref[1]].known)
 
     def invariant(ref):
-        return ref[0] == "lit" or (ref[0] == "in" and kinds[ref[1]] == "invariant") or \
-            (ref[0] == "op" and eqns[ref[1]].invariant)
+        return (
+            ref[0] == "lit"
+            or (ref[0] == "in" and kinds[ref[1]] == "invariant")
+            or (ref[0] == "op" and eqns[ref[1]].invariant)
+        )
 
     for e in eqns:
         e.known = not any(unknown(r) for r in e.inputs)
@@ -180,6 +211,7 @@ def _classify(eqns: list[Equation], kinds: list[str], outs: list[tuple]) -> None
 
 
 # --------------------------------------------------------------------------- sharding
+
 
 def spec_from_partition(pspec: Any, rank: int) -> Spec:
     """A PartitionSpec as mesh axes per dimension, padded to ``rank``."""
@@ -285,7 +317,7 @@ def propagate_shardings(eqns: list[Equation], input_specs: list[Spec], mesh_size
         ins = []
         for r, aval in zip(e.inputs, e.in_avals):
             rank = len(getattr(aval, "shape", ()))
-            spec = (input_specs[r[1]] if r[0] == "in" else eqns[r[1]].out_specs[r[2]] if r[0] == "op" else ())
+            spec = input_specs[r[1]] if r[0] == "in" else eqns[r[1]].out_specs[r[2]] if r[0] == "op" else ()
             ins.append(tuple(spec) + ((),) * (rank - len(spec)))
         e.out_specs = _out_spec(e, ins, mesh_sizes)
 

@@ -56,8 +56,14 @@ class MetricsWindow:
     length in steps).
     """
 
-    def __init__(self, writer: Any, tokens_per_step: int, model_flops_per_step: float,
-                 hardware_flops_per_step: float | None, peak_flops: float):
+    def __init__(
+        self,
+        writer: Any,
+        tokens_per_step: int,
+        model_flops_per_step: float,
+        hardware_flops_per_step: float | None,
+        peak_flops: float,
+    ):
         self.writer = writer
         self.tokens_per_step = tokens_per_step
         self.model_flops_per_step = model_flops_per_step
@@ -65,7 +71,7 @@ class MetricsWindow:
         self.peak_flops = peak_flops
         self.pending: list[tuple[int, dict, tuple[str, int] | None]] = []  # (step, device metrics, batch)
         self.latest: dict[str, float] | None = None  # the newest record on the host
-        self.flushed: list[dict[str, float]] = []    # records of the flush at the current step
+        self.flushed: list[dict[str, float]] = []  # records of the flush at the current step
         self.history: list[dict[str, float]] = []
         self.t0 = time.perf_counter()
 
@@ -96,13 +102,18 @@ class MetricsWindow:
         records = []
         for (step, _, batch), m in zip(self.pending, host):
             r = {k: float(v) for k, v in m.items()}
-            r.update(step_time=dt, window=n, tokens_per_s=self.tokens_per_step / dt,
-                     mfu=self.model_flops_per_step / dt / self.peak_flops)
+            r.update(
+                step_time=dt,
+                window=n,
+                tokens_per_s=self.tokens_per_step / dt,
+                mfu=self.model_flops_per_step / dt / self.peak_flops,
+            )
             if self.hardware_flops_per_step is not None:
                 r["hfu"] = self.hardware_flops_per_step / dt / self.peak_flops
             # The log names the batch each step trained (hooks and history keep floats only).
-            self.writer.write("train", step, r if batch is None else
-                              {**r, "batch_id": batch[0], "batch_version": batch[1]})
+            self.writer.write(
+                "train", step, r if batch is None else {**r, "batch_id": batch[0], "batch_version": batch[1]}
+            )
             records.append({"step": step, **r})
         self.pending = []
         self.t0 = now
@@ -117,9 +128,9 @@ class StepContext:
     """What a callback sees after a step: the trainer, the step count, and the metrics window."""
 
     trainer: Any
-    step: int            # steps done, counting from 0 at the start of the run
-    start: int           # the step fit() started from
-    end: int             # the step fit() stops at
+    step: int  # steps done, counting from 0 at the start of the run
+    start: int  # the step fit() started from
+    end: int  # the step fit() stops at
     window: MetricsWindow
 
     @property
@@ -179,8 +190,11 @@ class ProgressBar:
         self.bar.update(1)
         if ctx.window.flushed and ctx.window.flushed[-1]["step"] == ctx.step:
             last = ctx.window.flushed[-1]
-            self.bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
-                                 step_ms=f"{1e3 * last['step_time']:.0f}")
+            self.bar.set_postfix(
+                loss=f"{last['loss']:.3f}",
+                tok_s=f"{last['tokens_per_s']:.0f}",
+                step_ms=f"{1e3 * last['step_time']:.0f}",
+            )
 
     def close(self) -> None:
         self.bar.close()

@@ -22,8 +22,11 @@ def configure_compile_cache(path: str, count_event: Callable[..., None] | None =
     import), through ``jax.config`` when it is; ``count_event`` (a
     jax.monitoring event listener) then sees its hits and misses.
     """
-    settings = {"jax_compilation_cache_dir": path, "jax_persistent_cache_min_compile_time_secs": 0,
-                "jax_persistent_cache_min_entry_size_bytes": 0}
+    settings = {
+        "jax_compilation_cache_dir": path,
+        "jax_persistent_cache_min_compile_time_secs": 0,
+        "jax_persistent_cache_min_entry_size_bytes": 0,
+    }
     os.environ.update({k.upper(): str(v) for k, v in settings.items()})
     if "jax" not in sys.modules:
         return
@@ -61,8 +64,9 @@ def _write_cache_on_every_cpu_process() -> None:
         if compile_time_secs < jax_min_compile_time():
             return None
         try:
-            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
-                                                      int(compile_time_secs))
+            compilation_cache.put_executable_and_time(
+                cache_key, module_name, executable, backend, int(compile_time_secs)
+            )
         except Exception as e:  # a cache write must never fail the compile
             log.warning("could not write the persistent compilation cache entry of %s: %s", module_name, e)
         return None

@@ -48,7 +48,9 @@ def initialize_from_env() -> bool:
         jax.distributed.initialize(
             coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
             num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-            process_id=int(os.environ["JAX_PROCESS_ID"]), **kwargs)
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+            **kwargs,
+        )
     else:  # Slurm: JAX reads SLURM_* itself.
         jax.distributed.initialize(**kwargs)
     return True

@@ -12,15 +12,21 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
     """Learning rate per step: linear warmup to ``learning_rate``, cosine decay to ``min_lr_ratio`` of it."""
     warmup = max(0, min(cfg.warmup_steps, cfg.steps - 1))
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
-        decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
+        init_value=0.0,
+        peak_value=cfg.learning_rate,
+        warmup_steps=warmup,
+        decay_steps=max(cfg.steps, warmup + 1),
+        end_value=cfg.learning_rate * cfg.min_lr_ratio,
+    )
 
 
 def decay_mask(params) -> dict:
     """True for weights that get weight decay: matrices, not norm scales."""
+
     def keep(path, _):
         name = "/".join(str(getattr(k, "key", k)) for k in path)
         return not name.endswith("norm")
+
     return jax.tree_util.tree_map_with_path(keep, params)
 
 

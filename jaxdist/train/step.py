@@ -75,17 +75,23 @@ def loss_metrics_and_grads(graphdef, params: dict, tokens: jax.Array, microbatch
     def body(carry, t):
         loss_sum, metric_sum, grad_sum = carry
         (loss, metrics), grads = grad_fn(params, t)
-        return (loss_sum + loss, jax.tree.map(jnp.add, metric_sum, metrics),
-                jax.tree.map(jnp.add, grad_sum, grads)), None
+        return (
+            loss_sum + loss,
+            jax.tree.map(jnp.add, metric_sum, metrics),
+            jax.tree.map(jnp.add, grad_sum, grads),
+        ), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    metric_zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                jax.eval_shape(lambda p, t: objective(graphdef, p, t)[1], params, mb[0]))
-    (loss_sum, metric_sum, grad_sum), _ = jax.lax.scan(
-        body, (jnp.zeros((), jnp.float32), metric_zeros, zeros), mb)
+    metric_zeros = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(lambda p, t: objective(graphdef, p, t)[1], params, mb[0])
+    )
+    (loss_sum, metric_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), metric_zeros, zeros), mb)
     scale = 1.0 / microbatches
-    return (loss_sum * scale, jax.tree.map(lambda m: m * scale, metric_sum),
-            jax.tree.map(lambda g: g * scale, grad_sum))
+    return (
+        loss_sum * scale,
+        jax.tree.map(lambda m: m * scale, metric_sum),
+        jax.tree.map(lambda g: g * scale, grad_sum),
+    )
 
 
 def init_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
@@ -98,9 +104,14 @@ def init_state(params: dict, optimizer: optax.GradientTransformation, seed: int)
     }
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-                    microbatches: int = 1, grad_clip: float = 0.0,
-                    grads_fn: Callable | None = None) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
+def make_train_step(
+    graphdef,
+    optimizer: optax.GradientTransformation,
+    schedule: optax.Schedule,
+    microbatches: int = 1,
+    grad_clip: float = 0.0,
+    grads_fn: Callable | None = None,
+) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """``train_step(state, tokens[B, T+1]) -> (state, metrics)``; metrics: loss, grad_norm, lr
     (and for an MoE model the cross-entropy as loss plus MOE_METRICS, see :func:`objective`).
 

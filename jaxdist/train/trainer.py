@@ -35,8 +35,19 @@ from jaxdist.parallel.hlo import dot_operand_types, loop_flops_correction
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh
 from jaxdist.remat.policy import resolve_remat_policy
-from jaxdist.train.callbacks import (Callback, Evaluate, Hook, HookCallback, LogMetrics, MetricsWindow, ProgressBar,
-                                     SaveCheckpoint, SaveLocal, StepContext, run_due)
+from jaxdist.train.callbacks import (
+    Callback,
+    Evaluate,
+    Hook,
+    HookCallback,
+    LogMetrics,
+    MetricsWindow,
+    ProgressBar,
+    SaveCheckpoint,
+    SaveLocal,
+    StepContext,
+    run_due,
+)
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.optimizer import make_optimizer
 from jaxdist.train.step import init_state, make_eval_step, make_train_step
@@ -55,8 +66,10 @@ class Trainer:
     def __init__(self, config: Config, devices: list | None = None):
         self.devices = list(devices if devices is not None else jax.devices())
         if config.mesh.auto:
-            raise ConfigError("mesh=auto is settled before the Trainer is built: pass "
-                              "jaxdist.resolve.resolve(config, devices) to Trainer.")
+            raise ConfigError(
+                "mesh=auto is settled before the Trainer is built: pass "
+                "jaxdist.resolve.resolve(config, devices) to Trainer."
+            )
         if not is_resolved(config, len(self.devices)):  # built without resolve(): the same checks, here
             validate(config, len(self.devices))
         self.config = config
@@ -81,21 +94,43 @@ class Trainer:
 
         seed = c.train.seed
         bind = self.parallelism.bind  # the model's sharding is entered inside each jitted function
-        self._init_fn = jax.jit(bind(lambda: init_state(init_params(c.model, seed), self.optimizer, seed)),
-                                out_shardings=self.state_shardings)
+        self._init_fn = jax.jit(
+            bind(lambda: init_state(init_params(c.model, seed), self.optimizer, seed)),
+            out_shardings=self.state_shardings,
+        )
         self._train_step = jax.jit(
-            bind(make_train_step(self.graphdef, self.optimizer, self.schedule, c.train.microbatches,
-                                 c.train.grad_clip, grads_fn=self.parallelism.pipeline_grads_fn(c))),
+            bind(
+                make_train_step(
+                    self.graphdef,
+                    self.optimizer,
+                    self.schedule,
+                    c.train.microbatches,
+                    c.train.grad_clip,
+                    grads_fn=self.parallelism.pipeline_grads_fn(c),
+                )
+            ),
             in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, self.replicated), donate_argnums=(0,))
-        self._eval_step = jax.jit(bind(make_eval_step(self.graphdef)),
-                                  in_shardings=(self.state_shardings["params"], self.batch_sharding),
-                                  out_shardings=self.replicated)
+            out_shardings=(self.state_shardings, self.replicated),
+            donate_argnums=(0,),
+        )
+        self._eval_step = jax.jit(
+            bind(make_eval_step(self.graphdef)),
+            in_shardings=(self.state_shardings["params"], self.batch_sharding),
+            out_shardings=self.replicated,
+        )
 
         self.data = load_source(c.data)
         # Training batches come in batch-list order (exact across restarts, resizes and additions).
-        self.batches = RunBatchList(self.run_dir, self.data.train, self.data.name, c.data.seed, c.train.batch_size,
-                                    c.train.seq_len, is_main=self.is_main, process_count=jax.process_count())
+        self.batches = RunBatchList(
+            self.run_dir,
+            self.data.train,
+            self.data.name,
+            c.data.seed,
+            c.train.batch_size,
+            c.train.seq_len,
+            is_main=self.is_main,
+            process_count=jax.process_count(),
+        )
         self.eval_sampler = eval_sampler(self.data.eval, c.train.seq_len, c.train.batch_size)
 
         self.tokens_per_step = c.train.batch_size * c.train.seq_len
@@ -106,13 +141,19 @@ class Trainer:
         self.last_eval: tuple[int, float] | None = None  # (step, eval loss) of the latest evaluation in fit
         self.state: dict | None = None
         self._compiled_step = None  # compiled_train_step()
+        self._hardware_flops: float | None = None  # hardware_flops_per_step()
         self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
-        self.checkpointer = (RunCheckpointer(self.run_dir / "checkpoints", c.checkpoint.keep,
-                                             c.checkpoint.asynchronous) if c.checkpoint.enabled else None)
+        self.checkpointer = (
+            RunCheckpointer(self.run_dir / "checkpoints", c.checkpoint.keep, c.checkpoint.asynchronous)
+            if c.checkpoint.enabled
+            else None
+        )
         self.local = None
         if c.checkpoint.enabled and c.checkpoint.local_dir:  # per run: a hash of the run directory keeps runs apart
             tag = hashlib.sha256(str(self.run_dir.absolute()).encode()).hexdigest()[:8]
-            self.local = LocalTier(resolve_dir(c.checkpoint.local_dir, f"{c.train.name}-{tag}"), c.checkpoint.local_keep)
+            self.local = LocalTier(
+                resolve_dir(c.checkpoint.local_dir, f"{c.train.name}-{tag}"), c.checkpoint.local_keep
+            )
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.train.tensorboard)
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -127,8 +168,12 @@ class Trainer:
     def _state_shardings(self, abstract_params: dict) -> dict:
         abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
         opt_shardings = optax.tree_utils.tree_map_params(
-            self.optimizer, lambda _, s: s, abstract_opt, self.param_shardings,
-            transform_non_params=lambda _: self.parallelism.replicated)
+            self.optimizer,
+            lambda _, s: s,
+            abstract_opt,
+            self.param_shardings,
+            transform_non_params=lambda _: self.parallelism.replicated,
+        )
         rep = self.parallelism.replicated
         return {"step": rep, "params": self.param_shardings, "opt_state": opt_shardings, "rng": rep}
 
@@ -143,8 +188,9 @@ class Trainer:
     def abstract_state(self) -> dict:
         """The train state's shapes, dtypes and target shardings (nothing allocated)."""
         shapes = jax.eval_shape(self._init_fn)
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                            shapes, self.state_shardings)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+        )
 
     def init_state(self) -> dict:
         """Restore the newest checkpoint of the run if allowed and present, else initialise."""
@@ -166,10 +212,13 @@ class Trainer:
             except (ValueError, KeyError) as e:
                 raise ConfigError(
                     f"the checkpoint at {ck.directory}/{step} does not match this model or optimizer ({e}); "
-                    "use a new train.name or set checkpoint.resume=false.") from None
+                    "use a new train.name or set checkpoint.resume=false."
+                ) from None
             except FileNotFoundError:
-                raise ConfigError(f"every checkpoint in {ck.directory} is damaged (set aside as <step>.damaged); "
-                                  "set checkpoint.resume=false to start over.") from None
+                raise ConfigError(
+                    f"every checkpoint in {ck.directory} is damaged (set aside as <step>.damaged); "
+                    "set checkpoint.resume=false to start over."
+                ) from None
             step = int(meta["step"])
             self._check_resume(meta)
             self.resumed_from = ("persistent", step)
@@ -215,8 +264,9 @@ class Trainer:
 
         Its ``memory_analysis()`` and ``cost_analysis()`` give bytes and FLOPs per device.
         """
-        batch = jax.ShapeDtypeStruct((self.config.train.batch_size, self.config.train.seq_len + 1),
-                                     jax.numpy.int32, sharding=self.batch_sharding)
+        batch = jax.ShapeDtypeStruct(
+            (self.config.train.batch_size, self.config.train.seq_len + 1), jax.numpy.int32, sharding=self.batch_sharding
+        )
         return self._train_step.lower(self.abstract_state(), batch).compile()
 
     def compiled_train_step(self):
@@ -227,15 +277,17 @@ class Trainer:
 
     def hardware_flops_per_step(self) -> float | None:
         """FLOPs the compiled train step executes on all devices (XLA's count, recomputation included, with its
-        loop bodies counted once per trip: see jaxdist.parallel.hlo.loop_flops_correction)."""
-        cost = self.compiled_train_step().cost_analysis()
-        cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older JAX: one dict per program
-        flops = (cost or {}).get("flops")
-        if flops is None:
-            return None
-        # XLA counts a loop body once; the layer and microbatch scans run theirs many times.
-        flops += loop_flops_correction(self.compiled_train_step().as_text())
-        return float(flops) * len(self.devices)
+        loop bodies counted once per trip: see jaxdist.parallel.hlo.loop_flops_correction); computed once."""
+        if self._hardware_flops is None:
+            cost = self.compiled_train_step().cost_analysis()
+            cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older JAX: one dict per program
+            flops = (cost or {}).get("flops")
+            if flops is None:
+                return None
+            # XLA counts a loop body once; the layer and microbatch scans run theirs many times.
+            flops += loop_flops_correction(self.compiled_train_step().as_text())
+            self._hardware_flops = float(flops) * len(self.devices)
+        return self._hardware_flops
 
     def bf16_notice(self) -> str | None:
         """One sentence when ``model.dtype=bfloat16`` but the compiled step multiplies mostly in float32.
@@ -250,10 +302,12 @@ class Trainer:
         if upcast <= native:
             return None
         platform = self.devices[0].platform
-        return (f"{upcast} of the train step's {upcast + native} matmuls run in float32 although "
-                f"model.dtype=bfloat16: this JAX {jax.__version__} {platform} backend upcasts them, so bf16 runs "
-                "at fp32 speed here" + (" (Python 3.12 with JAX 0.12 multiplies them natively on CPU)."
-                                        if platform == "cpu" else "."))
+        return (
+            f"{upcast} of the train step's {upcast + native} matmuls run in float32 although "
+            f"model.dtype=bfloat16: this JAX {jax.__version__} {platform} backend upcasts them, so bf16 runs "
+            "at fp32 speed here"
+            + (" (Python 3.12 with JAX 0.12 multiplies them natively on CPU)." if platform == "cpu" else ".")
+        )
 
     def batch(self, step: int) -> jax.Array:
         """The global batch of training step ``step`` as one sharded array [B, T+1]."""
@@ -276,16 +330,23 @@ class Trainer:
         end = c.train.steps if steps is None else min(c.train.steps, start + steps)
         if start >= end:
             return []
-        window = MetricsWindow(self.metrics, self.tokens_per_step, self.flops_per_step,
-                               self.hardware_flops_per_step(), self.peak_flops)
-        bar = (ProgressBar(c.train.steps, start, c.train.name) if c.train.progress and self.is_main else None)
+        window = MetricsWindow(
+            self.metrics, self.tokens_per_step, self.flops_per_step, self.hardware_flops_per_step(), self.peak_flops
+        )
+        bar = ProgressBar(c.train.steps, start, c.train.name) if c.train.progress and self.is_main else None
         saving = SaveCheckpoint(c.checkpoint.every) if self.checkpointer is not None else None
-        callbacks = ([LogMetrics(c.train.log_every)] + ([bar] if bar else []) + self.callbacks
-                     + [Evaluate(c.train.eval_every)] + ([saving] if saving else [])
-                     + ([SaveLocal(c.checkpoint.local_every, saving)] if self.local is not None else []))
+        callbacks = (
+            [LogMetrics(c.train.log_every)]
+            + ([bar] if bar else [])
+            + self.callbacks
+            + [Evaluate(c.train.eval_every)]
+            + ([saving] if saving else [])
+            + ([SaveLocal(c.checkpoint.local_every, saving)] if self.local is not None else [])
+        )
         # Several processes agree on additions where metrics sync the host anyway (every log_every steps).
-        prefetch = self.batches.loader(start, self.batch_sharding, depth=2,
-                                       poll_every=1 if jax.process_count() == 1 else c.train.log_every)
+        prefetch = self.batches.loader(
+            start, self.batch_sharding, depth=2, poll_every=1 if jax.process_count() == 1 else c.train.log_every
+        )
         window.restart()
         try:
             for i in range(start, end):
@@ -303,18 +364,28 @@ class Trainer:
     def save(self, step: int | None = None) -> None:
         """Checkpoint the current state (asynchronously)."""
         step = int(jax.device_get(self.state["step"])) if step is None else step
-        if self.checkpointer.save(step, self.state, {"step": step, "data": self._data_meta(step),
-                                                     "config": self.config.to_dict()}):
+        if self.checkpointer.save(
+            step, self.state, {"step": step, "data": self._data_meta(step), "config": self.config.to_dict()}
+        ):
             s = self.checkpointer.stats[-1]  # seconds the loop was blocked by the save / by the previous one
             self.metrics.write("checkpoint", step, {"blocked_s": s.blocked_s, "waited_s": s.waited_s})
 
     def save_local(self, step: int) -> None:
         """Save the current state to the fast node-local tier (collective; files written in the background)."""
-        self.local.save(step, self.state, {"step": step, "data": self._data_meta(step),
-                                           "config": self.config.to_dict()})
+        self.local.save(
+            step, self.state, {"step": step, "data": self._data_meta(step), "config": self.config.to_dict()}
+        )
         s = self.local.stats[-1]
-        self.metrics.write("checkpoint_local", step, {"blocked_s": s.blocked_s, "replicate_s": s.replicate_s,
-                                                      "payload_bytes": s.payload_bytes, "sent_bytes": s.sent_bytes})
+        self.metrics.write(
+            "checkpoint_local",
+            step,
+            {
+                "blocked_s": s.blocked_s,
+                "replicate_s": s.replicate_s,
+                "payload_bytes": s.payload_bytes,
+                "sent_bytes": s.sent_bytes,
+            },
+        )
 
     def close(self) -> None:
         """Wait for pending checkpoint writes and close files."""
@@ -327,6 +398,8 @@ class Trainer:
     def describe(self) -> str:
         """One paragraph: mesh, model size, batch, where the run lives."""
         c = self.config
-        return (f"mesh {describe_mesh(self.mesh)}; model {c.model.preset} "
-                f"({param_count(c.model) / 1e6:.2f}M params, {c.model.dtype}); "
-                f"batch {c.train.batch_size}x{c.train.seq_len} tokens; data {self.data.name}; run {self.run_dir}")
+        return (
+            f"mesh {describe_mesh(self.mesh)}; model {c.model.preset} "
+            f"({param_count(c.model) / 1e6:.2f}M params, {c.model.dtype}); "
+            f"batch {c.train.batch_size}x{c.train.seq_len} tokens; data {self.data.name}; run {self.run_dir}"
+        )

@@ -32,26 +32,34 @@ def cluster_file(directory: Path, nodes: int, per_node: int) -> Path:
     path = Path(directory) / f"cpu-{nodes}x{per_node}.toml"
     text = (REPO / "meshes" / "cpu-2x4.toml").read_text()
     text = text.replace('name = "cpu-2x4"', f'name = "cpu-{nodes}x{per_node}"')
-    text = text.replace("nodes = 2 ", f"nodes = {nodes} ").replace("devices_per_node = 4 ", f"devices_per_node = {per_node} ")
+    text = text.replace("nodes = 2 ", f"nodes = {nodes} ").replace(
+        "devices_per_node = 4 ", f"devices_per_node = {per_node} "
+    )
     path.write_text(text)
     return path
 
 
 def env_for(process: int, num: int, devices: int, port: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith("SLURM_")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=str(num),
-               JAX_PROCESS_ID=str(process), JAXDIST_HEARTBEAT_TIMEOUT="10",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+        JAX_NUM_PROCESSES=str(num),
+        JAX_PROCESS_ID=str(process),
+        JAXDIST_HEARTBEAT_TIMEOUT="10",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     return env
 
 
 class Group:
     """``num`` worker processes with ``devices`` CPU devices each; use as a context manager."""
 
-    def __init__(self, workdir: Path, num: int, devices: int, args: list[str], tag: str = "w",
-                 nodes: list[str] | None = None):
+    def __init__(
+        self, workdir: Path, num: int, devices: int, args: list[str], tag: str = "w", nodes: list[str] | None = None
+    ):
         self.workdir, self.num, self.devices, self.args, self.tag = Path(workdir), num, devices, args, tag
         self.nodes = nodes  # $JAXDIST_NODE of each process (the node it pretends to run on)
         self.procs: list[subprocess.Popen] = []
@@ -64,9 +72,15 @@ class Group:
             if self.nodes is not None:
                 env["JAXDIST_NODE"] = self.nodes[i]
             with open(self.logs[i], "w") as f:
-                self.procs.append(subprocess.Popen([sys.executable, str(WORKER), *self.args],
-                                                   cwd=self.workdir, env=env,
-                                                   stdout=f, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(WORKER), *self.args],
+                        cwd=self.workdir,
+                        env=env,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         return self
 
     def log(self, i: int) -> str:
@@ -93,8 +107,9 @@ class Group:
             if text in self.log(i):
                 return
             if self.procs[i].poll() is not None:
-                raise AssertionError(f"{self.tag}.{i} exited ({self.procs[i].returncode}) before '{text}'\n"
-                                     + self.tail(i))
+                raise AssertionError(
+                    f"{self.tag}.{i} exited ({self.procs[i].returncode}) before '{text}'\n" + self.tail(i)
+                )
             time.sleep(0.05)
         raise AssertionError(f"{self.tag}.{i} did not print '{text}' within {timeout} s\n" + self.tail(i))
 
@@ -108,7 +123,7 @@ class Group:
 
     def results(self, i: int) -> list[dict]:
         """The ``RESULT {json}`` lines process ``i`` printed."""
-        return [json.loads(l[len("RESULT "):]) for l in self.log(i).splitlines() if l.startswith("RESULT ")]
+        return [json.loads(l[len("RESULT ") :]) for l in self.log(i).splitlines() if l.startswith("RESULT ")]
 
     def __exit__(self, *exc) -> None:
         for i in range(len(self.procs)):

@@ -1,6 +1,5 @@
 """`jaxdist ckpt list | inspect | verify | plan` on a run directory."""
 
-
 from jaxdist.checkpoint import integrity
 from jaxdist.cli import main
 
@@ -16,9 +15,9 @@ def run(capsys, *argv):
 def test_ckpt_commands(tmp_path, capsys):
     saved(tmp_path, steps=(1, 2, 3)).close()
     ck = tmp_path / "ck"
-    (ck / "3" / integrity.COMMIT_FILE).unlink()          # an interrupted save
+    (ck / "3" / integrity.COMMIT_FILE).unlink()  # an interrupted save
     victim = biggest_data_file(ck / "2")
-    victim.write_bytes(victim.read_bytes()[:-3])          # a truncated file
+    victim.write_bytes(victim.read_bytes()[:-3])  # a truncated file
 
     rc, out, _ = run(capsys, "list", str(ck))
     lines = out.splitlines()

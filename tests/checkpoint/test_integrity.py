@@ -22,9 +22,11 @@ def mesh():
 def state(step: int) -> dict:
     """Values in closed form of the step; sharded, replicated, odd-shaped and scalar leaves."""
     m = mesh()
-    return {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8) * 0.5 + step, NamedSharding(m, P("fsdp"))),
-            "r": jax.device_put(jnp.arange(15.0).reshape(3, 5) - step, NamedSharding(m, P())),
-            "step": jax.device_put(jnp.int32(step), NamedSharding(m, P()))}
+    return {
+        "w": jax.device_put(jnp.arange(64.0).reshape(8, 8) * 0.5 + step, NamedSharding(m, P("fsdp"))),
+        "r": jax.device_put(jnp.arange(15.0).reshape(3, 5) - step, NamedSharding(m, P())),
+        "step": jax.device_put(jnp.int32(step), NamedSharding(m, P())),
+    }
 
 
 def saved(tmp_path, steps=(1, 2, 3), keep=3) -> RunCheckpointer:
@@ -103,7 +105,7 @@ def test_incomplete_save_is_ignored_then_set_aside(tmp_path, caplog):
     ck = saved(tmp_path, steps=(1, 2))
     ck.close()
     (tmp_path / "ck" / "2" / integrity.COMMIT_FILE).unlink()  # as if killed before the commit
-    (tmp_path / "ck" / "5.orbax-checkpoint-tmp").mkdir()      # as if killed while orbax wrote
+    (tmp_path / "ck" / "5.orbax-checkpoint-tmp").mkdir()  # as if killed while orbax wrote
     states = {f.path.name: f.state for f in integrity.scan(tmp_path / "ck")}
     assert states == {"1": "committed", "2": "incomplete", "5.orbax-checkpoint-tmp": "temporary"}
     with caplog.at_level(logging.WARNING, logger="jaxdist.checkpoint.manager"):

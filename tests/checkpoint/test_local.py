@@ -20,13 +20,30 @@ STEPS = 10
 
 
 def config(tmp_path, name, extra=()):
-    return load_config(None, [
-        "model=tiny", f"train.steps={STEPS}", "train.seq_len=32", "train.batch_size=8",
-        "train.log_every=5", "train.eval_every=0", "train.eval_batches=1", "train.progress=false",
-        "train.tensorboard=false", "checkpoint.every=4", "data.max_bytes=400000",
-        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.warmup_steps=3",
-        f"train.runs_dir={tmp_path}", f"train.name={name}",
-        f"checkpoint.local_dir={tmp_path}/local/{{node}}", *extra])
+    return load_config(
+        None,
+        [
+            "model=tiny",
+            f"train.steps={STEPS}",
+            "train.seq_len=32",
+            "train.batch_size=8",
+            "train.log_every=5",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "checkpoint.every=4",
+            "data.max_bytes=400000",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "train.warmup_steps=3",
+            f"train.runs_dir={tmp_path}",
+            f"train.name={name}",
+            f"checkpoint.local_dir={tmp_path}/local/{{node}}",
+            *extra,
+        ],
+    )
 
 
 class Crash(Exception):
@@ -38,6 +55,7 @@ def crash_at(step):
         if done == step:
             t.local.wait()  # the previous step's local files are on disk, this step's state is not saved
             raise Crash(done)
+
     return hook
 
 

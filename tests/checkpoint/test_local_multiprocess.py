@@ -32,10 +32,21 @@ STEPS = 10
 
 
 def overrides(tmp: Path, name: str) -> list[str]:
-    return ["model=tiny", f"train.steps={STEPS}", "train.seq_len=32", "train.batch_size=8",
-            "data.max_bytes=200000", f"mesh.cluster={cluster_file(tmp, 4, 2)}", "mesh.fsdp=4", "mesh.tensor=2",
-            "train.log_every=5", "checkpoint.every=4", f"checkpoint.local_dir={tmp}/local/{{node}}",
-            f"train.runs_dir={tmp / 'runs'}", f"train.name={name}"]
+    return [
+        "model=tiny",
+        f"train.steps={STEPS}",
+        "train.seq_len=32",
+        "train.batch_size=8",
+        "data.max_bytes=200000",
+        f"mesh.cluster={cluster_file(tmp, 4, 2)}",
+        "mesh.fsdp=4",
+        "mesh.tensor=2",
+        "train.log_every=5",
+        "checkpoint.every=4",
+        f"checkpoint.local_dir={tmp}/local/{{node}}",
+        f"train.runs_dir={tmp / 'runs'}",
+        f"train.name={name}",
+    ]
 
 
 def fit(tmp: Path, name: str, nodes: list[str], tag: str, crash_at: int | None = None) -> list[dict]:
@@ -72,10 +83,22 @@ def test_replaced_node_restores_from_its_peer(tmp_path):
 
 
 def test_pieces_the_peer_holds_are_not_sent(tmp_path):
-    spec = {"overrides": ["model=tiny", "train.seq_len=32", "train.batch_size=8", "data.max_bytes=200000",
-                          f"mesh.cluster={cluster_file(tmp_path, 4, 2)}", "mesh.data=4", "mesh.fsdp=2",
-                          f"train.runs_dir={tmp_path / 'runs'}", "train.name=dp"],
-            "ckpt": str(tmp_path / "persistent"), "local": str(tmp_path / "local"), "steps": 1}
+    spec = {
+        "overrides": [
+            "model=tiny",
+            "train.seq_len=32",
+            "train.batch_size=8",
+            "data.max_bytes=200000",
+            f"mesh.cluster={cluster_file(tmp_path, 4, 2)}",
+            "mesh.data=4",
+            "mesh.fsdp=2",
+            f"train.runs_dir={tmp_path / 'runs'}",
+            "train.name=dp",
+        ],
+        "ckpt": str(tmp_path / "persistent"),
+        "local": str(tmp_path / "local"),
+        "steps": 1,
+    }
     # worker.py checks that rank 2, its own files deleted, gets back exactly the state it had
     with Group(tmp_path, 4, 2, ["tiers", json.dumps(spec)], tag="dp", nodes=["a", "b", "c", "d"]) as g:
         g.wait(TIMEOUT)

@@ -33,8 +33,14 @@ MAX_OVER_MEAN = 1.05
 
 
 def common(tmp: Path, cluster: str) -> list[str]:
-    return ["model=small", "train.seq_len=32", "train.batch_size=8", "data.max_bytes=200000",
-            f"mesh.cluster={cluster}", f"train.runs_dir={tmp / 'runs'}"]
+    return [
+        "model=small",
+        "train.seq_len=32",
+        "train.batch_size=8",
+        "data.max_bytes=200000",
+        f"mesh.cluster={cluster}",
+        f"train.runs_dir={tmp / 'runs'}",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +48,14 @@ def four(tmp_path_factory):
     """Save the small model's state (params + Adam moments, ~9.9 MB) from 4 processes, data=8 and fsdp=8."""
     tmp = tmp_path_factory.mktemp("ckpt4")
     cl = str(cluster_file(tmp, 4, 2))
-    jobs = [{"overrides": common(tmp, cl) + [f"mesh.{axis}=8", f"train.name={axis}"],
-             "ckpt": str(tmp / f"ck_{axis}"), "seed": seed} for seed, axis in enumerate(("data", "fsdp"))]
+    jobs = [
+        {
+            "overrides": common(tmp, cl) + [f"mesh.{axis}=8", f"train.name={axis}"],
+            "ckpt": str(tmp / f"ck_{axis}"),
+            "seed": seed,
+        }
+        for seed, axis in enumerate(("data", "fsdp"))
+    ]
     t0 = time.perf_counter()
     with Group(tmp, 4, 2, ["save", json.dumps({"jobs": jobs})], tag="save") as g:
         g.wait(TIMEOUT)
@@ -93,8 +105,14 @@ def test_four_processes_write_even_bytes(four, axis):
 
 def test_restore_onto_two_processes_with_another_mesh(four):
     tmp, jobs, _ = four
-    restore = [{"overrides": common(tmp, "cpu-2x4") + ["mesh.fsdp=4", "mesh.tensor=2", "train.name=r2"],
-                "ckpt": j["ckpt"], "seed": j["seed"]} for j in jobs]
+    restore = [
+        {
+            "overrides": common(tmp, "cpu-2x4") + ["mesh.fsdp=4", "mesh.tensor=2", "train.name=r2"],
+            "ckpt": j["ckpt"],
+            "seed": j["seed"],
+        }
+        for j in jobs
+    ]
     with Group(tmp, 2, 4, ["restore", json.dumps({"jobs": restore})], tag="restore") as g:
         g.wait(TIMEOUT)
         for i in range(2):
@@ -148,9 +166,11 @@ def test_writer_killed_mid_save_loses_nothing_committed(tmp_path, phase, caplog)
     assert integrity.verify_files(ck / "2", marker["files"]) == []
     # Restore on 1 process x 8 devices with a different layout: the step-2 values of worker.synthetic_state.
     mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
-    target = {"r": jax.ShapeDtypeStruct((6, 10), np.float32, sharding=NamedSharding(mesh, P())),
-              "s": jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(mesh, P())),
-              "w": jax.ShapeDtypeStruct((16, 24), np.float32, sharding=NamedSharding(mesh, P(None, "x")))}
+    target = {
+        "r": jax.ShapeDtypeStruct((6, 10), np.float32, sharding=NamedSharding(mesh, P())),
+        "s": jax.ShapeDtypeStruct((), np.int32, sharding=NamedSharding(mesh, P())),
+        "w": jax.ShapeDtypeStruct((16, 24), np.float32, sharding=NamedSharding(mesh, P(None, "x"))),
+    }
     state, meta = restored.restore(target)
     assert meta == {"step": 2} and int(state["s"]) == 2
     np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(384, dtype=np.float32).reshape(16, 24) * 0.5 + 2)

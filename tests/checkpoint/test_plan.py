@@ -14,8 +14,16 @@ from jaxdist.checkpoint.plan import ArrayLayout, assign_bytes, layout_from_spec,
 
 AXES = ("data", "fsdp", "tensor")
 # The "small" model's shapes: (name, shape, logical split) with the stacked-layer axis first.
-SMALL = [("embed", (260, 128)), ("final_norm", (128,)), ("attn_norm", (4, 128)), ("w_down", (4, 384, 128)),
-         ("w_gate", (4, 128, 384)), ("wq", (4, 128, 4, 32)), ("wk", (4, 128, 2, 32)), ("count", ())]
+SMALL = [
+    ("embed", (260, 128)),
+    ("final_norm", (128,)),
+    ("attn_norm", (4, 128)),
+    ("w_down", (4, 384, 128)),
+    ("w_gate", (4, 128, 384)),
+    ("wq", (4, 128, 4, 32)),
+    ("wk", (4, 128, 2, 32)),
+    ("count", ()),
+]
 
 
 def grid(procs: int, per_proc: int, sizes: tuple[int, int, int]):
@@ -70,6 +78,7 @@ def test_fully_sharded_arrays_are_written_by_their_owners():
     def spec(name, shape):
         axis = next((i for i, n in enumerate(shape) if n % 8 == 0), None)
         return () if axis is None else (None,) * axis + ("fsdp",)
+
     lays = layouts(4, 2, (1, 8, 1), spec)
     plan = plan_writes(lays, 4)
     for lay, a in zip(lays, plan.arrays):
@@ -105,8 +114,10 @@ def test_greedy_slices_are_within_grahams_bound_of_the_brute_force_optimum(seed)
     lays = [layout_from_spec(f"a{i}", (int(n),), 4, (), AXES, ids, proc) for i, n in enumerate(lengths)]
     plan = plan_writes(lays, 3)
     assert all(a.rule == "jaxdist" and len(a.pieces) == 1 for a in plan.arrays)
-    best = min(max(sum(4 * int(n) for n, p in zip(lengths, assign) if p == q) for q in range(3))
-               for assign in itertools.product(range(3), repeat=len(lengths)))
+    best = min(
+        max(sum(4 * int(n) for n, p in zip(lengths, assign) if p == q) for q in range(3))
+        for assign in itertools.product(range(3), repeat=len(lengths))
+    )
     assert best <= max(plan.bytes_per_process()) <= (4 / 3 - 1 / 9) * best
 
 
@@ -125,6 +136,7 @@ def test_plan_table_prints_bytes_per_process():
 
 
 # --------------------------------------------------------------------------- live arrays (8 devices)
+
 
 def live_arrays():
     mesh = jax.make_mesh((2, 2, 2), AXES, axis_types=(AxisType.Auto,) * 3)
@@ -155,24 +167,33 @@ def test_single_process_replicas_are_copied_whole_from_one_device():
     for name, arr in named:
         lay = writer.layouts_from_arrays([(name, arr)])[0]
         coverage_ok(lay, plan.for_array(name).pieces)
-        assert {p.device for p in plan.for_array(name).pieces} <= \
-            {s.device.id for s in arr.addressable_shards if s.replica_id == 0}
+        assert {p.device for p in plan.for_array(name).pieces} <= {
+            s.device.id for s in arr.addressable_shards if s.replica_id == 0
+        }
 
 
 def test_orbax_rule_is_what_orbax_writes_and_the_hook_writes_the_plan():
     # Pretend the 8 devices are 4 processes x 2 (device d in process d // 2) so replicas span processes.
     _, named = live_arrays()
-    lays = [dataclasses.replace(l, shards=tuple(dataclasses.replace(s, process=s.device // 2) for s in l.shards))
-            for l in writer.layouts_from_arrays(named)]
+    lays = [
+        dataclasses.replace(l, shards=tuple(dataclasses.replace(s, process=s.device // 2) for s in l.shards))
+        for l in writer.layouts_from_arrays(named)
+    ]
     plan = plan_writes(lays, 4)
-    assert [plan.for_array(n).rule for n in ("rep", "fsdp", "mixed", "odd", "scalar")] == \
-        ["orbax", "orbax", "owner", "jaxdist", "jaxdist"]
+    assert [plan.for_array(n).rule for n in ("rep", "fsdp", "mixed", "odd", "scalar")] == [
+        "orbax",
+        "orbax",
+        "owner",
+        "jaxdist",
+        "jaxdist",
+    ]
     for name, arr in named:
         a = plan.for_array(name)
         if a.rule == "orbax":  # orbax's own choice of slices (device, index) is the plan's
             got = writer._ORIGINAL(arr, 0, True).replica_slices
-            assert sorted((r.unsliced_data.device.id, writer._index(r.index, arr.shape)) for r in got) == \
-                sorted((p.device, p.index) for p in a.pieces)
+            assert sorted((r.unsliced_data.device.id, writer._index(r.index, arr.shape)) for r in got) == sorted(
+                (p.device, p.index) for p in a.pieces
+            )
         if a.rule == "jaxdist":  # the hook hands orbax exactly this process's pieces, with the right values
             got = writer._jaxdist_slices(arr, a).replica_slices
             mine = [p for p in a.pieces if p.process == 0]

@@ -13,11 +13,26 @@ from jaxdist.train.trainer import Trainer
 
 
 def config(tmp_path, mesh, *extra):
-    return load_config(None, [
-        "model=tiny", "train.steps=4", "train.seq_len=32", "train.batch_size=8", "train.log_every=2",
-        "train.eval_every=0", "train.eval_batches=1", "train.progress=false", "train.tensorboard=false",
-        "data.max_bytes=200000", "checkpoint.every=2", f"train.runs_dir={tmp_path}", "train.name=run",
-        *[f"mesh.{k}={v}" for k, v in mesh.items()], *extra])
+    return load_config(
+        None,
+        [
+            "model=tiny",
+            "train.steps=4",
+            "train.seq_len=32",
+            "train.batch_size=8",
+            "train.log_every=2",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "data.max_bytes=200000",
+            "checkpoint.every=2",
+            f"train.runs_dir={tmp_path}",
+            "train.name=run",
+            *[f"mesh.{k}={v}" for k, v in mesh.items()],
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +73,13 @@ def test_trainer_resumes_from_the_newest_good_checkpoint(trained, tmp_path, capl
         with Trainer(config(tmp_path, {"data": 8})) as t:
             t.init_state()
             assert int(t.state["step"]) == 2
-            assert f"checkpoint {ckdir / '4'} is damaged: {victim.relative_to(ckdir / '4').as_posix()} has CRC-32" \
+            assert (
+                f"checkpoint {ckdir / '4'} is damaged: {victim.relative_to(ckdir / '4').as_posix()} has CRC-32"
                 in caplog.text
+            )
             ref, meta = t.checkpointer.restore(t.abstract_state(), step=2)
-            assert meta["step"] == 2 and all(np.array_equal(np.asarray(a), np.asarray(b))
-                                             for a, b in zip(jax.tree.leaves(t.state), jax.tree.leaves(ref)))
+            assert meta["step"] == 2 and all(
+                np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(jax.tree.leaves(t.state), jax.tree.leaves(ref))
+            )
     assert sorted(p.name for p in ckdir.iterdir()) == ["2", "4.damaged"]

@@ -62,8 +62,16 @@ def trainer_for(overrides):
     from jaxdist.config import load_config
     from jaxdist.train.trainer import Trainer
 
-    cfg = load_config(None, ["train.progress=false", "train.tensorboard=false", "checkpoint.enabled=false",
-                             "train.eval_every=0", *overrides])
+    cfg = load_config(
+        None,
+        [
+            "train.progress=false",
+            "train.tensorboard=false",
+            "checkpoint.enabled=false",
+            "train.eval_every=0",
+            *overrides,
+        ],
+    )
     return Trainer(cfg)
 
 
@@ -82,15 +90,20 @@ def reference(abstract, seed: int) -> dict[str, np.ndarray]:
 def random_state(abstract, seed: int):
     """A train state laid out like ``abstract`` holding :func:`reference` values (no compilation)."""
     ref = reference(abstract, seed)
-    leaves = [jax.make_array_from_callback(a.shape, a.sharding, lambda idx, v=ref[n]: v[idx])
-              for n, a in named_leaves(abstract)]
+    leaves = [
+        jax.make_array_from_callback(a.shape, a.sharding, lambda idx, v=ref[n]: v[idx])
+        for n, a in named_leaves(abstract)
+    ]
     return jax.tree.unflatten(jax.tree.structure(abstract), leaves), ref
 
 
 def matches(state, ref: dict[str, np.ndarray]) -> bool:
     """Every addressable shard of every leaf equals the reference bit for bit (dtype included)."""
-    return all(s.data.dtype == ref[n].dtype and np.array_equal(np.asarray(s.data), ref[n][s.index])
-               for n, a in named_leaves(state) for s in a.addressable_shards)
+    return all(
+        s.data.dtype == ref[n].dtype and np.array_equal(np.asarray(s.data), ref[n][s.index])
+        for n, a in named_leaves(state)
+        for s in a.addressable_shards
+    )
 
 
 def mode_save(spec) -> None:
@@ -109,8 +122,15 @@ def mode_save(spec) -> None:
                 times.append((blocked, time.perf_counter() - t0))
             ck.close()
             mark("saved")
-            result({"ckpt": job["ckpt"], "save_s": times, "planned": ck.stats[-1].planned_bytes,
-                    "written": ck.stats[-1].written_bytes, "process": jax.process_index()})
+            result(
+                {
+                    "ckpt": job["ckpt"],
+                    "save_s": times,
+                    "planned": ck.stats[-1].planned_bytes,
+                    "written": ck.stats[-1].written_bytes,
+                    "process": jax.process_index(),
+                }
+            )
 
 
 def train(t, steps: int):
@@ -137,8 +157,15 @@ def mode_steps(spec) -> None:
                 ck.save(i + 1, state, {"step": i + 1})
         ck.close()
         timed = ck.stats[1:]
-        result({"step_s": step_s, "blocked_s": [s.blocked_s for s in timed], "waited_s": [s.waited_s for s in timed],
-                "busy": ck.busy_saves, "background_s": [s.background_s for s in timed]})
+        result(
+            {
+                "step_s": step_s,
+                "blocked_s": [s.blocked_s for s in timed],
+                "waited_s": [s.waited_s for s in timed],
+                "busy": ck.busy_saves,
+                "background_s": [s.background_s for s in timed],
+            }
+        )
 
 
 def mode_restore(spec) -> None:
@@ -147,17 +174,29 @@ def mode_restore(spec) -> None:
             target = t.abstract_state()
             state, meta = RunCheckpointer(job["ckpt"]).restore(target)
             on_target = all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(target)))
-            result({"ckpt": job["ckpt"], "equal": matches(state, reference(target, job.get("seed", 0))),
-                    "on_target": on_target, "step": meta["step"], "process": jax.process_index()})
+            result(
+                {
+                    "ckpt": job["ckpt"],
+                    "equal": matches(state, reference(target, job.get("seed", 0))),
+                    "on_target": on_target,
+                    "step": meta["step"],
+                    "process": jax.process_index(),
+                }
+            )
 
 
 def synthetic_state(step: int, mesh) -> dict:
     """A state whose values are a closed-form function of ``step``."""
+
     def make(shape, spec, scale):
         fn = lambda: jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape) * scale + step
         return jax.jit(fn, out_shardings=NamedSharding(mesh, spec))()
-    return {"w": make((16, 24), P("fsdp"), 0.5), "r": make((6, 10), P(), 1.0),
-            "s": jax.jit(lambda: jnp.int32(step), out_shardings=NamedSharding(mesh, P()))()}
+
+    return {
+        "w": make((16, 24), P("fsdp"), 0.5),
+        "r": make((6, 10), P(), 1.0),
+        "s": jax.jit(lambda: jnp.int32(step), out_shardings=NamedSharding(mesh, P()))(),
+    }
 
 
 def mode_fit(spec) -> None:
@@ -168,7 +207,9 @@ def mode_fit(spec) -> None:
     from jaxdist.train.trainer import Trainer
     from jax.experimental import multihost_utils
 
-    cfg = load_config(None, ["train.progress=false", "train.tensorboard=false", "train.eval_every=0", *spec["overrides"]])
+    cfg = load_config(
+        None, ["train.progress=false", "train.tensorboard=false", "train.eval_every=0", *spec["overrides"]]
+    )
     with Trainer(cfg) as t:
         crash_at = spec.get("crash_at")
 
@@ -186,9 +227,15 @@ def mode_fit(spec) -> None:
         digest = hashlib.sha256()
         for name, leaf in named_leaves(multihost_utils.process_allgather(t.state, tiled=True)):
             digest.update(name.encode() + np.ascontiguousarray(leaf).tobytes())
-        result({"resumed_from": resumed, "digest": digest.hexdigest(), "step": int(jax.device_get(t.state["step"])),
+        result(
+            {
+                "resumed_from": resumed,
+                "digest": digest.hexdigest(),
+                "step": int(jax.device_get(t.state["step"])),
                 "shift": t.local.shift if t.local else None,
-                "local_steps": sorted(t.local._own_steps()) if t.local else None})
+                "local_steps": sorted(t.local._own_steps()) if t.local else None,
+            }
+        )
 
 
 def mode_tiers(spec) -> None:
@@ -235,9 +282,10 @@ def mode_tiers(spec) -> None:
         restored, meta = local.restore(abstract)
         jax.block_until_ready(restored)
         out["local_restore_s"] = time.perf_counter() - t0
-        assert meta["step"] == 99 + n and all(np.array_equal(np.asarray(a.addressable_shards[0].data),
-                                                        np.asarray(b.addressable_shards[0].data))
-                                         for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)))
+        assert meta["step"] == 99 + n and all(
+            np.array_equal(np.asarray(a.addressable_shards[0].data), np.asarray(b.addressable_shards[0].data))
+            for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state))
+        )
         t0 = time.perf_counter()
         restored, meta = ck.restore(abstract)
         jax.block_until_ready(restored)
@@ -270,6 +318,7 @@ def mode_kill(spec) -> None:
 
         serialization.async_serialize_from_host = slow
     if stall and spec["phase"] == "checksum":
+
         def stuck(step_dir, process):
             print("STALLED 3", flush=True)
             threading.Event().wait(3600)
@@ -281,6 +330,11 @@ def mode_kill(spec) -> None:
 
 
 if __name__ == "__main__":
-    {"save": mode_save, "steps": mode_steps, "restore": mode_restore, "kill": mode_kill, "fit": mode_fit,
-     "tiers": mode_tiers}[sys.argv[1]](
-        json.loads(sys.argv[2]))
+    {
+        "save": mode_save,
+        "steps": mode_steps,
+        "restore": mode_restore,
+        "kill": mode_kill,
+        "fit": mode_fit,
+        "tiers": mode_tiers,
+    }[sys.argv[1]](json.loads(sys.argv[2]))

@@ -22,7 +22,14 @@ def listening(pid: int) -> list[str]:
             f = line.split()
             if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
                 addr, port = f[1].split(":")
-                host = ("127.0.0.1" if addr in ("0100007F", "0000000000000000FFFF00000100007F")  # also v4-mapped
-                        else "0.0.0.0" if addr == "00000000" else "::1" if addr == "0" * 24 + "01000000" else addr)
+                host = (
+                    "127.0.0.1"
+                    if addr in ("0100007F", "0000000000000000FFFF00000100007F")  # also v4-mapped
+                    else "0.0.0.0"
+                    if addr == "00000000"
+                    else "::1"
+                    if addr == "0" * 24 + "01000000"
+                    else addr
+                )
                 out.append(f"{host}:{int(port, 16)}")
     return out

@@ -37,11 +37,25 @@ from .helpers import listening
 
 STEPS = 80  # at most ~5 steps per injection and ~10 while the controller is away: room to spare
 INJECTIONS = 10
-COMMON = ["model=tiny", "mesh.cluster=cpu-4x2", "mesh.fsdp=2", "train.batch_size=16", "train.seq_len=32",
-          "data.max_bytes=300000", "train.progress=false", "train.tensorboard=false", "checkpoint.every=8",
-          "checkpoint.local_dir=local/{node}", "checkpoint.local_every=1",
-          "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "train.runs_dir=runs",
-          "controller.min_nodes=4", "controller.max_nodes=4"]
+COMMON = [
+    "model=tiny",
+    "mesh.cluster=cpu-4x2",
+    "mesh.fsdp=2",
+    "train.batch_size=16",
+    "train.seq_len=32",
+    "data.max_bytes=300000",
+    "train.progress=false",
+    "train.tensorboard=false",
+    "checkpoint.every=8",
+    "checkpoint.local_dir=local/{node}",
+    "checkpoint.local_every=1",
+    "train.log_every=1",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.runs_dir=runs",
+    "controller.min_nodes=4",
+    "controller.max_nodes=4",
+]
 JOB_TIMEOUT = 600
 
 
@@ -56,12 +70,14 @@ def _segments(job: LocalJob) -> list[list[tuple[int, float]]]:
 
 def _injection_plan(rng: random.Random, n: int) -> list[tuple[int, int]]:
     """(rank, signal) of ``n`` injections: rank 0 killed first, then random ranks, about one in three a hang."""
-    return [(0, signal.SIGKILL)] + [(rng.randint(0, 3), signal.SIGSTOP if rng.random() < 0.35 else signal.SIGKILL)
-                                    for _ in range(n - 1)]
+    return [(0, signal.SIGKILL)] + [
+        (rng.randint(0, 3), signal.SIGSTOP if rng.random() < 0.35 else signal.SIGKILL) for _ in range(n - 1)
+    ]
 
 
-def _run_faulty(job: LocalJob, injections: list[tuple[int, int]], rng: random.Random,
-                kill_controller_after: int | None = None) -> list[dict]:
+def _run_faulty(
+    job: LocalJob, injections: list[tuple[int, int]], rng: random.Random, kill_controller_after: int | None = None
+) -> list[dict]:
     """Start the job (the standby a moment later, so the cached layout is reused) and inject (rank, signal)s.
 
     Each injection comes 1 or 2 steps after the previous recovery's first step, once every node is warm
@@ -74,19 +90,27 @@ def _run_faulty(job: LocalJob, injections: list[tuple[int, int]], rng: random.Ra
     done = []
     for k, (rank, sig) in enumerate(injections):
         gen = len(done)
-        base = job.wait_until(lambda s: s["generation"] == gen and s["phase"] == "running", JOB_TIMEOUT,
-                              f"generation {gen} running")["last_step"]
+        base = job.wait_until(
+            lambda s: s["generation"] == gen and s["phase"] == "running", JOB_TIMEOUT, f"generation {gen} running"
+        )["last_step"]
         target = base + rng.randint(1, 2)
         job.wait_until(lambda s: s["last_step"] >= target or s["phase"] != "running", JOB_TIMEOUT, f"step {target}")
-        job.wait_until(lambda s: len(s["warm_nodes"]) >= 5 - len(s["banned"]) or s["last_step"] >= target + 3
-                       or s["phase"] != "running", JOB_TIMEOUT, "every node warm")
+        job.wait_until(
+            lambda s: (
+                len(s["warm_nodes"]) >= 5 - len(s["banned"]) or s["last_step"] >= target + 3 or s["phase"] != "running"
+            ),
+            JOB_TIMEOUT,
+            "every node warm",
+        )
         s = job.state()
-        assert s["phase"] == "running" and s["last_step"] < job.cfg.train.steps, \
+        assert s["phase"] == "running" and s["last_step"] < job.cfg.train.steps, (
             f"the job ended before injection {k + 1} of {len(injections)}: raise STEPS ({job.summary()})"
+        )
         done.append(job.inject(rank, sig))
         if kill_controller_after == k:
-            job.wait_until(lambda s: s["generation"] == gen + 1 and s["phase"] == "running", JOB_TIMEOUT,
-                           "the recovery")
+            job.wait_until(
+                lambda s: s["generation"] == gen + 1 and s["phase"] == "running", JOB_TIMEOUT, "the recovery"
+            )
             job.kill_controller()
             time.sleep(2.0)
             job.start_controller()
@@ -101,8 +125,11 @@ def _params(run_dir, step):
     from jaxdist.config import load_config
     from jaxdist.train.trainer import Trainer
 
-    cfg = load_config(None, [o for o in COMMON if not o.startswith(("checkpoint.", "controller."))]
-                      + ["checkpoint.enabled=false", "mesh.cluster=cpu-8", f"train.runs_dir={run_dir}/x"])
+    cfg = load_config(
+        None,
+        [o for o in COMMON if not o.startswith(("checkpoint.", "controller."))]
+        + ["checkpoint.enabled=false", "mesh.cluster=cpu-8", f"train.runs_dir={run_dir}/x"],
+    )
     with Trainer(cfg) as t:
         target = t.abstract_state()
     state, meta = RunCheckpointer(run_dir / "checkpoints").restore(target, step)
@@ -120,8 +147,11 @@ def jobs(tmp_path_factory):
     finally:
         ref.close()
     # 10 failures over 5 nodes: no node is banned here (banning is tested with stub workers)
-    faulty = LocalJob([*COMMON, f"train.steps={STEPS}", "train.name=faulty", f"controller.max_failures={INJECTIONS + 1}"],
-                      nodes=5, cwd=cwd)
+    faulty = LocalJob(
+        [*COMMON, f"train.steps={STEPS}", "train.name=faulty", f"controller.max_failures={INJECTIONS + 1}"],
+        nodes=5,
+        cwd=cwd,
+    )
     try:
         injections = _run_faulty(faulty, _injection_plan(rng, INJECTIONS), rng, kill_controller_after=4)
     finally:
@@ -168,8 +198,10 @@ def test_failures_are_detected_and_a_standby_takes_the_rank(jobs):
     segs = _segments(faulty)
     lost = [segs[i][-1][0] - (segs[i + 1][0][0] - 1) for i in range(INJECTIONS)]
     starts = _events(faulty, "start")
-    print(f"\ndetect {[round(d, 2) for d in detect]} s; detection to first step {[round(t, 1) for t in to_step]} s; "
-          f"steps lost {lost}; processes warm for {[st['warm_for_s'] for st in starts[1:]]} s before assignment")
+    print(
+        f"\ndetect {[round(d, 2) for d in detect]} s; detection to first step {[round(t, 1) for t in to_step]} s; "
+        f"steps lost {lost}; processes warm for {[st['warm_for_s'] for st in starts[1:]]} s before assignment"
+    )
     for i, d in zip(inj, detect):  # SIGSTOP: heartbeat timeout 1.5 s
         assert d < (1.0 if i["signal"] == "SIGKILL" else 2.5), (i, d)
     assert all(0 <= x <= 1 for x in lost)
@@ -194,8 +226,10 @@ def test_the_job_survives_its_controller(jobs):
     restart = next(i for i, e in enumerate(events) if e["event"] == "controller_start" and i > 0)
     gone, back = events[restart - 1]["time"], events[restart]["time"]  # the old controller's last word; the new one
     trained = [r for r in read_events(faulty.run_dir / "controller" / "trained.jsonl") if gone < r["time"] < back]
-    print(f"\n{len(trained)} steps trained in the {back - gone:.1f} s without a controller; re-attached at step "
-          f"{attached[0]['step']}")
+    print(
+        f"\n{len(trained)} steps trained in the {back - gone:.1f} s without a controller; re-attached at step "
+        f"{attached[0]['step']}"
+    )
     assert trained and attached[0]["step"] >= trained[-1]["step"]
 
 
@@ -205,10 +239,12 @@ def test_resubmitted_job_reuses_the_cached_setup(jobs):
     assert cold["setup"] == "built" and warm["setup"] == "reused" and cold["setup_key"] == warm["setup_key"]
     assert warm["members"] == cold["members"]  # the cached rank -> host assignment
     cold_first, warm_first = _events(ref, "first_step")[0], _events(faulty, "first_step")[0]
-    print(f"\ntime from assignment to first step: cold {cold_first['since_assign_s']:.1f} s, resubmitted "
-          f"{warm_first['since_assign_s']:.1f} s; compilation cache hits/misses per rank: cold "
-          f"{cold_first['cache_hits']}/{cold_first['cache_misses']}, resubmitted "
-          f"{warm_first['cache_hits']}/{warm_first['cache_misses']}")
+    print(
+        f"\ntime from assignment to first step: cold {cold_first['since_assign_s']:.1f} s, resubmitted "
+        f"{warm_first['since_assign_s']:.1f} s; compilation cache hits/misses per rank: cold "
+        f"{cold_first['cache_hits']}/{cold_first['cache_misses']}, resubmitted "
+        f"{warm_first['cache_hits']}/{warm_first['cache_misses']}"
+    )
     assert min(cold_first["cache_misses"]) > 0
     assert warm_first["cache_misses"] == [0, 0, 0, 0] and min(warm_first["cache_hits"]) > 0
     # after the swap the host set (so the key) changed: a new layout entry, the same compiled programs

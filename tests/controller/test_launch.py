@@ -39,8 +39,9 @@ def test_ssh_command_tunnels_back_and_keeps_the_token_off_the_command_line():
 
 
 def test_sbatch_script_is_valid_bash_and_runs_controller_and_agents(tmp_path):
-    text = sbatch_script(["--config", "/c.toml", "train.steps=9"], nodes=5, port=7470, run_dir="/runs/x",
-                         gpus_per_node=8)
+    text = sbatch_script(
+        ["--config", "/c.toml", "train.steps=9"], nodes=5, port=7470, run_dir="/runs/x", gpus_per_node=8
+    )
     f = tmp_path / "job.sbatch"
     f.write_text(text)
     assert subprocess.run(["bash", "-n", str(f)]).returncode == 0
@@ -55,8 +56,10 @@ def test_sbatch_script_is_valid_bash_and_runs_controller_and_agents(tmp_path):
 
 
 def test_kubernetes_manifest():
-    docs = [json.loads(d) for d in kubernetes_manifest(["model=tiny"], nodes=5, image="reg/jaxdist:1",
-                                                       gpus_per_node=8).split("\n---\n")]
+    docs = [
+        json.loads(d)
+        for d in kubernetes_manifest(["model=tiny"], nodes=5, image="reg/jaxdist:1", gpus_per_node=8).split("\n---\n")
+    ]
     assert [d["kind"] for d in docs] == ["Service", "Pod", "Job"]
     job = docs[2]["spec"]
     assert job["completions"] == job["parallelism"] == 5 and job["completionMode"] == "Indexed"
@@ -71,8 +74,9 @@ def test_kubernetes_manifest():
 
 def _cli(*args, cwd):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run([sys.executable, "-m", "jaxdist.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxdist.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_cli_prints_slurm_script_and_refuses_print_for_local(tmp_path):

@@ -8,9 +8,19 @@ import math
 import pytest
 
 from jaxdist.config import load_config
-from jaxdist.controller.policy import (Failure, WorkerView, choose_group_size, find_failures, group_size_error,
-                                       lineage, lost_steps, plan_replacement, slow_nodes, throughput_anomaly,
-                                       valid_group_sizes)
+from jaxdist.controller.policy import (
+    Failure,
+    WorkerView,
+    choose_group_size,
+    find_failures,
+    group_size_error,
+    lineage,
+    lost_steps,
+    plan_replacement,
+    slow_nodes,
+    throughput_anomaly,
+    valid_group_sizes,
+)
 
 TIMEOUTS = dict(heartbeat_timeout=1.5, progress_timeout=30.0, start_timeout=100.0)
 
@@ -25,11 +35,15 @@ def _brute_valid(fsdp: int, tensor: int, batch: int, per_node: int, n: int) -> b
     return batch % (data * fsdp) == 0 and per_node % tensor == 0 and (data * fsdp) % n == 0
 
 
-@pytest.mark.parametrize("fsdp,tensor,batch,per_node", [(1, 1, 16, 2), (2, 1, 16, 2), (1, 2, 16, 2),
-                                                        (2, 2, 24, 4), (1, 4, 12, 2), (4, 1, 16, 2)])
+@pytest.mark.parametrize(
+    "fsdp,tensor,batch,per_node",
+    [(1, 1, 16, 2), (2, 1, 16, 2), (1, 2, 16, 2), (2, 2, 24, 4), (1, 4, 12, 2), (4, 1, 16, 2)],
+)
 def test_valid_group_sizes_match_brute_force(fsdp, tensor, batch, per_node):
-    cfg = load_config(None, ["model=tiny", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}",
-                             f"train.batch_size={batch}", "train.seq_len=32"])
+    cfg = load_config(
+        None,
+        ["model=tiny", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", f"train.batch_size={batch}", "train.seq_len=32"],
+    )
     got = valid_group_sizes(cfg, per_node, 8)
     want = [n for n in range(1, 9) if _brute_valid(fsdp, tensor, batch, per_node, n)]
     assert got == want
@@ -60,13 +74,19 @@ def _w(rank, hb, **kw):
 
 
 def test_find_failures_blames_exits_and_silence():
-    ws = [_w(0, 10.0, step=5, state="training"), _w(1, 8.0, step=5), _w(2, 10.0, exit_code=-9, exited_at=9.0),
-          _w(3, 10.0, exit_code=0)]
+    ws = [
+        _w(0, 10.0, step=5, state="training"),
+        _w(1, 8.0, step=5),
+        _w(2, 10.0, exit_code=-9, exited_at=9.0),
+        _w(3, 10.0, exit_code=0),
+    ]
     got = find_failures(10.0, ws, started_at=0.0, progress_at=9.0, **TIMEOUTS)
     assert [(f.kind, f.node, f.rank) for f in got] == [("silent", "n1", 1), ("exit", "n2", 2)]
     assert "killed by signal 9" in got[1].detail and "no heartbeat for 2.0 s" in got[0].detail
-    assert "exit code 3" in find_failures(1.0, [_w(0, 1.0, exit_code=3)], started_at=0, progress_at=None,
-                                          **TIMEOUTS)[0].detail
+    assert (
+        "exit code 3"
+        in find_failures(1.0, [_w(0, 1.0, exit_code=3)], started_at=0, progress_at=None, **TIMEOUTS)[0].detail
+    )
     # exactly at the timeout: still alive
     assert find_failures(11.5, [_w(0, 10.0)], started_at=0.0, progress_at=11.0, **TIMEOUTS) == []
 
@@ -92,10 +112,12 @@ def test_find_failures_tells_a_busy_process_from_a_stopped_one():
 def test_find_failures_group_stall_and_start_timeout_blame_no_node():
     ws = [_w(0, 50.0, step=7), _w(1, 50.0, step=7)]
     assert find_failures(50.0, ws, started_at=0.0, progress_at=19.0, **TIMEOUTS) == [
-        Failure("stalled", None, None, "no step progress for 31 s")]
+        Failure("stalled", None, None, "no step progress for 31 s")
+    ]
     assert find_failures(50.0, ws, started_at=0.0, progress_at=21.0, **TIMEOUTS) == []
-    assert [f.kind for f in find_failures(150.0, [_w(0, 150.0)], started_at=49.0, progress_at=None,
-                                          **TIMEOUTS)] == ["start_timeout"]
+    assert [f.kind for f in find_failures(150.0, [_w(0, 150.0)], started_at=49.0, progress_at=None, **TIMEOUTS)] == [
+        "start_timeout"
+    ]
     # one finished, the other not yet: the job is ending, nothing failed
     assert find_failures(99.0, [_w(0, 99.0, exit_code=0), _w(1, 99.0)], started_at=0, progress_at=1.0, **TIMEOUTS) == []
 

@@ -60,15 +60,19 @@ def test_endpoint_listens_on_loopback_only_unless_allowed():
             intruder.close()
     finally:
         ep.close()
-    with pytest.raises(ConfigError, match="refusing to listen on '0.0.0.0', which is not loopback: set "
-                                          "controller.allow_remote=true"):
+    with pytest.raises(
+        ConfigError, match="refusing to listen on '0.0.0.0', which is not loopback: set controller.allow_remote=true"
+    ):
         Endpoint("tok", "0.0.0.0", 0)
     check_bind("10.0.0.5", allow_remote=True)  # allowed when configured
 
 
 def test_config_refuses_a_remote_bind_without_allow_remote():
-    with pytest.raises(ConfigError, match=r"controller.bind='0.0.0.0' is not a loopback address: set "
-                                          r"controller.allow_remote=true"):
+    with pytest.raises(
+        ConfigError,
+        match=r"controller.bind='0.0.0.0' is not a loopback address: set "
+        r"controller.allow_remote=true",
+    ):
         load_config(None, ["controller.bind=0.0.0.0"])
     assert load_config(None, ["controller.bind=0.0.0.0", "controller.allow_remote=true"]).controller.allow_remote
     with pytest.raises(ConfigError, match="must be at least twice controller.heartbeat_interval"):

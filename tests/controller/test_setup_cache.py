@@ -38,10 +38,17 @@ def test_same_key_reuses_the_entry(tmp_path):
     assert (again.compile_cache / "jit_train_step-abc-cache").read_bytes() == b"x" * 10
 
 
-@pytest.mark.parametrize("change", [
-    dict(hosts=["h0", "h1", "h2", "h9"]), dict(hosts=["h1", "h0", "h2", "h3"]), dict(devices_per_host=4),
-    dict(device_kind="NVIDIA H100"), dict(mesh={**MESH, "data": 2, "fsdp": 4}),
-    dict(versions={**VERSIONS, "jaxlib": "0.11.0"})])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(hosts=["h0", "h1", "h2", "h9"]),
+        dict(hosts=["h1", "h0", "h2", "h3"]),
+        dict(devices_per_host=4),
+        dict(device_kind="NVIDIA H100"),
+        dict(mesh={**MESH, "data": 2, "fsdp": 4}),
+        dict(versions={**VERSIONS, "jaxlib": "0.11.0"}),
+    ],
+)
 def test_any_change_of_the_key_rebuilds(tmp_path, change):
     cache = SetupCache(tmp_path)
     old = _complete(cache, _key())
@@ -96,15 +103,21 @@ def test_mesh_order_contradiction_and_gpu_env(tmp_path):
     gk = _key(device_kind="NVIDIA H200")
     g = cache.get_or_create(gk)
     topo, graph = g.nccl_files(1)
-    assert g.worker_env(1) == {"JAXDIST_COMPILE_CACHE": str(g.compile_cache),
-                               "NCCL_TOPO_DUMP_FILE": str(topo), "NCCL_GRAPH_DUMP_FILE": str(graph)}
+    assert g.worker_env(1) == {
+        "JAXDIST_COMPILE_CACHE": str(g.compile_cache),
+        "NCCL_TOPO_DUMP_FILE": str(topo),
+        "NCCL_GRAPH_DUMP_FILE": str(graph),
+    }
     for r in range(4):
         for f in g.nccl_files(r):
             f.write_text("<graphs/>")
     g.mark_started(None)
     again = cache.get_or_create(gk)
-    assert again.worker_env(1) == {"JAXDIST_COMPILE_CACHE": str(g.compile_cache),
-                                   "NCCL_TOPO_FILE": str(topo), "NCCL_GRAPH_FILE": str(graph)}
+    assert again.worker_env(1) == {
+        "JAXDIST_COMPILE_CACHE": str(g.compile_cache),
+        "NCCL_TOPO_FILE": str(topo),
+        "NCCL_GRAPH_FILE": str(graph),
+    }
     assert e.worker_env(0).keys() == {"JAXDIST_COMPILE_CACHE"}  # CPU: no NCCL
 
 

@@ -31,9 +31,18 @@ STUB = Path(__file__).with_name("stub_worker.py")
 
 
 def stub_args(name: str, steps: int, *extra: str) -> list[str]:
-    return ["model=tiny", "mesh.cluster=cpu-4x2", "train.batch_size=16", "train.seq_len=32", f"train.steps={steps}",
-            "train.runs_dir=runs", f"train.name={name}", f"controller.worker_command={{python}} {STUB}",
-            "controller.heartbeat_timeout=1.0", *extra]
+    return [
+        "model=tiny",
+        "mesh.cluster=cpu-4x2",
+        "train.batch_size=16",
+        "train.seq_len=32",
+        f"train.steps={steps}",
+        "train.runs_dir=runs",
+        f"train.name={name}",
+        f"controller.worker_command={{python}} {STUB}",
+        "controller.heartbeat_timeout=1.0",
+        *extra,
+    ]
 
 
 def final_state(job: LocalJob) -> str:
@@ -53,8 +62,12 @@ def events_of(job: LocalJob, kind: str) -> list[dict]:
 
 def test_elastic_start_with_nodes_arriving_one_by_one(tmp_path):
     steps = 40
-    job = LocalJob(stub_args("elastic", steps, "controller.min_nodes=2", "controller.max_nodes=3"), nodes=4,
-                   cwd=tmp_path, env={"JAXDIST_STUB_STEP_S": "0.2"})
+    job = LocalJob(
+        stub_args("elastic", steps, "controller.min_nodes=2", "controller.max_nodes=3"),
+        nodes=4,
+        cwd=tmp_path,
+        env={"JAXDIST_STUB_STEP_S": "0.2"},
+    )
     try:
         job.start_controller()
         for i in range(2):
@@ -74,8 +87,10 @@ def test_elastic_start_with_nodes_arriving_one_by_one(tmp_path):
     # 2 ready: valid counts for 16 sequences on 2-device nodes are 1, 2, 4: start with 2 (3 does not fit)
     assert start[0]["members"] == {"0": ready[0]["node"], "1": ready[1]["node"]} and start[0]["ready"] == 2
     delay = start[0]["time"] - ready[1]["time"]
-    print(f"\nelastic start: {delay * 1e3:.0f} ms after the 2nd ready node; first step "
-          f"{events_of(job, 'first_step')[0]['time'] - ready[1]['time']:.2f} s after it")
+    print(
+        f"\nelastic start: {delay * 1e3:.0f} ms after the 2nd ready node; first step "
+        f"{events_of(job, 'first_step')[0]['time'] - ready[1]['time']:.2f} s after it"
+    )
     assert 0 <= delay < 1.0
     assert all(e["time"] > start[0]["time"] for e in ready[2:])  # the later nodes became standbys
     assert final_state(job) == expected_final(steps)
@@ -85,24 +100,30 @@ def _fake_ssh(bindir: Path) -> None:
     """An `ssh` that runs the remote command here (options skipped, stdin passed through): a "remote"
     host whose address is 127.0.0.1."""
     f = bindir / "ssh"
-    f.write_text('#!/bin/bash\n'
-                 'while [[ "$1" == -* ]]; do case "$1" in -o|-R|-L|-p|-i) shift 2;; *) shift;; esac; done\n'
-                 'host="$1"; shift; cmd="$*"\nexec bash -c "${cmd//--host $host/--host 127.0.0.1}"\n')
+    f.write_text(
+        "#!/bin/bash\n"
+        'while [[ "$1" == -* ]]; do case "$1" in -o|-R|-L|-p|-i) shift 2;; *) shift;; esac; done\n'
+        'host="$1"; shift; cmd="$*"\nexec bash -c "${cmd//--host $host/--host 127.0.0.1}"\n'
+    )
     f.chmod(f.stat().st_mode | stat.S_IEXEC)
 
 
 def test_failures_hang_and_controller_restart(tmp_path):
     """SIGKILL of rank 0, SIGSTOP of another rank, a forged message and the controller killed mid-run."""
     steps = 150
-    job = LocalJob(stub_args("faults", steps, "controller.min_nodes=4", "controller.max_nodes=4"), nodes=5,
-                   cwd=tmp_path)
+    job = LocalJob(
+        stub_args("faults", steps, "controller.min_nodes=4", "controller.max_nodes=4"), nodes=5, cwd=tmp_path
+    )
     rng = random.Random(0)
     try:
         job.start()
-        s = job.wait_until(lambda s: s.get("last_step", 0) >= 8 and s["phase"] == "running", 90, "step 8")
+        job.wait_until(lambda s: s.get("last_step", 0) >= 8 and s["phase"] == "running", 90, "step 8")
         kill = job.inject(0, signal.SIGKILL)
-        s = job.wait_until(lambda s: s["generation"] == 1 and s["phase"] == "running"
-                           and s["last_step"] >= kill["step"] + 8, 90, "generation 1")
+        job.wait_until(
+            lambda s: s["generation"] == 1 and s["phase"] == "running" and s["last_step"] >= kill["step"] + 8,
+            90,
+            "generation 1",
+        )
         stop = job.inject(rng.randint(1, 3), signal.SIGSTOP)
         job.wait_until(lambda s: s["generation"] == 2 and s["phase"] == "running", 90, "generation 2")
 
@@ -110,8 +131,9 @@ def test_failures_hang_and_controller_restart(tmp_path):
         intruder.send({"t": "node_hb", "node": "intruder", "procs": []})
         job.wait_until(lambda s: s.get("rejected_messages", 0) >= 1, 10, "the forged message")
         intruder.close()
-        ports = [a for pid in [job.controller.pid, *[p.pid for p in job.launcher.procs.values()]]
-                 for a in listening(pid)]
+        ports = [
+            a for pid in [job.controller.pid, *[p.pid for p in job.launcher.procs.values()]] for a in listening(pid)
+        ]
 
         job.kill_controller()
         ckpts = job.run_dir / "checkpoints"
@@ -136,8 +158,10 @@ def test_failures_hang_and_controller_restart(tmp_path):
     firsts = events_of(job, "first_step")[1:3]
     recover = [fs["time"] - f["time"] for fs, f in zip(firsts, failures)]
     lost = [gens[i][-1] - (gens[i + 1][0] - 1) for i in range(2)]
-    print(f"\ndetect {[round(d, 2) for d in detect]} s, to first step {[round(r, 2) for r in recover]} s, "
-          f"lost {lost} steps, warm for {[s['warm_for_s'] for s in starts]}")
+    print(
+        f"\ndetect {[round(d, 2) for d in detect]} s, to first step {[round(r, 2) for r in recover]} s, "
+        f"lost {lost} steps, warm for {[s['warm_for_s'] for s in starts]}"
+    )
     # exit: at once; SIGSTOP: when its connection stops answering ZeroMQ heartbeats (0.5 s) plus 0.25 s
     assert detect[0] < 0.5 and 0.5 <= detect[1] < 2.0
     assert all(l <= 1 for l in lost)
@@ -154,10 +178,20 @@ def test_failures_hang_and_controller_restart(tmp_path):
 
 def test_slow_steps_are_located_and_a_stalled_group_restarts(tmp_path):
     steps = 72
-    job = LocalJob(stub_args("health", steps, "train.batch_size=24", "controller.min_nodes=3",
-                             "controller.max_nodes=3", "controller.standbys=0", "controller.progress_timeout=2"),
-                   nodes=3, cwd=tmp_path, env={"JAXDIST_STUB_SLOW_FROM": "60", "JAXDIST_STUB_SLOW_S": "0.6",
-                                               "JAXDIST_STUB_HANG_AT": "67"})
+    job = LocalJob(
+        stub_args(
+            "health",
+            steps,
+            "train.batch_size=24",
+            "controller.min_nodes=3",
+            "controller.max_nodes=3",
+            "controller.standbys=0",
+            "controller.progress_timeout=2",
+        ),
+        nodes=3,
+        cwd=tmp_path,
+        env={"JAXDIST_STUB_SLOW_FROM": "60", "JAXDIST_STUB_SLOW_S": "0.6", "JAXDIST_STUB_HANG_AT": "67"},
+    )
     try:
         job.start_controller()
         job.start_node("local-0")
@@ -183,11 +217,28 @@ def test_launch_over_ssh(tmp_path):
     steps = 20
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXDIST_JOB_TOKEN")}
     env["PATH"] = f"{bindir}:{env['PATH']}"
-    out = subprocess.run([sys.executable, "-m", "jaxdist.cli", "launch",
-                          *stub_args("ssh", steps, "mesh.cluster=cpu-2x4", "controller.launcher=ssh",
-                                     "controller.hosts_file=hosts", "controller.min_nodes=2",
-                                     "controller.max_nodes=2")],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxdist.cli",
+            "launch",
+            *stub_args(
+                "ssh",
+                steps,
+                "mesh.cluster=cpu-2x4",
+                "controller.launcher=ssh",
+                "controller.hosts_file=hosts",
+                "controller.min_nodes=2",
+                "controller.max_nodes=2",
+            ),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done gen=0 step=20" in out.stderr
     job = LocalJob(stub_args("ssh", steps, "mesh.cluster=cpu-2x4"), nodes=0, cwd=tmp_path)

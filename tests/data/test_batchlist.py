@@ -11,8 +11,7 @@ from jaxdist import cli
 from jaxdist.config import ConfigError
 from jaxdist.data import EOS, BatchListError, Journal, RunBatchList, add_data, format_id, parse_id, replay_order
 from jaxdist.data.audit import check_exactly_once, verify
-from jaxdist.data.batchlist import (add_order, create_order, epoch_ids, epoch_order, make_version, pack_ids,
-                                    unpack_ids)
+from jaxdist.data.batchlist import add_order, create_order, epoch_ids, epoch_order, make_version, pack_ids, unpack_ids
 from jaxdist.data.catalog import config_entry
 
 B, L, SEED = 4, 8, 3
@@ -30,6 +29,7 @@ def write_text(path, n_bytes, salt=0):
 
 
 # --------------------------------------------------------------------------- ids and operations
+
 
 def test_ids_pack_and_print():
     ids = pack_ids([0, 3, 32767], [0, 7, 65535], [0, 11, 2**32 - 1])
@@ -67,7 +67,7 @@ def test_new_data_spreads_within_the_binomial_band():
     counts = []
     for seed in range(12):
         rest = add_order(old, splice, new, seed)[splice:]
-        counts += [int(np.sum(unpack_ids(rest[k:k + W])[0] == 1)) for k in range(0, len(rest), W)]
+        counts += [int(np.sum(unpack_ids(rest[k : k + W])[0] == 1)) for k in range(0, len(rest), W)]
     counts = np.array(counts)
     outside = np.mean((counts < lo) | (counts > hi))
     assert counts.sum() == 12 * 200  # every new batch placed, once
@@ -75,11 +75,12 @@ def test_new_data_spreads_within_the_binomial_band():
     assert abs(counts.mean() / W - p) < 0.01
     # Control: appending the new data instead of shuffling it in puts every window outside the band.
     appended = np.concatenate([old[splice:], new])
-    naive = np.array([np.sum(unpack_ids(appended[k:k + W])[0] == 1) for k in range(0, 1000, W)])
+    naive = np.array([np.sum(unpack_ids(appended[k : k + W])[0] == 1) for k in range(0, 1000, W)])
     assert np.mean((naive < lo) | (naive > hi)) == 1.0
 
 
 # --------------------------------------------------------------------------- reader
+
 
 def test_reader_reads_the_windows_the_id_names(tmp_path):
     run = open_run(tmp_path)
@@ -90,7 +91,7 @@ def test_reader_reads_the_windows_the_id_names(tmp_path):
     for pos in range(len(bl)):
         s, e, i = (int(x) for x in unpack_ids(bl.order[pos]))
         perm = np.random.default_rng([SEED, s, e]).permutation(n_windows)
-        want = np.stack([BASE[w * L:w * L + L + 1] for w in perm[i * B:(i + 1) * B]]).astype(np.int32)
+        want = np.stack([BASE[w * L : w * L + L + 1] for w in perm[i * B : (i + 1) * B]]).astype(np.int32)
         np.testing.assert_array_equal(reader.batch(pos), want)
         np.testing.assert_array_equal(reader.rows(pos, slice(1, 3)), want[1:3])
         seen += (want[:, 0] // L).tolist()
@@ -98,6 +99,7 @@ def test_reader_reads_the_windows_the_id_names(tmp_path):
 
 
 # --------------------------------------------------------------------------- journal
+
 
 def test_journal_is_append_only_and_atomic(tmp_path):
     run = open_run(tmp_path)
@@ -118,7 +120,7 @@ def test_a_damaged_version_is_refused_and_the_previous_one_stays_usable(tmp_path
     path = run.journal.path(2)
     text = path.read_text()
     if damage == "truncate":
-        path.write_text(text[:len(text) // 2])
+        path.write_text(text[: len(text) // 2])
         why = "it is not complete JSON, so it was cut short or altered"
     elif damage == "alter_seed":
         path.write_text(text.replace('"seed": 1,', '"seed": 2,', 1))
@@ -143,6 +145,7 @@ def test_a_damaged_version_is_refused_and_the_previous_one_stays_usable(tmp_path
 
 # --------------------------------------------------------------------------- additions
 
+
 def test_addition_becomes_the_next_version_at_the_boundary(tmp_path):
     run = open_run(tmp_path)
     v1 = run.current
@@ -161,7 +164,7 @@ def test_addition_becomes_the_next_version_at_the_boundary(tmp_path):
     _, e, i = (int(x) for x in unpack_ids(bl.order[pos]))
     toks = np.append(np.frombuffer((tmp_path / "a.txt").read_bytes(), np.uint8).astype(np.int32), EOS)
     perm = np.random.default_rng([42, 1, e]).permutation((len(toks) - 1) // L)
-    want = np.stack([toks[w * L:w * L + L + 1] for w in perm[i * B:(i + 1) * B]])
+    want = np.stack([toks[w * L : w * L + L + 1] for w in perm[i * B : (i + 1) * B]])
     np.testing.assert_array_equal(run.reader.batch(pos), want)
     np.testing.assert_array_equal(replay_order(run.journal), bl.order)
 
@@ -194,8 +197,11 @@ def test_bad_additions_are_refused_with_the_path_named(tmp_path):
     run.boundary(0)
     copy = tmp_path / "copy.txt"
     copy.write_bytes(a.read_bytes())
-    with pytest.raises(ConfigError, match=r"'.*copy.txt' holds the same data \(fingerprint [0-9a-f]{12}\) as "
-                                          r"source 1 \('.*a.txt'\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'.*copy.txt' holds the same data \(fingerprint [0-9a-f]{12}\) as "
+        r"source 1 \('.*a.txt'\)",
+    ):
         add_data(tmp_path, [copy])  # same content, other name
     b = write_text(tmp_path / "b.txt", 2 * B * L, salt=1)
     with pytest.raises(ConfigError, match="given earlier in the same call"):
@@ -217,6 +223,7 @@ def test_the_list_grows_by_an_epoch_when_spent(tmp_path):
 
 
 # --------------------------------------------------------------------------- resume checks
+
 
 def test_resume_checks_version_and_cursor(tmp_path):
     run = open_run(tmp_path)
@@ -244,8 +251,7 @@ def test_resume_checks_version_and_cursor(tmp_path):
 
 def test_config_changes_are_refused(tmp_path):
     open_run(tmp_path)
-    with pytest.raises(ConfigError, match="batches of 4 sequences of 8 tokens, but the config has "
-                                          "train.batch_size=8"):
+    with pytest.raises(ConfigError, match="batches of 4 sequences of 8 tokens, but the config has train.batch_size=8"):
         RunBatchList(tmp_path, BASE, "synthetic", SEED, 8, L)
     with pytest.raises(ConfigError, match="made with data.seed=3 but the config has 4"):
         open_run(tmp_path, seed=4)
@@ -255,21 +261,32 @@ def test_config_changes_are_refused(tmp_path):
 
 # --------------------------------------------------------------------------- log check and CLI
 
+
 def _log(run_dir, rows):
     with open(run_dir / "metrics.jsonl", "a") as f:
         for step, bid in rows:
-            f.write(json.dumps({"kind": "train", "step": step, "loss": 1.0, "batch_id": bid, "batch_version": 1}) + "\n")
+            f.write(
+                json.dumps({"kind": "train", "step": step, "loss": 1.0, "batch_id": bid, "batch_version": 1}) + "\n"
+            )
 
 
 def test_exactly_once_reads_the_lineage_of_the_log(tmp_path):
     run = open_run(tmp_path)
     ids = [format_id(x) for x in run.current.order]
-    _log(tmp_path, [(s, ids[s - 1]) for s in range(1, 8)])      # killed after step 7
-    _log(tmp_path, [(s, ids[s - 1]) for s in range(5, 11)])     # resumed from the step-4 checkpoint
+    _log(tmp_path, [(s, ids[s - 1]) for s in range(1, 8)])  # killed after step 7
+    _log(tmp_path, [(s, ids[s - 1]) for s in range(5, 11)])  # resumed from the step-4 checkpoint
     r = check_exactly_once(tmp_path)
-    assert r == {"trained": 10, "duplicates": 0, "missing": 0, "misplaced": 0, "gaps": 0, "unused": 10,
-                 "version": 1, "ok": True}
-    _log(tmp_path, [(11, ids[2])])                              # a batch trained twice
+    assert r == {
+        "trained": 10,
+        "duplicates": 0,
+        "missing": 0,
+        "misplaced": 0,
+        "gaps": 0,
+        "unused": 10,
+        "version": 1,
+        "ok": True,
+    }
+    _log(tmp_path, [(11, ids[2])])  # a batch trained twice
     r = check_exactly_once(tmp_path)
     assert (r["duplicates"], r["missing"], r["misplaced"], r["ok"]) == (1, 1, 1, False)
 

@@ -65,8 +65,15 @@ class Attempt:
         self.procs = []
         for (overrides, env), log in zip(jobs, self.logs):
             with open(log, "w") as f:
-                self.procs.append(subprocess.Popen([sys.executable, "-m", "jaxdist.cli", "train", *common, *overrides],
-                                                   cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "jaxdist.cli", "train", *common, *overrides],
+                        cwd=cwd,
+                        env=env,
+                        stdout=f,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
         self.deadline = time.monotonic() + SEGMENT_TIMEOUT
         self.t0 = time.monotonic()
 
@@ -112,8 +119,11 @@ class Attempt:
             assert rc == 0, f"{self.tag} exited with {rc}; its log ends:\n{self.tail()}"
 
     def tail(self, n: int = 20) -> str:
-        lines = [l for l in self.logs[0].read_text(errors="replace").splitlines()
-                 if "Involuntary full rematerialization" not in l and "[Gloo]" not in l]
+        lines = [
+            l
+            for l in self.logs[0].read_text(errors="replace").splitlines()
+            if "Involuntary full rematerialization" not in l and "[Gloo]" not in l
+        ]
         return "\n".join(lines[-n:])
 
     def log_text(self) -> str:
@@ -126,10 +136,21 @@ def test_every_batch_exactly_once_through_kills_resizes_and_an_addition(tmp_path
     steps = base + NEW_BATCHES
     new = tmp_path / "added.txt"
     new.write_bytes(bytes(np.random.default_rng(SEED).integers(97, 123, NEW_BATCHES * B * L, dtype=np.uint8)))
-    common = ["model=tiny", f"train.steps={steps}", f"train.seq_len={L}", f"train.batch_size={B}",
-              f"data.max_bytes={MAX_BYTES}", "train.progress=false", "train.tensorboard=false",
-              "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "checkpoint.every=3",
-              "train.runs_dir=runs", "train.name=kills"]
+    common = [
+        "model=tiny",
+        f"train.steps={steps}",
+        f"train.seq_len={L}",
+        f"train.batch_size={B}",
+        f"data.max_bytes={MAX_BYTES}",
+        "train.progress=false",
+        "train.tensorboard=false",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "checkpoint.every=3",
+        "train.runs_dir=runs",
+        "train.name=kills",
+    ]
     run = tmp_path / "runs" / "kills"
     single = lambda *mesh: [(["mesh.cluster=cpu-8", *mesh], _env())]
     kills = []
@@ -143,7 +164,7 @@ def test_every_batch_exactly_once_through_kills_resizes_and_an_addition(tmp_path
 
     # 2. data=4 x tensor=2; data added while it trains, adopted without a restart; killed after it.
     b = Attempt(tmp_path, run, "b", single("mesh.data=4", "mesh.tensor=2"), common)
-    first = b.wait_for(lambda r: len(r) >= 2, "two steps")[0]["step"]
+    b.wait_for(lambda r: len(r) >= 2, "two steps")
     req = add_data(run, [new], seed=rng.randrange(2**31))
     rows = b.wait_for(lambda r: r[-1].get("batch_version") == 2, "the addition adopted")
     adopted_at = next(r["step"] for r in rows if r["batch_version"] == 2)
@@ -155,10 +176,24 @@ def test_every_batch_exactly_once_through_kills_resizes_and_an_addition(tmp_path
 
     # 3. Two processes of 4 devices: the data axis now crosses processes.
     port = _free_port()
-    c = Attempt(tmp_path, run, "c", [(["mesh.cluster=cpu-2x4", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-                                      _env(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-                                           JAX_PROCESS_ID=str(i), JAXDIST_HEARTBEAT_TIMEOUT="10"))
-                                     for i in range(2)], common)
+    c = Attempt(
+        tmp_path,
+        run,
+        "c",
+        [
+            (
+                ["mesh.cluster=cpu-2x4", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+                _env(
+                    JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                    JAX_NUM_PROCESSES="2",
+                    JAX_PROCESS_ID=str(i),
+                    JAXDIST_HEARTBEAT_TIMEOUT="10",
+                ),
+            )
+            for i in range(2)
+        ],
+        common,
+    )
     rows = c.wait_for(lambda r: bool(r), "a first step")
     target = rows[0]["step"] + rng.randint(2, 8)
     rows = c.wait_for(lambda r: r[-1]["step"] >= target, f"step {target}")
@@ -180,10 +215,20 @@ def test_every_batch_exactly_once_through_kills_resizes_and_an_addition(tmp_path
 
     # Exactly once, from the training log against the journal.
     report = check_exactly_once(run)
-    print(f"\nkilled after steps {kills} (base {base} + {NEW_BATCHES} added batches, addition adopted at step "
-          f"{adopted_at}): {report}")
-    assert report == {"trained": steps, "duplicates": 0, "missing": 0, "misplaced": 0, "gaps": 0, "unused": 0,
-                      "version": 2, "ok": True}
+    print(
+        f"\nkilled after steps {kills} (base {base} + {NEW_BATCHES} added batches, addition adopted at step "
+        f"{adopted_at}): {report}"
+    )
+    assert report == {
+        "trained": steps,
+        "duplicates": 0,
+        "missing": 0,
+        "misplaced": 0,
+        "gaps": 0,
+        "unused": 0,
+        "version": 2,
+        "ok": True,
+    }
     # Replay: the journal's operations alone rebuild the trained sequence, id for id.
     assert [format_id(x) for x in replay_order(journal)] == [r["batch_id"] for r in trained_batches(run)]
     ok, lines = verify(run, full=True)

@@ -18,11 +18,26 @@ B, L = 8, 32
 
 
 def config(tmp_path, steps, extra=()):
-    return load_config(None, [
-        "model=tiny", f"train.steps={steps}", f"train.seq_len={L}", f"train.batch_size={B}", "train.log_every=3",
-        "train.eval_every=0", "train.eval_batches=1", "train.progress=false", "train.tensorboard=false",
-        "checkpoint.every=4", "data.max_bytes=100000", "train.warmup_steps=2", f"train.runs_dir={tmp_path}",
-        "train.name=add", *extra])
+    return load_config(
+        None,
+        [
+            "model=tiny",
+            f"train.steps={steps}",
+            f"train.seq_len={L}",
+            f"train.batch_size={B}",
+            "train.log_every=3",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "checkpoint.every=4",
+            "data.max_bytes=100000",
+            "train.warmup_steps=2",
+            f"train.runs_dir={tmp_path}",
+            "train.name=add",
+            *extra,
+        ],
+    )
 
 
 def test_addition_joins_at_the_next_step_boundary(tmp_path):
@@ -51,8 +66,16 @@ def test_addition_joins_at_the_next_step_boundary(tmp_path):
     # The newest checkpoint (step 10) recorded version 2 and cursor 10; the log matches the journal.
     assert Journal(run).read_cursor()["version"] == 2 and Journal(run).read_cursor()["cursor"] == 10
     report = check_exactly_once(run)
-    assert report == {"trained": 10, "duplicates": 0, "missing": 0, "misplaced": 0, "gaps": 0,
-                      "unused": len(v2) - 10, "version": 2, "ok": True}
+    assert report == {
+        "trained": 10,
+        "duplicates": 0,
+        "missing": 0,
+        "misplaced": 0,
+        "gaps": 0,
+        "unused": len(v2) - 10,
+        "version": 2,
+        "ok": True,
+    }
     np.testing.assert_array_equal(replay_order(Journal(run)), v2.order)
 
 
@@ -69,5 +92,6 @@ def test_global_batch_is_the_same_on_any_mesh(tmp_path):
             for shard in arr.addressable_shards:
                 np.testing.assert_array_equal(np.asarray(shard.data), want[shard.index])
         # Two processes of four replicas each: their row slices are the two halves of the same batch.
-        np.testing.assert_array_equal(np.concatenate([run.reader.rows(pos, slice(0, B // 2)),
-                                                      run.reader.rows(pos, slice(B // 2, B))]), want)
+        np.testing.assert_array_equal(
+            np.concatenate([run.reader.rows(pos, slice(0, B // 2)), run.reader.rows(pos, slice(B // 2, B))]), want
+        )

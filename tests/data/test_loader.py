@@ -7,8 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.config import ConfigError
-from jaxdist.data import (EVAL_SEED, Prefetcher, SequenceSampler, eval_sampler, global_batch_array,
-                          write_token_file)
+from jaxdist.data import EVAL_SEED, Prefetcher, SequenceSampler, eval_sampler, global_batch_array, write_token_file
 
 L, B, SEED = 8, 6, 3
 TOKENS = np.arange(L * 13 + 1, dtype=np.uint32)  # 13 windows: batches straddle epochs
@@ -21,7 +20,7 @@ def reference_batch(tokens, seq_len, batch_size, seed, step):
     for j in range(batch_size):
         epoch, pos = divmod(step * batch_size + j, n)
         w = np.random.default_rng([seed, epoch]).permutation(n)[pos]
-        out.append(tokens[w * seq_len: w * seq_len + seq_len + 1])
+        out.append(tokens[w * seq_len : w * seq_len + seq_len + 1])
     return np.array(out, dtype=np.int32)
 
 
@@ -82,8 +81,9 @@ def test_memmap_tokens(tmp_path):
 
 
 def test_short_stream_errors_name_the_split():
-    with pytest.raises(ConfigError, match="the train split has 8 tokens, fewer than one window of "
-                                          "seq_len\\+1 = 9: lower train.seq_len"):
+    with pytest.raises(
+        ConfigError, match="the train split has 8 tokens, fewer than one window of seq_len\\+1 = 9: lower train.seq_len"
+    ):
         SequenceSampler(np.arange(8), 8, 2, 0)
     with pytest.raises(ConfigError, match="the eval split has 3 tokens"):
         eval_sampler(np.arange(3), 8, 2)
@@ -112,12 +112,15 @@ def mesh():
     return Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
 
 
-@pytest.mark.parametrize("spec, n_reads", [
-    (P(("data", "fsdp")), 4),           # tensor replicas share a read
-    (P(("data", "fsdp"), "tensor"), 4),  # columns split too: still one read per row block
-    (P("data"), 2),
-    (P(), 1),
-])
+@pytest.mark.parametrize(
+    "spec, n_reads",
+    [
+        (P(("data", "fsdp")), 4),  # tensor replicas share a read
+        (P(("data", "fsdp"), "tensor"), 4),  # columns split too: still one read per row block
+        (P("data"), 2),
+        (P(), 1),
+    ],
+)
 def test_global_batch_array_equals_sampler_batch(mesh, spec, n_reads):
     s = CountingSampler(TOKENS, L - 1, 8, SEED)  # L columns, divisible by tensor=2
     sharding = NamedSharding(mesh, spec)
@@ -186,5 +189,6 @@ def test_importing_data_does_not_start_jax():
     import subprocess
     import sys
     from pathlib import Path
+
     code = "import sys, jaxdist.data; assert 'jax' not in sys.modules, 'jax imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

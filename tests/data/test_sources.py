@@ -18,8 +18,9 @@ def _stdlib_reference():
     root = sysconfig.get_paths()["stdlib"]
     out = []
     for d, dirs, files in os.walk(root):
-        dirs[:] = [x for x in dirs if x not in ("site-packages", "dist-packages") and
-                   not os.path.islink(os.path.join(d, x))]
+        dirs[:] = [
+            x for x in dirs if x not in ("site-packages", "dist-packages") and not os.path.islink(os.path.join(d, x))
+        ]
         for f in files:
             p = os.path.join(d, f)
             if f.endswith(".py") and os.path.isfile(p):
@@ -64,7 +65,7 @@ def test_stdlib_max_bytes_takes_the_largest_prefix_of_files():
         split = load_source(DataConfig(max_bytes=cap))
         n_bytes = len(split.train) + len(split.eval) - split.n_files  # minus one EOS per file
         assert n_bytes <= cap
-        assert n_bytes == sum(s for _, s in files[:split.n_files])
+        assert n_bytes == sum(s for _, s in files[: split.n_files])
         assert n_bytes + files[split.n_files][1] > cap  # the next file would not fit
 
 
@@ -172,8 +173,9 @@ def test_token_file_errors(tmp_path):
     (tmp_path / "empty.bin").write_bytes(b"")
     assert "is empty" in err(tmp_path / "empty.bin")
     (tmp_path / "odd.bin").write_bytes(b"\0" * 6)
-    assert ("has 6 bytes, not a multiple of 4 (uint32): set data.token_dtype"
-            in err(tmp_path / "odd.bin", token_dtype="uint32"))
+    assert "has 6 bytes, not a multiple of 4 (uint32): set data.token_dtype" in err(
+        tmp_path / "odd.bin", token_dtype="uint32"
+    )
     write_token_file(tmp_path / "short.bin", np.arange(20), "uint16")
     assert "holds only 20 tokens, too few to hold out" in err(tmp_path / "short.bin", eval_fraction=0.05)
     assert "data.token_dtype='int64' is not supported" in err(tmp_path / "short.bin", token_dtype="int64")

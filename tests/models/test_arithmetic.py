@@ -30,7 +30,10 @@ def test_parameter_counts_match_the_model(preset):
     assert param_count(m) == sum(a.size for a in jax.tree.leaves(abstract)) == computation_view(m, 128).param_count
     # Matmul parameters: all but the input embedding (a lookup) and the norm scales; a tied head multiplies too.
     head = m.d_model * m.vocab_size if m.tie_embeddings else 0
-    assert matmul_params(m) == param_count(m, active=True) - m.vocab_size * m.d_model - (2 * m.n_layers + 1) * m.d_model + head
+    assert (
+        matmul_params(m)
+        == param_count(m, active=True) - m.vocab_size * m.d_model - (2 * m.n_layers + 1) * m.d_model + head
+    )
 
 
 @pytest.mark.parametrize("preset", list(MODEL_PRESETS))
@@ -90,9 +93,22 @@ def test_planner_flops_per_step_equal_xla_cost_analysis(preset, tmp_path, monkey
     (3.86 x the model FLOPs measured), work the model arithmetic rightly does not count.
     """
     batch, seq, extra, tol = XLA_CASES[preset]
-    cfg = load_config(None, [f"model={preset}", "mesh.data=1", f"train.batch_size={batch}", f"train.seq_len={seq}",
-                             "train.remat=none", f"train.runs_dir={tmp_path}", "checkpoint.enabled=false",
-                             "train.progress=false", "train.tensorboard=false", "data.max_bytes=200000", *extra])
+    cfg = load_config(
+        None,
+        [
+            f"model={preset}",
+            "mesh.data=1",
+            f"train.batch_size={batch}",
+            f"train.seq_len={seq}",
+            "train.remat=none",
+            f"train.runs_dir={tmp_path}",
+            "checkpoint.enabled=false",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "data.max_bytes=200000",
+            *extra,
+        ],
+    )
     m, tokens = cfg.model, batch * seq
     est = estimate(computation_view(m, seq), cluster_view(load_cluster("cpu-8")), Strategy(), batch)
     planner = est.extra["model_flops_per_device"]
@@ -112,8 +128,11 @@ def test_moe_blocks_and_block_flops():
     assert arithmetic.moe_blocks(m) == 2
     view = computation_view(m, 128)
     assert [(b.name, b.count, b.flops_fwd) for b in view.blocks] == [
-        ("dense", 2, arithmetic.dense_block_flops_fwd(m, 128)), ("moe", 2, arithmetic.moe_block_flops_fwd(m, 128))]
+        ("dense", 2, arithmetic.dense_block_flops_fwd(m, 128)),
+        ("moe", 2, arithmetic.moe_block_flops_fwd(m, 128)),
+    ]
     # Router (d x experts) and the top-k experts' SwiGLU, forward: 2 FLOPs per weight.
     d, fe = m.d_model, m.moe.d_ff
-    assert arithmetic.moe_block_flops_fwd(m, 128) - arithmetic.attention_flops_fwd(m, 128) == \
-        2 * (d * m.moe.experts + m.moe.top_k * 3 * d * fe)
+    assert arithmetic.moe_block_flops_fwd(m, 128) - arithmetic.attention_flops_fwd(m, 128) == 2 * (
+        d * m.moe.experts + m.moe.top_k * 3 * d * fe
+    )

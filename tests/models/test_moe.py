@@ -26,9 +26,12 @@ def layer(cfg, seed=0, n=48):
     """Random expert weights (one layer) and tokens for ``cfg``."""
     d, e, f = cfg.d_model, cfg.moe.experts, M.expert_d_ff(cfg)
     ks = jax.random.split(jax.random.key(seed), 5)
-    p = {"router": jax.random.normal(ks[0], (d, e)),
-         "we_gate": 0.3 * jax.random.normal(ks[1], (e, d, f)), "we_up": 0.3 * jax.random.normal(ks[2], (e, d, f)),
-         "we_down": 0.3 * jax.random.normal(ks[3], (e, f, d))}
+    p = {
+        "router": jax.random.normal(ks[0], (d, e)),
+        "we_gate": 0.3 * jax.random.normal(ks[1], (e, d, f)),
+        "we_up": 0.3 * jax.random.normal(ks[2], (e, d, f)),
+        "we_down": 0.3 * jax.random.normal(ks[3], (e, f, d)),
+    }
     return p, jax.random.normal(ks[4], (n, d))
 
 
@@ -38,14 +41,19 @@ def moe_cfg(*overrides):
 
 # --------------------------------------------------------------------------- routing and losses
 
+
 @pytest.mark.parametrize("router", ["softmax", "sigmoid"])
 def test_routing_picks_the_top_k_scores(router):
     cfg = moe_cfg(f"model.moe.router={router}", "model.moe.top_k=3")
     p, x = layer(cfg)
     r = M.route(x, p["router"], cfg)
     logits = np.asarray(x, np.float64) @ np.asarray(p["router"], np.float64)
-    scores = (np.exp(logits - logits.max(1, keepdims=True)) / np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)
-              if router == "softmax" else 1 / (1 + np.exp(-logits)))
+    scores = (
+        np.exp(logits - logits.max(1, keepdims=True))
+        / np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)
+        if router == "softmax"
+        else 1 / (1 + np.exp(-logits))
+    )
     top = np.argsort(-scores, axis=1)[:, :3]
     np.testing.assert_array_equal(np.asarray(r.experts), top)
     w = np.take_along_axis(scores, top, 1)
@@ -71,10 +79,11 @@ def test_balance_and_z_loss_closed_forms():
     np.testing.assert_allclose(losses["share"], share, rtol=1e-6)
     assert float(losses["balance"]) == pytest.approx(e * np.sum(share * np.asarray(r.probs).mean(0)), rel=1e-5)
     lse = np.log(np.exp(np.asarray(r.logits, np.float64)).sum(1))
-    assert float(losses["z"]) == pytest.approx(np.mean(lse ** 2), rel=1e-5)
+    assert float(losses["z"]) == pytest.approx(np.mean(lse**2), rel=1e-5)
 
 
 # --------------------------------------------------------------------------- dispatch on one device
+
 
 @pytest.mark.parametrize("overrides", [[], ["model.moe.experts=16", "model.moe.top_k=8"]], ids=["8x2", "16x8"])
 def test_dropless_equals_reference_values_and_grads(overrides):
@@ -136,10 +145,12 @@ def test_capacity_slots_are_unique_and_bounded():
 
 # --------------------------------------------------------------------------- the model
 
+
 @pytest.fixture(scope="module")
 def every2():
-    cfg = load_config(None, ["model=moe-tiny", "model.n_layers=4", "model.moe.every=2",
-                             "model.moe.shared_d_ff=32"]).model
+    cfg = load_config(
+        None, ["model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "model.moe.shared_d_ff=32"]
+    ).model
     graphdef, abstract, names = create_abstract(cfg)
     params = jax.jit(lambda: init_params(cfg, seed=1))()
     return cfg, graphdef, params, names
@@ -187,6 +198,7 @@ def test_scanned_groups_equal_unrolled_blocks(every2):
 
 def test_train_step_objective_and_metrics_over_microbatches(every2):
     from jaxdist.train.step import loss_metrics_and_grads, objective
+
     cfg, graphdef, params, _ = every2
     tokens = jax.random.randint(jax.random.key(2), (4, 9), 0, cfg.vocab_size)
     obj = jax.jit(lambda p, t: objective(graphdef, p, t))
@@ -214,6 +226,7 @@ def test_dense_model_has_no_aux_and_same_logits():
 
 # --------------------------------------------------------------------------- configuration
 
+
 def test_presets_have_the_published_sizes():
     mixtral = load_config(None, ["model=mixtral-8x7b"]).model
     assert round(param_count(mixtral) / 1e9, 1) == 46.7 and round(param_count(mixtral, active=True) / 1e9, 1) == 12.9
@@ -222,18 +235,27 @@ def test_presets_have_the_published_sizes():
     assert load_config(None, ["model=moe-tiny", "mesh.expert=8"]).model.moe.experts == 8
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["mesh.expert=4", "model.moe.experts=6"],
-     "model.moe.experts=6 is not divisible by the expert-parallel size 4 (mesh.expert=4)"),
-    (["mesh.expert=2", "mesh.tensor=4", "mesh.expert_tensor=1", "model.moe.experts=4"],
-     "expert-parallel size 8 (mesh.expert=2 x mesh.tensor/mesh.expert_tensor=4)"),
-    (["model.moe.top_k=9"], "model.moe.top_k=9 must lie between 1 and model.moe.experts=8"),
-    (["model.moe.dispatch=capacity", "model.moe.capacity_factor=0"],
-     "model.moe.capacity_factor=0.0 must be positive in capacity mode"),
-    (["mesh.tensor=4", "mesh.expert_tensor=3"], "mesh.expert_tensor=3 does not divide mesh.tensor=4"),
-    (["model.n_layers=3", "model.moe.every=2"], "model.moe.every=2 does not divide model.n_layers=3"),
-    (["model.moe.router=topk"], "model.moe.router='topk' is unknown"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["mesh.expert=4", "model.moe.experts=6"],
+            "model.moe.experts=6 is not divisible by the expert-parallel size 4 (mesh.expert=4)",
+        ),
+        (
+            ["mesh.expert=2", "mesh.tensor=4", "mesh.expert_tensor=1", "model.moe.experts=4"],
+            "expert-parallel size 8 (mesh.expert=2 x mesh.tensor/mesh.expert_tensor=4)",
+        ),
+        (["model.moe.top_k=9"], "model.moe.top_k=9 must lie between 1 and model.moe.experts=8"),
+        (
+            ["model.moe.dispatch=capacity", "model.moe.capacity_factor=0"],
+            "model.moe.capacity_factor=0.0 must be positive in capacity mode",
+        ),
+        (["mesh.tensor=4", "mesh.expert_tensor=3"], "mesh.expert_tensor=3 does not divide mesh.tensor=4"),
+        (["model.n_layers=3", "model.moe.every=2"], "model.moe.every=2 does not divide model.n_layers=3"),
+        (["model.moe.router=topk"], "model.moe.router='topk' is unknown"),
+    ],
+)
 def test_bad_moe_settings_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, ["model=moe-tiny", *overrides])

@@ -43,8 +43,12 @@ def test_rotary_is_a_rotation_with_relative_positions():
     # q_i . k_j depends on i - j only: shift both by 2 positions.
     cos2, sin2 = rotary_tables(jnp.arange(2, 7), 8, 10000.0)
     q2, k2 = apply_rotary(q, cos2, sin2), apply_rotary(k, cos2, sin2)
-    np.testing.assert_allclose(np.einsum("btd,bsd->bts", qr[:, :, 0], kr[:, :, 0]),
-                               np.einsum("btd,bsd->bts", q2[:, :, 0], k2[:, :, 0]), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np.einsum("btd,bsd->bts", qr[:, :, 0], kr[:, :, 0]),
+        np.einsum("btd,bsd->bts", q2[:, :, 0], k2[:, :, 0]),
+        rtol=1e-4,
+        atol=1e-5,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +78,7 @@ def test_causal_future_tokens_do_not_change_past_logits(tiny):
 
 def test_scan_equals_unrolled_layers(tiny):
     from jaxdist.models.transformer import block_forward, rms_norm
+
     cfg, graphdef, params, _ = tiny
     tok = jax.random.randint(jax.random.key(1), (2, 12), 0, cfg.vocab_size)
     cos, sin = rotary_tables(jnp.arange(12), cfg.head_dim, cfg.rope_theta)
@@ -98,7 +103,11 @@ def test_compile_time_does_not_grow_with_depth():
     for layers in (2, 16):
         cfg = load_config(None, ["model=tiny", f"model.n_layers={layers}"]).model
         graphdef, abstract, _ = create_abstract(cfg)
-        hlo = jax.jit(lambda p, t: apply(graphdef, p, t)).lower(abstract, jax.ShapeDtypeStruct((1, 8), jnp.int32)).as_text()
+        hlo = (
+            jax.jit(lambda p, t: apply(graphdef, p, t))
+            .lower(abstract, jax.ShapeDtypeStruct((1, 8), jnp.int32))
+            .as_text()
+        )
         counts.append(hlo.count("dot_general"))
     assert counts[0] == counts[1]
 

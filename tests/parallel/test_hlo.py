@@ -2,8 +2,14 @@
 
 import pytest
 
-from jaxdist.parallel.hlo import (DTYPE_BYTES, array_bytes, collective_bytes, dot_operand_types, instruction_bytes,
-                                  parse_collectives)
+from jaxdist.parallel.hlo import (
+    DTYPE_BYTES,
+    array_bytes,
+    collective_bytes,
+    dot_operand_types,
+    instruction_bytes,
+    parse_collectives,
+)
 
 PROGRAM = """
 HloModule m
@@ -46,11 +52,11 @@ def test_kinds_bytes_groups_and_loop_trips():
     ar_loop = [c for c in by_kind["all-reduce"] if c.count == 3]
     assert len(ar_loop) == 1 and ar_loop[0].bytes == 64 * 128 * 4 and ar_loop[0].group == 4
     (ag,) = by_kind["all-gather"]
-    assert (ag.bytes, ag.group, ag.count) == (16 * 128 * 4, 4, 3)   # mesh groups with device_ids
+    assert (ag.bytes, ag.group, ag.count) == (16 * 128 * 4, 4, 3)  # mesh groups with device_ids
     (rs,) = by_kind["reduce-scatter"]
-    assert (rs.bytes, rs.group) == (8 * 128 * 4 * 8, 8)              # whole (un-scattered) buffer
+    assert (rs.bytes, rs.group) == (8 * 128 * 4 * 8, 8)  # whole (un-scattered) buffer
     tup = [c for c in by_kind["all-reduce"] if c.count == 1]
-    assert tup[0].bytes == 10 * 4 + 16 * 2 and tup[0].group == 8     # tuple of f32 and bf16
+    assert tup[0].bytes == 10 * 4 + 16 * 2 and tup[0].group == 8  # tuple of f32 and bf16
     (cp,) = by_kind["collective-permute"]
     assert (cp.bytes, cp.group) == (16, 2)
 
@@ -89,6 +95,7 @@ def test_loop_flops_correction_counts_each_trip_like_the_unrolled_program():
     def net(unroll):
         def f(x, ws):
             return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w) * 2 + 1, None), x, ws, unroll=unroll)[0].sum()
+
         return f
 
     x, ws = jnp.ones((64, 128)), jnp.ones((6, 128, 128))

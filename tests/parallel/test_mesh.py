@@ -42,6 +42,7 @@ def _write(tmp_path, text, name="c.toml"):
 
 # --------------------------------------------------------------------------- cluster files
 
+
 def test_every_preset_loads_and_is_consistent():
     names = list_clusters()
     assert {"cpu-8", "cpu-2x4", "h100x8", "h200x8", "h100x64"} <= set(names)
@@ -94,12 +95,15 @@ def test_missing_field(tmp_path):
         load_cluster(str(_write(tmp_path, text)))
 
 
-@pytest.mark.parametrize("line,message", [
-    ("nodes = 0", "field 'nodes' = 0 must be positive"),
-    ("inter_node_latency = -1e-4", "field 'inter_node_latency' = -0.0001 must be positive"),
-    ("peak_flops_bf16 = \"fast\"", "field 'peak_flops_bf16' must be a number"),
-    ("devices_per_node = 2.5", "field 'devices_per_node' must be a whole number"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ("nodes = 0", "field 'nodes' = 0 must be positive"),
+        ("inter_node_latency = -1e-4", "field 'inter_node_latency' = -0.0001 must be positive"),
+        ('peak_flops_bf16 = "fast"', "field 'peak_flops_bf16' must be a number"),
+        ("devices_per_node = 2.5", "field 'devices_per_node' must be a whole number"),
+    ],
+)
 def test_bad_values(tmp_path, line, message):
     key = line.split(" = ")[0]
     text = "\n".join(line if ln.startswith(key + " ") else ln for ln in GOOD.splitlines())
@@ -122,6 +126,7 @@ def test_cluster_from_live_cpu_devices():
 
 
 # --------------------------------------------------------------------------- hybrid layout
+
 
 def _sizes(**kw):
     return {a: kw.get(a, 1) for a in MESH_AXES}
@@ -154,8 +159,11 @@ def test_hybrid_errors():
 
 
 def _fake_devices(nodes, per_node):
-    return [SimpleNamespace(id=p * per_node + i, process_index=p, platform="cpu", device_kind="cpu")
-            for p in range(nodes) for i in range(per_node)]
+    return [
+        SimpleNamespace(id=p * per_node + i, process_index=p, platform="cpu", device_kind="cpu")
+        for p in range(nodes)
+        for i in range(per_node)
+    ]
 
 
 def test_device_grid_keeps_tensor_groups_inside_a_process():
@@ -171,6 +179,7 @@ def test_device_grid_keeps_tensor_groups_inside_a_process():
 
 # --------------------------------------------------------------------------- build_mesh
 
+
 def _ids(mesh):
     return sorted(d.id for d in mesh.devices.ravel())
 
@@ -183,12 +192,15 @@ def test_build_mesh_fills_data():
     assert _ids(mesh) == sorted(d.id for d in jax.devices())
 
 
-@pytest.mark.parametrize("cfg,sizes", [
-    (MeshConfig(data=2, fsdp=2, tensor=2), _sizes(data=2, fsdp=2, tensor=2)),
-    (MeshConfig(data=1, fsdp=8), _sizes(fsdp=8)),
-    (MeshConfig(data=2, tensor=4), _sizes(data=2, tensor=4)),
-    (MeshConfig(data=-1, tensor=2, pipeline=2), _sizes(data=2, tensor=2, pipeline=2)),
-])
+@pytest.mark.parametrize(
+    "cfg,sizes",
+    [
+        (MeshConfig(data=2, fsdp=2, tensor=2), _sizes(data=2, fsdp=2, tensor=2)),
+        (MeshConfig(data=1, fsdp=8), _sizes(fsdp=8)),
+        (MeshConfig(data=2, tensor=4), _sizes(data=2, tensor=4)),
+        (MeshConfig(data=-1, tensor=2, pipeline=2), _sizes(data=2, tensor=2, pipeline=2)),
+    ],
+)
 def test_build_mesh_shapes(cfg, sizes):
     mesh = build_mesh(cfg)
     assert dict(mesh.shape) == sizes
@@ -212,10 +224,11 @@ def test_build_mesh_on_a_subset_and_errors():
 
 
 def test_describe_mesh():
-    assert describe_mesh(build_mesh(MeshConfig(data=2, fsdp=2, tensor=2))) == \
-        "data=2 fsdp=2 tensor=2 (8 devices, 1 process)"
-    assert describe_mesh(build_mesh(MeshConfig(data=1), jax.devices()[:1])) == \
-        "single device (1 device, 1 process)"
+    assert (
+        describe_mesh(build_mesh(MeshConfig(data=2, fsdp=2, tensor=2)))
+        == "data=2 fsdp=2 tensor=2 (8 devices, 1 process)"
+    )
+    assert describe_mesh(build_mesh(MeshConfig(data=1), jax.devices()[:1])) == "single device (1 device, 1 process)"
 
 
 # --------------------------------------------------------------------------- two processes
@@ -251,9 +264,16 @@ def test_two_processes_get_the_hybrid_layout(tmp_path):
     script = _write(tmp_path, _WORKER, "worker.py")
     port = str(_free_port())
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = [subprocess.Popen([sys.executable, str(script), port, str(i)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), port, str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = []
     try:
         for p in procs:

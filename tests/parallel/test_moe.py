@@ -44,9 +44,12 @@ def layer_cfg(*overrides):
 def layer_params(cfg, n=64, seed=0):
     d, e, f = cfg.d_model, cfg.moe.experts, M.expert_d_ff(cfg)
     ks = jax.random.split(jax.random.key(seed), 5)
-    p = {"router": jax.random.normal(ks[0], (d, e)),
-         "we_gate": 0.3 * jax.random.normal(ks[1], (e, d, f)), "we_up": 0.3 * jax.random.normal(ks[2], (e, d, f)),
-         "we_down": 0.3 * jax.random.normal(ks[3], (e, f, d))}
+    p = {
+        "router": jax.random.normal(ks[0], (d, e)),
+        "we_gate": 0.3 * jax.random.normal(ks[1], (e, d, f)),
+        "we_up": 0.3 * jax.random.normal(ks[2], (e, d, f)),
+        "we_down": 0.3 * jax.random.normal(ks[3], (e, f, d)),
+    }
     return p, jax.random.normal(ks[4], (n, d))
 
 
@@ -55,6 +58,7 @@ def layer_loss(cfg, experts_fn):
         r = M.route(x, p["router"], cfg)
         y, keep = experts_fn(x, r.experts, r.weights, {k: p[k] for k in M.EXPERT_KEYS})
         return jnp.sum(jnp.sin(y)), (y, keep)
+
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
 
@@ -64,6 +68,7 @@ def reference_experts(x, e, w, q):
 
 # --------------------------------------------------------------------------- dispatch
 
+
 @pytest.fixture(scope="module")
 def dropless_reference():
     cfg = layer_cfg()
@@ -72,10 +77,14 @@ def dropless_reference():
     return cfg, p, x, y, grads
 
 
-@pytest.mark.parametrize("mesh_overrides,expert_tensor,exchange", [
-    *[(m, et, "padded") for _, m, et in MESHES],
-    (MESHES[3][1], 2, "ragged-emulated"),   # the GPU exchange's offsets, over a padded all_to_all
-], ids=[*(i for i, _, _ in MESHES), "ragged-emulated"])
+@pytest.mark.parametrize(
+    "mesh_overrides,expert_tensor,exchange",
+    [
+        *[(m, et, "padded") for _, m, et in MESHES],
+        (MESHES[3][1], 2, "ragged-emulated"),  # the GPU exchange's offsets, over a padded all_to_all
+    ],
+    ids=[*(i for i, _, _ in MESHES), "ragged-emulated"],
+)
 def test_dropless_dispatch_equals_dense_reference(dropless_reference, mesh_overrides, expert_tensor, exchange):
     cfg, p, x, y_ref, g_ref = dropless_reference
     mesh, layout = layout_for(mesh_overrides, expert_tensor, exchange)
@@ -89,8 +98,7 @@ def test_dropless_dispatch_equals_dense_reference(dropless_reference, mesh_overr
 
 
 def test_layouts_of_the_test_meshes():
-    got = {i: (lay.ep_axes, lay.etp_axes, lay.token_axes)
-           for i, m, et in MESHES for lay in [layout_for(m, et)[1]]}
+    got = {i: (lay.ep_axes, lay.etp_axes, lay.token_axes) for i, m, et in MESHES for lay in [layout_for(m, et)[1]]}
     assert got == {
         "expert=8": (("expert",), (), ("expert",)),
         "expert=4,tensor=2": (("expert",), ("tensor",), ("expert",)),
@@ -125,6 +133,7 @@ def test_capacity_dispatch_keeps_per_device_slots_and_counts_drops():
 
 # --------------------------------------------------------------------------- whole model
 
+
 @pytest.fixture(scope="module")
 def model_reference():
     cfg = load_config(None, ["model=moe-tiny", "model.d_model=32", "model.moe.d_ff=16", "model.moe.shared_d_ff=16"])
@@ -137,15 +146,20 @@ def model_reference():
     return cfg, graphdef, names, params, tokens, loss, grads
 
 
-@pytest.mark.parametrize("mesh_overrides,expert_tensor", [MESHES[2][1:], MESHES[3][1:]], ids=[MESHES[2][0], MESHES[3][0]])
+@pytest.mark.parametrize(
+    "mesh_overrides,expert_tensor", [MESHES[2][1:], MESHES[3][1:]], ids=[MESHES[2][0], MESHES[3][0]]
+)
 def test_sharded_moe_model_equals_single_device(model_reference, mesh_overrides, expert_tensor):
     cfg, graphdef, names, params, tokens, loss_ref, grads_ref = model_reference
     mesh, layout = layout_for(mesh_overrides, expert_tensor)
     is_names = lambda v: isinstance(v, tuple)
     p_sh = jax.tree.map(lambda n, a: layout.sharding(n, a.shape, DEFAULT_RULES, mesh), names, params, is_leaf=is_names)
     t_sh = NamedSharding(mesh, P(("data", "fsdp", "expert")))
-    fn = jax.jit(lambda p, t: loss_and_grads(graphdef, p, t), in_shardings=(p_sh, t_sh),
-                 out_shardings=(NamedSharding(mesh, P()), p_sh))
+    fn = jax.jit(
+        lambda p, t: loss_and_grads(graphdef, p, t),
+        in_shardings=(p_sh, t_sh),
+        out_shardings=(NamedSharding(mesh, P()), p_sh),
+    )
     with activation_sharding(mesh), EP.expert_parallelism(layout):
         loss, grads = fn(jax.device_put(params, p_sh), jax.device_put(tokens, t_sh))
     assert rel_err(loss, loss_ref) < 1e-5
@@ -161,25 +175,35 @@ def _at(tree, path):
 
 # --------------------------------------------------------------------------- accounting
 
-@pytest.mark.parametrize("mesh_overrides,expert_tensor", [MESHES[1][1:], MESHES[3][1:]], ids=[MESHES[1][0], MESHES[3][0]])
+
+@pytest.mark.parametrize(
+    "mesh_overrides,expert_tensor", [MESHES[1][1:], MESHES[3][1:]], ids=[MESHES[1][0], MESHES[3][0]]
+)
 def test_expert_bytes_per_device(mesh_overrides, expert_tensor):
     cfg = load_config(None, ["model=moe-tiny", *mesh_overrides, f"mesh.expert_tensor={expert_tensor}"])
     m = cfg.model
     mesh, layout = layout_for(mesh_overrides, expert_tensor)
     _, abstract, names = create_abstract(m)
-    sh = jax.tree.map(lambda n, a: layout.sharding(n, a.shape, DEFAULT_RULES, mesh), names, abstract,
-                      is_leaf=lambda v: isinstance(v, tuple))
+    sh = jax.tree.map(
+        lambda n, a: layout.sharding(n, a.shape, DEFAULT_RULES, mesh),
+        names,
+        abstract,
+        is_leaf=lambda v: isinstance(v, tuple),
+    )
     params = jax.jit(lambda: init_params(m), out_shardings=sh)()
     per_device = sum(params["layers"][k].addressable_shards[0].data.nbytes for k in M.EXPERT_KEYS)
     # E * 3 * h * f * bytes / (expert * tensor), per MoE layer.
     expect = m.n_layers * m.moe.experts * 3 * m.d_model * m.moe.d_ff * 4 // (cfg.mesh.expert * cfg.mesh.tensor)
     assert per_device == expect == m.n_layers * EP.expert_param_bytes(m, layout, 4)
-    assert {s.data.shape for s in params["layers"]["we_gate"].addressable_shards} == \
-        {(m.n_layers, m.moe.experts // layout.ep_size, m.d_model, m.moe.d_ff // layout.etp_size)}
+    assert {s.data.shape for s in params["layers"]["we_gate"].addressable_shards} == {
+        (m.n_layers, m.moe.experts // layout.ep_size, m.d_model, m.moe.d_ff // layout.etp_size)
+    }
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-@pytest.mark.parametrize("mesh_overrides,expert_tensor", [MESHES[0][1:], MESHES[3][1:]], ids=[MESHES[0][0], MESHES[3][0]])
+@pytest.mark.parametrize(
+    "mesh_overrides,expert_tensor", [MESHES[0][1:], MESHES[3][1:]], ids=[MESHES[0][0], MESHES[3][0]]
+)
 def test_compiled_all_to_all_bytes_equal_prediction(mesh_overrides, expert_tensor, dispatch):
     cfg = layer_cfg(f"model.moe.dispatch={dispatch}")
     p, x = layer_params(cfg, n=64)
@@ -197,27 +221,48 @@ def test_compiled_all_to_all_bytes_equal_prediction(mesh_overrides, expert_tenso
     if dispatch == "dropless":  # ep peers x n*min(k, E/ep) rows x d x 4 bytes, there and back, + int32 ids
         rows = layout.ep_size * n * min(2, 8 // layout.ep_size)
         assert predicted["total"] == 2 * rows * 16 * 4 + rows * 4
-    else:                       # E x C slots x d x 4 bytes, there and back
+    else:  # E x C slots x d x 4 bytes, there and back
         assert predicted["total"] == 2 * 8 * math.ceil(1.25 * n * 2 / 8) * 16 * 4
 
 
 def test_collective_bytes_parser():
-    hlo = ("  %a = f32[2,3]{1,0} all-to-all(f32[2,3]{1,0} %x), dimensions={0}\n"
-           "  %b = (bf16[4]{0}, s32[5]{0}) all-to-all(%y, %z)\n"
-           "  %c = f32[7]{0} all-reduce(%w)\n")
+    hlo = (
+        "  %a = f32[2,3]{1,0} all-to-all(f32[2,3]{1,0} %x), dimensions={0}\n"
+        "  %b = (bf16[4]{0}, s32[5]{0}) all-to-all(%y, %z)\n"
+        "  %c = f32[7]{0} all-reduce(%w)\n"
+    )
     assert EP.collective_bytes(hlo) == 2 * 3 * 4 + 4 * 2 + 5 * 4
     assert EP.collective_bytes(hlo, "all-reduce") == 7 * 4
 
 
 # --------------------------------------------------------------------------- training
 
+
 def train_config(tmp_path, name, extra=()):
-    return load_config(None, [
-        "model=moe-tiny", "model.moe.aux_loss_coef=0.3", "train.steps=24", "train.seq_len=32",
-        "train.batch_size=16", "train.log_every=4", "train.eval_every=0", "train.eval_batches=1",
-        "train.progress=false", "train.tensorboard=false", "checkpoint.every=12", "data.max_bytes=400000",
-        "mesh.data=2", "mesh.expert=2", "mesh.tensor=2", "train.warmup_steps=3",
-        f"train.runs_dir={tmp_path}", f"train.name={name}", *extra])
+    return load_config(
+        None,
+        [
+            "model=moe-tiny",
+            "model.moe.aux_loss_coef=0.3",
+            "train.steps=24",
+            "train.seq_len=32",
+            "train.batch_size=16",
+            "train.log_every=4",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "checkpoint.every=12",
+            "data.max_bytes=400000",
+            "mesh.data=2",
+            "mesh.expert=2",
+            "mesh.tensor=2",
+            "train.warmup_steps=3",
+            f"train.runs_dir={tmp_path}",
+            f"train.name={name}",
+            *extra,
+        ],
+    )
 
 
 def test_moe_trains_balanced_and_resumes_bit_identical(tmp_path):
@@ -229,16 +274,17 @@ def test_moe_trains_balanced_and_resumes_bit_identical(tmp_path):
         full = jax.device_get(t.state)
         # per-expert share of the assignments on a training batch, per MoE layer
         _, aux = jax.jit(t.parallelism.bind(lambda p, b: apply_with_aux(t.graphdef, p, b[:, :-1])))(
-            t.state["params"], t.batch(0))
+            t.state["params"], t.batch(0)
+        )
     share = np.asarray(aux["moe_expert_share"])
     print("per-expert token share (mean over MoE layers):", np.round(share, 3))
     first, last = history[0], history[-1]
-    assert last["loss"] < first["loss"] - 1.5                       # 5.4 -> about 3.3 nats/token
+    assert last["loss"] < first["loss"] - 1.5  # 5.4 -> about 3.3 nats/token
     assert share.sum() == pytest.approx(1.0, abs=1e-6)
     # The balancing loss works: here the busiest expert gets about 1.8x its even share of 1/8 and the
     # idlest 0.2x; with moe.aux_loss_coef=0.01 they are about 3.4x and 0.004x at this step.
     assert last["moe_load_max"] < 2.4 and last["moe_load_min"] > 0.1 and last["moe_aux_loss"] < 1.03
-    assert all(r["moe_drop_rate"] == 0.0 for r in history)          # dropless
+    assert all(r["moe_drop_rate"] == 0.0 for r in history)  # dropless
 
     with Trainer(train_config(tmp_path, "split")) as t:
         t.fit(steps=12)

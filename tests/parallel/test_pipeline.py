@@ -53,8 +53,11 @@ def shared_plan(model, p, m, s, kinds, bounds=None):
 def check_close(loss, grads, ref_loss, ref_grads):
     assert abs(float(loss) - float(ref_loss)) <= RTOL * abs(float(ref_loss))
     assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
-    rel = jax.tree.map(lambda g, r: float(np.max(np.abs(np.asarray(g) - np.asarray(r))) / np.max(np.abs(np.asarray(r)))),
-                       grads, ref_grads)
+    rel = jax.tree.map(
+        lambda g, r: float(np.max(np.abs(np.asarray(g) - np.asarray(r))) / np.max(np.abs(np.asarray(r)))),
+        grads,
+        ref_grads,
+    )
     bad = {jax.tree_util.keystr(k): e for k, e in jax.tree_util.tree_leaves_with_path(rel) if not e <= RTOL}
     assert not bad, bad
 
@@ -69,13 +72,24 @@ def run_cases(setup, mesh_overrides, p, m, s, remat, bounds=None):
     mesh = build_mesh(mesh_cfg, jax.devices())
 
     def step(params, tokens, table, unit_slot):
-        return pipeline_loss_and_grads(params, tokens, model=cfg.model, mesh=mesh, plan=plan, remat=remat,
-                                       with_trace=True, tables=(table, unit_slot))
+        return pipeline_loss_and_grads(
+            params,
+            tokens,
+            model=cfg.model,
+            mesh=mesh,
+            plan=plan,
+            remat=remat,
+            with_trace=True,
+            tables=(table, unit_slot),
+        )
 
     table0 = tabs[kinds[0]]
     with activation_sharding(mesh):
-        compiled = jax.jit(step).lower(params, tokens, table0.stacked(), table0.unit_slot.astype(np.int32)) \
+        compiled = (
+            jax.jit(step)
+            .lower(params, tokens, table0.stacked(), table0.unit_slot.astype(np.int32))
             .compile(FAST_COMPILE)
+        )
     for kind in kinds:
         tab = tabs[kind]
         loss, grads, trace = compiled(params, tokens, tab.stacked(), tab.unit_slot.astype(np.int32))
@@ -83,7 +97,7 @@ def run_cases(setup, mesh_overrides, p, m, s, remat, bounds=None):
         # The executed timeline is the schedule's: same branches, same bubble.
         np.testing.assert_array_equal(np.asarray(trace), tab.branch.T)
         sch = build_schedule(p, m, s, kind)
-        busy = np.asarray(trace)[:, :sch.n_ticks] != 0
+        busy = np.asarray(trace)[:, : sch.n_ticks] != 0
         assert 1 - busy.mean() == pytest.approx(sch.bubble_fraction())
     return kinds
 
@@ -100,11 +114,15 @@ def test_pipeline_equals_plain_model(setup, p, s, m):
     assert len(kinds) == (3 if s == 1 else 1)
 
 
-@pytest.mark.parametrize("mesh,s,m", [
-    (["mesh.data=2", "mesh.tensor=2"], 1, 2),
-    (["mesh.data=2", "mesh.tensor=2"], 2, 4),
-    (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], 2, 2),
-], ids=["data2-tensor2-s1", "data2-tensor2-s2", "fsdp2-tensor2-s2"])
+@pytest.mark.parametrize(
+    "mesh,s,m",
+    [
+        (["mesh.data=2", "mesh.tensor=2"], 1, 2),
+        (["mesh.data=2", "mesh.tensor=2"], 2, 4),
+        (["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2"], 2, 2),
+    ],
+    ids=["data2-tensor2-s1", "data2-tensor2-s2", "fsdp2-tensor2-s2"],
+)
 def test_pipeline_with_data_fsdp_tensor_axes(setup, mesh, s, m):
     run_cases(setup, mesh, 2, m, s, "none")
 

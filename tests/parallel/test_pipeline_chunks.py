@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 
 from jaxdist.config import load_config
-from jaxdist.models.transformer import (block_forward, block_forward_cached, causal_attention, init_params,
-                                        rotary_tables)
+from jaxdist.models.transformer import block_forward, block_forward_cached, causal_attention, init_params, rotary_tables
 from jaxdist.parallel.chunks import SOFTMAX_FLOPS_PER_SCORE, ChunkCost, chunk_boundaries, chunk_cost_model
 
 

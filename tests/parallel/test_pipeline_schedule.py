@@ -14,8 +14,14 @@ import pytest
 from jaxdist.cli import main
 from jaxdist.config import ConfigError, load_config
 from jaxdist.parallel.chunks import ChunkCost, chunk_boundaries, chunk_cost_model, chunk_costs
-from jaxdist.parallel.schedule import (activation_memory_ratio, bubble_formula, build_schedule, executor_tables,
-                                       peak_in_flight_formula, stage_orders)
+from jaxdist.parallel.schedule import (
+    activation_memory_ratio,
+    bubble_formula,
+    build_schedule,
+    executor_tables,
+    peak_in_flight_formula,
+    stage_orders,
+)
 
 SHAPES = [(p, m, s) for p in (1, 2, 3, 4) for m in (1, 2, 4, 5, 8) for s in (1, 2, 3, 4)]
 
@@ -68,12 +74,12 @@ def test_every_unit_runs_once_after_its_dependencies():
         assert len(when) == 2 * p * m * s
         for (op, i, c, k), t in when.items():
             if op == "F":
-                assert k == 0 or when[("F", i, c, k - 1)] < t          # activation from the previous stage
-                assert c == 0 or when[("F", i, c - 1, k)] < t          # keys/values of earlier chunks
+                assert k == 0 or when[("F", i, c, k - 1)] < t  # activation from the previous stage
+                assert c == 0 or when[("F", i, c - 1, k)] < t  # keys/values of earlier chunks
             else:
                 assert when[("F", i, c, k)] < t
-                assert k == p - 1 or when[("B", i, c, k + 1)] < t      # gradient from the next stage
-                assert c == s - 1 or when[("B", i, c + 1, k)] < t      # key/value grads of later chunks
+                assert k == p - 1 or when[("B", i, c, k + 1)] < t  # gradient from the next stage
+                assert c == s - 1 or when[("B", i, c + 1, k)] < t  # key/value grads of later chunks
 
 
 def replay(sch, tab):
@@ -131,24 +137,25 @@ def test_stage_orders_warm_up():
     for k, order in enumerate(orders):
         first_b = next(j for j, a in enumerate(order) if a.op == "B")
         assert first_b == 4 + 4 - k - 2 + 1
-        assert [a.op for a in order[first_b - 1:first_b + 5]] == ["F", "B"] * 3
+        assert [a.op for a in order[first_b - 1 : first_b + 5]] == ["F", "B"] * 3
     assert [(a.microbatch, a.chunk) for a in orders[0] if a.op == "B"][:5] == [(0, 3), (0, 2), (0, 1), (0, 0), (1, 3)]
 
 
 def test_timeline_text():
     sch = build_schedule(2, 2, 1, "1f1b")
-    assert sch.timeline() == ("tick    0              5\n"
-                              "stage 0 F0 F1 .  B0 .  B1\n"
-                              "stage 1 .  F0 B0 F1 B1 .")
+    assert sch.timeline() == ("tick    0              5\nstage 0 F0 F1 .  B0 .  B1\nstage 1 .  F0 B0 F1 B1 .")
     assert "bubble 0.333 (formula 0.333)" in sch.summary()
 
 
-@pytest.mark.parametrize("args,message", [
-    (("pipedream", 2, 2, 1), "schedule 'pipedream' is unknown"),
-    (("1f1b", 4, 2, 1), "1f1b needs at least as many microbatches as stages (2 < 4)"),
-    (("gpipe", 2, 2, 2), "2 sequence chunks need the seq1f1b schedule, not gpipe"),
-    (("seq1f1b", 0, 2, 2), "pipeline stages=0 must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("pipedream", 2, 2, 1), "schedule 'pipedream' is unknown"),
+        (("1f1b", 4, 2, 1), "1f1b needs at least as many microbatches as stages (2 < 4)"),
+        (("gpipe", 2, 2, 2), "2 sequence chunks need the seq1f1b schedule, not gpipe"),
+        (("seq1f1b", 0, 2, 2), "pipeline stages=0 must be a positive integer"),
+    ],
+)
 def test_impossible_schedules(args, message):
     kind, p, m, s = args
     with pytest.raises(ValueError) as e:
@@ -157,6 +164,7 @@ def test_impossible_schedules(args, message):
 
 
 # --------------------------------------------------------------------------- chunk partitioner
+
 
 def test_equal_split_and_errors():
     assert chunk_boundaries(128, 4, split="equal") == (0, 32, 64, 96, 128)
@@ -207,14 +215,18 @@ def test_cost_split_on_a_grid():
 
 # --------------------------------------------------------------------------- config and CLI
 
-@pytest.mark.parametrize("overrides,message", [
-    (["mesh.pipeline=3"], "model.n_layers=4 is not divisible by mesh.pipeline=3"),
-    (["mesh.pipeline=2", "pipeline.chunks=3"], "train.seq_len=128 is not divisible into pipeline.chunks=3"),
-    (["mesh.pipeline=2", "pipeline.schedule=1f1b"], "the 1f1b schedule needs train.microbatches >= mesh.pipeline"),
-    (["mesh.pipeline=2", "pipeline.schedule=zb"], "pipeline.schedule='zb' is unknown"),
-    (["mesh.pipeline=2", "pipeline.chunk_split=x"], "pipeline.chunk_split='x' is unknown"),
-    (["mesh.pipeline=2", "model=moe-tiny"], "pipeline stages do not support MoE models yet"),
-])
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["mesh.pipeline=3"], "model.n_layers=4 is not divisible by mesh.pipeline=3"),
+        (["mesh.pipeline=2", "pipeline.chunks=3"], "train.seq_len=128 is not divisible into pipeline.chunks=3"),
+        (["mesh.pipeline=2", "pipeline.schedule=1f1b"], "the 1f1b schedule needs train.microbatches >= mesh.pipeline"),
+        (["mesh.pipeline=2", "pipeline.schedule=zb"], "pipeline.schedule='zb' is unknown"),
+        (["mesh.pipeline=2", "pipeline.chunk_split=x"], "pipeline.chunk_split='x' is unknown"),
+        (["mesh.pipeline=2", "model=moe-tiny"], "pipeline stages do not support MoE models yet"),
+    ],
+)
 def test_config_errors(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)

@@ -26,10 +26,22 @@ def mesh222():
 
 # --------------------------------------------------------------------------- logical_to_spec
 
+
 def test_default_rules_cover_the_model_names():
     names = {n for n, _ in DEFAULT_RULES}
-    assert {"batch", "seq", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "expert",
-            "layers", "norm"} <= names
+    assert {
+        "batch",
+        "seq",
+        "embed",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "mlp",
+        "vocab",
+        "expert",
+        "layers",
+        "norm",
+    } <= names
 
 
 def test_activations_and_params_without_mesh():
@@ -80,6 +92,7 @@ def test_rules_are_data_you_can_swap():
 
 # --------------------------------------------------------------------------- state_shardings
 
+
 class TwoParam(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.w = nnx.Param(jax.random.normal(rngs.params(), (16, 32)), sharding_names=("embed", "mlp"))
@@ -124,14 +137,14 @@ def test_state_shardings_of_plain_pytree_is_replicated(mesh222):
 
 # --------------------------------------------------------------------------- constrain
 
+
 def test_constrain_is_identity_outside_the_context():
     x = jnp.ones((8, 4, 16))
     assert constrain(x, ("batch", "seq", "embed")) is x
 
 
 def test_constrain_inside_jit_sets_the_output_sharding(mesh222):
-    x = jax.device_put(jnp.arange(8 * 4 * 16, dtype=jnp.float32).reshape(8, 4, 16),
-                       NamedSharding(mesh222, P()))
+    x = jax.device_put(jnp.arange(8 * 4 * 16, dtype=jnp.float32).reshape(8, 4, 16), NamedSharding(mesh222, P()))
 
     def make_f():  # a new function each time: jit's trace cache does not see the context
         return lambda x: constrain(x * 2, ("batch", "seq", "embed"))

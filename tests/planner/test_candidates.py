@@ -28,7 +28,7 @@ def brute_force(m, nodes, per_node, batch, max_mb=64, seq=64):
             if batch % mb or (batch // mb) % (data * fsdp * expert):
                 continue
             scheds = [("gpipe", 1), ("1f1b", 1)] + [("seq1f1b", c) for c in (2, 4) if seq % c == 0]
-            for sched, chunks in (scheds if pipe > 1 else [("none", 1)]):
+            for sched, chunks in scheds if pipe > 1 else [("none", 1)]:
                 if sched == "1f1b" and mb < pipe:
                     continue
                 for r in REMAT_CHOICES:
@@ -36,9 +36,15 @@ def brute_force(m, nodes, per_node, batch, max_mb=64, seq=64):
     return out
 
 
-@pytest.mark.parametrize("preset, nodes, per_node, batch", [
-    ("tiny", 1, 8, 16), ("small", 2, 4, 32), ("llama-8b", 4, 8, 64), ("moe-tiny", 1, 8, 32),
-])
+@pytest.mark.parametrize(
+    "preset, nodes, per_node, batch",
+    [
+        ("tiny", 1, 8, 16),
+        ("small", 2, 4, 32),
+        ("llama-8b", 4, 8, 64),
+        ("moe-tiny", 1, 8, 32),
+    ],
+)
 def test_candidates_equal_brute_force(preset, nodes, per_node, batch):
     m = load_config(None, [f"model={preset}"]).model
     view = computation_view(m, 64)

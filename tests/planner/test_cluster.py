@@ -41,12 +41,15 @@ def test_two_jobs_share_a_cluster_through_an_allocation_file(tmp_path):
     assert (v.nodes, v.devices_per_node) == (4, 8) and min(v.devices) == 32
 
 
-@pytest.mark.parametrize("busy, fragment", [
-    ([64], "outside the cluster's 64 devices"),
-    (["9:0"], "outside the cluster (8 nodes x 8 devices)"),
-    (["a:b"], "is not 'NODE:LOCAL'"),
-    ([f"{n}:*" for n in range(8)], "every device of cluster 'h100x64' is busy"),
-])
+@pytest.mark.parametrize(
+    "busy, fragment",
+    [
+        ([64], "outside the cluster's 64 devices"),
+        (["9:0"], "outside the cluster (8 nodes x 8 devices)"),
+        (["a:b"], "is not 'NODE:LOCAL'"),
+        ([f"{n}:*" for n in range(8)], "every device of cluster 'h100x64' is busy"),
+    ],
+)
 def test_bad_busy_lists_are_one_sentence_errors(busy, fragment):
     with pytest.raises(ConfigError, match=re.escape(fragment)):
         cluster_view(load_cluster("h100x64"), busy=busy)

@@ -55,8 +55,9 @@ def test_saved_activations_without_remat_closed_form():
     seq = 96
     (block,) = computation_view(m, seq).blocks
     d, h, kv, hd, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
-    per_token = sum(block.activation(n).elements_per_token * block.activation(n).dtype_bytes
-                    for n in block.saved_without_remat)
+    per_token = sum(
+        block.activation(n).elements_per_token * block.activation(n).dtype_bytes for n in block.saved_without_remat
+    )
     # Six model-width tensors, rotated query and the context, rotated key and value, scores and
     # probabilities (float32, one per key position), six MLP-width tensors; float32 compute.
     assert per_token == 4 * (6 * d + 2 * h * hd + 2 * kv * hd + 6 * f) + 2 * 4 * h * seq

@@ -32,9 +32,13 @@ def test_parameter_bytes_equal_the_real_shardings(mesh):
     jmesh = build_mesh(MeshConfig(**sizes), jax.devices()[:8])
     _, abstract, names = create_abstract(m)
     per_device = jax.tree.map(
-        lambda n, a: math.prod(NamedSharding(jmesh, logical_to_spec(n, mesh=jmesh, shape=a.shape))
-                               .shard_shape(a.shape)) * 4,
-        names, abstract, is_leaf=lambda x: isinstance(x, tuple))
+        lambda n, a: (
+            math.prod(NamedSharding(jmesh, logical_to_spec(n, mesh=jmesh, shape=a.shape)).shard_shape(a.shape)) * 4
+        ),
+        names,
+        abstract,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
     exact = sum(jax.tree.leaves(per_device))
     mem = memory(computation_view(m, 128), Strategy(**sizes), 32)
     assert mem.params == exact and mem.optimizer == 2 * exact
@@ -54,7 +58,7 @@ def test_data_parallel_collectives_closed_form():
 def test_tensor_parallel_activation_all_reduces():
     m = load_config(None, ["model=small"]).model
     view = computation_view(m, 128)
-    X = 32 // 4 * 128 * m.d_model * 4          # local rows x seq x width x float32
+    X = 32 // 4 * 128 * m.d_model * 4  # local rows x seq x width x float32
     for remat, per_layer in (("none", 7), ("full", 8)):
         items = collectives(view, Strategy(data=4, tensor=2, remat=remat), 32)
         (tp,) = [c for c in items if c.name == "tensor activation all-reduce"]
@@ -103,10 +107,12 @@ def test_pipeline_closed_forms_match_the_schedules_module():
     for kind in ("gpipe", "1f1b"):
         for p, mb in ((2, 1), (2, 8), (4, 4), (4, 16)):
             s = Strategy(data=8 // p, pipeline=p, microbatches=mb, schedule=kind)
-            per_microbatch = memory(view, Strategy(data=8 // p, pipeline=p, microbatches=mb, schedule="1f1b"),
-                                    16 * mb).activations / min(p, mb)
+            per_microbatch = memory(
+                view, Strategy(data=8 // p, pipeline=p, microbatches=mb, schedule="1f1b"), 16 * mb
+            ).activations / min(p, mb)
             assert memory(view, s, 16 * mb).activations / per_microbatch == pytest.approx(
-                schedule.peak_in_flight_formula(kind, p, mb))
+                schedule.peak_in_flight_formula(kind, p, mb)
+            )
             e = estimate(view, cl, s, 16 * mb)
             busy = e.compute_time + sum(c.seconds for c in e.comm if not c.overlappable)
             assert e.bubble_time / (busy + e.bubble_time) == pytest.approx(schedule.bubble_formula(kind, p, mb))
@@ -116,15 +122,19 @@ def test_a_remat_choice_from_outside_is_costed_by_what_it_keeps():
     from jaxdist.planner.candidates import REMAT_NAMES, RematChoice
     from jaxdist.planner import plan
 
-    attention_only = RematChoice("attention", "save:query_proj,key_proj,value_proj,attn_context",
-                                 ("query_proj", "key_proj", "value_proj", "attn_context"), 0.5)
+    attention_only = RematChoice(
+        "attention",
+        "save:query_proj,key_proj,value_proj,attn_context",
+        ("query_proj", "key_proj", "value_proj", "attn_context"),
+        0.5,
+    )
     m = load_config(None, ["model=small"]).model
     view = computation_view(m, 128)
     p = plan(m, "cpu-8", batch_size=32, seq_len=128, remat=[REMAT_NAMES, attention_only], enumerate_all=True)
     assert {e.strategy.remat for e in p.ranked} == {"names", "attention"}
     mem = memory(view, Strategy(data=8, remat="attention"), 32)
     full = memory(view, Strategy(data=8, remat="full"), 32)
-    d, h, kv, hd = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim
+    h, kv, hd = m.n_heads, m.n_kv_heads, m.head_dim
     # The block input plus query, key, value and context, float32, for 4 x 128 tokens per device per block.
     extra = m.n_layers * 4 * 128 * 4 * (2 * h * hd + 2 * kv * hd)
     assert mem.activations - full.activations == extra

@@ -11,9 +11,12 @@ from jaxdist.planner.computation import computation_view
 from jaxdist.planner.cost import XLA_CPU_MEMORY, MemoryCoefficients, memory, memory_terms
 from jaxdist.planner.fit import fit_memory_coefficients, relative_errors
 
-STRATEGIES = [Strategy(data=d, fsdp=f, tensor=t, expert=1, pipeline=1, microbatches=m, schedule="none", remat=r)
-              for d, f, t in [(8, 1, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2), (2, 4, 1)]
-              for m in (1, 2, 4) for r in ("none", "names", "full")]
+STRATEGIES = [
+    Strategy(data=d, fsdp=f, tensor=t, expert=1, pipeline=1, microbatches=m, schedule="none", remat=r)
+    for d, f, t in [(8, 1, 1), (1, 8, 1), (4, 1, 2), (2, 2, 2), (1, 4, 2), (2, 4, 1)]
+    for m in (1, 2, 4)
+    for r in ("none", "names", "full")
+]
 
 
 def _settings():
@@ -30,8 +33,13 @@ def test_terms_reproduce_the_memory_model():
 
 
 def test_fit_recovers_known_coefficients():
-    truth = MemoryCoefficients(layer_working=(("full", 1.4), ("names", 0.5), ("none", 0.9)), microbatch_working=0.7,
-                               logits_working=3.0, gathered_weights=1.5, grad_copies=1.0)
+    truth = MemoryCoefficients(
+        layer_working=(("full", 1.4), ("names", 0.5), ("none", 0.9)),
+        microbatch_working=0.7,
+        logits_working=3.0,
+        gathered_weights=1.5,
+        grad_copies=1.0,
+    )
     settings = _settings()
     terms = [memory_terms(*x) for x in settings]
     measured = [t.memory(truth).total for t in terms]
@@ -53,8 +61,11 @@ def test_fit_minimises_the_worst_relative_error():
     worst = max(abs(e) for e in relative_errors(terms, measured, fit.coefficients))
     assert worst == pytest.approx(fit.max_error, abs=1e-3)
     for _ in range(50):  # random other coefficients, the shipped ones among the candidates
-        other = dataclasses.replace(XLA_CPU_MEMORY, logits_working=rng.uniform(2, 4),  # the fit keeps >= 2
-                                    microbatch_working=rng.uniform(0, 1))
+        other = dataclasses.replace(
+            XLA_CPU_MEMORY,
+            logits_working=rng.uniform(2, 4),  # the fit keeps >= 2
+            microbatch_working=rng.uniform(0, 1),
+        )
         assert max(abs(e) for e in relative_errors(terms, measured, other)) >= worst - 1e-3
     assert max(abs(e) for e in relative_errors(terms, measured, XLA_CPU_MEMORY)) >= worst - 1e-3
 

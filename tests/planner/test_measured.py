@@ -37,8 +37,9 @@ def measured(tmp_path_factory):
     cal = calibration_from(refs, [m.step_time for m in timed[:3]], spec, 8, latency, bandwidth)
     view = cluster_view(spec, calibration=cal)
     cfgs = refs + ranking + small
-    estimates = [estimate(computation_view(c.model, c.train.seq_len), view, strategy_of(c, 8), c.train.batch_size)
-                 for c in cfgs]
+    estimates = [
+        estimate(computation_view(c.model, c.train.seq_len), view, strategy_of(c, 8), c.train.batch_size) for c in cfgs
+    ]
     return {"cfgs": cfgs, "measured": timed + untimed, "estimates": estimates, "calibration": cal}
 
 
@@ -50,7 +51,9 @@ def test_memory_within_ten_percent_of_xla(measured):
 
 
 def test_collective_bytes_within_five_percent_of_the_compiled_program(measured):
-    errors = [e.comm_bytes / m.collective_bytes["total"] - 1 for e, m in zip(measured["estimates"], measured["measured"])]
+    errors = [
+        e.comm_bytes / m.collective_bytes["total"] - 1 for e, m in zip(measured["estimates"], measured["measured"])
+    ]
     assert max(abs(x) for x in errors) < 0.05, errors
 
 

@@ -35,7 +35,9 @@ def test_plan_writes_a_config_that_loads_to_the_chosen_strategy(tmp_path):
     assert cfg.model == m
     validate(cfg, 8)
     lines = p.table(3).splitlines()
-    assert lines[0].split()[:4] == ["#", "mesh", "mb", "remat"] and len([l for l in lines if l[:2].strip().isdigit()]) == 3
+    assert (
+        lines[0].split()[:4] == ["#", "mesh", "mb", "remat"] and len([l for l in lines if l[:2].strip().isdigit()]) == 3
+    )
     assert f"{p.best.step_time:.4g}" in lines[2]
 
 
@@ -51,7 +53,7 @@ def test_planned_axes_are_the_ones_train_accepts():
 
 def test_fewer_devices_when_the_batch_does_not_divide_the_free_ones():
     m = load_config(None, ["model=llama-1b"]).model
-    busy = [f"{n}:*" for n in range(5)]           # 3 nodes (24 devices) stay free
+    busy = [f"{n}:*" for n in range(5)]  # 3 nodes (24 devices) stay free
     p = plan(m, "h100x64", batch_size=32, seq_len=2048, busy=busy)
     assert p.cluster.n_devices == 16 and p.best.strategy.n_devices == 16
     assert set(p.cluster.devices) <= set(range(40, 64))
@@ -63,9 +65,17 @@ def test_mesh_auto_makes_the_trainer_use_the_plan(tmp_path):
     from jaxdist.resolve import resolve
     from jaxdist.train.trainer import Trainer
 
-    overrides = ["model=tiny", "mesh=auto", "train.batch_size=16", "train.seq_len=64", "train.progress=false",
-                 "checkpoint.enabled=false", "train.tensorboard=false", "data.max_bytes=100000",
-                 f"train.runs_dir={tmp_path}"]
+    overrides = [
+        "model=tiny",
+        "mesh=auto",
+        "train.batch_size=16",
+        "train.seq_len=64",
+        "train.progress=false",
+        "checkpoint.enabled=false",
+        "train.tensorboard=false",
+        "data.max_bytes=100000",
+        f"train.runs_dir={tmp_path}",
+    ]
     cfg = load_config(None, overrides)
     expected = plan(cfg.model, "cpu-8", batch_size=16, seq_len=64).best.strategy
     with Trainer(resolve(cfg, jax.devices())) as trainer:
@@ -81,13 +91,28 @@ def _env(tmp_path):
 
 
 def jaxdist(*args, cwd, timeout=120):
-    return subprocess.run([sys.executable, "-m", "jaxdist.cli", *args], cwd=cwd, env=_env(cwd),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "jaxdist.cli", *args],
+        cwd=cwd,
+        env=_env(cwd),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_cli_plans_llama_70b_and_writes_its_config(tmp_path):
-    out = jaxdist("plan", "--model", "llama-70b", "--cluster", str(REPO / "meshes" / "h100x64.toml"),
-                  "train.batch_size=64", "--out", "p70.toml", cwd=tmp_path)
+    out = jaxdist(
+        "plan",
+        "--model",
+        "llama-70b",
+        "--cluster",
+        str(REPO / "meshes" / "h100x64.toml"),
+        "train.batch_size=64",
+        "--out",
+        "p70.toml",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "dominated by" in out.stdout and "chosen:" in out.stdout and "wrote p70.toml" in out.stdout
     plan_cfg = tomllib.loads((tmp_path / "p70.toml").read_text())
@@ -96,20 +121,40 @@ def test_cli_plans_llama_70b_and_writes_its_config(tmp_path):
 
 
 def test_cli_too_large_is_a_one_sentence_error(tmp_path):
-    out = jaxdist("plan", "--model", "llama-70b", "--cluster", "h100x8", "train.batch_size=8",
-                  "train.seq_len=4096", cwd=tmp_path)
+    out = jaxdist(
+        "plan", "--model", "llama-70b", "--cluster", "h100x8", "train.batch_size=8", "train.seq_len=4096", cwd=tmp_path
+    )
     err = out.stderr.strip()
     assert out.returncode == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("jaxdist: model 'llama-70b'") and "GiB per device" in err
 
 
 def test_cli_plan_then_train_runs_the_planned_config(tmp_path):
-    out = jaxdist("plan", "model=tiny", "--cluster", "cpu-8", "train.batch_size=16", "train.seq_len=32",
-                  "--out", "tiny.toml", cwd=tmp_path)
+    out = jaxdist(
+        "plan",
+        "model=tiny",
+        "--cluster",
+        "cpu-8",
+        "train.batch_size=16",
+        "train.seq_len=32",
+        "--out",
+        "tiny.toml",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     planned = load_config(tmp_path / "tiny.toml")
-    run = jaxdist("train", "--config", "tiny.toml", "train.steps=2", "train.progress=false",
-                  "checkpoint.enabled=false", "data.max_bytes=300000", "train.name=planned", cwd=tmp_path, timeout=240)
+    run = jaxdist(
+        "train",
+        "--config",
+        "tiny.toml",
+        "train.steps=2",
+        "train.progress=false",
+        "checkpoint.enabled=false",
+        "data.max_bytes=300000",
+        "train.name=planned",
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     shape = " ".join(f"{a}={n}" for a, n in planned.mesh.sizes().items() if n != 1)
     assert f"mesh {shape} (8 devices" in run.stderr

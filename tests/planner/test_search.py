@@ -21,16 +21,32 @@ def no_saved_calibration(tmp_path, monkeypatch):
 
 def random_case(rng: random.Random):
     heads = rng.choice([8, 16, 32, 64])
-    model = ModelConfig(preset="random", vocab_size=rng.choice([32000, 50304, 128256]), d_model=heads * 128,
-                        n_layers=rng.choice([8, 12, 16, 24, 32, 48]), n_heads=heads,
-                        n_kv_heads=rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0]), head_dim=128,
-                        d_ff=heads * 128 * rng.choice([3, 4]), max_seq_len=4096, dtype="bfloat16")
+    model = ModelConfig(
+        preset="random",
+        vocab_size=rng.choice([32000, 50304, 128256]),
+        d_model=heads * 128,
+        n_layers=rng.choice([8, 12, 16, 24, 32, 48]),
+        n_heads=heads,
+        n_kv_heads=rng.choice([h for h in (1, 2, 4, 8) if heads % h == 0]),
+        head_dim=128,
+        d_ff=heads * 128 * rng.choice([3, 4]),
+        max_seq_len=4096,
+        dtype="bfloat16",
+    )
     per_node, nodes = rng.choice([4, 8]), rng.choice([2, 4, 8, 16])
-    spec = ClusterSpec(name="random", device_kind="gpu", nodes=nodes, devices_per_node=per_node,
-                       memory_bytes=rng.choice([40, 80, 141]) * 10**9, peak_flops_bf16=989e12, peak_flops_fp32=67e12,
-                       intra_node_bandwidth=rng.choice([150e9, 450e9]),
-                       inter_node_bandwidth=rng.choice([12.5e9, 25e9, 50e9]),
-                       intra_node_latency=3e-6, inter_node_latency=1e-5)
+    spec = ClusterSpec(
+        name="random",
+        device_kind="gpu",
+        nodes=nodes,
+        devices_per_node=per_node,
+        memory_bytes=rng.choice([40, 80, 141]) * 10**9,
+        peak_flops_bf16=989e12,
+        peak_flops_fp32=67e12,
+        intra_node_bandwidth=rng.choice([150e9, 450e9]),
+        inter_node_bandwidth=rng.choice([12.5e9, 25e9, 50e9]),
+        intra_node_latency=3e-6,
+        inter_node_latency=1e-5,
+    )
     return model, spec, nodes * per_node * rng.choice([1, 2, 4, 8]), rng.choice([1024, 2048, 4096])
 
 
@@ -52,8 +68,19 @@ def test_search_finds_the_exhaustive_optimum_with_a_tenth_of_the_evaluations():
 
 
 def test_a_96_layer_175b_model_on_1024_gpus_plans_in_under_10_s():
-    gpt3 = ModelConfig(preset="gpt-175b", vocab_size=50304, d_model=12288, n_layers=96, n_heads=96, n_kv_heads=96,
-                       head_dim=128, d_ff=32768, max_seq_len=2048, tie_embeddings=False, dtype="bfloat16")
+    gpt3 = ModelConfig(
+        preset="gpt-175b",
+        vocab_size=50304,
+        d_model=12288,
+        n_layers=96,
+        n_heads=96,
+        n_kv_heads=96,
+        head_dim=128,
+        d_ff=32768,
+        max_seq_len=2048,
+        tie_embeddings=False,
+        dtype="bfloat16",
+    )
     spec = ClusterSpec(**{**load_cluster("h100x64").__dict__, "name": "h100x1024", "nodes": 128})
     t0 = time.perf_counter()
     p = plan(gpt3, spec, batch_size=1536, seq_len=2048, axes=AXES)

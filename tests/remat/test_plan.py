@@ -8,8 +8,16 @@ import pytest
 from jaxdist.config import ConfigError, load_config
 from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import activation_sharding
-from jaxdist.remat import (InfeasibleBudget, budget_range, memory_breakdown, named_policies, plan_remat,
-                           policy_point, profile_block, remat_policy)
+from jaxdist.remat import (
+    InfeasibleBudget,
+    budget_range,
+    memory_breakdown,
+    named_policies,
+    plan_remat,
+    policy_point,
+    profile_block,
+    remat_policy,
+)
 from jaxdist.measure.remat import dominated_by, measure_policies
 from jaxdist.models.arithmetic import param_count
 
@@ -41,14 +49,16 @@ def xla():
 
 def test_predicted_memory_within_10_percent_of_xla(xla):
     memory_plans = {k: p for k, p in xla["plans"].items() if k[0] == "memory"}
-    assert len({p.saved_signatures for p in memory_plans.values()}) == len(MEMORY_BUDGETS)   # five plans
+    assert len({p.saved_signatures for p in memory_plans.values()}) == len(MEMORY_BUDGETS)  # five plans
     for k, plan in memory_plans.items():
-        predicted = plan.activation_bytes - xla["floor"]     # saved beyond the block inputs, all layers
-        measured = xla["points"][k][0]                       # temp bytes minus nothing_saveable's
+        predicted = plan.activation_bytes - xla["floor"]  # saved beyond the block inputs, all layers
+        measured = xla["points"][k][0]  # temp bytes minus nothing_saveable's
         assert abs(predicted - measured) <= 0.10 * measured, (k, predicted, measured)
     everything = policy_point(xla["profile"], "everything", jax.checkpoint_policies.everything_saveable)
-    assert abs(everything.activation_bytes - xla["floor"] - xla["points"]["everything_saveable"][0]) \
+    assert (
+        abs(everything.activation_bytes - xla["floor"] - xla["points"]["everything_saveable"][0])
         <= 0.10 * xla["points"]["everything_saveable"][0]
+    )
 
 
 def _tolerance(points):
@@ -87,8 +97,10 @@ def test_pareto_in_xla_at_ten_budgets():
     plans = {f: plan_remat(profile, lo + f * (hi - lo)) for f in np.linspace(0, 1, 12)[1:-1]}
     named = named_policies()
     m = measure_policies(cfg.model, mesh, B, T, {**{f: p.policy() for f, p in plans.items()}, **named})
-    pts = {k: (c.temp_bytes - m["nothing_saveable"].temp_bytes, c.flops - m["everything_saveable"].flops)
-           for k, c in m.items()}
+    pts = {
+        k: (c.temp_bytes - m["nothing_saveable"].temp_bytes, c.flops - m["everything_saveable"].flops)
+        for k, c in m.items()
+    }
     tol = _tolerance(pts)
     for f in plans:
         assert dominated_by(pts[f], {k: pts[k] for k in named}, tol) is None, f
@@ -100,7 +112,7 @@ def test_gradients_equal_no_remat_gradients():
     from jaxdist.models.transformer import create_abstract, init_params
     from jaxdist.train.step import next_token_loss
 
-    params = jax.jit(lambda: init_params(cfg.model))()   # one compile instead of eager per-op init
+    params = jax.jit(lambda: init_params(cfg.model))()  # one compile instead of eager per-op init
     tokens = jax.random.randint(jax.random.key(0), (8, 33), 0, cfg.model.vocab_size)
     profile = profile_block(cfg.model, 8, 32, dict(mesh.shape), peak_flops=5e10)
     lo, hi = budget_range(profile)
@@ -137,7 +149,7 @@ def test_auto_budget_breakdown_closed_form():
     norms = (2 * m.n_layers + 1) * m.d_model
     params = (param_count(m) - norms) * 4 / 8 + norms * 4
     assert b["parameters"] == pytest.approx(params) and b["optimizer"] == pytest.approx(2 * params)
-    logits = 3 * 4 * 16 * 64 * m.vocab_size / 8   # float32, batch split 8 ways
+    logits = 3 * 4 * 16 * 64 * m.vocab_size / 8  # float32, batch split 8 ways
     blocks = 2 * sum(op.bytes for op in profile.operators if op.needed)
     assert b["working"] == pytest.approx(logits + blocks + 0.1 * 2**30)
     assert b["activations"] == pytest.approx(2**30 - 4 * params - b["working"])
@@ -147,10 +159,12 @@ def test_remat_policy_names():
     cp = jax.checkpoint_policies
     assert remat_policy("none") is None and remat_policy("full") == "full"
     assert remat_policy("dots_saveable") is cp.dots_saveable
-    assert remat_policy("save:attn_out")(jax.ad_checkpoint.checkpoint_name.__globals__["name_p"], None,
-                                          name="attn_out")
-    for bad, msg in (("dotz", "train.remat='dotz' is unknown"), ("save:", "names no checkpoint tags"),
-                     ("auto", "resolve_remat_policy")):
+    assert remat_policy("save:attn_out")(jax.ad_checkpoint.checkpoint_name.__globals__["name_p"], None, name="attn_out")
+    for bad, msg in (
+        ("dotz", "train.remat='dotz' is unknown"),
+        ("save:", "names no checkpoint tags"),
+        ("auto", "resolve_remat_policy"),
+    ):
         with pytest.raises(ConfigError, match=msg):
             remat_policy(bad)
 
@@ -158,17 +172,38 @@ def test_remat_policy_names():
 def test_trainer_with_auto_remat(tmp_path):
     from jaxdist.train.trainer import Trainer
 
-    cfg = load_config(None, ["model=tiny", "train.remat=auto", "train.remat_budget_bytes=3000000",
-                             "train.batch_size=16", "train.seq_len=64", f"train.runs_dir={tmp_path}",
-                             "data.max_bytes=200000", "checkpoint.enabled=false", "train.tensorboard=false"])
+    cfg = load_config(
+        None,
+        [
+            "model=tiny",
+            "train.remat=auto",
+            "train.remat_budget_bytes=3000000",
+            "train.batch_size=16",
+            "train.seq_len=64",
+            f"train.runs_dir={tmp_path}",
+            "data.max_bytes=200000",
+            "checkpoint.enabled=false",
+            "train.tensorboard=false",
+        ],
+    )
     with Trainer(cfg) as trainer:
         plan = trainer.remat_plan
         assert plan is not None and plan.activation_bytes <= 3_000_000
         assert plan.profile.mesh_shape == tuple(sorted(dict(trainer.mesh.shape).items()))
         assert trainer.remat_policy is not None
     with pytest.raises(ConfigError, match="cannot be met"):
-        Trainer(load_config(None, ["model=tiny", "train.remat=auto", "train.remat_budget_bytes=1000",
-                                   f"train.runs_dir={tmp_path}", "checkpoint.enabled=false"]))
+        Trainer(
+            load_config(
+                None,
+                [
+                    "model=tiny",
+                    "train.remat=auto",
+                    "train.remat_budget_bytes=1000",
+                    f"train.runs_dir={tmp_path}",
+                    "checkpoint.enabled=false",
+                ],
+            )
+        )
 
 
 def test_cli_remat_llama_8b(capsys):
@@ -176,8 +211,14 @@ def test_cli_remat_llama_8b(capsys):
 
     assert main(["remat", "--model", "llama-8b", "--mesh", "meshes/h100x8.toml", "--budget", "20GiB"]) == 0
     out = capsys.readouterr().out
-    for text in ("selected (auto)", "dots_with_no_batch_dims_saveable", "save q/k/v projections",
-                 "save attention output projection", "save everything but MLP", "per block:"):
+    for text in (
+        "selected (auto)",
+        "dots_with_no_batch_dims_saveable",
+        "save q/k/v projections",
+        "save attention output projection",
+        "save everything but MLP",
+        "per block:",
+    ):
         assert text in out
     # nothing_saveable keeps only the block inputs: 32 layers x (32 x 128 tokens / 8 devices) x 4096 x bf16
     nothing = next(line for line in out.splitlines() if line.startswith("nothing_saveable"))

@@ -12,10 +12,14 @@ from jaxdist.remat import budget_range, named_policies, plan_remat, profile_bloc
 
 B, T = 4, 32
 CP = jax.checkpoint_policies
-POLICIES = {"everything": CP.everything_saveable, "nothing": CP.nothing_saveable, "dots": CP.dots_saveable,
-            "dots_no_batch": CP.dots_with_no_batch_dims_saveable,
-            "qkv": CP.save_only_these_names("query_proj", "key_proj", "value_proj"),
-            "attn_out": CP.save_only_these_names("attn_out")}
+POLICIES = {
+    "everything": CP.everything_saveable,
+    "nothing": CP.nothing_saveable,
+    "dots": CP.dots_saveable,
+    "dots_no_batch": CP.dots_with_no_batch_dims_saveable,
+    "qkv": CP.save_only_these_names("query_proj", "key_proj", "value_proj"),
+    "attn_out": CP.save_only_these_names("attn_out"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +54,21 @@ def test_predicted_residuals_equal_jax(tiny, profile, name):
 
 
 def test_profile_lists_tags_groups_and_costs(tiny, profile):
-    assert profile.tags == ("attn_norm", "query_proj", "key_proj", "value_proj", "attn_context", "attn_out",
-                            "mlp_norm", "mlp_gate", "mlp_up", "mlp_out")
+    assert profile.tags == (
+        "attn_norm",
+        "query_proj",
+        "key_proj",
+        "value_proj",
+        "attn_context",
+        "attn_out",
+        "mlp_norm",
+        "mlp_gate",
+        "mlp_up",
+        "mlp_out",
+    )
     assert profile.input_bytes == B * T * tiny.d_model * 4
     dots = [op for op in profile.operators if op.primitive == "dot_general" and op.group == "mlp_gate"]
-    assert len(dots) == 1 and dots[0].flops == 2 * B * T * tiny.d_model * tiny.d_ff   # XLA's count, one device
+    assert len(dots) == 1 and dots[0].flops == 2 * B * T * tiny.d_model * tiny.d_ff  # XLA's count, one device
     assert dots[0].time == pytest.approx(dots[0].flops / 5e10)
     assert all(j < op.index for op in profile.operators for j in op.inputs)
     assert "mlp_gate" in profile.table() and "needed" in profile.table().splitlines()[0]
@@ -71,7 +85,7 @@ def test_sharded_bytes_per_device_closed_form(tiny):
     assert by_tag["key_proj"].bytes == 8 * T * kv * hd * 4 // 8
     assert by_tag["mlp_gate"].bytes == 8 * T * f * 4 // 8
     gate_dot = next(op for op in prof.operators if op.primitive == "dot_general" and op.group == "mlp_gate")
-    assert gate_dot.flops == 2 * 8 * T * d * f / 8   # each device does 1/8 of the matmul
+    assert gate_dot.flops == 2 * 8 * T * d * f / 8  # each device does 1/8 of the matmul
 
 
 def test_plan_policy_saves_exactly_the_plan_inside_the_model(tiny):
@@ -92,7 +106,7 @@ def test_plan_policy_saves_exactly_the_plan_inside_the_model(tiny):
 
     def model_saved(policy, constrained=False):
         graphdef, _, _ = create_abstract(cfg, remat_policy=policy)
-        with activation_sharding(mesh if constrained else None):   # the Trainer traces with constraints
+        with activation_sharding(mesh if constrained else None):  # the Trainer traces with constraints
             res = saved_residuals(lambda p: next_token_loss(graphdef, p, tokens), params)
         return sum(_nbytes(a) for a, src in res if "argument" not in src)
 
@@ -101,7 +115,7 @@ def test_plan_policy_saves_exactly_the_plan_inside_the_model(tiny):
         plan = plan_remat(prof, lo + frac * (hi - lo))
         assert model_saved(plan.policy()) - base == pytest.approx(cfg.n_layers * plan.block_bytes, rel=1e-12)
         assert model_saved(plan.policy(), True) - base == pytest.approx(cfg.n_layers * plan.block_bytes, rel=1e-12)
-    for name, policy in list(named_policies().items())[-3:]:   # the save:... recipes
+    for name, policy in list(named_policies().items())[-3:]:  # the save:... recipes
         assert model_saved(policy) - base == pytest.approx(cfg.n_layers * prof.evaluate(policy).bytes, rel=1e-12)
 
 
@@ -118,8 +132,9 @@ def test_moe_group_profile_matches_jax():
     prof = profile_block(cfg, B, T, {}, peak_flops=5e10)
     assert prof.n_layers == cfg.n_layers // cfg.moe.every and prof.tags.count("attn_norm") == 2
     _, abstract, _ = create_abstract(cfg)
-    group = jax.tree.map(lambda v: jnp.ones(v.shape[1:], v.dtype),
-                         jax.eval_shape(lambda s: moe.split_group(s, cfg), abstract["layers"]))
+    group = jax.tree.map(
+        lambda v: jnp.ones(v.shape[1:], v.dtype), jax.eval_shape(lambda s: moe.split_group(s, cfg), abstract["layers"])
+    )
     cos, sin = rotary_tables(jnp.arange(T), cfg.head_dim, cfg.rope_theta)
 
     def body(g, x):

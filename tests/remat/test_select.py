@@ -19,11 +19,11 @@ def _fractions(seed, k):
 def test_evaluate_closed_form():
     # x -> a -> b -> c; the backward pass reads b and c.  Times 1, 2, 4; bytes 10, 20, 40.
     g = OperatorGraph([10, 20, 40], [1, 2, 4], [(), (0,), (1,)], [False, True, True], [0, 1, 2])
-    assert evaluate(g, []).time == 7 and evaluate(g, []).bytes == 0           # recompute a, b, c
-    assert evaluate(g, [2]).time == 3 and evaluate(g, [2]).bytes == 40        # c saved: b needs a
-    assert evaluate(g, [0]).time == 6 and evaluate(g, [0]).bytes == 10        # a saved and used by b
+    assert evaluate(g, []).time == 7 and evaluate(g, []).bytes == 0  # recompute a, b, c
+    assert evaluate(g, [2]).time == 3 and evaluate(g, [2]).bytes == 40  # c saved: b needs a
+    assert evaluate(g, [0]).time == 6 and evaluate(g, [0]).bytes == 10  # a saved and used by b
     ev = evaluate(g, [0, 1, 2])
-    assert ev.time == 0 and ev.bytes == 60                                     # a unused once b is saved
+    assert ev.time == 0 and ev.bytes == 60  # a unused once b is saved
     assert list(ev.saved) == [False, True, True]
 
 
@@ -49,8 +49,10 @@ def test_exact_equals_brute_force_on_20_operators(kind, seed):
 
 
 # 18 larger graphs (with the 12 above: 30 graphs of 20 to 500 operators).
-LARGE = [(k, n, s) for n in (50, 100, 200, 500) for k in ("chain", "branching") for s in range(2)] + \
-        [("branching", 350, 0), ("chain", 350, 0)]
+LARGE = [(k, n, s) for n in (50, 100, 200, 500) for k in ("chain", "branching") for s in range(2)] + [
+    ("branching", 350, 0),
+    ("chain", 350, 0),
+]
 
 
 @pytest.mark.parametrize("kind,n,seed", LARGE)
@@ -63,13 +65,13 @@ def test_selector_within_one_percent_of_the_milp_optimum(kind, n, seed):
     for got in (select(g, b), select_approximate(g, b)):
         assert got.bytes <= b * (1 + 1e-9)
         assert got.time <= opt.time * 1.01 + 1e-15
-        assert got.lower_bound <= opt.time * (1 + 1e-9)   # the bound it reports is a true bound
+        assert got.lower_bound <= opt.time * (1 + 1e-9)  # the bound it reports is a true bound
 
 
 def test_500_operators_select_in_under_a_second():
     g = random_graph(500, "branching", 7)
     b = 0.4 * evaluate(g, range(g.n_units)).bytes
-    t0 = time.process_time()   # CPU time: the machine is shared
+    t0 = time.process_time()  # CPU time: the machine is shared
     sel = select(g, b)
     assert time.process_time() - t0 < 1.0
     assert sel.method.startswith("MILP to 0.5% gap")

@@ -10,11 +10,26 @@ from jaxdist.train.trainer import Trainer
 
 
 def _config(tmp_path, log_every, steps=40, extra=()):
-    return load_config(None, [
-        "model=tiny", f"train.steps={steps}", "train.batch_size=16", "train.seq_len=64", f"train.log_every={log_every}",
-        "train.eval_every=0", "train.eval_batches=1", "train.progress=false", "train.tensorboard=false",
-        "checkpoint.enabled=false", "data.max_bytes=200000", f"train.runs_dir={tmp_path}", "mesh.data=4",
-        "mesh.fsdp=2", *extra])
+    return load_config(
+        None,
+        [
+            "model=tiny",
+            f"train.steps={steps}",
+            "train.batch_size=16",
+            "train.seq_len=64",
+            f"train.log_every={log_every}",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "checkpoint.enabled=false",
+            "data.max_bytes=200000",
+            f"train.runs_dir={tmp_path}",
+            "mesh.data=4",
+            "mesh.fsdp=2",
+            *extra,
+        ],
+    )
 
 
 @pytest.mark.parametrize("log_every", [5, 1])

@@ -33,18 +33,25 @@ STEPS = 8
 SAVE_EVERY = 4
 
 COMMON = [
-    "model=tiny", f"train.steps={STEPS}", "train.seq_len=32", "train.batch_size=16",
-    "data.max_bytes=300000", "train.progress=false", "train.tensorboard=false",
-    f"checkpoint.every={SAVE_EVERY}", "train.log_every=1",
+    "model=tiny",
+    f"train.steps={STEPS}",
+    "train.seq_len=32",
+    "train.batch_size=16",
+    "data.max_bytes=300000",
+    "train.progress=false",
+    "train.tensorboard=false",
+    f"checkpoint.every={SAVE_EVERY}",
+    "train.log_every=1",
     # Every axis of size 2: on 2 processes of 4 devices, data crosses the processes.
-    "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2",
+    "mesh.data=2",
+    "mesh.fsdp=2",
+    "mesh.tensor=2",
 ]
 
 # Variables of the pytest process that must not leak into the children: conftest's
 # XLA_FLAGS (the CLI must derive the device count from mesh.cluster itself) and
 # any multi-process or Slurm setting of the surrounding shell.
-_DROP = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
-         "JAXDIST_HEARTBEAT_TIMEOUT")
+_DROP = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAXDIST_HEARTBEAT_TIMEOUT")
 
 
 def _child_env(**extra: str) -> dict[str, str]:
@@ -79,19 +86,33 @@ def _run(cwd: Path, jobs: list[tuple[str, list[str], dict[str, str]]]) -> dict[s
         for tag, overrides, env in jobs:
             log = cwd / f"{tag}.log"
             with open(log, "w") as f:
-                procs.append((tag, subprocess.Popen(
-                    [sys.executable, "-m", "jaxdist.cli", "train", *COMMON, *overrides],
-                    cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT), log))
+                procs.append(
+                    (
+                        tag,
+                        subprocess.Popen(
+                            [sys.executable, "-m", "jaxdist.cli", "train", *COMMON, *overrides],
+                            cwd=cwd,
+                            env=env,
+                            stdout=f,
+                            stderr=subprocess.STDOUT,
+                        ),
+                        log,
+                    )
+                )
         deadline = time.monotonic() + RUN_TIMEOUT
         for tag, p, log in procs:
             try:
                 rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                others = ", ".join(f"{t}: {'running' if q.poll() is None else f'exit {q.returncode}'}"
-                                   for t, q, _ in procs if q is not p)
-                pytest.fail(f"{tag} still running after {RUN_TIMEOUT} s ({others or 'alone'}); a process "
-                            "waiting in a collective its peers never entered hangs like this. Its log ends:\n"
-                            + _tail(log))
+                others = ", ".join(
+                    f"{t}: {'running' if q.poll() is None else f'exit {q.returncode}'}"
+                    for t, q, _ in procs
+                    if q is not p
+                )
+                pytest.fail(
+                    f"{tag} still running after {RUN_TIMEOUT} s ({others or 'alone'}); a process "
+                    "waiting in a collective its peers never entered hangs like this. Its log ends:\n" + _tail(log)
+                )
             if rc != 0:
                 pytest.fail(f"{tag} exited with {rc}; its log ends:\n" + _tail(log))
     finally:
@@ -139,9 +160,19 @@ def runs(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("multiprocess")
     port = _free_port()
     multi = ["mesh.cluster=cpu-2x4", "train.runs_dir=runs", "train.name=multi"]
-    jobs = [(f"multi.{i}", multi, _child_env(
-        JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(i),
-        JAXDIST_HEARTBEAT_TIMEOUT="10")) for i in range(2)]
+    jobs = [
+        (
+            f"multi.{i}",
+            multi,
+            _child_env(
+                JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                JAX_NUM_PROCESSES="2",
+                JAX_PROCESS_ID=str(i),
+                JAXDIST_HEARTBEAT_TIMEOUT="10",
+            ),
+        )
+        for i in range(2)
+    ]
     # One after the other: on 2 cores, running all three at once is no faster and
     # starves the pair's gloo collectives and heartbeats.
     t0 = time.perf_counter()
@@ -149,8 +180,13 @@ def runs(tmp_path_factory):
     t1 = time.perf_counter()
     logs.update(_run(cwd, [_single("single")]))
     print(f"\n2-process run {t1 - t0:.1f} s, 1-process run {time.perf_counter() - t1:.1f} s")
-    return {"cwd": cwd, "multi": cwd / "runs" / "multi", "single": cwd / "runs" / "single",
-            "multi_log": logs["multi.0"], "single_log": logs["single"]}
+    return {
+        "cwd": cwd,
+        "multi": cwd / "runs" / "multi",
+        "single": cwd / "runs" / "single",
+        "multi_log": logs["multi.0"],
+        "single_log": logs["single"],
+    }
 
 
 def test_the_two_runs_use_the_devices_they_claim(runs):
@@ -179,8 +215,11 @@ def test_two_process_checkpoint_holds_the_same_state(runs, tmp_path):
     from jaxdist.train.trainer import Trainer
 
     assert jax.device_count() == 8
-    cfg = load_config(None, [o for o in COMMON if not o.startswith("checkpoint.")]
-                      + [f"train.runs_dir={tmp_path}", "checkpoint.enabled=false", "mesh.cluster=cpu-8"])
+    cfg = load_config(
+        None,
+        [o for o in COMMON if not o.startswith("checkpoint.")]
+        + [f"train.runs_dir={tmp_path}", "checkpoint.enabled=false", "mesh.cluster=cpu-8"],
+    )
     with Trainer(cfg) as trainer:
         target = trainer.abstract_state()
     multi, meta = RunCheckpointer(runs["multi"] / "checkpoints").restore(target, STEPS)
@@ -188,8 +227,11 @@ def test_two_process_checkpoint_holds_the_same_state(runs, tmp_path):
     assert meta["step"] == STEPS and meta["data"]["position"] == STEPS
     assert meta["config"]["mesh"]["cluster"] == "cpu-2x4"
     assert int(multi["step"]) == STEPS
-    diffs = jax.tree.leaves(jax.tree.map(
-        lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), multi["params"], single["params"]))
+    diffs = jax.tree.leaves(
+        jax.tree.map(
+            lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))), multi["params"], single["params"]
+        )
+    )
     # Observed: at most ~6e-8 (weights ~0.02): the 1-ulp loss differences reach the weights via Adam.
     assert max(diffs) <= 1e-6, max(diffs)
 

@@ -9,12 +9,29 @@ from jaxdist.train.trainer import Trainer
 
 
 def small_config(tmp_path, name, steps, extra=()):
-    return load_config(None, [
-        "model=tiny", f"train.steps={steps}", "train.seq_len=32", "train.batch_size=8",
-        "train.log_every=5", "train.eval_every=0", "train.eval_batches=1", "train.progress=false",
-        "train.tensorboard=false", "checkpoint.every=5", "data.max_bytes=400000",
-        "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.warmup_steps=3",
-        f"train.runs_dir={tmp_path}", f"train.name={name}", *extra])
+    return load_config(
+        None,
+        [
+            "model=tiny",
+            f"train.steps={steps}",
+            "train.seq_len=32",
+            "train.batch_size=8",
+            "train.log_every=5",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "checkpoint.every=5",
+            "data.max_bytes=400000",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.tensor=2",
+            "train.warmup_steps=3",
+            f"train.runs_dir={tmp_path}",
+            f"train.name={name}",
+            *extra,
+        ],
+    )
 
 
 def run(cfg):
@@ -28,7 +45,7 @@ def test_resume_is_bit_identical(tmp_path):
 
     cfg10 = small_config(tmp_path, "split", 20)
     with Trainer(cfg10) as t:
-        t.fit(steps=10)                      # stops after 10 of 20 steps (saves at 5 and 10)
+        t.fit(steps=10)  # stops after 10 of 20 steps (saves at 5 and 10)
         t.checkpointer.wait()
         assert t.checkpointer.latest_step() == 10
     resumed_trainer = Trainer(small_config(tmp_path, "split", 20))

@@ -1,7 +1,6 @@
 """Sharded loss and gradients equal the single-device result (fp32, 1e-5 relative)."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -40,18 +39,24 @@ def sharded_loss_and_grads(cfg, graphdef, names, params, tokens, mesh_overrides,
     t_sh = shard(("batch", "seq"), tokens)
     p = jax.device_put(params, p_sh)
     t = jax.device_put(tokens, t_sh)
-    fn = jax.jit(lambda p, t: loss_and_grads(graphdef, p, t, microbatches),
-                 in_shardings=(p_sh, t_sh), out_shardings=(NamedSharding(mesh, jax.sharding.PartitionSpec()), p_sh))
+    fn = jax.jit(
+        lambda p, t: loss_and_grads(graphdef, p, t, microbatches),
+        in_shardings=(p_sh, t_sh),
+        out_shardings=(NamedSharding(mesh, jax.sharding.PartitionSpec()), p_sh),
+    )
     with activation_sharding(mesh):
         loss, grads = fn(p, t)
     return loss, grads, p_sh
 
 
-@pytest.mark.parametrize("mesh", [
-    ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
-    ["mesh.data=1", "mesh.fsdp=8"],
-    ["mesh.data=2", "mesh.tensor=4"],
-])
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"],
+        ["mesh.data=1", "mesh.fsdp=8"],
+        ["mesh.data=2", "mesh.tensor=4"],
+    ],
+)
 def test_sharded_equals_single_device(reference, mesh):
     cfg, graphdef, names, params, tokens, loss_ref, grads_ref = reference
     loss, grads, p_sh = sharded_loss_and_grads(cfg, graphdef, names, params, tokens, mesh)
@@ -69,8 +74,9 @@ def test_sharded_equals_single_device(reference, mesh):
 
 def test_gradient_accumulation_equals_full_batch(reference):
     cfg, graphdef, names, params, tokens, loss_ref, grads_ref = reference
-    loss, grads, _ = sharded_loss_and_grads(cfg, graphdef, names, params, tokens,
-                                            ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], microbatches=2)
+    loss, grads, _ = sharded_loss_and_grads(
+        cfg, graphdef, names, params, tokens, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], microbatches=2
+    )
     assert rel_err(loss, loss_ref) < 1e-5
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
         assert rel_err(g, r) < 1e-5

@@ -23,8 +23,9 @@ def test_step_equals_optax_clip_then_adamw():
     state, m1 = step(state, tokens)
     state, m2 = step(state, tokens)
 
-    ref_opt = optax.chain(optax.clip_by_global_norm(0.05),
-                          optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask))
+    ref_opt = optax.chain(
+        optax.clip_by_global_norm(0.05), optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_mask)
+    )
     p, s = params, ref_opt.init(params)
     for _ in range(2):
         loss, g = loss_and_grads(graphdef, p, tokens)
@@ -54,8 +55,9 @@ def test_clipping_scales_gradients_like_optax():
 
 
 def test_schedule_warmup_and_cosine_floor():
-    cfg = load_config(None, ["train.steps=100", "train.warmup_steps=10", "train.learning_rate=1e-3",
-                             "train.min_lr_ratio=0.1"]).train
+    cfg = load_config(
+        None, ["train.steps=100", "train.warmup_steps=10", "train.learning_rate=1e-3", "train.min_lr_ratio=0.1"]
+    ).train
     s = learning_rate_schedule(cfg)
     assert float(s(0)) == 0.0 and abs(float(s(10)) - 1e-3) < 1e-9
     assert abs(float(s(100)) - 1e-4) < 1e-9 and float(s(55)) < float(s(20))
