@@ -29,7 +29,7 @@ from jaxdist.config import Config, ConfigError
 from jaxdist.config_checks import is_resolved, validate
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.models import create_abstract, init_params
-from jaxdist.models.arithmetic import train_flops_per_token
+from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.cluster import load_cluster
 from jaxdist.parallel.hlo import dot_operand_types, loop_flops_correction
 from jaxdist.parallel.layout import Parallelism
@@ -51,7 +51,6 @@ from jaxdist.train.callbacks import (
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.optimizer import make_optimizer
 from jaxdist.train.step import init_state, make_eval_step, make_train_step
-from jaxdist.models.arithmetic import param_count
 
 log = logging.getLogger(__name__)
 
