@@ -174,14 +174,15 @@ class BatchList:
         }
 
 
-def _canonical(body: dict) -> bytes:
+def canonical_json(body: dict) -> bytes:
+    """The bytes a batch-list file's checksum is taken over: sorted keys, no spaces, UTF-8."""
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
 def encode(bl: BatchList) -> tuple[bytes, str]:
     """(file bytes, checksum) of a version."""
     body = bl.body()
-    checksum = hashlib.sha256(_canonical(body)).hexdigest()
+    checksum = hashlib.sha256(canonical_json(body)).hexdigest()
     return json.dumps({**body, "checksum": checksum}, sort_keys=True).encode("utf-8") + b"\n", checksum
 
 
@@ -194,7 +195,7 @@ def decode(data: bytes, where: str) -> BatchList:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise ValueError(f"not a {FORMAT} file")
     checksum = doc.pop("checksum", None)
-    if checksum != hashlib.sha256(_canonical(doc)).hexdigest():
+    if checksum != hashlib.sha256(canonical_json(doc)).hexdigest():
         raise ValueError("its checksum does not match its content, so it was altered")
     raw = zlib.decompress(base64.b64decode(doc["order"]))
     if hashlib.sha256(raw).hexdigest() != doc["order_sha256"]:  # the checksum above makes this an internal check

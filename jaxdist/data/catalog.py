@@ -98,10 +98,10 @@ def read_path(path: str | Path, kind: str = "auto", token_dtype: str = "uint16")
         raise ConfigError(f"kind '{kind}' is unknown: use auto, text or tokens.")
     if p.is_dir():
         root = str(p.resolve())
-        entries = _sources._scan(root)
+        entries = _sources.scan_files(root)
         if not entries:
             raise ConfigError(f"directory '{path}' contains no files: put text files in it first.")
-        return "text_dir", _sources._concat(root, list(entries))
+        return "text_dir", _sources.concat_files(root, list(entries))
     if kind == "tokens" or (kind == "auto" and p.suffix in TOKEN_SUFFIXES):
         return "tokens", _token_file(p, token_dtype)
     return "text", _text_file(p)

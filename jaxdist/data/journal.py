@@ -22,7 +22,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from jaxdist.data.batchlist import FORMAT, BatchList, BatchListError, _canonical, decode, encode
+from jaxdist.data.batchlist import FORMAT, BatchList, BatchListError, canonical_json, decode, encode
 
 _VERSION_RE = re.compile(r"^v(\d{6})\.json$")
 
@@ -119,7 +119,7 @@ class Journal:
         self.requests_dir.mkdir(parents=True, exist_ok=True)
         name = f"r{time.time_ns():020d}-{os.getpid()}.json"
         body = {**request, "format": FORMAT + "/request"}
-        doc = {**body, "checksum": hashlib.sha256(_canonical(body)).hexdigest()}
+        doc = {**body, "checksum": hashlib.sha256(canonical_json(body)).hexdigest()}
         atomic_write(self.requests_dir / name, json.dumps(doc, sort_keys=True).encode("utf-8") + b"\n")
         return name
 
@@ -134,7 +134,7 @@ class Journal:
             try:
                 doc = json.loads((self.requests_dir / name).read_text())
                 checksum = doc.pop("checksum")
-                out.append((name, doc if checksum == hashlib.sha256(_canonical(doc)).hexdigest() else None))
+                out.append((name, doc if checksum == hashlib.sha256(canonical_json(doc)).hexdigest() else None))
             except (OSError, ValueError, KeyError):
                 out.append((name, None))
         return out

@@ -118,14 +118,14 @@ def write_token_file(path: str | Path, ids, dtype: str = "uint16") -> Path:
 
 # (relative posix path, size in bytes, mtime in ns); the mtime makes the read
 # cache notice a file rewritten in place.
-_Entry = tuple[str, int, int]
+FileEntry = tuple[str, int, int]
 
 
-def _scan(
+def scan_files(
     root: str, *, suffix: str = "", skip_dirs: frozenset = frozenset(), ignore_errors: bool = False
-) -> tuple[_Entry, ...]:
+) -> tuple[FileEntry, ...]:
     """Regular files under ``root`` (recursively, symlinked dirs not followed), sorted by relative path."""
-    out: list[_Entry] = []
+    out: list[FileEntry] = []
     stack = [root]
     prefix = len(root.rstrip(os.sep)) + 1
     while stack:
@@ -150,9 +150,9 @@ def _scan(
 
 
 @functools.lru_cache(maxsize=2)
-def _stdlib_files(root: str) -> tuple[_Entry, ...]:
+def _stdlib_files(root: str) -> tuple[FileEntry, ...]:
     # The stdlib does not change while a process runs; listing it once saves ~0.1 s a call.
-    return _scan(root, suffix=".py", skip_dirs=_STDLIB_SKIP, ignore_errors=True)
+    return scan_files(root, suffix=".py", skip_dirs=_STDLIB_SKIP, ignore_errors=True)
 
 
 def _load_text_dir(cfg: DataConfig) -> TokenSplit:
@@ -161,7 +161,7 @@ def _load_text_dir(cfg: DataConfig) -> TokenSplit:
     root = Path(cfg.path)
     if not root.is_dir():
         raise ConfigError(f"data.path '{root}' is not a directory: point it at a directory of text files.")
-    entries = _scan(str(root.resolve()))
+    entries = scan_files(str(root.resolve()))
     if not entries:
         raise ConfigError(
             f"data.path '{root}' contains no files: add text files to it or point data.path at another directory."
@@ -169,7 +169,7 @@ def _load_text_dir(cfg: DataConfig) -> TokenSplit:
     return _text_split(f"text_dir:{root}", f"data.path '{root}'", str(root.resolve()), entries, cfg)
 
 
-def _text_split(name: str, where: str, root: str, entries: tuple[_Entry, ...], cfg: DataConfig) -> TokenSplit:
+def _text_split(name: str, where: str, root: str, entries: tuple[FileEntry, ...], cfg: DataConfig) -> TokenSplit:
     """Cap, split by file and read; ``where`` names the source in error messages."""
     chosen = _cap(entries, cfg.max_bytes)
     if not chosen:
@@ -187,7 +187,7 @@ def _text_split(name: str, where: str, root: str, entries: tuple[_Entry, ...], c
     return TokenSplit(train=train, eval=eval_, name=name, n_files=len(chosen), n_eval_files=n_eval)
 
 
-def _cap(entries: tuple[_Entry, ...], max_bytes: int) -> tuple[_Entry, ...]:
+def _cap(entries: tuple[FileEntry, ...], max_bytes: int) -> tuple[FileEntry, ...]:
     """The longest prefix (in sorted order) whose sizes sum to at most ``max_bytes`` (0: all)."""
     if max_bytes <= 0:
         return entries
@@ -196,7 +196,7 @@ def _cap(entries: tuple[_Entry, ...], max_bytes: int) -> tuple[_Entry, ...]:
 
 
 @functools.lru_cache(maxsize=4)
-def _read_split(root: str, entries: tuple[_Entry, ...], eval_fraction: float):
+def _read_split(root: str, entries: tuple[FileEntry, ...], eval_fraction: float):
     """(train, eval, n_eval_files): each file's bytes then EOS, in sorted order, per side.
 
     Cached per process because the trainer, evaluator and tests all ask for the
@@ -206,11 +206,11 @@ def _read_split(root: str, entries: tuple[_Entry, ...], eval_fraction: float):
     sides = []
     for want in (False, True):
         picked = [e for e, m in zip(entries, mask) if m == want]
-        sides.append(_concat(root, picked))
+        sides.append(concat_files(root, picked))
     return sides[0], sides[1], int(mask.sum())
 
 
-def _concat(root: str, entries: list[_Entry]) -> np.ndarray:
+def concat_files(root: str, entries: list[FileEntry]) -> np.ndarray:
     """uint16 tokens of the files, each followed by EOS; reads at most each file's listed size."""
     parts, lengths = [], []
     for rel, size, _ in entries:
