@@ -77,11 +77,33 @@ class Trainer:
         # Mesh, logical rules, expert layout (MoE weights on the expert view, mesh.expert_tensor), pipeline plan.
         self.parallelism = Parallelism.build(c, self.devices)
         self.mesh, self.rules = self.parallelism.mesh, self.parallelism.rules
-        # MoE: expert weights live on the expert view of the devices (mesh.expert_tensor).
         self.expert_layout = self.parallelism.expert_layout
         self.is_main = jax.process_index() == 0
         self.run_dir = c.run_dir
 
+        self._build_model()  # remat policy, abstract sharded model, optimizer, state shardings
+        self._build_programs()  # the jitted init, train and eval functions (compiled on first use)
+        self._build_data()  # the source, the batch list at its cursor, the eval batches
+
+        self.tokens_per_step = c.train.batch_size * c.train.seq_len
+        self.flops_per_step = train_flops_per_token(c.model, c.train.seq_len) * self.tokens_per_step
+        self.peak_flops = self.cluster.peak_flops(c.model.dtype) * len(self.devices)  # FLOP/s of all devices
+
+        self.callbacks: list[Callback] = []  # user hooks and callbacks, run after the metrics and the bar
+        self.last_eval: tuple[int, float] | None = None  # (step, eval loss) of the latest evaluation in fit
+        self.state: dict | None = None
+        self._compiled_step = None  # compiled_train_step()
+        self._hardware_flops: float | None = None  # hardware_flops_per_step()
+        self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
+        self._build_checkpoints()  # the persistent tier and the node-local one
+        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.train.tensorboard)
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
+
+    def _build_model(self) -> None:
+        """The remat policy (``auto``: planned on this mesh), the abstract model, optimizer and shardings."""
+        c = self.config
         # train.remat -> policy; "auto" profiles the block on this mesh and plans within the memory budget.
         self.remat_policy, self.remat_plan = resolve_remat_policy(c, dict(self.mesh.shape), self.cluster)
         self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)
@@ -91,6 +113,9 @@ class Trainer:
         self.batch_sharding = self.parallelism.batch_sharding
         self.replicated = self.parallelism.replicated
 
+    def _build_programs(self) -> None:
+        """The jitted init, train and eval functions, the model's sharding bound inside each."""
+        c = self.config
         seed = c.train.seed
         bind = self.parallelism.bind  # the model's sharding is entered inside each jitted function
         self._init_fn = jax.jit(
@@ -118,6 +143,9 @@ class Trainer:
             out_shardings=self.replicated,
         )
 
+    def _build_data(self) -> None:
+        """The data source, the run's batch list (exact order across restarts) and the eval sampler."""
+        c = self.config
         self.data = load_source(c.data)
         # Training batches come in batch-list order (exact across restarts, resizes and additions).
         self.batches = RunBatchList(
@@ -132,16 +160,9 @@ class Trainer:
         )
         self.eval_sampler = eval_sampler(self.data.eval, c.train.seq_len, c.train.batch_size)
 
-        self.tokens_per_step = c.train.batch_size * c.train.seq_len
-        self.flops_per_step = train_flops_per_token(c.model, c.train.seq_len) * self.tokens_per_step
-        self.peak_flops = self.cluster.peak_flops(c.model.dtype) * len(self.devices)  # FLOP/s of all devices
-
-        self.callbacks: list[Callback] = []  # user hooks and callbacks, run after the metrics and the bar
-        self.last_eval: tuple[int, float] | None = None  # (step, eval loss) of the latest evaluation in fit
-        self.state: dict | None = None
-        self._compiled_step = None  # compiled_train_step()
-        self._hardware_flops: float | None = None  # hardware_flops_per_step()
-        self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
+    def _build_checkpoints(self) -> None:
+        """The persistent checkpointer and the node-local tier (None when off)."""
+        c = self.config
         self.checkpointer = (
             RunCheckpointer(self.run_dir / "checkpoints", c.checkpoint.keep, c.checkpoint.asynchronous)
             if c.checkpoint.enabled
@@ -153,10 +174,6 @@ class Trainer:
             self.local = LocalTier(
                 resolve_dir(c.checkpoint.local_dir, f"{c.train.name}-{tag}"), c.checkpoint.local_keep
             )
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.train.tensorboard)
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
 
     # ------------------------------------------------------------------ sharding
 
