@@ -7,6 +7,7 @@ checks itself (``check()``, in :mod:`jaxdist.config_checks`).  No JAX.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import typing
@@ -278,16 +279,19 @@ class Remat:
     """``train.remat`` parsed once: what each scanned block saves for its backward pass.
 
     ``kind``: ``none`` (no recomputation), ``full`` (save nothing but the block
-    input), ``auto`` (the remat selector chooses, jaxdist.remat.policy), ``names``
-    (save the checkpoint_name tags in ``names``) or ``policy`` (the
-    ``jax.checkpoint_policies`` function called ``policy``).  The model's
-    scanned blocks (jaxdist.remat.named.remat_policy) and the pipeline stage
-    (jaxdist.parallel.pipeline_stage.stage_remat_policy) both take this value.
+    input), ``auto`` (the remat selector is to choose), ``selected`` (what it
+    chose: ``plan``, a jaxdist.remat.plan.RematPlan, set by
+    jaxdist.resolve.resolve), ``names`` (save the checkpoint_name tags in
+    ``names``) or ``policy`` (the ``jax.checkpoint_policies`` function called
+    ``policy``).  The model's scanned blocks (jaxdist.remat.named.remat_policy)
+    and the pipeline stage (jaxdist.parallel.pipeline_stage.stage_remat_policy)
+    both take this value.
     """
 
-    kind: Literal["none", "full", "auto", "names", "policy"]
+    kind: Literal["none", "full", "auto", "selected", "names", "policy"]
     names: tuple[str, ...] = ()
     policy: str = ""
+    plan: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
     def parse(cls, value: str) -> "Remat":
@@ -311,7 +315,9 @@ class Remat:
         return cls("policy", policy=value)
 
     def __str__(self) -> str:
-        return {"names": "save:" + ",".join(self.names), "policy": self.policy}.get(self.kind, self.kind)
+        """The ``train.remat`` spelling (a selection is spelled ``auto``: a resumed run selects again, alike)."""
+        spelled = {"names": "save:" + ",".join(self.names), "policy": self.policy, "selected": "auto"}
+        return spelled.get(self.kind, self.kind)
 
 
 # --------------------------------------------------------------------------- train
@@ -351,8 +357,20 @@ class TrainConfig:
 
     @functools.cached_property
     def remat_spec(self) -> Remat:
-        """``remat`` parsed (once per config; ConfigError if it cannot be parsed)."""
+        """``remat`` parsed (once per config; ConfigError if it cannot be parsed), or, on the copy that
+        :meth:`with_remat_plan` made, what the selector chose for ``auto``."""
         return Remat.parse(self.remat)
+
+    def with_remat_plan(self, plan: Any) -> "TrainConfig":
+        """A copy whose ``remat_spec`` is the remat selector's ``plan`` (``train.remat`` stays ``auto``).
+
+        Set by jaxdist.resolve.resolve; a section replaced later parses ``auto`` again (its batch or mesh may
+        differ), and a resumed run selects again, alike.
+        """
+        assert self.remat == "auto", "only train.remat=auto is resolved to a plan"
+        out = dataclasses.replace(self)
+        out.__dict__["remat_spec"] = Remat("selected", plan=plan)  # the cached parse, settled
+        return out
 
     def check(self) -> None:
         """ConfigError (one sentence) for train settings that cannot work by themselves."""

@@ -4,26 +4,33 @@
     with Trainer(cfg) as trainer: ...
 
 ``mesh=auto`` becomes the planner's mesh sizes, microbatches and remat
-(:func:`jaxdist.planner.plan.resolve_auto`); the device-dependent checks
-(mesh product, batch divisibility) run here.  The Trainer takes the resolved
-config as it is: it plans nothing.  ``jaxdist train``, the notebooks and the
-Python API all come through here.
+(:func:`jaxdist.planner.plan.resolve_auto`); ``train.remat=auto`` becomes the
+remat selector's plan for this mesh and budget
+(:func:`jaxdist.remat.policy.resolve_remat_policy`, the plan in
+``train.remat_spec``); the device-dependent checks (mesh product, batch
+divisibility) run here.  The Trainer takes the resolved config as it is: it
+plans nothing.  ``jaxdist train``, the notebooks and the Python API all come
+through here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Sequence
 
+from jaxdist.cluster import load_cluster
 from jaxdist.config import Config
 from jaxdist.config_checks import mark_resolved, validate, validate_devices
 from jaxdist.planner.plan import resolve_auto
+from jaxdist.remat.policy import resolve_remat_policy
 
 log = logging.getLogger(__name__)
 
 
 def resolve(config: Config, devices: Sequence[Any]) -> Config:
-    """``config`` with ``mesh.auto`` settled for ``devices`` (the global devices of the job), validated for them.
+    """``config`` with ``mesh.auto`` and ``train.remat=auto`` settled for ``devices`` (the global devices of the
+    job), validated for them.
 
     Raises ConfigError (one sentence) when the config cannot run on these devices.
     """
@@ -32,5 +39,9 @@ def resolve(config: Config, devices: Sequence[Any]) -> Config:
         validate(config)  # a new config: the planner's choices meet every rule
         log.info("planned mesh: %s", " ".join(f"{a}={n}" for a, n in config.mesh.sizes().items()))
     validate_devices(config, len(devices))
+    if config.train.remat_spec.kind == "auto":  # every process computes the same plan (FLOPs over peak)
+        _, plan = resolve_remat_policy(config, config.mesh.resolved(len(devices)), load_cluster(config.mesh.cluster))
+        config = dataclasses.replace(config, train=config.train.with_remat_plan(plan))
+        log.info("remat plan: %s", plan.describe())
     mark_resolved(config, len(devices))
     return config

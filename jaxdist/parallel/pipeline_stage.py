@@ -55,7 +55,7 @@ def stage_remat_policy(remat: str | Remat, chunks: int = 1) -> Callable:
         names = list(spec.names)
     else:
         policy = getattr(cp, spec.policy, None)
-        if spec.kind == "auto" or policy is None or not callable(policy):
+        if spec.kind in ("auto", "selected") or policy is None or not callable(policy):
             raise ValueError(
                 f"remat policy '{spec}' is unknown: use none, full, save:NAME[,NAME] or a jax.checkpoint_policies name."
             )

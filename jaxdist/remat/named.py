@@ -37,6 +37,8 @@ def remat_policy(remat: str | Remat) -> Any:
         return "full"
     if spec.kind == "names":
         return jax.checkpoint_policies.save_only_these_names(*spec.names)
+    if spec.kind == "selected":  # what the selector chose for auto (jaxdist.resolve.resolve)
+        return spec.plan.policy()
     policy = getattr(jax.checkpoint_policies, spec.policy, None)
     if spec.kind == "auto" or policy is None or not callable(policy):
         hint = " (auto is resolved with the model and mesh: call resolve_remat_policy)" if spec.kind == "auto" else ""

@@ -34,7 +34,7 @@ from jaxdist.cluster import load_cluster
 from jaxdist.parallel.hlo import dot_operand_types, loop_flops_correction
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh
-from jaxdist.remat.policy import resolve_remat_policy
+from jaxdist.remat.named import remat_policy
 from jaxdist.train.callbacks import (
     Callback,
     Evaluate,
@@ -102,10 +102,15 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
 
     def _build_model(self) -> None:
-        """The remat policy (``auto``: planned on this mesh), the abstract model, optimizer and shardings."""
+        """The remat policy (``auto``: the plan resolve() selected), the abstract model, optimizer and shardings."""
         c = self.config
-        # train.remat -> policy; "auto" profiles the block on this mesh and plans within the memory budget.
-        self.remat_policy, self.remat_plan = resolve_remat_policy(c, dict(self.mesh.shape), self.cluster)
+        remat = c.train.remat_spec  # parsed once; "auto" was settled to the selector's plan by resolve()
+        if remat.kind == "auto":
+            raise ConfigError(
+                "train.remat=auto is settled before the Trainer is built: pass "
+                "jaxdist.resolve.resolve(config, devices) to Trainer."
+            )
+        self.remat_policy, self.remat_plan = remat_policy(remat), remat.plan
         self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)
         self.param_shardings = self.parallelism.param_shardings(names, abstract_params)
         self.optimizer, self.schedule = make_optimizer(c.train)

@@ -170,6 +170,7 @@ def test_remat_policy_names():
 
 
 def test_trainer_with_auto_remat(tmp_path):
+    from jaxdist.resolve import resolve
     from jaxdist.train.trainer import Trainer
 
     cfg = load_config(
@@ -186,22 +187,25 @@ def test_trainer_with_auto_remat(tmp_path):
             "train.tensorboard=false",
         ],
     )
-    with Trainer(cfg) as trainer:
+    with Trainer(resolve(cfg, jax.devices())) as trainer:
         plan = trainer.remat_plan
         assert plan is not None and plan.activation_bytes <= 3_000_000
         assert plan.profile.mesh_shape == tuple(sorted(dict(trainer.mesh.shape).items()))
         assert trainer.remat_policy is not None
     with pytest.raises(ConfigError, match="cannot be met"):
         Trainer(
-            load_config(
-                None,
-                [
-                    "model=tiny",
-                    "train.remat=auto",
-                    "train.remat_budget_bytes=1000",
-                    f"train.runs_dir={tmp_path}",
-                    "checkpoint.enabled=false",
-                ],
+            resolve(
+                load_config(
+                    None,
+                    [
+                        "model=tiny",
+                        "train.remat=auto",
+                        "train.remat_budget_bytes=1000",
+                        f"train.runs_dir={tmp_path}",
+                        "checkpoint.enabled=false",
+                    ],
+                ),
+                jax.devices(),
             )
         )
 

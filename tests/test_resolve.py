@@ -1,0 +1,45 @@
+"""resolve(): mesh=auto and train.remat=auto settled before the Trainer, validated once for the devices."""
+
+import jax
+import pytest
+
+from jaxdist.config import ConfigError, load_config
+from jaxdist.config_checks import is_resolved
+from jaxdist.resolve import resolve
+from jaxdist.train.trainer import Trainer
+
+COMMON = [
+    "model=tiny",
+    "train.batch_size=16",
+    "train.seq_len=64",
+    "checkpoint.enabled=false",
+    "train.tensorboard=false",
+    "train.progress=false",
+    "data.max_bytes=100000",
+]
+
+
+def test_remat_auto_becomes_the_selectors_plan_and_the_trainer_plans_nothing(tmp_path):
+    cfg = load_config(
+        None, COMMON + ["train.remat=auto", "train.remat_budget_bytes=3000000", f"train.runs_dir={tmp_path}"]
+    )
+    resolved = resolve(cfg, jax.devices())
+    spec = resolved.train.remat_spec
+    assert spec.kind == "selected" and spec.plan.activation_bytes <= 3_000_000
+    assert resolved.train.remat == "auto" and str(spec) == "auto"  # config.json says auto; a resume selects again
+    assert resolved == cfg and is_resolved(resolved, len(jax.devices()))
+    assert cfg.train.remat_spec.kind == "auto"  # the input is untouched
+    with Trainer(resolved) as trainer:
+        assert trainer.remat_plan is spec.plan
+    with pytest.raises(ConfigError, match="train.remat=auto is settled before the Trainer is built"):
+        Trainer(cfg)
+
+
+def test_mesh_auto_must_be_resolved_and_devices_are_checked_once(tmp_path):
+    cfg = load_config(None, COMMON + ["mesh=auto", f"train.runs_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match="mesh=auto is settled before the Trainer is built"):
+        Trainer(cfg)
+    resolved = resolve(cfg, jax.devices())
+    assert resolved.mesh.auto is False and is_resolved(resolved, 8) and not is_resolved(resolved, 4)
+    with pytest.raises(ConfigError, match="is not divisible by the data axes"):
+        resolve(load_config(None, COMMON + ["train.batch_size=12", f"train.runs_dir={tmp_path}"]), jax.devices())
