@@ -1,0 +1,241 @@
+"""The generation cluster's network channel: ZeroMQ with CURVE encryption and peer authentication.
+
+Generation workers talk to two servers: the dispatcher of their generation
+job (tasks out, outcomes back) and the receiver of the training run (shards
+in, acknowledgements back). Both servers are a :class:`Server` (one ROUTER
+socket), the workers' side is a :class:`Client` (a DEALER socket per server).
+
+Two layers keep strangers out:
+
+* **CURVE** (ZeroMQ's own elliptic-curve handshake and encryption). The
+  server's and the clients' key pairs are derived from the job token
+  (:func:`curve_keys`), and the server's ZAP handler admits only the client
+  public key derived from that token. A process without the token cannot
+  finish the handshake, so it can neither send anything nor take a worker's
+  routing identity (a connection that fails the handshake never reaches the
+  ROUTER socket): identities cannot be squatted.
+* **Signed messages**, as on the controller's channel
+  (:class:`jaxdist.controller.protocol.Signer`): the body names its sender
+  and carries an HMAC under the token, a timestamp and a per-process sequence
+  number, so a stale or replayed message is refused too. A message is
+  ``[body, mac, *payload]``; a payload (a shard) is covered by the SHA-256
+  the signed body names, which the receiver checks before anything is
+  written.
+
+A request is answered by one reply carrying the request's ``rid``; the client
+retries (a fresh socket each time, so a reply to an abandoned try is never
+mistaken for the answer) until an answer or its deadline. Every handler is
+therefore written to be idempotent: a retried delivery is recognised and
+acknowledged again, never applied twice.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import json
+import logging
+import secrets
+import time
+from typing import Any, Callable
+
+import zmq
+import zmq.auth.thread
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
+
+from jaxdist.config import ConfigError
+from jaxdist.controller.protocol import Signer, Verifier, check_bind
+
+log = logging.getLogger(__name__)
+
+ZAP_DOMAIN = "jaxdist-gen"
+
+
+def curve_keys(token: str, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CURVE keys of ``role`` ("server" or "client") derived from the job token."""
+    seed = hmac.new(token.encode(), f"jaxdist-gen-curve/{role}".encode(), hashlib.sha256).digest()
+    secret = z85.encode(seed)
+    return zmq.curve_public(secret), secret
+
+
+class _Admit:
+    """ZAP credentials provider: admits the token's client key, counts (and logs, rate-limited) the rest."""
+
+    def __init__(self, allowed: bytes):
+        self.allowed = allowed
+        self.denied = 0
+        self._last_log = 0.0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if hmac.compare_digest(key, self.allowed):
+            return True
+        self.refuse("its CURVE key is not the job token's")
+        return False
+
+    def refuse(self, why: str) -> None:
+        self.denied += 1
+        now = time.monotonic()
+        if now - self._last_log > 5.0:  # a flood of strangers writes one line per 5 s, with the count
+            self._last_log = now
+            log.warning("refused a connection: %s (%d refused so far)", why, self.denied)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (or ``tcp://host:port``) -> (host, port); ConfigError naming the address otherwise."""
+    text = address[len("tcp://") :] if address.startswith("tcp://") else address
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"'{address}' is not an address: write it as host:port, e.g. 127.0.0.1:5601.")
+    return host.strip("[]"), int(port)
+
+
+class Server:
+    """A ROUTER socket behind CURVE; :meth:`serve_once` hands each authentic request to ``handle``.
+
+    ``handle(sender, msg, payload) -> reply`` returns a dict; the server adds
+    the request's ``rid`` and signs it. A request that fails the signature,
+    the age or the replay check is dropped with a logged reason (the sender
+    retries or gives up; nothing was applied).
+    """
+
+    def __init__(self, token: str, name: str, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False):
+        check_bind(host, allow_remote)
+        self.ctx = zmq.Context()
+        self.auth = zmq.auth.thread.ThreadAuthenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
+        self.auth.start()
+        self.admit = _Admit(curve_keys(token, "client")[0])
+        self.auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self.admit)
+        public, secret = curve_keys(token, "server")
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client's retry on a new socket takes its identity over
+        self.sock.curve_server = True
+        self.sock.curve_secretkey = secret
+        self.sock.curve_publickey = public
+        self.sock.zap_domain = ZAP_DOMAIN.encode()
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 31)
+        if ":" in host:
+            self.sock.setsockopt(zmq.IPV6, 1)
+        host_part = f"[{host}]" if ":" in host else host
+        if port:
+            try:
+                self.sock.bind(f"tcp://{host_part}:{port}")
+            except zmq.ZMQError as e:
+                self.close()
+                raise ConfigError(f"cannot listen on {host}:{port} ({e}): choose another port.") from None
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{host_part}")
+        self.host, self.port = host, port
+        self.signer = Signer(token, name)
+        self.verifier = Verifier(token)
+        # A handshake that fails (no CURVE, or keys not from the token) never reaches the socket: count it here.
+        self.monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        )
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def serve_once(self, handle: Callable[[str, dict, bytes | None], dict], timeout_s: float) -> bool:
+        """Answer at most one request within ``timeout_s``; True if one was answered."""
+        events = dict(self.poller.poll(int(timeout_s * 1000)))
+        if self.monitor in events:
+            recv_monitor_message(self.monitor)
+            self.admit.refuse("its CURVE handshake failed (no encryption, or keys not from the job token)")
+        if self.sock not in events:
+            return False
+        frames = self.sock.recv_multipart()
+        ident, rest = frames[0], frames[1:]
+        peer = ident.decode(errors="replace")
+        msg = self.verifier.check(rest[:2], peer=peer)
+        if msg is None:
+            return False
+        if msg.get("sender") != peer:  # the signed name must be the identity it routes under
+            log.warning("rejected a message from %s: it is signed as %r", peer, msg.get("sender"))
+            return False
+        payload = rest[2] if len(rest) > 2 else None
+        try:
+            reply = handle(peer, msg, payload)
+        except ConfigError as e:
+            reply = {"ok": False, "refused": str(e)}
+        self.sock.send_multipart([ident, *self.signer.frames({**reply, "rid": msg.get("rid")})])
+        return True
+
+    def close(self) -> None:
+        if getattr(self, "monitor", None) is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+        if getattr(self, "sock", None) is not None:
+            self.sock.close(0)
+        self.auth.stop()
+        self.ctx.term()
+
+
+class Client:
+    """Requests to one :class:`Server`, under the routing identity ``name`` (retried to a deadline)."""
+
+    def __init__(self, token: str, name: str, address: str):
+        self.host, self.port = split_address(address)
+        self.token, self.name = token, name
+        self.ctx = zmq.Context()
+        self.signer = Signer(token, name)
+        self.verifier = Verifier(token)
+        self._server_key = curve_keys(token, "server")[0]
+        self._public, self._secret = curve_keys(token, "client")
+        self._rids = itertools.count(1)
+        self._nonce = secrets.token_hex(4)
+        self.sock: zmq.Socket | None = None
+
+    def _connect(self) -> zmq.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, self.name.encode())
+        s.curve_serverkey = self._server_key
+        s.curve_publickey = self._public
+        s.curve_secretkey = self._secret
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if ":" in self.host:
+            s.setsockopt(zmq.IPV6, 1)
+        s.connect(f"tcp://{host}:{self.port}")
+        return s
+
+    def request(
+        self, msg: dict[str, Any], payload: bytes | None = None, deadline_s: float = 60.0, try_s: float = 5.0
+    ) -> dict[str, Any] | None:
+        """Send ``msg`` (and ``payload``) until a reply comes; the reply, or None at the deadline."""
+        rid = f"{self._nonce}-{next(self._rids)}"
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end:
+            if self.sock is None:
+                self.sock = self._connect()
+            frames = self.signer.frames({**msg, "rid": rid})
+            self.sock.send_multipart(frames + ([payload] if payload is not None else []))
+            wait_until = min(end, time.monotonic() + try_s)
+            while (left := wait_until - time.monotonic()) > 0:
+                if not self.sock.poll(int(left * 1000)):
+                    break
+                reply = self.verifier.check(self.sock.recv_multipart()[:2], peer="server")
+                if reply is not None and reply.get("rid") == rid:
+                    return reply
+            self.sock.close(0)  # a reply to this try, if late, lands on a closed socket
+            self.sock = None
+        return None
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(0)
+        self.ctx.term()
+
+
+def digest(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+def dumps(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))

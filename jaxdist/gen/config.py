@@ -1,0 +1,151 @@
+"""The configuration of a generation job: ``gen.toml``'s ``[gen]`` table and ``key=value`` overrides.
+
+Example::
+
+    [gen]
+    name = "distill"                 # the job's name: part of every task key
+    samples = "prompts.jsonl"        # the sample set (see jaxdist/gen/tasks.py)
+    task_size = 8                    # samples per task (one shard per task)
+    function = "sampler"             # or "package.module:function"
+    workers = 2                      # worker processes on this machine
+    deliver_to = "127.0.0.1:5601"    # the training run's receiver (jaxdist gen receive RUN_DIR)
+    run = "runs/student"             # the training run (its token; optional with token_file)
+
+    [gen.sampler]                    # with function = "sampler"
+    run = "runs/teacher"             # the checkpointed run whose model generates
+    max_new_tokens = 64
+    temperature = 0.8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jaxdist.config import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    run: str = ""
+    step: int = 0  # 0: the newest checkpoint
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class GenConfig:
+    name: str = "gen"
+    samples: str = ""
+    task_size: int = 8
+    function: str = "sampler"
+    workers: int = 2
+    deliver_to: str = ""
+    run: str = ""  # the training run: its gen/token authenticates the workers
+    token_file: str = ""  # or the token's file (default: $JAXDIST_JOB_TOKEN, then <run>/gen/token)
+    state_dir: str = ""  # default gen-state/<name>
+    bind: str = "127.0.0.1"  # where the dispatcher listens (workers on other hosts: their address)
+    lease_s: float = 600.0  # a task not finished this long after it was handed out goes to another worker
+    max_restarts: int = 4  # worker processes restarted after dying, in all
+    deliver_timeout_s: float = 600.0  # how long a worker retries a delivery the receiver does not acknowledge
+    sampler: SamplerSpec = field(default_factory=SamplerSpec)
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_dir or f"gen-state/{self.name}")
+
+    def check(self) -> "GenConfig":
+        if not self.samples:
+            raise ConfigError("gen.samples is not set: name the file or directory of samples to generate from.")
+        if not self.deliver_to:
+            raise ConfigError(
+                "gen.deliver_to is not set: give the training run's receiver address "
+                "(jaxdist gen receive RUN_DIR prints it)."
+            )
+        if self.task_size < 1:
+            raise ConfigError(f"gen.task_size must be at least 1 (got {self.task_size}): set the samples per task.")
+        if self.workers < 1:
+            raise ConfigError(f"gen.workers must be at least 1 (got {self.workers}).")
+        if not self.name or any(c in self.name for c in "/:\\") or ".." in self.name:
+            raise ConfigError(f"gen.name {self.name!r} must be a plain name (no '/', ':' or '..').")
+        if self.function == "sampler":
+            if not self.sampler.run:
+                raise ConfigError("gen.function is 'sampler' but gen.sampler.run is not set: name the teacher's run.")
+        elif ":" not in self.function:
+            raise ConfigError(
+                f"gen.function {self.function!r} is neither 'sampler' nor 'module:function': "
+                "name a Python function, e.g. mypkg.filters:clean."
+            )
+        if not (self.run or self.token_file or os.environ.get("JAXDIST_JOB_TOKEN")):
+            raise ConfigError(
+                "no token for the receiver: set gen.run to the training run (its gen/token), "
+                "gen.token_file, or $JAXDIST_JOB_TOKEN."
+            )
+        return self
+
+    def token(self) -> str:
+        if os.environ.get("JAXDIST_JOB_TOKEN"):
+            return os.environ["JAXDIST_JOB_TOKEN"]
+        path = Path(self.token_file) if self.token_file else Path(self.run) / "gen" / "token"
+        try:
+            return path.read_text().strip()
+        except OSError:
+            raise ConfigError(
+                f"cannot read the token {path}: start the run's receiver first (it writes it) or set gen.token_file."
+            ) from None
+
+
+def _coerce(value: str, like: Any, key: str) -> Any:
+    if isinstance(like, bool):
+        if value.lower() in ("true", "1", "yes"):
+            return True
+        if value.lower() in ("false", "0", "no"):
+            return False
+    else:
+        try:
+            return type(like)(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"gen.{key}={value!r} is not a {type(like).__name__}: give one.")
+
+
+def load_gen_config(path: str | None, overrides: list[str] = ()) -> GenConfig:
+    """``[gen]`` of ``path`` (may be None) with ``key=value`` overrides (``sampler.temperature=0.7``)."""
+    table: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"the config file '{p}' does not exist (or is a directory): name a TOML file.")
+        try:
+            table = tomllib.loads(p.read_text()).get("gen", {})
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{p} is not valid TOML ({e}): fix the file.") from None
+    sampler = dict(table.pop("sampler", {}))
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        key = key.removeprefix("gen.")
+        if not sep:
+            raise ConfigError(f"override {o!r} is not key=value: write e.g. workers=2.")
+        target, name, like = (
+            (sampler, key[len("sampler.") :], SamplerSpec())
+            if key.startswith("sampler.")
+            else (table, key, GenConfig())
+        )
+        if name not in {f.name for f in dataclasses.fields(like)} or name == "sampler":
+            raise ConfigError(f"unknown key gen.{key}: see jaxdist/gen/config.py for the keys.")
+        target[name] = _coerce(value, getattr(like, name), key)
+    for t, cls, prefix in ((table, GenConfig, ""), (sampler, SamplerSpec, "sampler.")):
+        unknown = set(t) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown key gen.{prefix}{sorted(unknown)[0]}: see jaxdist/gen/config.py for the keys.")
+    try:
+        return GenConfig(**table, sampler=SamplerSpec(**sampler)).check()
+    except TypeError as e:
+        raise ConfigError(f"[gen] has a value of the wrong type ({e}): fix it.") from None

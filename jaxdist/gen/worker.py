@@ -1,0 +1,140 @@
+"""A generation worker: take a task, run the generation function, deliver the shard, report; repeat.
+
+Started by :func:`jaxdist.gen.job.run_job` (``python -m jaxdist.gen.worker``),
+one process per worker. The **generation function** is
+
+* ``"sampler"``: the sampler of ``gen.sampler.run``'s newest (or given)
+  checkpoint continues each sample (prompt + continuation is the output; the
+  seed is ``gen.sampler.seed + task index``, so a task run again gives the
+  same shard);
+* ``"module:function"``: ``function(samples: list[str]) -> list[str] | str``,
+  imported once (a filter, a preprocessing step, a teacher of your own).
+
+The outputs of a task are joined with newlines into one UTF-8 text shard.
+A delivery is retried until the receiver answers (``gen.deliver_timeout_s``);
+only then is the task reported to the dispatcher, so a worker killed at any
+point leaves its task unreported and the dispatcher hands it out again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import time
+from typing import Callable
+
+from jaxdist.config import ConfigError
+from jaxdist.gen.channel import Client, digest
+from jaxdist.gen.config import GenConfig, load_gen_config
+
+log = logging.getLogger("jaxdist.gen.worker")
+
+GenFn = Callable[[list[str], int], list[str] | str]
+
+
+def generation_function(cfg: GenConfig) -> GenFn:
+    """``fn(samples, task_index) -> outputs`` for ``cfg.function``; ConfigError if it cannot be loaded."""
+    if cfg.function == "sampler":
+        from jaxdist.gen.sampler import Sampler
+
+        s = cfg.sampler
+        sampler = Sampler.from_run(s.run, step=s.step or None)
+
+        def sample(samples: list[str], index: int) -> list[str]:
+            out = sampler.generate(
+                samples,
+                max_new_tokens=s.max_new_tokens,
+                temperature=s.temperature,
+                top_k=s.top_k,
+                top_p=s.top_p,
+                seed=s.seed + index,
+            )
+            return [p + c for p, c in zip(samples, out.texts)]
+
+        return sample
+    module, _, name = cfg.function.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(
+            f"gen.function {cfg.function!r} cannot be loaded ({e}): put its module on PYTHONPATH."
+        ) from None
+    return lambda samples, index: fn(samples)
+
+
+def _as_text(out: list[str] | str) -> str:
+    if isinstance(out, str):
+        return out
+    if not isinstance(out, (list, tuple)) or not all(isinstance(x, str) for x in out):
+        raise TypeError(f"the generation function returned {type(out).__name__}, not a str or a list of str")
+    return "\n".join(out)
+
+
+def run_worker(cfg: GenConfig, dispatcher: str, name: str) -> int:
+    token = cfg.token()
+    fn = generation_function(cfg)
+    ident = f"g:{name}"
+    disp, recv = Client(token, ident, dispatcher), Client(token, ident, cfg.deliver_to)
+    try:
+        while True:
+            r = disp.request({"t": "want"}, deadline_s=120.0)
+            if r is None:
+                log.error("worker %s: the dispatcher at %s does not answer; stopping", name, dispatcher)
+                return 3
+            if r["t"] == "exit":
+                return 0
+            if r["t"] == "wait":
+                time.sleep(0.3)
+                continue
+            index, key, samples = int(r["task"]), str(r["key"]), list(r["samples"])
+            t0 = time.monotonic()
+            try:
+                payload = _as_text(fn(samples, index)).encode()
+            except Exception as e:  # the user's function failed on this task: report it, keep working
+                log.exception("worker %s: the generation function failed on task %d", name, index)
+                disp.request({"t": "done", "task": index, "outcome": "failed", "reason": repr(e)})
+                continue
+            gen_s = time.monotonic() - t0
+            ack = recv.request(
+                {"t": "deliver", "key": key, "sha256": digest(payload), "n_bytes": len(payload)},
+                payload,
+                deadline_s=cfg.deliver_timeout_s,
+            )
+            if ack is None:  # the receiver is down: the task goes back, another try later
+                log.warning("worker %s: no acknowledgement for task %d from %s", name, index, cfg.deliver_to)
+                disp.request({"t": "retry", "task": index})
+                continue
+            outcome = {
+                "t": "done",
+                "task": index,
+                "outcome": "delivered" if ack["ok"] else "refused",
+                "duplicate": bool(ack.get("duplicate")),
+                "tokens": int(ack.get("tokens", 0)),
+                "seconds": gen_s,
+                "reason": ack.get("refused"),
+            }
+            disp.request(outcome)
+    finally:
+        disp.close()
+        recv.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(prog="python -m jaxdist.gen.worker")
+    p.add_argument("--config")
+    p.add_argument("--dispatcher", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("overrides", nargs="*")
+    a = p.parse_args(argv)
+    try:
+        return run_worker(load_gen_config(a.config, a.overrides), a.dispatcher, a.name)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
