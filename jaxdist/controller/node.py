@@ -32,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from jaxdist.controller.protocol import TOKEN_ENV, Peer, Signer, Verifier, free_port
+from jaxdist.controller.protocol import TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client, free_port
 
 log = logging.getLogger("jaxdist.controller.node")
 
@@ -100,8 +100,10 @@ class NodeAgent:
         self.controller, self.token, self.interval = controller, token, interval
         self.orphan_timeout = orphan_timeout
         self.peer = Peer(token, controller, f"n:{node}")
+        self.probe_gate = Gate(self.peer.ctx, token)
         self.probe_sock = self.peer.ctx.socket(zmq.ROUTER)
         self.probe_sock.setsockopt(zmq.LINGER, 0)
+        self.probe_gate.serve(self.probe_sock)
         self.probe_port = self.probe_sock.bind_to_random_port(f"tcp://{host}")
         self.probe_signer, self.probe_verifier = Signer(token, f"p:{node}"), Verifier(token)
         self.procs: dict[int, _Proc] = {}
@@ -243,6 +245,7 @@ class NodeAgent:
         for name, where in peers.items():
             s = ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            curve_client(s, self.token)
             s.connect(f"tcp://{where}")
             t0 = time.perf_counter()
             s.send_multipart(signer.frames({"t": "ping", "pad": "x" * nbytes}))
@@ -296,6 +299,7 @@ class NodeAgent:
             self.heartbeat()
             time.sleep(0.05)
             self.probe_sock.close(0)
+            self.probe_gate.stop()
             self.peer.close()
         return 0
 

@@ -6,12 +6,23 @@ DEALER sockets to it, each with a stable identity (``n:<node>`` or
 them again as soon as they send their next heartbeat (ZeroMQ reconnects by
 itself).
 
+Every socket speaks CURVE (ZeroMQ's encrypted, authenticated handshake) with
+key pairs derived from the job token (:func:`curve_keys`); the listening side
+admits only the token's client key (:class:`Gate`). A process without the
+token never completes a handshake, so it cannot send anything nor take an
+agent's routing identity (``n:<node>``) away from it, not even while the
+controller restarts; refused handshakes are counted and logged, rate-limited.
+
 A message is two frames: the JSON body and its HMAC-SHA256 (hex) under the
 job token.  The body carries ``sender``, ``sid`` (a random id per sending
 process), ``seq`` (counting up per sid) and ``ts`` (seconds since the epoch).
 :class:`Verifier` rejects a wrong or missing MAC, a body older than
-``max_age_s`` and a replayed ``(sid, seq)``; every rejection is logged and
-counted.  Nothing here listens beyond loopback unless the caller says so
+``max_age_s`` and a replayed ``(sid, seq)``; every rejection is counted and
+logged (the first few one by one, then a summary line at most every
+``LOG_EVERY_S`` seconds, so a flood cannot fill the disk). A restarted
+controller keeps refusing replays: the highest ``seq`` per ``sid`` is saved
+with its state and restored (:meth:`Verifier.marks`), and messages signed
+before it started are refused (``not_before``).  Nothing here listens beyond loopback unless the caller says so
 (:func:`check_bind`).
 """
 
@@ -30,6 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from jaxdist.config import ConfigError
@@ -40,6 +53,8 @@ log = logging.getLogger(__name__)
 # Seconds a signed message stays acceptable (clock skew between hosts plus queueing).
 MAX_AGE_S = 60.0
 TOKEN_ENV = "JAXDIST_JOB_TOKEN"
+ZAP_DOMAIN = "jaxdist"
+LOG_FIRST, LOG_EVERY_S = 5, 10.0  # rejections logged one by one, then one summary line per LOG_EVERY_S
 
 
 def new_token() -> str:
@@ -59,6 +74,81 @@ def load_or_create_token(path: Path) -> str:
     with os.fdopen(fd, "w") as f:
         f.write(token)
     return token
+
+
+def curve_keys(token: str, role: str) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CURVE keys of ``role`` ("server" or "client") derived from the job token."""
+    seed = hmac.new(token.encode(), f"jaxdist-curve/{role}".encode(), hashlib.sha256).digest()
+    secret = z85.encode(seed)
+    return zmq.curve_public(secret), secret
+
+
+def curve_client(sock: zmq.Socket, token: str) -> None:
+    """Make ``sock`` (not yet connected) a CURVE client holding the token's client keys."""
+    sock.curve_serverkey = curve_keys(token, "server")[0]
+    sock.curve_publickey, sock.curve_secretkey = curve_keys(token, "client")
+
+
+class _RateLimitedLog:
+    """Warnings of refused traffic: the first ``LOG_FIRST`` one by one, then a count every ``LOG_EVERY_S``."""
+
+    def __init__(self, what: str):
+        self.what, self.count, self._logged, self._quiet, self._window = what, 0, 0, 0, 0.0
+
+    def __call__(self, text: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if self._logged < LOG_FIRST:
+            self._logged += 1
+            log.warning("%s %s", self.what, text)
+            self._window = now
+            return
+        self._quiet += 1
+        if now - self._window >= LOG_EVERY_S:
+            log.warning(
+                "%s %d more in the last %.0f s (the latest: %s)", self.what, self._quiet, now - self._window, text
+            )
+            self._quiet, self._window = 0, now
+
+
+class Gate:
+    """The ZAP handler of one ZeroMQ context: CURVE servers on it admit only the token's client key."""
+
+    def __init__(self, ctx: zmq.Context, token: str):
+        self.token = token
+        self._allowed = curve_keys(token, "client")[0]
+        self.refusals = _RateLimitedLog("refused a connection:")
+        self.auth = ThreadAuthenticator(ctx, log=logging.getLogger(__name__ + ".zap"))
+        self.auth.start()
+        self.auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self)
+
+    @property
+    def refused(self) -> int:
+        return self.refusals.count
+
+    def callback(self, domain: str, key: bytes) -> bool:  # called by the ZAP thread for each CURVE handshake
+        if hmac.compare_digest(key, self._allowed):
+            return True
+        self.refusals("its CURVE key is not the job token's")
+        return False
+
+    def handshake_failed(self) -> None:
+        self.refusals("its handshake failed (no CURVE, or keys not from the job token)")
+
+    def serve(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (not yet bound) a CURVE server behind this gate."""
+        public, secret = curve_keys(self.token, "server")
+        sock.curve_server = True
+        sock.curve_secretkey, sock.curve_publickey = secret, public
+        sock.zap_domain = ZAP_DOMAIN.encode()
+
+    def stop(self) -> None:
+        self.auth.stop()
+
+
+HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
 
 
 def check_bind(host: str, allow_remote: bool) -> None:
@@ -110,20 +200,36 @@ class Signer:
 
 @dataclass
 class Verifier:
-    """Checks [body, mac] frames; remembers the highest ``seq`` per ``sid`` to refuse replays."""
+    """Checks [body, mac] frames; remembers the highest ``seq`` per ``sid`` to refuse replays.
+
+    ``not_before``: messages signed (``ts``) before this time are refused: a restarted controller sets it to
+    its start, so nothing captured before the restart is accepted after it. ``marks``: the highest ``seq`` per
+    ``sid`` seen so far (what a restarted process restores with :meth:`restore`).
+    """
 
     token: str
     max_age_s: float = MAX_AGE_S
-    rejected: int = 0
+    not_before: float = 0.0
     _last_seq: dict[str, int] = field(default_factory=dict)
+    _log: _RateLimitedLog = field(default_factory=lambda: _RateLimitedLog("rejected a message from"))
+
+    @property
+    def rejected(self) -> int:
+        return self._log.count
+
+    def marks(self) -> dict[str, int]:
+        return dict(self._last_seq)
+
+    def restore(self, marks: dict[str, int]) -> None:
+        for sid, seq in marks.items():
+            self._last_seq[str(sid)] = max(int(seq), self._last_seq.get(str(sid), 0))
 
     def check(self, frames: list[bytes], peer: str = "?") -> dict[str, Any] | None:
-        """The message, or None (logged as a warning) when it is not authentic, too old or replayed."""
+        """The message, or None (logged, rate-limited) when it is not authentic, too old or replayed."""
         reason = self._reason(frames)
         if isinstance(reason, dict):
             return reason
-        self.rejected += 1
-        log.warning("rejected a message from %s: %s", peer, reason)
+        self._log(f"{peer}: {reason}")
         return None
 
     def _reason(self, frames: list[bytes]) -> dict[str, Any] | str:
@@ -139,6 +245,8 @@ class Verifier:
             return "malformed body"
         if abs(time.time() - ts) > self.max_age_s:
             return f"stale message ({time.time() - ts:.0f} s old)"
+        if ts < self.not_before:
+            return f"signed {self.not_before - ts:.1f} s before this process started (a replay?)"
         if seq <= self._last_seq.get(sid, 0):
             return f"replayed message (seq {seq} from {sid})"
         self._last_seq[sid] = seq
@@ -173,12 +281,15 @@ class Endpoint:
     ):
         check_bind(host, allow_remote)
         self.ctx = zmq.Context()
+        self.gate = Gate(self.ctx, token)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unknown identities: drop silently
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an agent reconnecting takes its identity back at once
         self.sock.setsockopt(zmq.SNDHWM, 1000)
         _zmq_heartbeats(self.sock, interval_s, liveness_s)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.gate.serve(self.sock)
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -210,6 +321,9 @@ class Endpoint:
         events = dict(self.poller.poll(int(timeout_s * 1000)))
         if self.monitor in events:
             ev = recv_monitor_message(self.monitor)
+            if ev["event"] & HANDSHAKE_FAILED:
+                self.gate.handshake_failed()
+                return None
             ident = self._fd_ident.pop(int(ev["value"]), None)
             if ident is not None and ev["event"] == zmq.EVENT_DISCONNECTED:
                 self.connected[ident] = False
@@ -245,6 +359,7 @@ class Endpoint:
         self.sock.disable_monitor()
         self.monitor.close(0)
         self.sock.close(0)
+        self.gate.stop()
         self.ctx.term()
 
 
@@ -268,6 +383,7 @@ class Peer:
         self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         if controller.startswith("["):
             self.sock.setsockopt(zmq.IPV6, 1)
+        curve_client(self.sock, token)
         self.sock.connect(f"tcp://{controller}")
         self.identity = identity
         self.signer = Signer(token, identity)

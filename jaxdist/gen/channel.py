@@ -7,9 +7,10 @@ socket), the workers' side is a :class:`Client` (a DEALER socket per server).
 
 Two layers keep strangers out:
 
-* **CURVE** (ZeroMQ's own elliptic-curve handshake and encryption). The
-  server's and the clients' key pairs are derived from the job token
-  (:func:`curve_keys`), and the server's ZAP handler admits only the client
+* **CURVE** (ZeroMQ's own elliptic-curve handshake and encryption), as on
+  the controller's channel. The server's and the clients' key pairs are
+  derived from the job token (:func:`jaxdist.controller.protocol.curve_keys`),
+  and the server's ZAP handler admits only the client
   public key derived from that token. A process without the token cannot
   finish the handshake, so it can neither send anything nor take a worker's
   routing identity (a connection that fails the handshake never reaches the
@@ -32,7 +33,6 @@ acknowledged again, never applied twice.
 from __future__ import annotations
 
 import hashlib
-import hmac
 import itertools
 import json
 import logging
@@ -41,45 +41,12 @@ import time
 from typing import Any, Callable
 
 import zmq
-import zmq.auth.thread
-from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from jaxdist.config import ConfigError
-from jaxdist.controller.protocol import Signer, Verifier, check_bind
+from jaxdist.controller.protocol import HANDSHAKE_FAILED, Gate, Signer, Verifier, check_bind, curve_client
 
 log = logging.getLogger(__name__)
-
-ZAP_DOMAIN = "jaxdist-gen"
-
-
-def curve_keys(token: str, role: str) -> tuple[bytes, bytes]:
-    """(public, secret) Z85 CURVE keys of ``role`` ("server" or "client") derived from the job token."""
-    seed = hmac.new(token.encode(), f"jaxdist-gen-curve/{role}".encode(), hashlib.sha256).digest()
-    secret = z85.encode(seed)
-    return zmq.curve_public(secret), secret
-
-
-class _Admit:
-    """ZAP credentials provider: admits the token's client key, counts (and logs, rate-limited) the rest."""
-
-    def __init__(self, allowed: bytes):
-        self.allowed = allowed
-        self.denied = 0
-        self._last_log = 0.0
-
-    def callback(self, domain: str, key: bytes) -> bool:
-        if hmac.compare_digest(key, self.allowed):
-            return True
-        self.refuse("its CURVE key is not the job token's")
-        return False
-
-    def refuse(self, why: str) -> None:
-        self.denied += 1
-        now = time.monotonic()
-        if now - self._last_log > 5.0:  # a flood of strangers writes one line per 5 s, with the count
-            self._last_log = now
-            log.warning("refused a connection: %s (%d refused so far)", why, self.denied)
 
 
 def split_address(address: str) -> tuple[str, int]:
@@ -103,18 +70,11 @@ class Server:
     def __init__(self, token: str, name: str, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False):
         check_bind(host, allow_remote)
         self.ctx = zmq.Context()
-        self.auth = zmq.auth.thread.ThreadAuthenticator(self.ctx, log=logging.getLogger(__name__ + ".zap"))
-        self.auth.start()
-        self.admit = _Admit(curve_keys(token, "client")[0])
-        self.auth.configure_curve_callback(domain=ZAP_DOMAIN, credentials_provider=self.admit)
-        public, secret = curve_keys(token, "server")
+        self.gate = Gate(self.ctx, token)
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a client's retry on a new socket takes its identity over
-        self.sock.curve_server = True
-        self.sock.curve_secretkey = secret
-        self.sock.curve_publickey = public
-        self.sock.zap_domain = ZAP_DOMAIN.encode()
+        self.gate.serve(self.sock)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 31)
         if ":" in host:
             self.sock.setsockopt(zmq.IPV6, 1)
@@ -131,9 +91,7 @@ class Server:
         self.signer = Signer(token, name)
         self.verifier = Verifier(token)
         # A handshake that fails (no CURVE, or keys not from the token) never reaches the socket: count it here.
-        self.monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-        )
+        self.monitor = self.sock.get_monitor_socket(HANDSHAKE_FAILED)
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -147,7 +105,7 @@ class Server:
         events = dict(self.poller.poll(int(timeout_s * 1000)))
         if self.monitor in events:
             recv_monitor_message(self.monitor)
-            self.admit.refuse("its CURVE handshake failed (no encryption, or keys not from the job token)")
+            self.gate.handshake_failed()
         if self.sock not in events:
             return False
         frames = self.sock.recv_multipart()
@@ -173,7 +131,7 @@ class Server:
             self.monitor.close(0)
         if getattr(self, "sock", None) is not None:
             self.sock.close(0)
-        self.auth.stop()
+        self.gate.stop()
         self.ctx.term()
 
 
@@ -186,8 +144,6 @@ class Client:
         self.ctx = zmq.Context()
         self.signer = Signer(token, name)
         self.verifier = Verifier(token)
-        self._server_key = curve_keys(token, "server")[0]
-        self._public, self._secret = curve_keys(token, "client")
         self._rids = itertools.count(1)
         self._nonce = secrets.token_hex(4)
         self.sock: zmq.Socket | None = None
@@ -196,9 +152,7 @@ class Client:
         s = self.ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         s.setsockopt(zmq.IDENTITY, self.name.encode())
-        s.curve_serverkey = self._server_key
-        s.curve_publickey = self._public
-        s.curve_secretkey = self._secret
+        curve_client(s, self.token)
         host = f"[{self.host}]" if ":" in self.host else self.host
         if ":" in self.host:
             s.setsockopt(zmq.IPV6, 1)

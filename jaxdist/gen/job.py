@@ -64,9 +64,7 @@ class Dispatcher:
         env = {**os.environ, "JAXDIST_JOB_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
         log_path = self.state / f"{name}.log"
         with open(log_path, "ab") as out:
-            self.procs[name] = subprocess.Popen(
-                [*args, *self.overrides], env=env, stdout=out, stderr=subprocess.STDOUT
-            )
+            self.procs[name] = subprocess.Popen([*args, *self.overrides], env=env, stdout=out, stderr=subprocess.STDOUT)
         self.per_worker.setdefault(name, {"shards": 0, "tokens": 0, "seconds": 0.0, "pid": self.procs[name].pid})
         log.info("worker %s started (pid %d, log %s)", name, self.procs[name].pid, log_path)
 
@@ -221,7 +219,9 @@ def format_status(s: dict[str, Any]) -> str:
         f"workers alive: {', '.join(s['alive']) or 'none'}",
     ]
     for name, w in sorted(s["workers"].items()):
-        lines.append(f"  {name}: {int(w['shards'])} shards, {int(w['tokens']):,} tokens, {w['seconds']:.1f} s generating")
+        lines.append(
+            f"  {name}: {int(w['shards'])} shards, {int(w['tokens']):,} tokens, {w['seconds']:.1f} s generating"
+        )
     r = s.get("run") or {}
     if r:
         lines.append(

@@ -21,7 +21,9 @@ from pathlib import Path
 
 from jaxdist.controller.local import LocalJob
 from jaxdist.controller.policy import lineage
-from jaxdist.controller.protocol import Peer
+import zmq
+
+from jaxdist.controller.protocol import Peer, Signer, curve_client
 from jaxdist.controller.timeline import generations_trained
 
 from .helpers import listening
@@ -135,13 +137,35 @@ def test_failures_hang_and_controller_restart(tmp_path):
             a for pid in [job.controller.pid, *[p.pid for p in job.launcher.procs.values()]] for a in listening(pid)
         ]
 
+        nodes = sorted(set(job.state()["members"].values()))
+        captured = Signer(job.token, f"n:{nodes[0]}").frames({"t": "node_hb", "node": nodes[0], "procs": []})
         job.kill_controller()
+        # while the controller is away, strangers take every agent's identity (plain TCP, and CURVE without
+        # the token's keys): none completes a handshake, so the restarted controller reaches its agents
+        squat_ctx = zmq.Context()
+        for node in nodes:
+            for token in (None, "not-the-job-token"):
+                sq = squat_ctx.socket(zmq.DEALER)
+                sq.setsockopt(zmq.LINGER, 0)
+                sq.setsockopt(zmq.IDENTITY, f"n:{node}".encode())
+                if token:
+                    curve_client(sq, token)
+                sq.connect(f"tcp://{job.endpoint()}")
+                sq.send_multipart(Signer("not-the-job-token", f"n:{node}").frames({"t": "node_hb", "node": node}))
         ckpts = job.run_dir / "checkpoints"
         before = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
         time.sleep(1.5)
         after = max(int(p.name) for p in ckpts.iterdir() if p.name.isdigit())
         job.start_controller()
+        # a message the old controller accepted, replayed to the new one over an authenticated connection
+        replayer = squat_ctx.socket(zmq.DEALER)
+        replayer.setsockopt(zmq.LINGER, 0)
+        replayer.setsockopt(zmq.IDENTITY, b"n:replayer")
+        curve_client(replayer, job.token)
+        replayer.connect(f"tcp://{job.endpoint()}")
+        replayer.send_multipart(captured)
         assert job.wait(120) == 0
+        squat_ctx.destroy(linger=0)
     finally:
         job.close()
 
@@ -172,7 +196,10 @@ def test_failures_hang_and_controller_restart(tmp_path):
     assert events_of(job, "attached")[0]["gen"] == 2
     assert state["rejected_messages"] >= 1 and state["phase"] == "done"
     log = (job.dir / "controller.1.log").read_text()
-    assert "rejected a message from n:intruder: bad signature (wrong job token?)" in log
+    assert "refused a connection: its handshake failed (no CURVE, or keys not from the job token)" in log
+    restarted = (job.dir / "controller.2.log").read_text()
+    assert "refused a connection" in restarted  # the squatters, still trying
+    assert "rejected a message from n:replayer" in restarted and "before this process started" in restarted
     assert ports and all(a.startswith("127.0.0.1:") for a in ports), ports
 
 

@@ -10,7 +10,8 @@ import zmq
 
 from jaxdist.config import ConfigError
 from jaxdist.data import Journal, RunBatchList
-from jaxdist.gen.channel import Client, Server, curve_keys
+from jaxdist.controller.protocol import curve_keys
+from jaxdist.gen.channel import Client, Server
 from jaxdist.gen.config import load_gen_config
 from jaxdist.gen.delivery import Ledger, Receiver, run_status, run_token
 from jaxdist.gen.tasks import TaskBoard, load_samples, make_tasks
@@ -90,7 +91,7 @@ def test_a_stranger_without_the_token_gets_nothing_through(receiver, caplog):
     assert not s.poll(800)
     s.close(0)
     ctx.term()
-    assert receiver.server.admit.denied >= 1 and "refused a connection" in caplog.text
+    assert receiver.server.gate.refused >= 1 and "refused a connection" in caplog.text
     assert Journal(run).pending() == [] and not (run / "gen" / "ledger.jsonl").exists()
     # the right token still works, under an identity a stranger tried to take
     c = Client(run_token(run), "g:w0", receiver.address)
