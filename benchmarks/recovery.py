@@ -86,6 +86,8 @@ def run_mode(cwd: Path, mode: str, args, rng: random.Random) -> list[dict]:
         LONG_JOB_STEPS,
         f"controller.recovery={mode}",
         f"controller.max_failures={args.injections + 1}",
+        f"controller.max_process_failures={args.injections + 1}",
+        "controller.crashed_rank=standby",  # a killed process stands for a lost node: compare the two recoveries
     )
     t0 = time.time()
     try:

@@ -6,6 +6,9 @@
     jaxdist ckpt list|inspect|verify|plan RUN_DIR    checkpoints of a run: steps, contents, checksums, write plan
     jaxdist data show|verify RUN_DIR                 a run's batch list: versions, sources, cursor; checks
     jaxdist data add RUN_DIR PATH...                 mix new data into a run (running or stopped)
+    jaxdist sample RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+                   [--seed S] [--step STEP] [--stop STRING] [KEY=VALUE ...]
+                                                     continue prompts with a run's checkpoint (streamed)
     jaxdist remat [--model M] [--mesh CLUSTER] [--budget 20GiB] [KEY=VALUE ...]
                                                      the remat plan for a block and the named policies beside it
     jaxdist launch [--config FILE] [--print] [KEY=VALUE ...]   controller + node agents (controller.launcher:
@@ -14,6 +17,11 @@
     jaxdist plan [--model M] [--cluster C] [--busy F] [--out plan.toml] [KEY=VALUE ...]
                                                      best mesh / microbatches / remat; writes a train config
     jaxdist calibrate [--cluster C] [--out FILE]     measure the devices' efficiency and links for the planner
+    jaxdist gen [run] --config gen.toml [KEY=VALUE ...]   generation workers: tasks from a sample set, shards
+                                                     delivered to a training run (jaxdist/gen/job.py)
+    jaxdist gen status --config gen.toml             tasks, shards per worker, tokens/s, the run's lag
+    jaxdist gen receive RUN_DIR [--port P]           the training run's side: receive and add shards
+    jaxdist gen profile LOGS... [--out FILE]         models' performance parameters from workers' run logs
     jaxdist pipeline --stages P --microbatches M [--chunks S] [--kind K] [KEY=VALUE ...]
                                                      a pipeline schedule's timeline, bubble, activations in
                                                      flight, and the chunk boundaries for model / train.seq_len
@@ -26,6 +34,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from pathlib import Path
 
 from jaxdist.cli_planner import add_parsers as add_planner_parsers  # plan, calibrate (JAX-free to register)
@@ -153,6 +162,31 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_sample(args) -> int:
+    from jaxdist.gen.sample_config import check_request, run_config  # JAX-free: XLA_FLAGS are set before JAX
+
+    prepare_host_devices(run_config(args.run_dir, args.overrides))  # the run's cluster: its simulated devices
+    check_request(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    from jaxdist.gen.sampler import Sampler, TextStream, describe  # JAX
+
+    sampler = Sampler.from_run(args.run_dir, args.step, args.overrides)
+    print(describe(sampler), file=sys.stderr)
+    prompts = args.prompt or [""]
+    # One prompt: its text printed as it comes; several: each printed whole at the end.
+    stream = TextStream(sampler.tokenizer, sys.stdout, args.stop) if len(prompts) == 1 else None
+    if stream is not None:
+        print(prompts[0], end="", flush=True)
+    results = sampler.generate(
+        prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.stop, on_token=stream
+    )
+    for i, g in enumerate(results):
+        if stream is not None:
+            stream.finish(g.text)
+        else:
+            print(f"--- prompt {i} ({g.finish})\n{g.prompt}{g.text}", flush=True)
+    return 0
+
+
 def cmd_remat(args) -> int:
     overrides = list(args.overrides)
     if args.model:
@@ -199,6 +233,39 @@ def cmd_launch(args) -> int:
 
 def cmd_controller(args) -> int:
     return controller(args.config, args.overrides)
+
+
+def cmd_gen(args) -> int:
+    from jaxdist.gen.config import load_gen_config  # JAX-free: the dispatcher never loads JAX
+
+    words = list(args.words) + list(args.overrides)
+    action = words.pop(0) if words and words[0] in ("run", "status", "receive", "profile") else "run"
+    if action == "profile":
+        from jaxdist.gen.profile import main as profile_main  # JAX-free
+
+        return profile_main(words)
+    logging.getLogger("jaxdist").setLevel(logging.INFO)
+    if action == "receive":
+        from jaxdist.gen.delivery import Receiver
+
+        if not words:
+            raise ConfigError("jaxdist gen receive needs the training run's directory: jaxdist gen receive RUN_DIR.")
+        rec = Receiver(words[0], args.bind, args.port, allow_remote=args.bind != "127.0.0.1")
+        print(f"receiving shards for {words[0]} on {rec.address}", flush=True)
+        try:
+            rec.serve(None if args.for_seconds is None else time.monotonic() + args.for_seconds)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            rec.close()
+        return 0
+    cfg = load_gen_config(args.config, words)
+    from jaxdist.gen.job import format_status, read_status, run_job
+
+    if action == "status":
+        print(format_status(read_status(cfg)))
+        return 0
+    return run_job(cfg, args.config, words)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -254,6 +321,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--full", action="store_true", help="verify: also re-hash every added source (reads all of it)")
     d.set_defaults(fn=cmd_data)
 
+    sa = sub.add_parser("sample", help="continue prompts with a run's checkpoint, on the run's mesh axes")
+    sa.add_argument("run_dir", help="run directory (runs/<train.name>)")
+    sa.add_argument("--prompt", action="append", help="prompt text (repeat for a batch; default: one empty prompt)")
+    sa.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate per prompt (default: 100)")
+    sa.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); higher = more random")
+    sa.add_argument("--top-k", type=int, default=0, help="sample among the K likeliest tokens (0 = all)")
+    sa.add_argument("--top-p", type=float, default=1.0, help="sample among the likeliest tokens of mass P (1 = all)")
+    sa.add_argument("--seed", type=int, default=0, help="seed of the sampling key")
+    sa.add_argument("--step", type=int, help="checkpoint step (default: the newest good one)")
+    sa.add_argument("--stop", action="append", help="end a prompt's text at this string (repeatable)")
+    sa.set_defaults(fn=cmd_sample)
+
     r = sub.add_parser("remat", help="plan remat for a model on a cluster: what to save, what to recompute")
     r.add_argument("--config", help="TOML config file")
     r.add_argument("--model", help="model preset (same as model=NAME)")
@@ -273,6 +352,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kind", choices=PIPELINE_SCHEDULES, help="schedule (default: seq1f1b with chunks, else 1f1b)")
     pl.add_argument("--split", default="cost", choices=("cost", "equal"), help="chunk boundaries: equal cost or tokens")
     pl.set_defaults(fn=cmd_pipeline)
+
+    g = sub.add_parser("gen", help="generation workers feeding a training run: run, status, receive RUN_DIR")
+    g.add_argument(
+        "words", nargs="*", help="[run|status|receive RUN_DIR|profile LOGS...] then KEY=VALUE overrides of [gen]"
+    )
+    g.add_argument("--config", help="TOML file with a [gen] table")
+    g.add_argument("--port", type=int, default=0, help="receive: port to listen on (default: a free one)")
+    g.add_argument("--bind", default="127.0.0.1", help="receive: address to listen on")
+    g.add_argument(
+        "--for-seconds", type=float, help="receive: stop after this many seconds (default: run until killed)"
+    )
+    g.set_defaults(fn=cmd_gen)
 
     add_planner_parsers(sub)
     return p

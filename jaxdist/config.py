@@ -259,10 +259,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     cfg = Config()
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file '{p}' is a directory: pass the TOML file inside it to --config.")
         if not p.is_file():
             raise ConfigError(f"config file '{p}' does not exist: check the path given to --config.")
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file '{p}' is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}): "
+                "save it as UTF-8, as TOML requires."
+            ) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file '{p}' is not valid TOML ({e}): fix the syntax.") from None
         for k, v in _ordered(_flatten(data)):

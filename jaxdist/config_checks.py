@@ -14,6 +14,7 @@ values are read from its field's ``Literal`` type with :func:`choices`.
 
 from __future__ import annotations
 
+import math
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,8 +45,22 @@ def _one_of(values: tuple[str, ...]) -> str:
 
 
 def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1 and localhost (no DNS lookup)."""
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """True for a loopback address (127.0.0.0/8, ::1) or a name that resolves only to loopback addresses.
+
+    ``127.0.0.1.example.com`` is a name, not an address: it counts as loopback only if DNS says so.
+    """
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        addrs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (OSError, UnicodeError):
+        return False  # a name that does not resolve: not known to be loopback
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
 
 
 def check_model(m: ModelConfig) -> None:
@@ -108,6 +123,17 @@ def check_train(t: TrainConfig) -> None:
     for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be positive.")
+    for name in ("learning_rate", "min_lr_ratio", "weight_decay", "b1", "b2", "grad_clip"):
+        if not math.isfinite(getattr(t, name)) or getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be a finite number >= 0.")
+    for name in ("warmup_steps", "schedule_steps", "skip_nonfinite"):
+        if getattr(t, name) < 0:
+            raise ConfigError(f"train.{name}={getattr(t, name)} must be 0 or positive.")
+    if not t.name or "/" in t.name or "\\" in t.name or t.name in (".", ".."):
+        raise ConfigError(
+            f"train.name='{t.name}' is not a plain folder name (no '/', '\\' or '..'): the run lives in "
+            "<train.runs_dir>/<train.name>, so choose a name such as my-run (train.runs_dir says where runs go)."
+        )
     if t.batch_size % t.microbatches:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}: "
@@ -181,9 +207,14 @@ def check_controller(c: ControllerConfig) -> None:
             f"controller.min_nodes={c.min_nodes} and max_nodes={c.max_nodes} are inconsistent: "
             "use min_nodes >= 1 and max_nodes >= min_nodes (or 0)."
         )
-    if c.standbys < 0 or c.warm_spares < 0 or c.max_failures < 1:
+    if c.crashed_rank not in choices(c, "crashed_rank"):
         raise ConfigError(
-            "controller.standbys and controller.warm_spares must be >= 0 and controller.max_failures >= 1."
+            f"controller.crashed_rank='{c.crashed_rank}' is unknown: use {_one_of(choices(c, 'crashed_rank'))}."
+        )
+    if c.standbys < 0 or c.warm_spares < 0 or c.max_failures < 1 or c.max_process_failures < 1:
+        raise ConfigError(
+            "controller.standbys and controller.warm_spares must be >= 0, controller.max_failures and "
+            "controller.max_process_failures >= 1."
         )
     if not c.heartbeat_interval > 0 or not c.heartbeat_timeout >= 2 * c.heartbeat_interval:
         raise ConfigError(
@@ -191,6 +222,8 @@ def check_controller(c: ControllerConfig) -> None:
             f"controller.heartbeat_interval={c.heartbeat_interval} (and the interval positive), "
             "or one late heartbeat fails a healthy worker."
         )
+    if not c.start_grace >= 0:
+        raise ConfigError(f"controller.start_grace={c.start_grace} must be >= 0 seconds.")
     if not (c.progress_timeout > 0 and c.start_timeout > 0 and c.heartbeat_grace >= c.heartbeat_timeout):
         raise ConfigError(
             "controller.progress_timeout and controller.start_timeout must be positive and "

@@ -36,6 +36,7 @@ DataSource = Literal["stdlib", "text_dir", "tokens"]
 TokenDType = Literal["uint16", "uint32"]
 Launcher = Literal["local", "ssh", "slurm", "kubernetes"]
 Recovery = Literal["standby", "requeue"]
+CrashedRank = Literal["same_node", "standby"]
 PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
 
@@ -336,10 +337,18 @@ class TrainConfig:
     learning_rate: float = _f(3e-3, "Peak learning rate of AdamW.")
     warmup_steps: int = _f(30, "Linear warmup steps from 0 to the peak learning rate.")
     min_lr_ratio: float = _f(0.1, "Cosine decay ends at learning_rate * min_lr_ratio.")
+    schedule_steps: int = _f(
+        0,
+        "Length in steps of the learning-rate schedule (warmup, then cosine decay); 0: train.steps when the run starts. The length is recorded in the checkpoints, so a resumed run with another train.steps keeps it (past its end the rate stays at learning_rate * min_lr_ratio) unless this sets a new one.",
+    )
     weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to norms).")
     b1: float = _f(0.9, "AdamW beta1.")
     b2: float = _f(0.95, "AdamW beta2.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 disables).")
+    skip_nonfinite: int = _f(
+        0,
+        "Steps with a non-finite loss or gradient norm to skip (their update is not applied, their batch counts as trained, each is logged) before one more stops the run; a stopped run keeps only checkpoints from before that step. Counted from the process's start.",
+    )
     seed: int = _f(0, "Seed for parameter initialisation and the training RNG.")
     remat: str = _f(
         "none",
@@ -469,7 +478,14 @@ class ControllerConfig:
     )
     launcher: Launcher = _f("local", "Where `jaxdist launch` starts node agents: local, ssh, slurm or kubernetes.")
     hosts_file: str = _f("", "SSH launcher: a file with one host per line.")
-    min_nodes: int = _f(1, "Training starts as soon as this many nodes are ready.")
+    min_nodes: int = _f(
+        1,
+        "Training starts once this many nodes are ready (see start_grace), and goes on with no fewer: after failures it continues on a smaller group the mesh and batch allow, down to this.",
+    )
+    start_grace: float = _f(
+        0.0,
+        "Seconds the start waits, once min_nodes are ready, for more nodes (up to max_nodes) before it starts on what it has.",
+    )
     max_nodes: int = _f(
         0, "Train on at most this many nodes (0: the cluster description's node count); the others wait as standbys."
     )
@@ -488,7 +504,18 @@ class ControllerConfig:
     start_timeout: float = _f(
         900.0, "Seconds a group may take from its assignment to its first step (join, restore, compile)."
     )
-    max_failures: int = _f(2, "A node that failed this many times is not used again.")
+    max_failures: int = _f(
+        2,
+        "A node that was lost (its agent silent) or whose process failed while it was, this many times, is not used again.",
+    )
+    max_process_failures: int = _f(
+        4,
+        "A node whose worker processes crashed or hung this many times while its agent stayed healthy is not used again (counted apart from max_failures).",
+    )
+    crashed_rank: CrashedRank = _f(
+        "same_node",
+        "Where a rank restarts after its process crashed or hung on a healthy node: same_node (a warm process of that node, which holds the rank's local-tier files) or standby (like a lost node).",
+    )
     recovery: Recovery = _f(
         "standby",
         "After a failure: standby (restart the group from warm processes, a standby in the failed rank) or requeue (every process restarted cold, like a requeued job).",

@@ -14,7 +14,8 @@ step, data position, config).  :class:`RunCheckpointer`
 * counts a step only once ``jaxdist_commit.json`` exists (see
   :mod:`~jaxdist.checkpoint.integrity`), sets the leftovers of interrupted
   saves aside when it starts (``<step>.incomplete``; orbax's temporary
-  folders are removed), and keeps the newest ``keep`` committed steps (older
+  folders, and unfinished folders older than the newest committed step, are
+  removed), and keeps the newest ``keep`` committed steps (older
   ones are deleted only after a newer one committed);
 * restores onto any mesh and process count (each process reads what its
   devices need), verifying the files' checksums first and falling back to
@@ -111,9 +112,16 @@ class RunCheckpointer:
             self._sync(key=f"jaxdist_ckpt:{self.directory}:{phase}:{step}:{seq}", timeout_ms=BARRIER_TIMEOUT_S * 1000)
 
     def _remove_unfinished(self) -> None:
-        for f in integrity.scan(self.directory):
+        folders = integrity.scan(self.directory)
+        newest = max((f.step for f in folders if f.state == "committed"), default=None)
+        for f in folders:
             if f.state == "temporary":  # orbax never finished these
                 log.warning("removing %s: a checkpoint save that never completed", f.path)
+                shutil.rmtree(f.path, ignore_errors=True)
+            elif f.state in ("incomplete", "abandoned") and newest is not None and f.step < newest:
+                # Older than a committed step: a save that never finished, or a deletion a kill cut short
+                # (_collect_garbage removes the marker first); no save of a step this old can still be running.
+                log.warning("removing %s: an unfinished checkpoint older than the committed step %d", f.path, newest)
                 shutil.rmtree(f.path, ignore_errors=True)
             elif f.state == "incomplete":  # kept: it may also be a checkpoint of an older jaxdist
                 aside = integrity.set_aside(f.path, "incomplete")
@@ -123,6 +131,10 @@ class RunCheckpointer:
                     f.path,
                     aside.name,
                 )
+
+    def damaged_steps(self) -> list[int]:
+        """Steps set aside as damaged (``<step>.damaged``) by a restore, oldest first."""
+        return [f.step for f in integrity.scan(self.directory) if f.state == "damaged"]
 
     def all_steps(self) -> list[int]:
         """Committed steps, oldest first."""
@@ -204,6 +216,8 @@ class RunCheckpointer:
     def _collect_garbage(self) -> None:
         committed = [f for f in integrity.scan(self.directory) if f.state == "committed"]
         for f in committed[: -self.keep]:
+            # The marker first: a kill mid-deletion leaves an uncommitted folder, removed at the next start.
+            (f.path / integrity.COMMIT_FILE).unlink(missing_ok=True)
             shutil.rmtree(f.path, ignore_errors=True)
 
     def _finish_previous(self, due: int | None = None) -> float:

@@ -23,9 +23,13 @@ def checkpoint_dir(path: str | Path) -> Path:
     path = Path(path)
     if (path / "checkpoints").is_dir():
         return path / "checkpoints"
-    if path.is_dir():
+    if path.is_dir() and (path.name == "checkpoints" or integrity.scan(path)):  # step folders: a checkpoint folder
         return path
-    raise FileNotFoundError(f"{path} is neither a run directory nor a checkpoint directory: pass the run's folder.")
+    why = "a folder without checkpoints/ or step folders" if path.is_dir() else "it does not exist"
+    raise FileNotFoundError(
+        f"{path} is neither a run directory nor a checkpoint directory ({why}): pass the run's folder, "
+        "e.g. runs/<train.name>."
+    )
 
 
 def _committed(ckdir: Path, step: int | None) -> integrity.StepFolder:

@@ -27,6 +27,7 @@ same endpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -58,6 +59,22 @@ def cluster_shape(cfg: Config) -> tuple[int, int, str]:
     return spec.nodes, spec.devices_per_node, spec.device_kind
 
 
+NOT_BEFORE_SLACK_S = 1.0  # clock skew allowed between hosts for "signed before this controller started"
+
+
+def _read_marks(path: Path) -> dict[str, int]:
+    try:
+        return {str(k): int(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _write_marks(path: Path, marks: dict[str, int]) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(marks))
+    os.replace(tmp, path)
+
+
 def controller_dir(cfg: Config) -> Path:
     """Where a job's controller keeps its token, endpoint, state, events and worker logs."""
     return (cfg.run_dir / "controller").absolute()
@@ -80,6 +97,10 @@ class Controller(GenerationLifecycle):
             port = int((self.dir / "endpoint").read_text().strip().rsplit(":", 1)[1])  # re-attach where workers look
         self.liveness_s = max(2 * cc.heartbeat_interval, cc.heartbeat_timeout - 2 * cc.heartbeat_interval)
         self.endpoint = Endpoint(self.token, cc.bind, port, cc.allow_remote, cc.heartbeat_interval, self.liveness_s)
+        # No replay across a restart: nothing signed before this start, no (sid, seq) seen by the last controller.
+        self.endpoint.verifier.not_before = time.time() - NOT_BEFORE_SLACK_S
+        if prev is not None:
+            self.endpoint.verifier.restore(_read_marks(self.dir / "replay.json"))
         (self.dir / "endpoint").write_text(self.endpoint.address)
         self.attaching = prev is not None and prev.phase != "waiting"
         self.state = prev or JobState(job=uuid.uuid4().hex[:12])
@@ -90,12 +111,9 @@ class Controller(GenerationLifecycle):
         self.cluster_nodes, self.per_node, self.device_kind = cluster_shape(cfg)
         self.max_nodes = cc.max_nodes or self.cluster_nodes
         self.valid_sizes = policy.valid_group_sizes(cfg, self.per_node, self.max_nodes)
-        if not [n for n in self.valid_sizes if n >= cc.min_nodes]:
-            why = policy.group_size_error(cfg, self.max_nodes, self.per_node)
-            raise ConfigError(
-                f"no node count from controller.min_nodes={cc.min_nodes} to {self.max_nodes} fits the "
-                f"mesh and batch ({why}): change the mesh, the batch or the node counts."
-            )
+        problem = policy.group_size_problem(cfg, cc.min_nodes, self.max_nodes, self.per_node, self.valid_sizes)
+        if problem:
+            raise ConfigError(problem)
         base = shlex.split(cc.worker_command) or ["{python}", "-m", "jaxdist.cli", "train"]
         self.argv = base + list(config_args)
         self.setup = SetupCache(cc.setup_cache or Path(cfg.train.runs_dir).absolute() / ".setup_cache")
@@ -112,6 +130,9 @@ class Controller(GenerationLifecycle):
         self.rtt: dict[tuple[str, str], float] = {}
         self.anomaly_probe: set[str] = set()
         self.start_failures = 0
+        self.waiting_since: float | None = None  # recovering with no group to form, since (monotonic)
+        self.enough_since: float | None = None  # when min_nodes were first ready (monotonic), for start_grace
+        self.blame: dict[str, float] = {}  # nodes blamed for the last failure, not yet settled (monotonic time)
         self.spare_failures: dict[str, int] = {}
         self.last_save = self.last_watch = 0.0
         self.running = True
@@ -269,6 +290,14 @@ class Controller(GenerationLifecycle):
         self.killed.pop((node, pid), None)
         member = w.gen == self.state.generation and self.state.members.get(w.rank) == node
         self.events.add("worker_exit", node=node, pid=pid, rc=rc, gen=w.gen, rank=w.rank, member=member)
+        if member and rc == 2 and self.state.phase in ("starting", "running"):
+            # Exit code 2: the worker refused its config or data, or its run could only produce nonsense (a NaN
+            # loss, ids outside the vocabulary). Every restart would stop the same way: end the job, say why.
+            return self._give_up(
+                f"rank {w.rank} on {node} stopped with exit code 2 (a config, data or non-finite-loss error; its "
+                f"last lines are in the worker log under {self.dir / 'logs'}): fix the cause and run the job "
+                "again, it resumes from its newest checkpoint"
+            )
         if not member and w.gen < 0 and rc not in (0, -9):
             n = self.spare_failures[node] = self.spare_failures.get(node, 0) + 1
             if n >= SPARE_FAILURES_TO_BAN and node not in self.state.banned:
@@ -340,7 +369,9 @@ class Controller(GenerationLifecycle):
     def _save(self, force: bool = False) -> None:
         now = time.monotonic()
         if force or now - self.last_save > 0.25:
-            self.state.rejected_messages = self.rejected_before + self.endpoint.verifier.rejected
+            ep = self.endpoint
+            self.state.rejected_messages = self.rejected_before + ep.verifier.rejected + ep.gate.refused
+            _write_marks(self.dir / "replay.json", ep.verifier.marks())
             members = set(self.state.members.values())
             self.state.standbys = [v.name for v in self._ready_nodes() if v.name not in members]
             self.state.warm_nodes = sorted(v.name for v in self._live_nodes() if self._warm_worker(v.name))

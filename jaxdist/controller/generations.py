@@ -41,7 +41,12 @@ class GenerationLifecycle:
     def _try_start(self, ready: list[NodeView]) -> None:
         n = policy.choose_group_size(len(ready), self.cc.min_nodes, self.max_nodes, self.valid_sizes)
         if n is None:
+            self.enough_since = None
             return
+        now = time.monotonic()
+        self.enough_since = self.enough_since or now
+        if len(ready) < self.max_nodes and now - self.enough_since < self.cc.start_grace:
+            return  # min_nodes are ready: give the others start_grace seconds to join
         names = [v.name for v in ready]
         members = dict(enumerate(names[:n]))
         w0 = self._warm_worker(names[0])
@@ -188,10 +193,9 @@ class GenerationLifecycle:
             last_good_step=s.last_good_step,
             after_first_step=first_step,
         )
-        for node in blamed:
-            s.failures[node] = s.failures.get(node, 0) + 1
-            if s.failures[node] >= self.cc.max_failures and node not in s.banned:
-                self._ban(node, f"failed {s.failures[node]} times")
+        # Whose failure it was (the process's, or its node's) is settled once the node agent speaks again
+        # or stays silent: see _settle_blame, before the next generation is planned.
+        self.blame = {node: now for node in blamed}
         # The whole generation goes: on CPU no process survives the loss of a peer.
         for r, node in s.members.items():
             for w in self.workers.values():
@@ -220,17 +224,69 @@ class GenerationLifecycle:
         others = [v for v in self._live_nodes() if v.name not in s.members.values() and v.checks.get("ok")]
         return [v.name for v in sorted(others, key=lambda v: (self._warm_worker(v.name) is None, v.ready_at or 1e18))]
 
+    def _settle_blame(self, now: float) -> bool:
+        """Decide, per blamed node, whether its process or the node failed; False while it cannot be told yet.
+
+        A node agent that reports after the failure is healthy: the process failed (counted in
+        ``process_failures``; with crashed_rank=same_node the rank stays on the node, where its local-tier files
+        are). An agent silent for ``heartbeat_timeout`` after it (or lost): the node failed (``failures``).
+        """
+        s = self.state
+        scope = {}
+        for node, t in self.blame.items():
+            v = self.nodes.get(node)
+            if v is not None and not v.lost and v.last_heartbeat > t:
+                scope[node] = "process"
+            elif v is None or v.lost or now - t > self.cc.heartbeat_timeout:
+                scope[node] = "node"
+            else:
+                return False
+        self.blame = {}
+        for node, kind in sorted(scope.items()):
+            counts, limit = (
+                (s.process_failures, self.cc.max_process_failures)
+                if kind == "process"
+                else (s.failures, self.cc.max_failures)
+            )
+            counts[node] = counts.get(node, 0) + 1
+            if counts[node] >= limit and node not in s.banned:
+                self._ban(node, f"{'its processes' if kind == 'process' else 'it'} failed {counts[node]} times")
+        stay = {n for n, kind in scope.items() if kind == "process"} if self.cc.crashed_rank == "same_node" else set()
+        s.last_failed = sorted(set(s.last_failed) - stay)
+        if scope:
+            self.events.add("blame", gen=s.generation, scope=scope, moved=s.last_failed)
+        return True
+
     def _try_assign(self, now: float) -> None:
         s = self.state
+        if self.blame and not self._settle_blame(now):
+            return
+        if not self.running:
+            return  # every node banned: given up
+        if self.plan is not None and any(self.nodes[n].lost for n in self.plan.values() if n in self.nodes):
+            self.plan = None  # a node of the plan was lost meanwhile: plan again
         if self.plan is None:
             live = {v.name for v in self._live_nodes()}
-            failed = set(s.last_failed) | {n for n in s.members.values() if n not in live}
+            failed = set(s.last_failed) | {n for n in s.members.values() if n not in live or n in s.banned}
             self.plan = policy.plan_replacement(s.members, failed, self._candidates(), set(s.banned) | (failed - live))
             if self.plan is None:
+                self.plan = self._smaller_group(failed - live)
+            if self.plan is None:
+                self.waiting_since = self.waiting_since or now
+                if now - self.waiting_since > self.cc.start_timeout:
+                    usable = len(self._usable_nodes(failed - live))
+                    return self._give_up(
+                        f"only {usable} usable node(s) are left (banned: {', '.join(s.banned) or 'none'}) and no "
+                        f"group of at least controller.min_nodes={self.cc.min_nodes} of them fits the mesh and "
+                        f"batch; the run resumes from its checkpoint at step "
+                        f"{last_committed_step(self.cfg.run_dir.absolute())}"
+                        " when you run the job again with more nodes (or a lower controller.min_nodes)"
+                    )
                 if now - self.kill_sent_at > 30:
                     self.kill_sent_at = now
                     self.events.add("waiting_for_nodes", members=s.members, banned=s.banned)
                 return
+            self.waiting_since = None
             self.events.add(
                 "replacement",
                 gen=s.generation + 1,
@@ -247,6 +303,24 @@ class GenerationLifecycle:
             for n in self.plan.values():
                 if self._warm_worker(n) is None:
                     self.endpoint.send(f"n:{n}", {"t": "replenish"})
+
+    def _usable_nodes(self, gone: set[str]) -> list[str]:
+        """Live, checked, not banned nodes: the current members first (in rank order), then the standbys."""
+        s = self.state
+        live = {v.name: v for v in self._live_nodes() if v.checks.get("ok") and v.name not in s.banned}
+        members = [n for _, n in sorted(s.members.items()) if n in live and n not in gone]
+        return members + [n for n in self._candidates() if n in live and n not in members]
+
+    def _smaller_group(self, gone: set[str]) -> dict[int, str] | None:
+        """A smaller group of the usable nodes when the same size cannot be formed (the elastic rule of the
+        start: the largest size that fits the mesh and batch, at least controller.min_nodes), or None."""
+        usable = self._usable_nodes(gone)
+        n = policy.choose_group_size(len(usable), self.cc.min_nodes, self.max_nodes, self.valid_sizes)
+        if n is None or n >= len(self.state.members):
+            return None
+        plan = dict(enumerate(usable[:n]))
+        self.events.add("shrink", gen=self.state.generation + 1, members=plan, before=len(self.state.members))
+        return plan
 
     def _kill(self, node: str, pids: list[int]) -> None:
         if not pids:

@@ -206,6 +206,22 @@ class LocalJob:
             time.sleep(poll)
         raise TimeoutError(f"waited {timeout} s for {what}: {self.summary()}")
 
+    def lose_node(self, name: str) -> list[int]:
+        """SIGKILL node agent ``name`` and every process under it, as if the machine died; the pids killed."""
+        agent = self.launcher.procs[name].pid
+        pids = [agent, *_descendants(agent)]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        s = self.state()
+        rec = {"time": time.time(), "event": "injection", "gen": s.get("generation"), "node": name}
+        rec.update(signal="node_lost", pids=pids, step=s.get("last_step"))
+        with open(self.dir / "injections.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return pids
+
     def member_pid(self, rank: int) -> int:
         return int(self.state()["pids"][str(rank)])
 
@@ -227,3 +243,20 @@ class LocalJob:
         with open(self.dir / "injections.jsonl", "a") as f:
             f.write(json.dumps(rec) + "\n")
         return rec
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out

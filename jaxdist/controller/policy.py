@@ -42,6 +42,27 @@ def valid_group_sizes(cfg: Config, devices_per_node: int, upto: int) -> list[int
     return [n for n in range(1, upto + 1) if group_size_error(cfg, n, devices_per_node) is None]
 
 
+def group_size_problem(
+    cfg: Config, min_nodes: int, max_nodes: int, devices_per_node: int, valid: Iterable[int]
+) -> str | None:
+    """Why no node count from ``min_nodes`` to ``max_nodes`` can train ``cfg`` (one sentence), or None if one can.
+
+    ``valid``: :func:`valid_group_sizes` up to ``max_nodes`` (the cluster's node count unless controller.max_nodes).
+    """
+    if any(n >= min_nodes for n in valid):
+        return None
+    if min_nodes > max_nodes:
+        return (
+            f"controller.min_nodes={min_nodes} asks for more than the {max_nodes} nodes the job may use "
+            f"(mesh.cluster={cfg.mesh.cluster}, or controller.max_nodes): lower controller.min_nodes."
+        )
+    why = group_size_error(cfg, max_nodes, devices_per_node)  # not None: max_nodes >= min_nodes is not valid
+    return (
+        f"no node count from controller.min_nodes={min_nodes} to {max_nodes} fits the mesh and batch ({why}): "
+        "change the mesh, the batch or the node counts."
+    )
+
+
 def choose_group_size(ready: int, min_nodes: int, max_nodes: int, valid: Iterable[int]) -> int | None:
     """The largest valid node count in [min_nodes, min(ready, max_nodes)], or None (wait for more nodes)."""
     fits = [n for n in valid if min_nodes <= n <= min(ready, max_nodes)]

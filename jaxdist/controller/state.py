@@ -49,7 +49,8 @@ class JobState:
     members: dict[int, str] = field(default_factory=dict)
     pids: dict[int, int] = field(default_factory=dict)
     coordinator: str = ""
-    failures: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)  # per node: lost, or failed while its agent was
+    process_failures: dict[str, int] = field(default_factory=dict)  # per node: processes failed, agent healthy
     banned: list[str] = field(default_factory=list)
     last_failed: list[str] = field(default_factory=list)
     standbys: list[str] = field(default_factory=list)

@@ -2,6 +2,8 @@
 
 * :func:`replay_order` rebuilds any version from the recorded operations
   and seeds alone (never reading the stored orders);
+* :func:`read_records` reads a JSON-lines log, naming and skipping a line a
+  kill cut short;
 * :func:`trained_batches` reads the batch each step trained from
   ``<run>/metrics.jsonl``, keeping only the lineage of the final state: when a
   resumed run logs step ``s`` again, the records of ``s`` and after from the
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,8 @@ import numpy as np
 from jaxdist.data.batchlist import BatchList, BatchListError, derive, format_id, unpack_ids
 from jaxdist.data.catalog import fingerprint, read_source
 from jaxdist.data.journal import Journal
+
+log = logging.getLogger(__name__)
 
 
 def replay_order(journal: Journal, version: int | None = None) -> np.ndarray:
@@ -40,24 +45,42 @@ def replay_order(journal: Journal, version: int | None = None) -> np.ndarray:
     return parent.order
 
 
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file (``<run>/metrics.jsonl``), in order; [] if it does not exist.
+
+    A line that is not a whole JSON object (cut short by a kill mid-write) is skipped with a warning that
+    names the file and the line.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:
+            r = None
+        if not isinstance(r, dict):
+            log.warning("skipping line %d of %s: a torn record (a write cut short), not a JSON object", n, path)
+            continue
+        rows.append(r)
+    return rows
+
+
 def trained_batches(run_dir: str | Path) -> list[dict[str, Any]]:
     """``{"step", "batch_id", "batch_version"}`` of each step of the final lineage, in step order."""
-    path = Path(run_dir) / "metrics.jsonl"
     lineage: dict[int, dict[str, Any]] = {}
     last = 0
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:  # a line cut short by a kill
-                continue
-            if r.get("kind") != "train" or "batch_id" not in r:
-                continue
-            step = int(r["step"])
-            if step <= last:  # a resumed attempt: what the interrupted one did from here was rolled back
-                lineage = {s: x for s, x in lineage.items() if s < step}
-            lineage[step] = {"step": step, "batch_id": r["batch_id"], "batch_version": r.get("batch_version")}
-            last = step
+    for r in read_records(Path(run_dir) / "metrics.jsonl"):
+        if r.get("kind") != "train" or "batch_id" not in r:
+            continue
+        step = int(r["step"])
+        if step <= last:  # a resumed attempt: what the interrupted one did from here was rolled back
+            lineage = {s: x for s, x in lineage.items() if s < step}
+        lineage[step] = {"step": step, "batch_id": r["batch_id"], "batch_version": r.get("batch_version")}
+        last = step
     return [lineage[s] for s in sorted(lineage)]
 
 

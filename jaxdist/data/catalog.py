@@ -140,11 +140,16 @@ def read_source(entry: SourceEntry, config_tokens: np.ndarray | None = None) -> 
     return tokens
 
 
-def _run_token_dtype(run_dir: Path) -> str:
+def _run_config(run_dir: Path, section: str, key: str, default: Any) -> Any:
+    """``[section] key`` of the config the run was started with (``<run>/config.json``), or ``default``."""
     try:
-        return json.loads((run_dir / "config.json").read_text())["data"]["token_dtype"]
-    except (OSError, ValueError, KeyError):
-        return "uint16"
+        return json.loads((run_dir / "config.json").read_text())[section][key]
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
+def _run_token_dtype(run_dir: Path) -> str:
+    return _run_config(run_dir, "data", "token_dtype", "uint16")
 
 
 def add_data(
@@ -164,7 +169,7 @@ def add_data(
     files defaults to the run's ``data.token_dtype``. Returns ``{"request",
     "seed", "sources", "batches"}``. ConfigError, naming the path, for a
     missing path, data the run already has (same fingerprint) or data too
-    small for one batch.
+    small for one batch, or ids outside the run's ``model.vocab_size``.
     """
     run_dir = Path(run_dir)
     journal = Journal(run_dir)
@@ -177,9 +182,12 @@ def add_data(
         for s in (req or {}).get("sources", []):
             known.setdefault(s["fingerprint"], f"the pending addition {name} ('{s['name']}')")
     B, L = current.batch_size, current.seq_len
+    vocab_size = _run_config(run_dir, "model", "vocab_size", None)
     entries, total = [], 0
     for path in paths:
         k, tokens = read_path(path, kind, token_dtype)
+        if vocab_size is not None:
+            _sources.check_vocab(tokens, int(vocab_size), f"'{path}'")
         fp = fingerprint(tokens)
         if fp in known:
             raise ConfigError(

@@ -33,6 +33,7 @@ _BUCKETS = 10_000
 # Directories under the stdlib root that hold installed packages, not the stdlib.
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__"})
 TOKEN_DTYPES = ("uint16", "uint32")
+_ID_CHUNK = 1 << 24  # tokens read at a time when looking for the largest id
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,26 @@ def load_source(cfg: DataConfig) -> TokenSplit:
     if cfg.source == "tokens":
         return _load_token_file(cfg)
     raise ConfigError(f"data.source='{cfg.source}' is unknown: use stdlib, text_dir or tokens.")
+
+
+def largest_id(tokens: np.ndarray) -> int:
+    """The largest id of a token stream (-1 if empty), read in chunks of 16M tokens (a memmap'ed file
+    is paged through once, never held whole)."""
+    top = -1
+    for i in range(0, len(tokens), _ID_CHUNK):
+        top = max(top, int(np.max(tokens[i : i + _ID_CHUNK])))
+    return top
+
+
+def check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+    """ConfigError (one sentence) if an id of ``tokens`` (``what``: where they come from) is outside
+    ``model.vocab_size``: the embedding lookup would read past its table and train on garbage."""
+    top = largest_id(tokens)
+    if top >= vocab_size:
+        raise ConfigError(
+            f"{what} holds token id {top}, outside model.vocab_size={vocab_size} (ids 0..{vocab_size - 1}): "
+            f"set model.vocab_size to at least {top + 1}, or use data written for this vocabulary."
+        )
 
 
 def write_token_file(path: str | Path, ids, dtype: str = "uint16") -> Path:

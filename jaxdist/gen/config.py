@@ -37,7 +37,8 @@ class SamplerSpec:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    seed: int = 0
+    seed: int = 0  # task i samples with seed + i: a task run again gives the same shard
+    overrides: str = ""  # key=value overrides of the teacher run's config, space-separated (e.g. its mesh)
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,9 @@ class GenConfig:
     samples: str = ""
     task_size: int = 8
     function: str = "sampler"
-    workers: int = 2
+    workers: int = 2  # worker processes on this machine, or per host with hosts_file
+    hosts_file: str = ""  # one host per line: workers start there over SSH (tunnelled to the dispatcher and receiver)
+    python: str = "python3"  # the interpreter on the hosts (SSH workers)
     deliver_to: str = ""
     run: str = ""  # the training run: its gen/token authenticates the workers
     token_file: str = ""  # or the token's file (default: $JAXDIST_JOB_TOKEN, then <run>/gen/token)

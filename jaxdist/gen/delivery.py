@@ -13,18 +13,24 @@ and the receiver
 2. answers ``duplicate`` for a task key or a content hash it already holds
    (a retry after a lost acknowledgement, or a task run twice because its
    first worker died after delivering): added once;
-3. writes the shard atomically to ``<run>/gen/shards/``, queues it as a
+3. writes the shard atomically to ``<run>/gen/shards/`` and appends it to the
+   ledger ``<run>/gen/ledger.jsonl`` (flushed to disk), then acknowledges;
+4. bundles the shards received so far into one token file of at least one
+   global batch (``train.batch_size`` sequences of ``train.seq_len + 1``
+   tokens: a batch-list source needs that much; a shard ends with EOS, so the
+   texts stay apart) under ``<run>/gen/bundles/``, queues the bundle as a
    batch-list addition (:func:`jaxdist.data.catalog.add_data`: the trainer
-   adopts it at its next step boundary and never waits for it), and appends
-   the task to the ledger ``<run>/gen/ledger.jsonl`` (flushed to disk);
-4. only then acknowledges.
+   adopts it at its next step boundary and never waits for it) and records
+   the bundle in the ledger. Shards that are not yet a batch's worth wait for
+   the next ones.
 
-A kill at any point loses nothing and adds nothing twice: before the ledger
-line the worker has no acknowledgement and delivers again; the retry finds
-the shard already queued or adopted (same fingerprint) and completes the
-ledger; after it, the retry is a duplicate. The trainer adopts additions on
-its own schedule, so the cursor may trail the newest shard: :func:`run_status`
-says by how many steps.
+A kill at any point loses nothing and adds nothing twice: before the shard's
+ledger line the worker has no acknowledgement and delivers again; after it,
+the retry is a duplicate. A bundle is formed again from the same shards (the
+same tokens, so the same fingerprint) when its ledger line is missing, and an
+addition already queued under that fingerprint is recognised. The trainer
+adopts additions on its own schedule, so the cursor may trail the newest
+shard: :func:`run_status` says by how many steps.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from jaxdist.config import ConfigError
 from jaxdist.controller.protocol import load_or_create_token
@@ -65,6 +73,8 @@ class Ledger:
         self.path = path
         self.by_key: dict[str, dict[str, Any]] = {}
         self.by_sha: dict[str, dict[str, Any]] = {}
+        self.bundles: dict[str, dict[str, Any]] = {}  # bundle name -> its record (its shards' keys, fingerprint)
+        self.bundle_of: dict[str, str] = {}  # shard key -> bundle name
         if path.exists():
             for n, line in enumerate(path.read_bytes().splitlines(), 1):
                 try:
@@ -74,8 +84,17 @@ class Ledger:
                     log.warning("%s line %d is not a complete record (a torn write): skipped", path, n)
 
     def _index(self, rec: dict[str, Any]) -> None:
+        if "bundle" in rec:
+            self.bundles[rec["bundle"]] = rec
+            for k in rec["keys"]:
+                self.bundle_of[k] = rec["bundle"]
+            return
         self.by_key[rec["key"]] = rec
         self.by_sha[rec["sha256"]] = rec
+
+    def waiting(self) -> list[dict[str, Any]]:
+        """Shards received but in no bundle yet, oldest first."""
+        return [r for k, r in self.by_key.items() if k not in self.bundle_of]
 
     def append(self, rec: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -101,7 +120,11 @@ class Receiver:
         self.dir = gen_dir(self.run_dir)
         self.shards = self.dir / "shards"
         self.shards.mkdir(parents=True, exist_ok=True)
+        (self.dir / "bundles").mkdir(exist_ok=True)
         self.ledger = Ledger(self.dir / "ledger.jsonl")
+        bl = Journal(self.run_dir).load()
+        self.min_tokens = bl.batch_size * bl.seq_len + 1  # one global batch: the least a source can hold
+        self.token_dtype = _run_token_dtype(self.run_dir)
         self.refused: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self.server = Server(run_token(self.run_dir), "receiver", host, port, allow_remote)
@@ -110,6 +133,7 @@ class Receiver:
             json.dumps({"address": self.server.address, "pid": os.getpid(), "started": time.time()}).encode(),
         )
         log.info("receiving shards for %s on %s", self.run_dir, self.server.address)
+        self._bundle()  # shards a killed receiver acknowledged but did not bundle yet
 
     @property
     def address(self) -> str:
@@ -160,28 +184,45 @@ class Receiver:
             return {"ok": True, "duplicate": True, "tokens": prev["tokens"], "path": prev["path"]}
         path = self.shards / f"{key.replace(':', '-')}-{sha[:12]}.txt"
         atomic_write(path, payload)
-        _, tokens = read_path(path)
         try:
-            req = add_data(self.run_dir, [path], seed=int(sha[:15], 16))
-            request = req["request"]
+            _, tokens = read_path(path)
         except ConfigError as e:
-            if "holds the same data" not in str(e):  # anything but "already queued or adopted": refused
-                path.unlink(missing_ok=True)
-                return self._refuse(sender, key, str(e))
-            request = None  # a retry after a kill between the addition and the ledger: it is already queued
+            path.unlink(missing_ok=True)
+            return self._refuse(sender, key, str(e))
         rec = {
             "key": key,
             "sha256": sha,
-            "fingerprint": fingerprint(tokens),
             "path": str(path),
             "tokens": int(len(tokens)),
             "worker": sender,
-            "request": request,
             "time": time.time(),
         }
         self.ledger.append(rec)
-        log.info("shard of task %s from %s: %d tokens queued (%s)", key, sender, len(tokens), path.name)
+        log.info("shard of task %s from %s: %d tokens received (%s)", key, sender, len(tokens), path.name)
+        self._bundle()
         return {"ok": True, "duplicate": False, "tokens": rec["tokens"], "path": rec["path"]}
+
+    def _bundle(self) -> None:
+        """Queue the waiting shards as one addition once they hold at least one global batch."""
+        waiting = self.ledger.waiting()
+        if sum(r["tokens"] for r in waiting) < self.min_tokens:
+            return
+        tokens = np.concatenate([read_path(r["path"])[1] for r in waiting]).astype(self.token_dtype)
+        fp = fingerprint(tokens)
+        name = f"b{len(self.ledger.bundles):06d}-{fp[:12]}.tokens"
+        path = self.dir / "bundles" / name
+        atomic_write(path, tokens.tobytes())
+        try:
+            request = add_data(self.run_dir, [path], seed=int(fp[:15], 16), kind="tokens")["request"]
+        except ConfigError as e:
+            if "holds the same data" not in str(e):
+                raise
+            request = None  # a receiver killed after queueing it and before recording it: it is queued
+        keys = [r["key"] for r in waiting]
+        self.ledger.append(
+            {"bundle": name, "keys": keys, "fingerprint": fp, "tokens": int(len(tokens)), "request": request}
+        )
+        log.info("bundle %s: %d shard(s), %d tokens queued as an addition", name, len(keys), len(tokens))
 
 
 def _last_trained_step(run_dir: Path) -> int:
@@ -205,30 +246,42 @@ def _last_trained_step(run_dir: Path) -> int:
 def run_status(run_dir: str | Path) -> dict[str, Any]:
     """Shards the run received, how many the batch list has adopted, and how far the cursor trails the newest.
 
+    ``received``: shards acknowledged; ``waiting``: received, not yet a batch's worth (no bundle yet);
+    ``queued``: in a bundle the trainer has not adopted yet; ``adopted``: in the batch list;
     ``cursor``: the newest trained step (from the metrics log, or the last checkpoint's cursor);
-    ``behind_steps``: steps from the training cursor to the last position
-    holding a batch of the newest adopted shard (0 once it is trained);
-    ``pending``: shards received but not yet adopted by the trainer.
+    ``behind_steps``: steps from the cursor to the last position holding a batch of the newest adopted
+    bundle (0 once it is trained).
     """
     run_dir = Path(run_dir)
     ledger = Ledger(gen_dir(run_dir) / "ledger.jsonl")
     journal = Journal(run_dir)
     bl = journal.load()
     cursor = max(int((journal.read_cursor() or {}).get("cursor", 0)), _last_trained_step(run_dir))
-    fps = {r["fingerprint"] for r in ledger.by_key.values()}
-    adopted = [s for s in bl.sources if s.fingerprint in fps]
+    by_fp = {s.fingerprint: s.id for s in bl.sources}
+    adopted = {name: b for name, b in ledger.bundles.items() if b["fingerprint"] in by_fp}
     behind = 0
     if adopted:
-        newest = max(s.id for s in adopted)
+        newest = max(by_fp[b["fingerprint"]] for b in adopted.values())
         src, _, _ = unpack_ids(bl.order)
-        where = [i for i, s in enumerate(src.tolist()) if s == newest]
-        behind = max(0, where[-1] + 1 - int(cursor)) if where else 0
+        where = np.flatnonzero(src == newest)
+        behind = max(0, int(where[-1]) + 1 - cursor) if len(where) else 0
+    n_adopted = sum(len(b["keys"]) for b in adopted.values())
+    n_bundled = sum(len(b["keys"]) for b in ledger.bundles.values())
     return {
         "received": len(ledger.by_key),
-        "adopted": len(adopted),
-        "pending": len(ledger.by_key) - len(adopted),
+        "waiting": len(ledger.by_key) - n_bundled,
+        "queued": n_bundled - n_adopted,
+        "adopted": n_adopted,
+        "bundles": len(ledger.bundles),
         "tokens": sum(r["tokens"] for r in ledger.by_key.values()),
         "cursor": int(cursor),
         "batches": len(bl),
         "behind_steps": int(behind),
     }
+
+
+def _run_token_dtype(run_dir: Path) -> str:
+    try:
+        return json.loads((run_dir / "config.json").read_text())["data"]["token_dtype"]
+    except (OSError, ValueError, KeyError):
+        return "uint16"

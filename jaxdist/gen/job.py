@@ -3,7 +3,9 @@
 The dispatcher (this process) loads the sample set, cuts it into tasks
 (:mod:`jaxdist.gen.tasks`), listens on a CURVE-authenticated channel
 (:mod:`jaxdist.gen.channel`) and starts ``gen.workers`` worker processes
-(:mod:`jaxdist.gen.worker`). It hands a pending task to each worker that asks,
+(:mod:`jaxdist.gen.worker`), here or, with ``gen.hosts_file``, on each host
+over SSH (``gen.workers`` per host; reverse tunnels carry the worker's
+traffic to the dispatcher and the receiver, the token goes on stdin). It hands a pending task to each worker that asks,
 records each reported outcome, and when a worker process dies (a crash, a
 SIGKILL) takes back the task it held and starts a replacement (at most
 ``gen.max_restarts`` in all). A task whose lease (``gen.lease_s``) expires is
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -29,7 +32,8 @@ from typing import Any
 
 from jaxdist.config import ConfigError
 from jaxdist.data.journal import atomic_write
-from jaxdist.gen.channel import Client, Server
+from jaxdist.controller.launch import read_hosts
+from jaxdist.gen.channel import Client, Server, split_address
 from jaxdist.gen.config import GenConfig
 from jaxdist.gen.tasks import TaskBoard, load_samples, make_tasks
 
@@ -47,6 +51,17 @@ class Dispatcher:
         )
         self.server = Server(self.token, "dispatcher", cfg.bind, 0, allow_remote=cfg.bind != "127.0.0.1")
         self.procs: dict[str, subprocess.Popen] = {}
+        # worker name -> host (SSH workers), "w<k>" on this machine
+        self.hosts: dict[str, str] = {}
+        if cfg.hosts_file:
+            try:
+                hosts = read_hosts(cfg.hosts_file)
+            except ConfigError as e:
+                raise ConfigError(str(e).replace("controller.hosts_file", "gen.hosts_file")) from None
+            for host in hosts:
+                for k in range(cfg.workers):
+                    self.hosts[f"{host}-w{k}"] = host
+        self.worker_names = list(self.hosts) or [f"w{k}" for k in range(cfg.workers)]
         self.per_worker: dict[str, dict[str, float]] = {}
         self.restarts = 0
         self.t0 = time.time()
@@ -58,15 +73,23 @@ class Dispatcher:
     # ------------------------------------------------------------------ workers
 
     def _spawn(self, name: str) -> None:
-        args = [sys.executable, "-m", "jaxdist.gen.worker", "--dispatcher", self.server.address, "--name", name]
-        if self.config_path:
-            args += ["--config", self.config_path]
-        env = {**os.environ, "JAXDIST_JOB_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+        host = self.hosts.get(_base(name))
         log_path = self.state / f"{name}.log"
         with open(log_path, "ab") as out:
-            self.procs[name] = subprocess.Popen([*args, *self.overrides], env=env, stdout=out, stderr=subprocess.STDOUT)
-        self.per_worker.setdefault(name, {"shards": 0, "tokens": 0, "seconds": 0.0, "pid": self.procs[name].pid})
-        log.info("worker %s started (pid %d, log %s)", name, self.procs[name].pid, log_path)
+            if host is None:  # a process on this machine
+                argv = worker_argv(sys.executable, self.server.address, name, self.config_path, self.overrides)
+                env = {**os.environ, "JAXDIST_JOB_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
+                self.procs[name] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+            else:
+                argv = ssh_worker_command(host, self.cfg, self.server.port, name, self.config_path, self.overrides)
+                p = self.procs[name] = subprocess.Popen(
+                    argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT
+                )
+                p.stdin.write((self.token + "\n").encode())  # the token on stdin, never on a command line
+                p.stdin.flush()
+        self.per_worker.setdefault(name, {"shards": 0, "tokens": 0, "seconds": 0.0})
+        self.per_worker[name]["pid"] = self.procs[name].pid
+        log.info("worker %s started (%s, pid %d, log %s)", name, host or "here", self.procs[name].pid, log_path)
 
     def _watch(self) -> None:
         for name, p in list(self.procs.items()):
@@ -84,7 +107,7 @@ class Dispatcher:
                 raise ConfigError(f"worker {name} stopped on a config error: see {self.state / (name + '.log')}.")
             if self.restarts < self.cfg.max_restarts:
                 self.restarts += 1
-                self._spawn(f"{name.split('.')[0]}.{self.restarts}")
+                self._spawn(f"{_base(name)}.{self.restarts}")
 
     # ------------------------------------------------------------------ requests
 
@@ -158,13 +181,13 @@ class Dispatcher:
             self.cfg.name,
             len(self.board.tasks),
             len(self.board.finished),
-            self.cfg.workers,
+            len(self.worker_names),
             self.server.address,
             self.cfg.deliver_to,
         )
         try:
-            for k in range(self.cfg.workers):
-                self._spawn(f"w{k}")
+            for name in self.worker_names:
+                self._spawn(name)
             while self.procs:
                 self.server.serve_once(self.handle, 0.1)
                 self._watch()
@@ -188,6 +211,37 @@ class Dispatcher:
             f"({self.tokens / max(1e-9, time.time() - self.t0):,.0f}/s); status in {self.state / 'status.json'}"
         )
         return 0 if c["refused"] == 0 else 1
+
+
+def _base(name: str) -> str:
+    """A worker's name without the restart count a replacement carries (``w0.2`` -> ``w0``)."""
+    head, _, tail = name.rpartition(".")
+    return head if head and tail.isdigit() else name
+
+
+def worker_argv(python: str, dispatcher: str, name: str, config_path: str | None, overrides: list[str]) -> list[str]:
+    """The argv of one worker process."""
+    argv = [python, "-m", "jaxdist.gen.worker", "--dispatcher", dispatcher, "--name", name]
+    return argv + (["--config", config_path] if config_path else []) + list(overrides)
+
+
+def ssh_worker_command(
+    host: str, cfg: GenConfig, port: int, name: str, config_path: str | None, overrides: list[str]
+) -> list[str]:
+    """The ssh argv of an SSH worker: reverse tunnels to the dispatcher and the receiver, the token on stdin.
+
+    The worker reaches both through the host's loopback (``-R``), so neither listens beyond this machine;
+    the config file is read from the same path on the host (a shared file system, like the run directory).
+    """
+    r_host, r_port = split_address(cfg.deliver_to)
+    config = str(Path(config_path).absolute()) if config_path else None
+    argv = worker_argv(cfg.python, f"127.0.0.1:{port}", name, config, [*overrides, f"deliver_to=127.0.0.1:{r_port}"])
+    remote = (
+        f"cd {shlex.quote(os.getcwd())} && IFS= read -r JAXDIST_JOB_TOKEN && export JAXDIST_JOB_TOKEN && "
+        f"exec {shlex.join(argv)}"
+    )
+    tunnels = ["-R", f"{port}:127.0.0.1:{port}", "-R", f"{r_port}:{r_host}:{r_port}"]
+    return ["ssh", "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes", *tunnels, host, remote]
 
 
 def run_job(cfg: GenConfig, config_path: str | None = None, overrides: list[str] = ()) -> int:
@@ -225,9 +279,9 @@ def format_status(s: dict[str, Any]) -> str:
     r = s.get("run") or {}
     if r:
         lines.append(
-            f"  training run: {r['received']} shards received, {r['adopted']} in the batch list, {r['pending']} "
-            f"waiting for the trainer; cursor {r['cursor']} of {r['batches']} batches, "
-            f"{r['behind_steps']} steps behind the newest shard"
+            f"  training run: {r['received']} shards received: {r['adopted']} in the batch list, {r['queued']} "
+            f"queued for the trainer, {r['waiting']} waiting for a batch's worth; cursor {r['cursor']} of "
+            f"{r['batches']} batches, {r['behind_steps']} steps behind the newest shard"
         )
     else:
         lines.append("  training run: its receiver did not answer")

@@ -11,6 +11,9 @@ one process per worker. The **generation function** is
   imported once (a filter, a preprocessing step, a teacher of your own).
 
 The outputs of a task are joined with newlines into one UTF-8 text shard.
+Each task's samples are logged to ``<state_dir>/runlog.<worker>.jsonl`` (one
+request record per sample: streams, start, end, bytes in and out) for
+``jaxdist gen profile``.
 A delivery is retried until the receiver answers (``gen.deliver_timeout_s``);
 only then is the task reported to the dispatcher, so a worker killed at any
 point leaves its task unreported and the dispatcher hands it out again.
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import socket
 import sys
 import time
 from typing import Callable
@@ -28,6 +32,7 @@ from typing import Callable
 from jaxdist.config import ConfigError
 from jaxdist.gen.channel import Client, digest
 from jaxdist.gen.config import GenConfig, load_gen_config
+from jaxdist.gen.runlog import RunLogWriter
 
 log = logging.getLogger("jaxdist.gen.worker")
 
@@ -37,10 +42,17 @@ GenFn = Callable[[list[str], int], list[str] | str]
 def generation_function(cfg: GenConfig) -> GenFn:
     """``fn(samples, task_index) -> outputs`` for ``cfg.function``; ConfigError if it cannot be loaded."""
     if cfg.function == "sampler":
-        from jaxdist.gen.sampler import Sampler
+        from jaxdist.cluster import prepare_host_devices
+        from jaxdist.gen.sample_config import check_request, run_config  # JAX-free: devices are set up first
 
         s = cfg.sampler
-        sampler = Sampler.from_run(s.run, step=s.step or None)
+        overrides = s.overrides.split()
+        prepare_host_devices(run_config(s.run, overrides))  # the teacher run's cluster: its simulated devices
+        check_request(s.max_new_tokens, s.temperature, s.top_k, s.top_p)
+        from jaxdist.gen.sampler import Sampler  # JAX
+
+        sampler = Sampler.from_run(s.run, s.step or None, overrides)
+        log.info("sampler: %s step %s", s.run, sampler.step)
 
         def sample(samples: list[str], index: int) -> list[str]:
             out = sampler.generate(
@@ -51,7 +63,7 @@ def generation_function(cfg: GenConfig) -> GenFn:
                 top_p=s.top_p,
                 seed=s.seed + index,
             )
-            return [p + c for p, c in zip(samples, out.texts)]
+            return [g.prompt + g.text for g in out]
 
         return sample
     module, _, name = cfg.function.partition(":")
@@ -72,11 +84,21 @@ def _as_text(out: list[str] | str) -> str:
     return "\n".join(out)
 
 
+def _log_requests(runlog: RunLogWriter, samples: list[str], payload: bytes, start: float, end: float) -> None:
+    out = len(payload) // max(1, len(samples))
+    for sample in samples:
+        runlog.log(len(samples), start, end, len(sample.encode()), out)
+
+
 def run_worker(cfg: GenConfig, dispatcher: str, name: str) -> int:
     token = cfg.token()
     fn = generation_function(cfg)
     ident = f"g:{name}"
     disp, recv = Client(token, ident, dispatcher), Client(token, ident, cfg.deliver_to)
+    # One record per sample of each task (its samples run together: streams = the task's size), for
+    # `jaxdist gen profile` (jaxdist/gen/profile.py); counts in bytes, the byte tokenizer's tokens.
+    model = cfg.sampler.run if cfg.function == "sampler" else cfg.function
+    runlog = RunLogWriter(cfg.state_path / f"runlog.{name}.jsonl", model, worker=name, node=socket.gethostname())
     try:
         while True:
             r = disp.request({"t": "want"}, deadline_s=120.0)
@@ -89,7 +111,7 @@ def run_worker(cfg: GenConfig, dispatcher: str, name: str) -> int:
                 time.sleep(0.3)
                 continue
             index, key, samples = int(r["task"]), str(r["key"]), list(r["samples"])
-            t0 = time.monotonic()
+            t0, t_start = time.monotonic(), time.time()
             try:
                 payload = _as_text(fn(samples, index)).encode()
             except Exception as e:  # the user's function failed on this task: report it, keep working
@@ -97,6 +119,7 @@ def run_worker(cfg: GenConfig, dispatcher: str, name: str) -> int:
                 disp.request({"t": "done", "task": index, "outcome": "failed", "reason": repr(e)})
                 continue
             gen_s = time.monotonic() - t0
+            _log_requests(runlog, samples, payload, t_start, time.time())
             ack = recv.request(
                 {"t": "deliver", "key": key, "sha256": digest(payload), "n_bytes": len(payload)},
                 payload,

@@ -56,10 +56,16 @@ def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[ja
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate pairs (first half, second half) of the last axis of x [B, T, H, D]."""
+    """Rotate pairs (first half, second half) of the last axis of x [B, T, H, D].
+
+    cos, sin: [T, head_dim/2] (the same positions in every row) or [B, T, head_dim/2] (positions per row).
+    """
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.ndim == 2:  # one table for every row [T, half]
+        c, s = cos[None, :, None, :], sin[None, :, None, :]
+    else:  # per-row tables [B, T, half] (the sampler's left-padded rows, see forward_with_cache)
+        c, s = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
 
 
@@ -166,6 +172,128 @@ def block_forward_cached(
     x = _attention_residual(w, x, causal_attention(q, keys, values, offset))
     h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
     return _mlp_residual(w, x, h), k, v
+
+
+# --------------------------------------------------------------------------- key/value cache (sampling)
+
+# Logical axes of a key/value cache array [layers, batch, cache slot, kv_heads, head_dim]: sharded like the
+# activations (rows over the data axes, key/value heads over tensor).
+KV_CACHE_NAMES = ("layers", "batch", "seq", "kv_heads", "head_dim")
+
+
+def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> dict[str, jax.Array]:
+    """An empty key/value cache of ``length`` slots: ``k`` and ``v`` [n_layers, batch, length, n_kv_heads,
+    head_dim] in the compute dtype (call under jit with KV_CACHE_NAMES shardings to create it sharded)."""
+    shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
+    return {"k": jnp.zeros(shape, array_dtype(cfg.dtype)), "v": jnp.zeros(shape, array_dtype(cfg.dtype))}
+
+
+def attention_over_cache(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
+    """Grouped-query attention of q [B, Tq, H, D] over cached k, v [B, S, KV, D] where ``visible`` [B, Tq, S].
+
+    :func:`causal_attention` with an explicit per-row mask instead of the
+    causal one (kept apart so the training program does not change).
+    Returns [B, Tq, H, D].  Softmax in float32.
+    """
+    b, tq, h, dh = q.shape
+    kv = k.shape[2]
+    qg = q.reshape(b, tq, kv, h // kv, dh)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(dh))
+    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, tq, h, dh).astype(q.dtype)
+
+
+def block_forward_kv(
+    p: dict[str, jax.Array],
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    cfg: ModelConfig,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    slot: jax.Array,
+    visible: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One block (dense or MoE) on x [B, Tc, d] whose keys and values go to cache slots slot..slot+Tc-1.
+
+    k_cache, v_cache [B, S, KV, D]: this block's cache; ``slot``: an int32
+    scalar (traced: one program for every position); cos, sin [B, Tc,
+    head_dim/2]: the rotary tables of each row's positions; ``visible``
+    [B, Tc, S]: which cache slots each query sees (its own slot included).
+    This chunk's rotated keys and values are written first (``dynamic_update_slice``),
+    then every query attends over the whole cache.  Returns (y [B, Tc, d], k_cache, v_cache).
+    """
+    dt = x.dtype
+    w = {k: v.astype(dt) for k, v in p.items()}
+    q, k, v = _attention_inputs(w, x, cos, sin, cfg)
+    at = (0, slot, 0, 0)
+    k_cache = constrain(jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), at), KV_CACHE_NAMES[1:])
+    v_cache = constrain(jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), at), KV_CACHE_NAMES[1:])
+    x = _attention_residual(w, x, attention_over_cache(q, k_cache, v_cache, visible))
+    h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
+    if "router" in p:  # MoE block, as in block_forward
+        out, _ = moe_forward(p, h, cfg)
+        return constrain(x + out, ("batch", "seq", "embed")), k_cache, v_cache
+    return _mlp_residual(w, x, h), k_cache, v_cache
+
+
+def forward_with_cache(
+    params: dict,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: dict[str, jax.Array],
+    slot: jax.Array,
+    visible: jax.Array,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(logits [B, Tc, V] float32, updated cache) for a chunk of tokens [B, Tc] written at cache slots slot.. .
+
+    ``params``: the model's parameter dict (as ``init_params`` returns);
+    ``positions`` [B, Tc] int32: each token's position in its own row (the
+    rotary angle); ``cache``: ``k``, ``v`` [n_layers, B, S, KV, D]
+    (:func:`init_kv_cache`); ``slot``, ``visible``: see :func:`block_forward_kv`.
+    The prefill of a prompt is one call with Tc = its length; each decoding
+    step one call with Tc = 1.  Which slots a query sees is the caller's
+    bookkeeping (jaxdist.gen.sampler).  For a row whose tokens sit at slots
+    0..Tc-1 with positions 0..Tc-1 and a causal ``visible``, the logits equal
+    :meth:`Transformer.forward`'s.
+    """
+    cos, sin = rotary_tables(positions.reshape(-1), cfg.head_dim, cfg.rope_theta)
+    cos, sin = (t.reshape(*positions.shape, -1) for t in (cos, sin))
+    x = embed_tokens(params["embed"], tokens, cfg)
+    stacked, k, v = params["layers"], cache["k"], cache["v"]
+
+    def run(p, x, kc, vc):
+        return block_forward_kv(p, x, cos, sin, cfg, kc, vc, slot, visible)
+
+    if cfg.moe.experts:  # groups of moe.every blocks, the last of each an MoE block (as in Transformer.forward)
+        g, every = cfg.n_layers // cfg.moe.every, cfg.moe.every
+
+        def body(x, xs):
+            group, kc, vc = xs
+            ks, vs = [], []
+            for j in range(every):
+                x, kj, vj = run(group_member(group, j, cfg), x, kc[j], vc[j])
+                ks.append(kj)
+                vs.append(vj)
+            return x, (jnp.stack(ks), jnp.stack(vs))
+
+        grouped = (split_group(stacked, cfg), k.reshape(g, every, *k.shape[1:]), v.reshape(g, every, *v.shape[1:]))
+        x, (k, v) = jax.lax.scan(body, x, grouped)
+        k, v = k.reshape(cfg.n_layers, *k.shape[2:]), v.reshape(cfg.n_layers, *v.shape[2:])
+    else:
+
+        def body(x, xs):
+            p, kc, vc = xs
+            x, kc, vc = run(p, x, kc, vc)
+            return x, (kc, vc)
+
+        x, (k, v) = jax.lax.scan(body, x, (stacked, k, v))
+    logits = head(head_params(params, cfg), x, cfg)
+    return logits, {"k": constrain(k, KV_CACHE_NAMES), "v": constrain(v, KV_CACHE_NAMES)}
 
 
 def embed_tokens(table: jax.Array, tokens: jax.Array, cfg: ModelConfig) -> jax.Array:

@@ -14,6 +14,7 @@ from typing import Any
 import jax
 
 from jaxdist.config import ConfigError, Remat
+from jaxdist.models.names import CHECKPOINT_NAMES
 
 # The common hand-written recipes and the train.remat value of each.
 RECIPES: dict[str, str] = {
@@ -36,6 +37,12 @@ def remat_policy(remat: str | Remat) -> Any:
     if spec.kind == "full":
         return "full"
     if spec.kind == "names":
+        unknown = [n for n in spec.names if n not in CHECKPOINT_NAMES]
+        if unknown:  # jax would save nothing for it, silently: full recomputation under another name
+            raise ConfigError(
+                f"train.remat='{spec}' names {', '.join(repr(n) for n in unknown)}, which the model does not "
+                f"tag: use save: with some of {', '.join(CHECKPOINT_NAMES)}."
+            )
         return jax.checkpoint_policies.save_only_these_names(*spec.names)
     if spec.kind == "selected":  # what the selector chose for auto (jaxdist.resolve.resolve)
         return spec.plan.policy()

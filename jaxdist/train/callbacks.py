@@ -21,16 +21,29 @@ clock), and the next window starts when the callbacks that ran after that wait
 (evaluation, checkpoints, hooks) are done.  So the logged ``step_time`` of a
 run adds up to its training wall time minus the evaluation and checkpoint
 time, which their own records carry (``eval.seconds``, ``checkpoint.blocked_s``).
+
+Non-finite steps are found at the same syncs, not at every step: the jitted
+step applies no update when its loss or gradient norm is not finite (only the
+step count advances), and a flush that finds such a step logs it as skipped or,
+past ``train.skip_nonfinite``, raises :class:`NonFiniteStep`.  Every save
+syncs first, so no checkpoint ever holds a state from after a non-finite
+step that was not allowed: the newest checkpoint is the last good one.
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 import jax
 from tqdm.auto import tqdm
+
+from jaxdist.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 class Callback(Protocol):
@@ -45,6 +58,23 @@ class Callback(Protocol):
         """Do the action; ``ctx`` gives the trainer, the step and the metrics."""
 
 
+class NonFiniteStep(ConfigError):
+    """A step had a non-finite loss or gradient norm, and more than ``train.skip_nonfinite`` did."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float, allowed: int, newest_checkpoint: int | None = None):
+        where = (
+            "no checkpoint was saved"
+            if newest_checkpoint is None
+            else f"the newest checkpoint is step {newest_checkpoint}"
+        )
+        super().__init__(
+            f"step {step} has loss {loss} and gradient norm {grad_norm}, a non-finite step beyond the "
+            f"train.skip_nonfinite={allowed} allowed: training stopped and saved no state from after it ({where}); "
+            "lower train.learning_rate or check the data, or raise train.skip_nonfinite to skip such steps."
+        )
+        self.step, self.loss, self.grad_norm, self.allowed = step, loss, grad_norm, allowed
+
+
 class MetricsWindow:
     """The steps dispatched since the last flush, their device metrics, and the clock of the window.
 
@@ -54,6 +84,11 @@ class MetricsWindow:
     :mod:`jaxdist.models.arithmetic` over peak) and ``hfu`` (the compiled
     program's FLOPs, recomputation included, over peak), and ``window`` (its
     length in steps).
+
+    A step whose ``loss`` or ``grad_norm`` is not finite (the jitted step did
+    not apply its update) is logged with ``skipped: true`` and appended to
+    ``skipped``; the flush that finds more than ``skip_nonfinite`` of them
+    raises :class:`NonFiniteStep` after writing the window's records.
     """
 
     def __init__(
@@ -63,12 +98,16 @@ class MetricsWindow:
         model_flops_per_step: float,
         hardware_flops_per_step: float | None,
         peak_flops: float,
+        skip_nonfinite: int = 0,
+        skipped: list[int] | None = None,
     ):
         self.writer = writer
         self.tokens_per_step = tokens_per_step
         self.model_flops_per_step = model_flops_per_step
         self.hardware_flops_per_step = hardware_flops_per_step
         self.peak_flops = peak_flops
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped = [] if skipped is None else skipped  # non-finite steps skipped so far (shared across fits)
         self.pending: list[tuple[int, dict, tuple[str, int] | None]] = []  # (step, device metrics, batch)
         self.latest: dict[str, float] | None = None  # the newest record on the host
         self.flushed: list[dict[str, float]] = []  # records of the flush at the current step
@@ -110,16 +149,31 @@ class MetricsWindow:
             )
             if self.hardware_flops_per_step is not None:
                 r["hfu"] = self.hardware_flops_per_step / dt / self.peak_flops
+            finite = math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
             # The log names the batch each step trained (hooks and history keep floats only).
-            self.writer.write(
-                "train", step, r if batch is None else {**r, "batch_id": batch[0], "batch_version": batch[1]}
-            )
+            logged = r if batch is None else {**r, "batch_id": batch[0], "batch_version": batch[1]}
+            self.writer.write("train", step, logged if finite else {**logged, "skipped": True})
             records.append({"step": step, **r})
         self.pending = []
         self.t0 = now
         self.latest = records[-1]
         self.flushed = records
         self.history.extend(records)
+        for r in records:
+            if math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]):
+                continue
+            if len(self.skipped) >= self.skip_nonfinite:
+                raise NonFiniteStep(int(r["step"]), r["loss"], r["grad_norm"], self.skip_nonfinite)
+            self.skipped.append(int(r["step"]))
+            log.warning(
+                "step %d has loss %s and gradient norm %s: skipped, its update not applied (%d of "
+                "train.skip_nonfinite=%d)",
+                r["step"],
+                r["loss"],
+                r["grad_norm"],
+                len(self.skipped),
+                self.skip_nonfinite,
+            )
         return records
 
 
@@ -251,14 +305,17 @@ class SaveCheckpoint:
 
 @dataclass
 class SaveLocal:
-    """A save to the node-local tier every ``every`` steps, except where a persistent one is due."""
+    """A save to the node-local tier every ``every`` steps, at persistent steps too.
+
+    So the local tier is never older than the persistent one: a failure just after a persistent save still
+    recovers from local disk (and runs no program the job has not compiled), not from shared storage.
+    """
 
     every: int
-    persistent: SaveCheckpoint | None
     syncs: bool = True
 
     def due(self, step: int, last: bool) -> bool:
-        return step % self.every == 0 and not (self.persistent is not None and self.persistent.due(step, last))
+        return step % self.every == 0
 
     def __call__(self, ctx: StepContext) -> None:
         ctx.trainer.save_local(ctx.step)

@@ -9,6 +9,8 @@ from typing import Any
 
 from tensorboardX import SummaryWriter
 
+from jaxdist.data.audit import read_records
+
 
 class MetricsWriter:
     """Appends one JSON object per record to ``<run>/metrics.jsonl`` and mirrors scalars to TensorBoard.
@@ -25,7 +27,10 @@ class MetricsWriter:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        torn = _ends_mid_line(self.path)  # a kill mid-write: the first append starts on a fresh line
         self._file = open(self.path, "a", buffering=1)
+        if torn:
+            self._file.write("\n")
         if tensorboard:
             self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
 
@@ -62,10 +67,18 @@ def _plain(v: Any) -> Any:
         return str(v)
 
 
+def _ends_mid_line(path: Path) -> bool:
+    """True if ``path`` exists, is not empty and its last byte is not a newline."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
+    except OSError:  # missing, or empty (a seek before the start)
+        return False
+
+
 def read_metrics(run_dir: str | Path, kind: str | None = "train") -> list[dict[str, Any]]:
-    """Records of ``<run>/metrics.jsonl`` (of one kind, or all with ``kind=None``)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """Records of ``<run>/metrics.jsonl`` (of one kind, or all with ``kind=None``); a torn line (a kill
+    mid-write) is skipped with a warning naming it (see jaxdist.data.audit.read_records)."""
+    rows = read_records(Path(run_dir) / "metrics.jsonl")
     return [r for r in rows if kind is None or r.get("kind") == kind]

@@ -8,14 +8,16 @@ import optax
 from jaxdist.config import TrainConfig
 
 
-def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Learning rate per step: linear warmup to ``learning_rate``, cosine decay to ``min_lr_ratio`` of it."""
-    warmup = max(0, min(cfg.warmup_steps, cfg.steps - 1))
+def learning_rate_schedule(cfg: TrainConfig, steps: int | None = None) -> optax.Schedule:
+    """Learning rate per step: linear warmup to ``learning_rate``, cosine decay to ``min_lr_ratio`` of it
+    over ``steps`` (default ``train.schedule_steps``, or ``train.steps`` when that is 0), constant after."""
+    steps = steps or cfg.schedule_steps or cfg.steps
+    warmup = max(0, min(cfg.warmup_steps, steps - 1))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.learning_rate,
         warmup_steps=warmup,
-        decay_steps=max(cfg.steps, warmup + 1),
+        decay_steps=max(steps, warmup + 1),
         end_value=cfg.learning_rate * cfg.min_lr_ratio,
     )
 
@@ -30,9 +32,12 @@ def decay_mask(params) -> dict:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(cfg: TrainConfig) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(AdamW, schedule).  Gradient clipping (``cfg.grad_clip``) is done by the train step,
-    which already computes the global norm for its metrics."""
-    schedule = learning_rate_schedule(cfg)
+def make_optimizer(
+    cfg: TrainConfig, schedule_steps: int | None = None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(AdamW, schedule over ``schedule_steps``, see :func:`learning_rate_schedule`).  Gradient clipping
+    (``cfg.grad_clip``) is done by the train step, which already computes the global norm for its metrics.
+    The optimizer state has the same structure whatever the schedule's length."""
+    schedule = learning_rate_schedule(cfg, schedule_steps)
     opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
     return opt, schedule

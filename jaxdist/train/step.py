@@ -116,6 +116,8 @@ def make_train_step(
     (and for an MoE model the cross-entropy as loss plus MOE_METRICS, see :func:`objective`).
 
     ``grad_clip`` > 0 scales the gradients to at most that global norm before the optimizer.
+    A step whose loss or gradient norm is not finite leaves the parameters and the optimizer state as
+    they were (the step count and the RNG advance); the host skips or stops on it (train.skip_nonfinite).
     ``grads_fn(params, tokens) -> (loss, metrics, grads)`` replaces the model's own
     (the pipeline executor does this, jaxdist.parallel.pipeline).
     """
@@ -133,10 +135,17 @@ def make_train_step(
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
+        # A step whose logged loss or gradient norm is not finite changes nothing but the step count: no NaN
+        # reaches the parameters or the optimizer state; the host skips or stops at its next sync (MetricsWindow).
+        # A select keeps every finite step's numbers bit for bit.
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **model_metrics}
+        ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        new_params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(ok, new, old), (new_params, opt_state), (params, state["opt_state"])
+        )
         # The key advances every step so a resumed run draws the same randomness.
         rng = jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"]))
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state, "rng": rng}
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **model_metrics}
         return new_state, metrics
 
     return train_step

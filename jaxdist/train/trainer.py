@@ -28,6 +28,7 @@ from jaxdist.checkpoint.local import LocalTier, resolve_dir
 from jaxdist.config import Config, ConfigError
 from jaxdist.config_checks import is_resolved, validate
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
+from jaxdist.data.sources import check_vocab
 from jaxdist.models import create_abstract, init_params
 from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.cluster import load_cluster
@@ -42,6 +43,7 @@ from jaxdist.train.callbacks import (
     HookCallback,
     LogMetrics,
     MetricsWindow,
+    NonFiniteStep,
     ProgressBar,
     SaveCheckpoint,
     SaveLocal,
@@ -95,6 +97,7 @@ class Trainer:
         self._compiled_step = None  # compiled_train_step()
         self._hardware_flops: float | None = None  # hardware_flops_per_step()
         self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
+        self.skipped_steps: list[int] = []  # steps skipped for a non-finite loss or gradient norm (skip_nonfinite)
         self._build_checkpoints()  # the persistent tier and the node-local one
         self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.train.tensorboard)
         if self.is_main:
@@ -113,7 +116,9 @@ class Trainer:
         self.remat_policy, self.remat_plan = remat_policy(remat), remat.plan
         self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)
         self.param_shardings = self.parallelism.param_shardings(names, abstract_params)
-        self.optimizer, self.schedule = make_optimizer(c.train)
+        # The schedule's length: train.schedule_steps, else train.steps; a resumed run keeps the recorded one.
+        self.schedule_steps = c.train.schedule_steps or c.train.steps
+        self.optimizer, self.schedule = make_optimizer(c.train, self.schedule_steps)
         self.state_shardings = self._state_shardings(abstract_params)
         self.batch_sharding = self.parallelism.batch_sharding
         self.replicated = self.parallelism.replicated
@@ -152,6 +157,8 @@ class Trainer:
         """The data source, the run's batch list (exact order across restarts) and the eval sampler."""
         c = self.config
         self.data = load_source(c.data)
+        for split, tokens in (("train", self.data.train), ("held-out", self.data.eval)):  # one pass over the ids
+            check_vocab(tokens, c.model.vocab_size, f"the {split} split of {self.data.name}")
         # Training batches come in batch-list order (exact across restarts, resizes and additions).
         self.batches = RunBatchList(
             self.run_dir,
@@ -226,6 +233,12 @@ class Trainer:
                 self.resumed_from = ("local", int(meta["step"]))
                 log.info("resumed from step %d in the local tier %s", int(meta["step"]), self.local.directory)
                 return self.state
+        if resume and ck.latest_step() is None and ck.damaged_steps():
+            # A restore set them all aside: starting over here would silently drop the run.
+            raise ConfigError(
+                f"every checkpoint in {ck.directory} is damaged (set aside as <step>.damaged, steps "
+                f"{', '.join(map(str, ck.damaged_steps()))}); set checkpoint.resume=false to start over."
+            )
         if resume and ck.latest_step() is not None:
             step = ck.latest_step()
             try:  # the newest checkpoint whose checksums hold; damaged ones are skipped with a warning
@@ -256,6 +269,42 @@ class Trainer:
     def _check_resume(self, meta: dict) -> None:
         # The batch list checked the config when it opened; here: the checkpoint's version and cursor.
         self.batches.resume(meta.get("data", {}), int(meta["step"]))
+        self._settle_schedule(meta)
+
+    def _settle_schedule(self, meta: dict) -> None:
+        """Continue the learning-rate schedule the checkpoint recorded (``train.schedule_steps`` sets another).
+
+        A checkpoint of an older jaxdist records no length: its run's train.steps was the length.  The
+        optimizer state is the same for any length, so only the train step is rebuilt (compiled on first use).
+        """
+        t = self.config.train
+        before = meta.get("config", {}).get("train", {})
+        recorded = int(meta.get("schedule_steps") or before.get("schedule_steps") or before.get("steps") or 0)
+        steps = t.schedule_steps or recorded or self.schedule_steps
+        if before.get("steps") not in (None, t.steps) and self.is_main:
+            how = (
+                f"is now train.schedule_steps={steps} steps long"
+                if t.schedule_steps
+                else f"keeps its recorded length of {steps} steps (then stays at learning_rate * min_lr_ratio); "
+                "set train.schedule_steps to change it"
+            )
+            log.warning(
+                "train.steps changed from %d to %d: the learning-rate schedule %s", before["steps"], t.steps, how
+            )
+        if steps != self.schedule_steps:
+            self.schedule_steps = steps
+            self.optimizer, self.schedule = make_optimizer(t, steps)
+            self._build_programs()
+            self._compiled_step = None
+
+    def _checkpoint_meta(self, step: int) -> dict:
+        """What a checkpoint of ``step`` records beside the state: the data position, the schedule, the config."""
+        return {
+            "step": step,
+            "data": self._data_meta(step),
+            "schedule_steps": self.schedule_steps,
+            "config": self.config.to_dict(),
+        }
 
     def _data_meta(self, position: int) -> dict:
         return self.batches.checkpoint_meta(position)  # batch-list version + cursor
@@ -352,7 +401,13 @@ class Trainer:
         if start >= end:
             return []
         window = MetricsWindow(
-            self.metrics, self.tokens_per_step, self.flops_per_step, self.hardware_flops_per_step(), self.peak_flops
+            self.metrics,
+            self.tokens_per_step,
+            self.flops_per_step,
+            self.hardware_flops_per_step(),
+            self.peak_flops,
+            c.train.skip_nonfinite,
+            self.skipped_steps,
         )
         bar = ProgressBar(c.train.steps, start, c.train.name) if c.train.progress and self.is_main else None
         saving = SaveCheckpoint(c.checkpoint.every) if self.checkpointer is not None else None
@@ -361,8 +416,8 @@ class Trainer:
             + ([bar] if bar else [])
             + self.callbacks
             + [Evaluate(c.train.eval_every)]
+            + ([SaveLocal(c.checkpoint.local_every)] if self.local is not None else [])  # before the persistent
             + ([saving] if saving else [])
-            + ([SaveLocal(c.checkpoint.local_every, saving)] if self.local is not None else [])
         )
         # Several processes agree on additions where metrics sync the host anyway (every log_every steps).
         prefetch = self.batches.loader(
@@ -375,6 +430,8 @@ class Trainer:
                 self.state, m = self.train_step(self.state, batch)
                 window.add(i + 1, m, (format_id(batch_id), self.batches.version))
                 run_due(callbacks, StepContext(self, i + 1, start, end, window))
+        except NonFiniteStep as e:  # found at a sync; every save syncs first, so none holds a later state
+            raise NonFiniteStep(e.step, e.loss, e.grad_norm, e.allowed, self._newest_checkpoint()) from None
         finally:
             prefetch.close()
             if bar is not None:
@@ -385,17 +442,22 @@ class Trainer:
     def save(self, step: int | None = None) -> None:
         """Checkpoint the current state (asynchronously)."""
         step = int(jax.device_get(self.state["step"])) if step is None else step
-        if self.checkpointer.save(
-            step, self.state, {"step": step, "data": self._data_meta(step), "config": self.config.to_dict()}
-        ):
+        if self.local is not None and self.local.stats and self.local.stats[-1].step == step:
+            self.local.wait()  # this step's local files land before its persistent commit: local is never older
+        if self.checkpointer.save(step, self.state, self._checkpoint_meta(step)):
             s = self.checkpointer.stats[-1]  # seconds the loop was blocked by the save / by the previous one
             self.metrics.write("checkpoint", step, {"blocked_s": s.blocked_s, "waited_s": s.waited_s})
 
+    def _newest_checkpoint(self) -> int | None:
+        """The newest step saved to either tier (committed, or started by this process), or None."""
+        steps = [s.step for tier in (self.checkpointer, self.local) if tier is not None for s in tier.stats]
+        if self.checkpointer is not None and self.checkpointer.latest_step() is not None:
+            steps.append(self.checkpointer.latest_step())
+        return max(steps, default=None)
+
     def save_local(self, step: int) -> None:
         """Save the current state to the fast node-local tier (collective; files written in the background)."""
-        self.local.save(
-            step, self.state, {"step": step, "data": self._data_meta(step), "config": self.config.to_dict()}
-        )
+        self.local.save(step, self.state, self._checkpoint_meta(step))
         s = self.local.stats[-1]
         self.metrics.write(
             "checkpoint_local",

@@ -79,11 +79,11 @@ def reference(tmp_path_factory):
 def test_resume_from_local_tier_is_bit_identical(tmp_path, reference):
     full, losses = reference
     cfg = config(tmp_path, "crash")
-    t = run_until_crash(cfg, 8)  # persistent at 4; local at 5, 6, 7 (keep 2: 6 and 7 on disk)
+    t = run_until_crash(cfg, 8)  # persistent at 4; local at 1 to 7 (keep 2: 6 and 7 on disk)
     assert t.checkpointer.latest_step() == 4
     assert sorted(t.local._own_steps()) == [6, 7]
     stats = t.local.stats
-    assert [s.step for s in stats] == [1, 2, 3, 5, 6, 7] and all(s.replicate_s == 0 for s in stats)
+    assert [s.step for s in stats] == [1, 2, 3, 4, 5, 6, 7] and all(s.replicate_s == 0 for s in stats)
 
     with Trainer(config(tmp_path, "crash")) as t2:
         t2.init_state()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 
@@ -33,3 +34,15 @@ def listening(pid: int) -> list[str]:
                 )
                 out.append(f"{host}:{int(port, 16)}")
     return out
+
+
+def fake_ssh(bindir: Path) -> None:
+    """An `ssh` that runs the remote command here (options skipped, stdin passed through): a "remote"
+    host whose address is 127.0.0.1."""
+    f = bindir / "ssh"
+    f.write_text(
+        "#!/bin/bash\n"
+        'while [[ "$1" == -* ]]; do case "$1" in -o|-R|-L|-p|-i) shift 2;; *) shift;; esac; done\n'
+        'host="$1"; shift; cmd="$*"\nexec bash -c "${cmd//--host $host/--host 127.0.0.1}"\n'
+    )
+    f.chmod(f.stat().st_mode | stat.S_IEXEC)

@@ -14,7 +14,9 @@ Environment: ``JAXDIST_STUB_STEP_S`` (seconds per step, default 0.05),
 ``JAXDIST_STUB_WARM_S`` (seconds of warm-up, default 0.2),
 ``JAXDIST_STUB_SLOW_FROM`` / ``JAXDIST_STUB_SLOW_S`` (from that step on, each
 step takes that long: a slow cluster), ``JAXDIST_STUB_HANG_AT`` (the first
-group to reach that step stops stepping but keeps heartbeating: a deadlock).
+group to reach that step stops stepping but keeps heartbeating: a deadlock),
+``JAXDIST_STUB_NONSENSE_AT`` (rank 0 exits with code 2 at that step, as a
+worker does whose run can only produce nonsense, e.g. a NaN loss).
 """
 
 from __future__ import annotations
@@ -76,8 +78,12 @@ def main(argv: list[str]) -> int:
     step_s = float(os.environ.get("JAXDIST_STUB_STEP_S", "0.05"))
     slow_from = int(os.environ.get("JAXDIST_STUB_SLOW_FROM", "0")) or None
     hang_at = int(os.environ.get("JAXDIST_STUB_HANG_AT", "0")) or None
+    nonsense_at = int(os.environ.get("JAXDIST_STUB_NONSENSE_AT", "0")) or None
     for step in range(start + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
+        if step == nonsense_at and rank == 0:
+            print(f"jaxdist: the loss at step {step} is not finite: stopping (exit 2).", file=sys.stderr)
+            return 2
         if step == hang_at and not (run / "stub" / "hung").exists():
             time.sleep(0.5)
             (run / "stub" / "hung").touch()

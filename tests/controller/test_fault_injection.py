@@ -148,7 +148,14 @@ def jobs(tmp_path_factory):
         ref.close()
     # 10 failures over 5 nodes: no node is banned here (banning is tested with stub workers)
     faulty = LocalJob(
-        [*COMMON, f"train.steps={STEPS}", "train.name=faulty", f"controller.max_failures={INJECTIONS + 1}"],
+        [
+            *COMMON,
+            f"train.steps={STEPS}",
+            "train.name=faulty",
+            f"controller.max_failures={INJECTIONS + 1}",
+            f"controller.max_process_failures={INJECTIONS + 1}",
+            "controller.crashed_rank=standby",  # each killed process stands for a lost node: a standby takes it
+        ],
         nodes=5,
         cwd=cwd,
     )

@@ -13,20 +13,19 @@ from __future__ import annotations
 import os
 import random
 import signal
-import stat
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from jaxdist.controller.local import LocalJob
-from jaxdist.controller.policy import lineage
 import zmq
 
+from jaxdist.controller.local import LocalJob
+from jaxdist.controller.policy import lineage
 from jaxdist.controller.protocol import Peer, Signer, curve_client
 from jaxdist.controller.timeline import generations_trained
 
-from .helpers import listening
+from .helpers import fake_ssh, listening
 from .stub_worker import expected_final
 
 STUB = Path(__file__).with_name("stub_worker.py")
@@ -98,23 +97,15 @@ def test_elastic_start_with_nodes_arriving_one_by_one(tmp_path):
     assert final_state(job) == expected_final(steps)
 
 
-def _fake_ssh(bindir: Path) -> None:
-    """An `ssh` that runs the remote command here (options skipped, stdin passed through): a "remote"
-    host whose address is 127.0.0.1."""
-    f = bindir / "ssh"
-    f.write_text(
-        "#!/bin/bash\n"
-        'while [[ "$1" == -* ]]; do case "$1" in -o|-R|-L|-p|-i) shift 2;; *) shift;; esac; done\n'
-        'host="$1"; shift; cmd="$*"\nexec bash -c "${cmd//--host $host/--host 127.0.0.1}"\n'
-    )
-    f.chmod(f.stat().st_mode | stat.S_IEXEC)
-
-
 def test_failures_hang_and_controller_restart(tmp_path):
     """SIGKILL of rank 0, SIGSTOP of another rank, a forged message and the controller killed mid-run."""
     steps = 150
     job = LocalJob(
-        stub_args("faults", steps, "controller.min_nodes=4", "controller.max_nodes=4"), nodes=5, cwd=tmp_path
+        stub_args(
+            "faults", steps, "controller.min_nodes=4", "controller.max_nodes=4", "controller.crashed_rank=standby"
+        ),
+        nodes=5,
+        cwd=tmp_path,
     )
     rng = random.Random(0)
     try:
@@ -239,7 +230,7 @@ def test_launch_over_ssh(tmp_path):
     """`jaxdist launch` with the SSH launcher (a fake ssh that runs the command here)."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
-    _fake_ssh(bindir)
+    fake_ssh(bindir)
     (tmp_path / "hosts").write_text("host-a\nhost-b\nhost-c\n")
     steps = 20
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXDIST_JOB_TOKEN")}
@@ -272,3 +263,102 @@ def test_launch_over_ssh(tmp_path):
     start = events_of(job, "start")[0]
     assert set(start["members"].values()) <= {"host-a", "host-b", "host-c"} and len(start["members"]) == 2
     assert final_state(job) == expected_final(steps)
+
+
+def test_too_few_nodes_shrinks_the_group_or_ends_with_a_sentence(tmp_path):
+    """Reliability edge 9: after bans leave too few nodes for the group, the job continues on a smaller group
+    the mesh and batch allow (exactly once), and otherwise ends after controller.start_timeout with a reason."""
+    steps = 30
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    job = LocalJob(
+        stub_args(
+            "shrink",
+            steps,
+            "controller.max_process_failures=1",
+            "controller.min_nodes=2",
+            "controller.start_grace=60",
+            "controller.standbys=0",
+        ),
+        nodes=4,
+        cwd=tmp_path / "a",
+        env={"JAXDIST_STUB_STEP_S": "0.1"},
+    )
+    try:
+        job.start()  # start_grace: the start waits for all four nodes
+        job.wait_until(lambda s: s.get("last_step", 0) >= 5 and s["phase"] == "running", 90, "step 5")
+        assert len(job.state()["members"]) == 4
+        job.inject(1, signal.SIGKILL)  # one failure bans the node: 3 usable nodes, groups of 1, 2 or 4 fit
+        assert job.wait(120) == 0, job.summary()
+    finally:
+        job.close()
+    shrink = events_of(job, "shrink")
+    assert len(shrink) == 1 and len(shrink[0]["members"]) == 2 and shrink[0]["before"] == 4
+    assert events_of(job, "banned")[0]["node"] == events_of(job, "start")[0]["members"]["1"]
+    assert final_state(job) == expected_final(steps)  # every step once, on 4 nodes then on 2
+
+    job = LocalJob(
+        stub_args(
+            "stuck", 200, "controller.max_process_failures=1", "controller.min_nodes=4", "controller.start_timeout=3"
+        ),
+        nodes=4,
+        cwd=tmp_path / "b",
+        env={"JAXDIST_STUB_STEP_S": "0.1"},
+    )
+    try:
+        job.start()
+        job.wait_until(lambda s: s.get("last_step", 0) >= 3 and s["phase"] == "running", 90, "step 3")
+        job.inject(0, signal.SIGKILL)
+        assert job.wait(60) == 1
+    finally:
+        job.close()
+    why = events_of(job, "gave_up")[0]["why"]
+    assert why.startswith("only 3 usable node(s) are left") and "controller.min_nodes=4" in why, why
+    assert "resumes from its checkpoint at step" in why
+
+
+def test_a_crashed_process_restarts_on_its_own_node_a_lost_node_on_a_standby(tmp_path):
+    """Reliability edge 10: a worker process that dies while its node agent is healthy is the process's
+    failure: the rank restarts on its own node (where its local-tier files are), counted apart from node
+    failures; a lost node (agent and worker gone) is replaced by the standby."""
+    steps = 60
+    job = LocalJob(
+        stub_args("own-node", steps, "controller.min_nodes=4", "controller.max_nodes=4"),
+        nodes=5,
+        cwd=tmp_path,
+        env={"JAXDIST_STUB_STEP_S": "0.1"},
+    )
+    try:
+        job.start(late=1)
+        job.wait_until(lambda s: s.get("last_step", 0) >= 5 and s["phase"] == "running" and s["standbys"], 90, "go")
+        crash = job.inject(2, signal.SIGKILL)
+        job.wait_until(lambda s: s["generation"] == 1 and s["phase"] == "running" and s["standbys"], 90, "gen 1")
+        # a lost node: its agent and every process under it die together
+        node = job.state()["members"]["1"]
+        job.lose_node(node)
+        job.wait_until(lambda s: s["generation"] == 2 and s["phase"] == "running", 90, "gen 2")
+        assert job.wait(120) == 0, job.summary()
+    finally:
+        job.close()
+    starts, blame = events_of(job, "start"), events_of(job, "blame")
+    assert starts[1]["members"] == starts[0]["members"]  # the crashed rank restarted on its own node
+    assert blame[0]["scope"] == {crash["node"]: "process"} and blame[0]["moved"] == []
+    assert blame[1]["scope"] == {node: "node"} and blame[1]["moved"] == [node]
+    assert starts[2]["members"]["1"] not in starts[1]["members"].values()  # the standby took the lost node's rank
+    state = job.state()
+    assert state["process_failures"] == {crash["node"]: 1} and state["failures"] == {node: 1}
+    assert final_state(job) == expected_final(steps)
+
+
+def test_a_worker_that_stops_on_nonsense_ends_the_job_instead_of_restarting_it(tmp_path):
+    """A worker exiting with code 2 (a NaN loss, a config or data error) is not restarted up to max_failures
+    times: every restart would stop the same way. The job ends at once, saying so."""
+    job = LocalJob(stub_args("nan", 100), nodes=2, cwd=tmp_path, env={"JAXDIST_STUB_NONSENSE_AT": "6"})
+    try:
+        job.start()
+        assert job.wait(90) == 1
+    finally:
+        job.close()
+    assert len(events_of(job, "start")) == 1 and not events_of(job, "failure")
+    why = events_of(job, "gave_up")[0]["why"]
+    assert "stopped with exit code 2" in why and "resumes from its newest checkpoint" in why, why

@@ -59,17 +59,24 @@ def test_delivery_adds_each_shard_once_and_refuses_corruption(receiver, caplog):
         # corrupted in transit: the payload is not what the signed body names
         bad = deliver(c, "job:abc:4:1", shard(200, 1), sha256="0" * 64)
         assert not bad["ok"] and "corrupted" in bad["refused"]
-        small = deliver(c, "job:abc:4:2", shard(10, 2))  # fewer tokens than one batch: refused with add_data's reason
-        assert not small["ok"] and "fewer than one batch" in small["refused"]
-        assert deliver(c, "job:abc:4:3", shard(300, 3))["ok"]
+        small = deliver(c, "job:abc:4:2", shard(10, 2))  # 11 tokens, less than one batch (33): it waits
+        assert small["ok"] and not small["duplicate"]
+        assert run_status(run)["waiting"] == 1 and len(Journal(run).pending()) == 1
+        assert deliver(c, "job:abc:4:3", shard(300, 3))["ok"]  # with it, a batch's worth: bundled together
     finally:
         c.close()
     pending = Journal(run).pending()
     assert len(pending) == 2 and all(r is not None for _, r in pending)  # two additions queued, nothing else
-    assert len(Ledger(run / "gen" / "ledger.jsonl").by_key) == 2
-    assert sorted(p.name.split("-")[-2] for p in (run / "gen" / "shards").iterdir()) == ["0", "3"]
+    ledger = Ledger(run / "gen" / "ledger.jsonl")
+    assert len(ledger.by_key) == 3 and [len(b["keys"]) for b in ledger.bundles.values()] == [1, 2]
+    assert sorted(p.name.split("-")[-2] for p in (run / "gen" / "shards").iterdir()) == ["0", "2", "3"]
     s = run_status(run)
-    assert s["received"] == 2 and s["adopted"] == 0 and s["pending"] == 2
+    assert (s["received"], s["waiting"], s["queued"], s["adopted"], s["bundles"]) == (3, 0, 3, 0, 2)
+    # the trainer adopts both at its next step boundary
+    rb = RunBatchList(run, np.arange(B * (L + 1) * 10, dtype=np.uint32) % 250, "synthetic", 1, B, L)
+    rb.boundary(0)
+    s = run_status(run)
+    assert (s["queued"], s["adopted"]) == (0, 3) and s["behind_steps"] > 0
     assert any("corrupted" in r.message for r in caplog.records)
 
 
@@ -175,3 +182,72 @@ def test_sample_sets_and_gen_config_errors(tmp_path):
             load_gen_config(None, base + bad)
     with pytest.raises(ConfigError, match="not an address"):
         Client("t", "g:x", "nowhere")
+
+
+def test_a_receiver_killed_between_queueing_a_bundle_and_recording_it_adds_it_once(tmp_path, monkeypatch):
+    run = make_run(tmp_path)
+    rec = Receiver(run)
+    real_append = Ledger.append
+
+    def killed_at_the_bundle_record(self, r):
+        if "bundle" in r:
+            raise KeyboardInterrupt("killed")  # the addition is queued, its ledger line is not written
+        real_append(self, r)
+
+    monkeypatch.setattr(Ledger, "append", killed_at_the_bundle_record)
+    payload = shard(100, 7)
+    from jaxdist.gen.channel import digest
+
+    msg = {"t": "deliver", "key": "j:x:1:0", "sha256": digest(payload), "n_bytes": len(payload)}
+    with pytest.raises(KeyboardInterrupt):
+        rec._deliver("g:w0", msg, payload)
+    rec.close()
+    assert len(Journal(run).pending()) == 1 and Ledger(run / "gen" / "ledger.jsonl").waiting()
+    monkeypatch.setattr(Ledger, "append", real_append)
+    again = Receiver(run)  # the restarted receiver bundles the waiting shard: the same tokens, already queued
+    again.close()
+    led = Ledger(run / "gen" / "ledger.jsonl")
+    assert len(Journal(run).pending()) == 1 and not led.waiting() and len(led.bundles) == 1
+    assert next(iter(led.bundles.values()))["request"] is None
+
+
+def test_ssh_workers_on_two_hosts_deliver_every_task(tmp_path):
+    """gen.hosts_file: one worker per host over SSH (a fake ssh that runs the command here), the token on stdin."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from controller.helpers import fake_ssh
+
+    run = make_run(tmp_path)
+    rec = Receiver(run)
+    t = threading.Thread(target=rec.serve, args=(time.monotonic() + 120,), daemon=True)
+    t.start()
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake_ssh(bindir)
+    (tmp_path / "hosts").write_text("host-a\nhost-b\n")
+    (tmp_path / "p.txt").write_text("\n".join(f"sample {i}" for i in range(8)))
+    env = {k: v for k, v in os.environ.items() if k != "JAXDIST_JOB_TOKEN"}
+    env.update(PATH=f"{bindir}:{env['PATH']}", PYTHONPATH=str(Path(__file__).resolve().parents[2]), GENFN_SLEEP="0")
+    args = [f"samples={tmp_path / 'p.txt'}", "task_size=2", "function=tests.gen.genfns:expand", "workers=1"]
+    args += [f"deliver_to={rec.address}", f"run={run}", "hosts_file=hosts", f"state_dir={tmp_path / 'st'}"]
+    args += [f"python={sys.executable}"]
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "jaxdist.cli", "gen", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        rec.stop()
+        t.join(timeout=5)
+        rec.close()
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    status = json.loads((tmp_path / "st" / "status.json").read_text())
+    assert status["delivered"] == 4 and sorted(status["workers"]) == ["host-a-w0", "host-b-w0"], status
+    assert len(Ledger(run / "gen" / "ledger.jsonl").by_key) == 4

@@ -12,8 +12,9 @@
    SIGKILL; the generation job finishes meanwhile.
 5. The trainer resumes and trains to the end.
 
-Then every delivered shard is in the batch list once, and each of its batches
-was trained exactly once (``jaxdist data verify``).
+Then every delivered shard is in exactly one bundle, every bundle is one
+source of the batch list, and each of its batches was trained exactly once
+(``jaxdist data verify``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def _status(state: Path) -> dict:
 
 def test_generation_workers_feed_the_trainer_exactly_once_through_kills(tmp_path):
     base = (len(load_source(DataConfig(max_bytes=MAX_BYTES)).train) - 1) // L // B
-    per_shard = SHARD_BYTES // L // B  # a shard of SHARD_BYTES bytes + EOS
+    per_shard = SHARD_BYTES // L // B + 1  # at most, in batches: a shard of SHARD_BYTES bytes + EOS, bundled
     steps = 2 * base + TASKS * per_shard  # room for a second epoch if the first is spent before shards arrive
     common = [
         "model=tiny",
@@ -184,18 +185,21 @@ def test_generation_workers_feed_the_trainer_exactly_once_through_kills(tmp_path
                 p.kill()
                 p.wait(timeout=30)
 
-    # every delivered shard is one source of the batch list, its batches each trained exactly once
+    # every delivered shard is in exactly one bundle, every bundle one source of the batch list, and each
+    # bundle's batches were trained exactly once
     ledger = Ledger(run / "gen" / "ledger.jsonl")
-    assert len(ledger.by_key) == TASKS
+    assert len(ledger.by_key) == TASKS and sorted(ledger.bundle_of) == sorted(ledger.by_key)
     bl = Journal(run).load()
-    shard_sources = {s.id for s in bl.sources if s.fingerprint in {r["fingerprint"] for r in ledger.by_key.values()}}
-    assert len(shard_sources) == TASKS and len(bl.sources) == TASKS + 1
+    by_fp = {s.fingerprint: s for s in bl.sources}
+    bundles = list(ledger.bundles.values())
+    assert all(b["fingerprint"] in by_fp for b in bundles) and len(bl.sources) == len(bundles) + 1
     report = check_exactly_once(run)
     assert report["ok"], report
     trained = np.array([parse_id(r["batch_id"]) for r in trained_batches(run)])
     src, epoch, _ = unpack_ids(trained)
-    for sid in shard_sources:
-        assert int(np.sum((src == sid) & (epoch == 0))) == per_shard, sid
+    for b in bundles:
+        source = by_fp[b["fingerprint"]]
+        assert int(np.sum((src == source.id) & (epoch == 0))) == source.batches_per_epoch(B, L) > 0, b
     verify = subprocess.run(
         [sys.executable, "-m", "jaxdist.cli", "data", "verify", str(run)], capture_output=True, text=True, timeout=60
     )

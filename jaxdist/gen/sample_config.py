@@ -1,0 +1,58 @@
+"""What sampling reads and checks before JAX starts: a run's config and the settings of a request.
+
+``jaxdist sample RUN_DIR`` needs the run's config first, to know how many
+simulated CPU devices its cluster file asks for (``prepare_host_devices``
+must run before JAX is imported).  The run directory holds the config it was
+trained with (``config.json``, written by the Trainer); dotted overrides
+(``mesh.tensor=2 mesh.data=-1``) change it for sampling, the mesh above all.
+No JAX here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Sequence
+
+from jaxdist.config import Config, from_dict, parse_overrides
+from jaxdist.config_checks import validate
+from jaxdist.errors import ConfigError
+
+
+def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """The config ``run_dir`` was trained with, plus ``overrides``; ConfigError (one sentence) if unusable."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise ConfigError(f"run directory '{run}' does not exist: pass the run's folder, e.g. runs/<train.name>.")
+    stored = run / "config.json"
+    if not stored.is_file():
+        raise ConfigError(f"'{run}' has no config.json: pass a run directory written by `jaxdist train`.")
+    try:
+        cfg = from_dict(json.loads(stored.read_text()))
+    except ValueError as e:
+        raise ConfigError(
+            f"'{stored}' is not a readable config ({e}): pass a run directory written by jaxdist."
+        ) from None
+    for key, value in parse_overrides(list(overrides)):
+        cfg = cfg.replace(**{key: value})
+    validate(cfg)
+    if cfg.mesh.auto:
+        raise ConfigError("sampling needs explicit mesh sizes, not mesh=auto: pass e.g. mesh.data=-1 mesh.tensor=1.")
+    if cfg.mesh.pipeline > 1:
+        raise ConfigError(
+            f"sampling runs without pipeline stages, the run has mesh.pipeline={cfg.mesh.pipeline}: "
+            "pass mesh.pipeline=1 mesh.data=-1 (or other sizes without pipeline)."
+        )
+    return cfg
+
+
+def check_request(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """ConfigError (one sentence saying what to change) for sampling settings that cannot work."""
+    if max_new_tokens <= 0:
+        raise ConfigError(f"max_new_tokens={max_new_tokens} generates nothing: ask for at least 1 token.")
+    if temperature < 0:
+        raise ConfigError(f"temperature={temperature} is negative: use 0 (greedy) or a positive temperature.")
+    if top_k < 0:
+        raise ConfigError(f"top_k={top_k} is negative: use 0 (no top-k cut) or a positive number of tokens.")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"top_p={top_p} is outside (0, 1]: use 1 (no nucleus cut) or a share like 0.9.")

@@ -1,0 +1,247 @@
+"""The sampler (jaxdist/gen/sampler.py, decode.py): cached decoding equals recomputation, the sampling
+settings, stop strings and EOS, user errors, and ``jaxdist sample`` on a trained run.
+
+The reference is the training forward pass (``jaxdist.models.apply``) on one
+device, recomputing every row's whole sequence, unpadded, at every step.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdist.config import load_config
+from jaxdist.data.tokenizer import ByteTokenizer
+from jaxdist.errors import ConfigError
+from jaxdist.gen.sampler import Sampler, TextStream
+from jaxdist.models.transformer import apply, create_abstract
+from jaxdist.parallel.layout import Parallelism
+
+TEXTS = ["Hello", "de", "import o"]  # 5, 2 and 8 tokens: one batch of different lengths
+PROMPTS = [ByteTokenizer().encode(t).tolist() for t in TEXTS]
+NEW = 6  # every test decodes PROMPTS by NEW tokens, so one sampler compiles its two programs once
+MESH = ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]
+
+
+def _config(model: str, mesh: list[str], *extra: str):
+    return load_config(None, [f"model={model}", *mesh, *extra])
+
+
+def _params(cfg) -> dict:
+    """Random weights, std 0.1 (peaked next-token distributions: no near-ties for argmax), norm scales 1.
+
+    Built with numpy: jitting ``init_params`` would take seconds of compile per model.
+    """
+    _, abstract, _ = create_abstract(cfg.model)
+    rng = np.random.default_rng(0)
+
+    def leaf(path, a):
+        if str(path[-1].key).endswith("norm"):
+            return np.ones(a.shape, np.float32)
+        return rng.normal(0.0, 0.1, a.shape).astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract)
+
+
+@functools.cache
+def _sampler(model: str, mesh: tuple[str, ...] = (), tokenizer=None) -> Sampler:
+    """One sampler per model, mesh and tokenizer for the whole module (its programs compile once)."""
+    cfg = _config(model, list(mesh) or ["mesh.data=1"])
+    devices = jax.devices() if mesh else jax.devices()[:1]
+    return Sampler(cfg, _params(cfg), Parallelism.build(cfg, devices), tokenizer)
+
+
+@functools.cache
+def _recompute_greedy(model: str, steps: int = NEW) -> tuple[list[list[int]], np.ndarray]:
+    """(greedy tokens, logits [rows, steps, V]) of PROMPTS by the full forward pass over each row's sequence at
+    every step, on one device, without a cache."""
+    cfg = _config(model, [])
+    graphdef, _, _ = create_abstract(cfg.model)
+    forward = jax.jit(lambda p, x: apply(graphdef, p, x))
+    params = _params(cfg)
+    seqs = [list(p) for p in PROMPTS]
+    width = max(map(len, PROMPTS)) + steps  # right padding: the causal logits of a position ignore what follows
+    logits = np.zeros((len(PROMPTS), steps, cfg.model.vocab_size), np.float32)
+    for i in range(steps):
+        batch = np.zeros((len(seqs), width), np.int32)
+        for b, s in enumerate(seqs):
+            batch[b, : len(s)] = s
+        out = np.asarray(forward(params, batch))
+        for b, s in enumerate(seqs):
+            logits[b, i] = out[b, len(s) - 1]
+            s.append(int(np.argmax(logits[b, i])))
+    return [s[len(p) :] for s, p in zip(seqs, PROMPTS)], logits
+
+
+def _ids(decoded) -> list[list[int]]:
+    return [t.tolist() for t in decoded.tokens]
+
+
+@pytest.mark.parametrize("mesh", [(), tuple(MESH)], ids=["1-device", "data2-fsdp2-tensor2"])
+@pytest.mark.parametrize("model", ["tiny", "moe-tiny"])
+def test_cached_greedy_decoding_equals_recomputation(model, mesh):
+    sampler = _sampler(model, mesh)
+    got = sampler.decode(PROMPTS, NEW, stop_at_eos=False, keep_logits=True)
+    want_tokens, want_logits = _recompute_greedy(model)
+    assert _ids(got) == want_tokens
+    np.testing.assert_allclose(got.logits, want_logits, rtol=0, atol=1e-5)
+    if mesh:  # the cache is sharded like the activations: rows over data x fsdp, key/value heads over tensor
+        spec = sampler._shardings(4, 8, 14)["cache"]["k"].spec
+        assert tuple(spec)[1:4] == (("data", "fsdp"), None, "tensor")
+
+
+def test_past_max_seq_len_the_cache_is_a_sliding_window():
+    full = _sampler("tiny")
+    window = Sampler(
+        _config("tiny", ["mesh.data=1", "model.max_seq_len=12", "train.seq_len=12"]), full.params, full.parallelism
+    )
+    assert window.cache_length(8, NEW) == 12 and full.cache_length(8, NEW) == 14
+    a = window.decode(PROMPTS, NEW, stop_at_eos=False)  # 8 + 6 slots in 12: the ring wraps at the 6th new token
+    b = full.decode(PROMPTS, NEW, stop_at_eos=False)
+    assert [t[:5] for t in _ids(a)] == [t[:5] for t in _ids(b)]  # the same until slot 0 is overwritten
+    assert all(len(t) == NEW and ((t >= 0) & (t < 260)).all() for t in a.tokens)
+
+
+# --------------------------------------------------------------------------- sampling settings
+
+
+def test_top_k_1_and_tiny_top_p_equal_greedy():
+    tiny = _sampler("tiny")
+    greedy = _ids(tiny.decode(PROMPTS, NEW, stop_at_eos=False))
+    for kw in (dict(top_k=1), dict(top_p=1e-4)):
+        assert _ids(tiny.decode(PROMPTS, NEW, temperature=1.0, seed=3, stop_at_eos=False, **kw)) == greedy, kw
+
+
+def test_seeds_repeat_and_differ_and_cuts_hold():
+    tiny = _sampler("tiny")
+
+    def draw(seed, **kw):
+        return tiny.decode(PROMPTS, NEW, temperature=1.5, seed=seed, stop_at_eos=False, keep_logits=True, **kw)
+
+    a, b, c = draw(7), draw(7), draw(8)
+    assert _ids(a) == _ids(b) and _ids(a) != _ids(c)
+    k = draw(1, top_k=3)
+    for row, logits in zip(k.tokens, k.logits):  # each drawn token is one of its step's 3 likeliest
+        top3 = np.argsort(logits, axis=-1)[:, -3:]
+        assert all(t in top3[i] for i, t in enumerate(row))
+    p = draw(2, top_p=0.3)
+    for row, logits in zip(p.tokens, p.logits):  # ... one of the smallest set of likeliest with probability >= 0.3
+        for i, t in enumerate(row):
+            probs = np.exp(logits[i] / 1.5 - np.max(logits[i] / 1.5))
+            probs /= probs.sum()
+            order = np.argsort(-probs)
+            assert t in order[: int(np.searchsorted(np.cumsum(probs[order]), 0.3)) + 1]
+    assert all(((t >= 0) & (t < 260)).all() for t in a.tokens + c.tokens)
+
+
+class AsciiTokenizer(ByteTokenizer):
+    """Decodes ids 0..127 only: a tokenizer whose vocabulary is smaller than the model's."""
+
+    vocab_size = 128
+
+
+ASCII = AsciiTokenizer()  # one instance: the cached sampler of this tokenizer is shared by the tests
+
+
+def test_ids_the_tokenizer_cannot_decode_are_never_chosen():
+    assert any((t >= 128).any() for t in _sampler("tiny").decode(PROMPTS, NEW, stop_at_eos=False).tokens)
+    ascii_only = _sampler("tiny", (), ASCII)
+    assert all((t < 128).all() for t in ascii_only.decode(PROMPTS, NEW, stop_at_eos=False).tokens)
+    assert all((t < 128).all() for t in ascii_only.decode(PROMPTS, NEW, 2.0, seed=1, stop_at_eos=False).tokens)
+
+
+def test_stop_string_and_eos_end_a_prompt():
+    sampler = _sampler("tiny", (), ASCII)  # ASCII text: every token is one character
+    draw = dict(temperature=1.0, seed=0)  # varied text (greedy repeats one character); the same draws each time
+    full = sampler.generate(TEXTS, NEW, stop_at_eos=False, **draw)
+    j = next(i for i, ch in enumerate(full[0].text) if i >= 1 and full[0].text.index(ch) == i)  # a new character
+    stopped = sampler.generate(TEXTS, NEW, stop=full[0].text[j], **draw)
+    assert stopped[0].text == full[0].text[:j] and stopped[0].finish == "stop"
+    assert stopped[0].tokens == full[0].tokens[: j + 1] and stopped[0].prompt == "Hello"
+    for f, s in zip(full[1:], stopped[1:]):  # the other prompts end at the same string, or run to the end
+        assert s.text == f.text.split(full[0].text[j])[0] and s.finish == ("stop" if s.text != f.text else "length")
+
+    eos = full[0].tokens[2]
+    sampler.tokenizer.eos_id = eos  # the token ending a prompt is a traced setting: the same programs
+    try:
+        ended = sampler.generate(TEXTS, NEW, **draw)
+    finally:
+        del sampler.tokenizer.eos_id
+    assert ended[0].finish == "eos" and ended[0].tokens == full[0].tokens[: full[0].tokens.index(eos) + 1]
+    assert ended[0].text == full[0].text[: full[0].tokens.index(eos)]
+
+
+def test_text_stream_prints_as_it_comes_and_holds_back_a_possible_stop():
+    out = io.StringIO()
+    stream = TextStream(ByteTokenizer(), out, stops=["END"])
+    for i, ch in enumerate(b"ab\xc3\xa9cEN"):
+        stream(i, np.array([ch, -1]))
+    assert out.getvalue() == "ab\u00e9c"  # "EN" may still become "END"; the two bytes of the e-acute came together
+    stream(8, np.array([ord("X"), -1]))
+    assert out.getvalue() == "ab\u00e9cENX"  # "ENX" cannot
+    stream(9, np.array([-1, -1]))  # ended
+    stream.finish("ab\u00e9cENX")
+    assert out.getvalue() == "ab\u00e9cENX\n"
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens=0"),
+        (dict(top_p=0.0), "top_p=0.0 is outside (0, 1]"),
+        (dict(top_p=1.5), "top_p=1.5 is outside (0, 1]"),
+        (dict(prompts=[list(range(129))]), "more than the model's max length model.max_seq_len=128"),
+    ],
+)
+def test_bad_requests_raise_config_error(kw, words):
+    args = dict(prompts=PROMPTS, max_new_tokens=NEW) | kw
+    with pytest.raises(ConfigError) as e:
+        _sampler("tiny").decode(args.pop("prompts"), **args)
+    assert words in str(e.value) and str(e.value).count(". ") == 0  # one sentence
+
+
+def test_runs_without_a_checkpoint_raise_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        Sampler.from_run(tmp_path / "nope")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(_config("tiny", []).to_dict()))
+    with pytest.raises(ConfigError, match="has no committed checkpoint"):
+        Sampler.from_run(run)
+
+
+# --------------------------------------------------------------------------- jaxdist sample
+
+
+def _jaxdist(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets up the run's devices itself
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run(
+        [sys.executable, "-m", "jaxdist.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240
+    )
+
+
+def test_cli_samples_a_trained_run_and_reports_errors(tmp_path):
+    train = ["model=tiny", "train.seq_len=32", "train.batch_size=16", "train.steps=2", "data.max_bytes=200000"]
+    train += ["train.eval_batches=0", "train.tensorboard=false"]  # no evaluation program to compile
+    r = _jaxdist("train", *train, "train.progress=false", "train.name=s", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    r = _jaxdist("sample", "runs/s", "--prompt", "def f(", "--max-new-tokens", "12", "mesh.tensor=2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("def f(") and len(r.stdout) > len("def f(\n")
+    assert "model tiny, step 2; mesh data=4 tensor=2 (8 devices" in r.stderr
+    for args, words in [
+        (["runs/missing"], "run directory 'runs/missing' does not exist"),
+        (["runs/s", "--top-p", "2"], "top_p=2.0 is outside (0, 1]"),
+    ]:
+        r = _jaxdist("sample", *args, cwd=tmp_path)
+        assert r.returncode == 2 and words in r.stderr, r.stderr[-2000:]
