@@ -45,7 +45,9 @@ class SamplerSpec:
 class GenConfig:
     name: str = "gen"
     samples: str = ""
-    task_size: int = 8
+    task_size: int = 8  # samples per task = parallel streams of a worker; 0: chosen from gen.profile
+    profile: str = ""  # `jaxdist gen profile --out` file: with task_size=0, the streams come from it
+    latency_target_s: float = 60.0  # with task_size=0: the most seconds one task may take
     function: str = "sampler"
     workers: int = 2  # worker processes on this machine, or per host with hosts_file
     hosts_file: str = ""  # one host per line: workers start there over SSH (tunnelled to the dispatcher and receiver)
@@ -61,6 +63,11 @@ class GenConfig:
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
 
     @property
+    def model(self) -> str:
+        """The generation function's name in run logs and profiles: the teacher run, or module:function."""
+        return self.sampler.run if self.function == "sampler" else self.function
+
+    @property
     def state_path(self) -> Path:
         return Path(self.state_dir or f"gen-state/{self.name}")
 
@@ -72,8 +79,13 @@ class GenConfig:
                 "gen.deliver_to is not set: give the training run's receiver address "
                 "(jaxdist gen receive RUN_DIR prints it)."
             )
-        if self.task_size < 1:
-            raise ConfigError(f"gen.task_size must be at least 1 (got {self.task_size}): set the samples per task.")
+        if self.task_size < 0 or (self.task_size == 0 and not self.profile):
+            raise ConfigError(
+                f"gen.task_size must be at least 1 (got {self.task_size}), or 0 with gen.profile set "
+                "(streams chosen from the model's profile): set the samples per task."
+            )
+        if not self.latency_target_s > 0:
+            raise ConfigError(f"gen.latency_target_s={self.latency_target_s} must be positive seconds.")
         if self.workers < 1:
             raise ConfigError(f"gen.workers must be at least 1 (got {self.workers}).")
         if not self.name or any(c in self.name for c in "/:\\") or ".." in self.name:

@@ -30,11 +30,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from jaxdist.config import ConfigError
 from jaxdist.data.journal import atomic_write
 from jaxdist.controller.launch import read_hosts
 from jaxdist.gen.channel import Client, Server, split_address
 from jaxdist.gen.config import GenConfig
+from jaxdist.gen.profile import load_profiles
+from jaxdist.gen.schedule import Stage, plan_streams
 from jaxdist.gen.tasks import TaskBoard, load_samples, make_tasks
 
 log = logging.getLogger(__name__)
@@ -46,9 +50,12 @@ class Dispatcher:
         self.token = cfg.token()
         self.state = cfg.state_path
         self.state.mkdir(parents=True, exist_ok=True)
-        self.board = TaskBoard(
-            make_tasks(cfg.name, load_samples(cfg.samples), cfg.task_size), self.state / "tasks.jsonl", cfg.lease_s
+        samples = load_samples(cfg.samples)
+        task_size, self.streams_why = (
+            (cfg.task_size, "gen.task_size") if cfg.task_size else streams_from_profile(cfg, samples)
         )
+        self.board = TaskBoard(make_tasks(cfg.name, samples, task_size), self.state / "tasks.jsonl", cfg.lease_s)
+        self.task_size = task_size
         self.server = Server(self.token, "dispatcher", cfg.bind, 0, allow_remote=cfg.bind != "127.0.0.1")
         self.procs: dict[str, subprocess.Popen] = {}
         # worker name -> host (SSH workers), "w<k>" on this machine
@@ -150,6 +157,8 @@ class Dispatcher:
         wall = max(1e-9, time.time() - self.t0)
         return {
             "name": self.cfg.name,
+            "streams": self.task_size,
+            "streams_why": self.streams_why,
             "dispatcher": self.server.address,
             "deliver_to": self.cfg.deliver_to,
             **self.board.counts(),
@@ -213,6 +222,23 @@ class Dispatcher:
         return 0 if c["refused"] == 0 else 1
 
 
+def streams_from_profile(cfg: GenConfig, samples: list[str]) -> tuple[int, str]:
+    """Samples per task (a worker's parallel streams) from the model's profile, and why: the most throughput
+    whose task latency stays within gen.latency_target_s (jaxdist/gen/schedule.py ``plan_streams``)."""
+    profiles = load_profiles(cfg.profile)
+    if cfg.model not in profiles:
+        raise ConfigError(
+            f"{cfg.profile} has no profile of '{cfg.model}' (it has {', '.join(sorted(profiles))}): "
+            "profile this model's run logs (jaxdist gen profile)."
+        )
+    tokens_in = float(np.mean([len(s.encode()) for s in samples]))
+    tokens_out = float(cfg.sampler.max_new_tokens if cfg.function == "sampler" else tokens_in)
+    stage = Stage(cfg.model, 1.0, tokens_in, tokens_out, cfg.latency_target_s)
+    choice = plan_streams(profiles, [stage], nodes=1, streams=range(1, 65)).choices[0]
+    log.info("streams per worker from %s: %d (%s)", cfg.profile, choice.streams, choice.why_streams)
+    return choice.streams, choice.why_streams
+
+
 def _base(name: str) -> str:
     """A worker's name without the restart count a replacement carries (``w0.2`` -> ``w0``)."""
     head, _, tail = name.rpartition(".")
@@ -269,6 +295,7 @@ def format_status(s: dict[str, Any]) -> str:
     lines = [
         f"generation job {s['name']}: {s['tasks']} tasks: {s['pending']} pending, {s['running']} running, "
         f"{s['delivered']} delivered, {s['refused']} refused ({s['reassigned']} handed out again)",
+        f"  {s.get('streams', '?')} samples per task (parallel streams): {s.get('streams_why', '')}",
         f"  {s['tokens']:,} tokens delivered, {s['tokens_per_s']:,.1f} tokens/s over {s['elapsed_s']:.0f} s; "
         f"workers alive: {', '.join(s['alive']) or 'none'}",
     ]

@@ -97,8 +97,7 @@ def run_worker(cfg: GenConfig, dispatcher: str, name: str) -> int:
     disp, recv = Client(token, ident, dispatcher), Client(token, ident, cfg.deliver_to)
     # One record per sample of each task (its samples run together: streams = the task's size), for
     # `jaxdist gen profile` (jaxdist/gen/profile.py); counts in bytes, the byte tokenizer's tokens.
-    model = cfg.sampler.run if cfg.function == "sampler" else cfg.function
-    runlog = RunLogWriter(cfg.state_path / f"runlog.{name}.jsonl", model, worker=name, node=socket.gethostname())
+    runlog = RunLogWriter(cfg.state_path / f"runlog.{name}.jsonl", cfg.model, worker=name, node=socket.gethostname())
     try:
         while True:
             r = disp.request({"t": "want"}, deadline_s=120.0)
