@@ -148,7 +148,8 @@ def _run_config(run_dir: Path, section: str, key: str, default: Any) -> Any:
         return default
 
 
-def _run_token_dtype(run_dir: Path) -> str:
+def run_token_dtype(run_dir: Path) -> str:
+    """The run's data.token_dtype (from its config.json; uint16 when it cannot be read)."""
     return _run_config(run_dir, "data", "token_dtype", "uint16")
 
 
@@ -176,7 +177,7 @@ def add_data(
     current = journal.load()
     if not paths:
         raise ConfigError("no data paths given: name at least one file or directory to add.")
-    token_dtype = token_dtype or _run_token_dtype(run_dir)
+    token_dtype = token_dtype or run_token_dtype(run_dir)
     known = {s.fingerprint: f"source {s.id} ('{s.name}') of the batch list" for s in current.sources}
     for name, req in journal.pending():
         for s in (req or {}).get("sources", []):

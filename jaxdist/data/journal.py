@@ -47,6 +47,25 @@ def atomic_write(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def append_lines(path: Path, data: bytes, fsync: bool = False) -> None:
+    """Append whole lines (``data`` ends with a newline) to ``path``; a torn last line is closed first.
+
+    A kill mid-append leaves a last line without its newline; the next append starts on a fresh line, so
+    the torn record stays one line a reader names and skips instead of swallowing the next record.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end:
+            f.seek(end - 1)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
 class Journal:
     """The batch-list files of one run, under ``<run_dir>/batchlist/``."""
 

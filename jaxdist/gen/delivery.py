@@ -48,8 +48,8 @@ import numpy as np
 from jaxdist.config import ConfigError
 from jaxdist.controller.protocol import load_or_create_token
 from jaxdist.data.batchlist import unpack_ids
-from jaxdist.data.catalog import add_data, fingerprint, read_path
-from jaxdist.data.journal import Journal, atomic_write
+from jaxdist.data.catalog import add_data, fingerprint, read_path, run_token_dtype
+from jaxdist.data.journal import Journal, append_lines, atomic_write
 from jaxdist.gen.channel import Server, digest
 
 log = logging.getLogger(__name__)
@@ -97,13 +97,7 @@ class Ledger:
         return [r for k, r in self.by_key.items() if k not in self.bundle_of]
 
     def append(self, rec: dict[str, Any]) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "ab") as f:
-            if f.tell() and not self.path.read_bytes().endswith(b"\n"):
-                f.write(b"\n")  # after a torn last line, start a fresh one
-            f.write(json.dumps(rec, sort_keys=True).encode() + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_lines(self.path, json.dumps(rec, sort_keys=True).encode() + b"\n", fsync=True)
         self._index(rec)
 
 
@@ -124,7 +118,7 @@ class Receiver:
         self.ledger = Ledger(self.dir / "ledger.jsonl")
         bl = Journal(self.run_dir).load()
         self.min_tokens = bl.batch_size * bl.seq_len + 1  # one global batch: the least a source can hold
-        self.token_dtype = _run_token_dtype(self.run_dir)
+        self.token_dtype = run_token_dtype(self.run_dir)
         self.refused: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self.server = Server(run_token(self.run_dir), "receiver", host, port, allow_remote)
@@ -278,10 +272,3 @@ def run_status(run_dir: str | Path) -> dict[str, Any]:
         "batches": len(bl),
         "behind_steps": int(behind),
     }
-
-
-def _run_token_dtype(run_dir: Path) -> str:
-    try:
-        return json.loads((run_dir / "config.json").read_text())["data"]["token_dtype"]
-    except (OSError, ValueError, KeyError):
-        return "uint16"

@@ -26,11 +26,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from jaxdist.data.journal import append_lines
 from jaxdist.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -117,20 +117,7 @@ class RunLogWriter:
 
     def write(self, records: Iterable[RunRecord]) -> None:
         """Append records (of any model); a torn last line of the file is closed with a newline first."""
-        data = "".join(r.to_json() + "\n" for r in records).encode()
-        with open(self.path, "ab") as f:
-            if f.tell() and not _ends_with_newline(self.path):
-                f.write(b"\n")
-            f.write(data)
-            f.flush()
-            if self.fsync:
-                os.fsync(f.fileno())
-
-
-def _ends_with_newline(path: Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
+        append_lines(self.path, "".join(r.to_json() + "\n" for r in records).encode(), fsync=self.fsync)
 
 
 @dataclass

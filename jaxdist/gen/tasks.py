@@ -24,13 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jaxdist.config import ConfigError
+from jaxdist.data.journal import append_lines
 
 log = logging.getLogger(__name__)
 
@@ -139,13 +139,7 @@ class TaskBoard:
         if index in self.finished:
             return
         rec = {"key": self.tasks[index].key, "task": index, "worker": worker, "time": time.time(), **outcome}
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.state_path, "ab") as f:
-            if f.tell() and not self.state_path.read_bytes().endswith(b"\n"):
-                f.write(b"\n")
-            f.write(json.dumps(rec, sort_keys=True).encode() + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_lines(self.state_path, json.dumps(rec, sort_keys=True).encode() + b"\n", fsync=True)
         self.finished[index] = rec
 
     def release(self, worker: str) -> list[int]:
