@@ -102,7 +102,7 @@ class Ledger:
 
 
 class Receiver:
-    """Answers ``hello``, ``deliver`` and ``status`` requests for the run in ``run_dir``."""
+    """Answers ``deliver`` and ``status`` requests for the run in ``run_dir``."""
 
     def __init__(self, run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False):
         self.run_dir = Path(run_dir)
@@ -119,7 +119,6 @@ class Receiver:
         bl = Journal(self.run_dir).load()
         self.min_tokens = bl.batch_size * bl.seq_len + 1  # one global batch: the least a source can hold
         self.token_dtype = run_token_dtype(self.run_dir)
-        self.refused: list[dict[str, Any]] = []
         self._stop = threading.Event()
         self.server = Server(run_token(self.run_dir), "receiver", host, port, allow_remote)
         atomic_write(
@@ -149,9 +148,6 @@ class Receiver:
 
     def handle(self, sender: str, msg: dict[str, Any], payload: bytes | None) -> dict[str, Any]:
         kind = msg.get("t")
-        if kind == "hello":
-            bl = Journal(self.run_dir).load()
-            return {"ok": True, "batch_size": bl.batch_size, "seq_len": bl.seq_len}
         if kind == "status":
             return {"ok": True, **run_status(self.run_dir)}
         if kind == "deliver":
@@ -160,7 +156,6 @@ class Receiver:
 
     def _refuse(self, sender: str, key: str, reason: str) -> dict[str, Any]:
         log.warning("refused the shard of task %s from %s: %s", key, sender, reason)
-        self.refused.append({"key": key, "worker": sender, "reason": reason, "time": time.time()})
         return {"ok": False, "refused": reason}
 
     def _deliver(self, sender: str, msg: dict[str, Any], payload: bytes | None) -> dict[str, Any]:

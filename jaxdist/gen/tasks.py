@@ -169,8 +169,3 @@ class TaskBoard:
             "refused": outcomes.count("refused"),
             "reassigned": self.reassigned,
         }
-
-
-def check_task_size(task_size: int) -> None:
-    if task_size < 1:
-        raise ConfigError(f"gen.task_size must be at least 1 (got {task_size}): set the samples per task.")
