@@ -14,7 +14,9 @@ values are read from its field's ``Literal`` type with :func:`choices`.
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import socket
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,9 +51,6 @@ def is_loopback(host: str) -> bool:
 
     ``127.0.0.1.example.com`` is a name, not an address: it counts as loopback only if DNS says so.
     """
-    import ipaddress
-    import socket
-
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:

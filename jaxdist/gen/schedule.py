@@ -413,7 +413,7 @@ def exhaustive_knapsack(values: np.ndarray, costs: np.ndarray, budget: float) ->
 
 
 def _milp(values: np.ndarray, costs: np.ndarray, budget: float, time_limit_s: float) -> tuple[np.ndarray, bool]:
-    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.optimize import Bounds, LinearConstraint, milp  # scipy (~0.3 s to import) only for the MILP
 
     v, w = np.asarray(values, float), np.asarray(costs, float)
     res = milp(
