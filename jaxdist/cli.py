@@ -105,6 +105,14 @@ def cmd_train(args) -> int:
                 f"outputs in {trainer.run_dir}",
                 file=sys.stderr,
             )
+            if cfg.train.profile_steps:
+                a, b = cfg.train.profile_steps
+                print(
+                    f"profile of steps {a}..{b} in {trainer.run_dir / 'profile'} "
+                    f"(tensorboard --logdir {trainer.run_dir / 'profile'}, or the .xplane.pb / .trace.json.gz "
+                    "files in Perfetto)",
+                    file=sys.stderr,
+                )
     if agent is not None:
         agent.finished()
     return 0

@@ -66,7 +66,10 @@ class Config:
     controller: ControllerConfig = field(default_factory=ControllerConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Plain JSON values (a tuple field as a list), as ``config.json`` holds them."""
+        return dataclasses.asdict(
+            self, dict_factory=lambda kv: {k: list(v) if isinstance(v, tuple) else v for k, v in kv}
+        )
 
     def to_toml(self) -> str:
         """The whole config as TOML that :func:`load_config` reads back to an equal Config."""
@@ -164,6 +167,15 @@ def _coerce(key: str, value: Any, typ) -> Any:
         typ = args[0]
     if typing.get_origin(typ) is Literal:  # a choice: a string here, checked against its values by validate()
         typ = str
+    if typing.get_origin(typ) is tuple:  # tuple[int, ...]: a TOML list, or "[5, 8]" / "5,8" on the command line
+        items = value
+        if isinstance(value, str):
+            text = value.strip().removeprefix("[").removesuffix("]")
+            items = [v for v in (t.strip() for t in text.split(",")) if v]
+        if isinstance(items, (list, tuple)):
+            item_type = typing.get_args(typ)[0]
+            return tuple(_coerce(key, v, item_type) for v in items)
+        raise ConfigError(f"config key '{key}' needs a list, got {value!r}.")
     try:
         if typ is bool:
             if isinstance(value, bool):

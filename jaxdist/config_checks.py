@@ -14,6 +14,7 @@ values are read from its field's ``Literal`` type with :func:`choices`.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import math
 import socket
@@ -137,6 +138,18 @@ def check_train(t: TrainConfig) -> None:
         raise ConfigError(
             f"train.batch_size={t.batch_size} is not divisible by train.microbatches={t.microbatches}: "
             "choose a microbatch count that divides the batch."
+        )
+    if t.profile_steps and (len(t.profile_steps) != 2 or not 1 <= t.profile_steps[0] <= t.profile_steps[1]):
+        raise ConfigError(
+            f"train.profile_steps={list(t.profile_steps)} is not [first, last] with 1 <= first <= last: "
+            "write it like train.profile_steps=[5,8] (steps 5 to 8), or [] for no trace."
+        )
+    if t.tracker not in choices(t, "tracker"):
+        raise ConfigError(f"train.tracker='{t.tracker}' is unknown: use {_one_of(choices(t, 'tracker'))}.")
+    if t.tracker != "none" and importlib.util.find_spec(t.tracker) is None:
+        raise ConfigError(
+            f"train.tracker='{t.tracker}' needs the {t.tracker} package, which is not installed: "
+            f"pip install {t.tracker}, or set train.tracker=none (metrics still go to metrics.jsonl and TensorBoard)."
         )
 
 

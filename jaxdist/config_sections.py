@@ -37,6 +37,7 @@ TokenDType = Literal["uint16", "uint32"]
 Launcher = Literal["local", "ssh", "slurm", "kubernetes"]
 Recovery = Literal["standby", "requeue"]
 CrashedRank = Literal["same_node", "standby"]
+Tracker = Literal["none", "wandb", "mlflow"]
 PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
 
@@ -363,6 +364,14 @@ class TrainConfig:
     eval_batches: int = _f(4, "Held-out batches per evaluation.")
     progress: bool = _f(True, "Show a progress bar on the console (process 0 only).")
     tensorboard: bool = _f(True, "Write TensorBoard event files under <run>/tb/.")
+    profile_steps: tuple[int, ...] = _f(
+        (),
+        "[a, b]: write a JAX profiler trace of steps a..b (counted from 1, inclusive) under <run>/profile/ (TensorBoard's profile plugin or Perfetto); []: none.",
+    )
+    tracker: Tracker = _f(
+        "none",
+        "Also send metrics to an experiment tracker: none, wandb or mlflow (the package must be installed; never required).",
+    )
 
     @functools.cached_property
     def remat_spec(self) -> Remat:

@@ -36,6 +36,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import jax
@@ -319,6 +320,54 @@ class SaveLocal:
 
     def __call__(self, ctx: StepContext) -> None:
         ctx.trainer.save_local(ctx.step)
+
+
+@dataclass
+class Profile:
+    """A JAX profiler trace of steps ``first``..``last`` (``train.profile_steps``) under ``log_dir``.
+
+    The trace starts once the step before ``first`` has finished on the device and stops once ``last`` has,
+    so it holds exactly those steps' device work (and the host's dispatch of them).  Every process writes its
+    own host's file (``plugins/profile/<time>/<host>.xplane.pb``: TensorBoard's profile plugin, Perfetto).
+    """
+
+    first: int
+    last: int
+    log_dir: Path
+    syncs: bool = True
+    tracing: bool = False
+
+    @classmethod
+    def open(cls, steps: tuple[int, ...], start: int, end: int, log_dir: Path) -> "Profile | None":
+        """The callback for this fit (None if no profiled step falls in ``start+1..end``); starts the trace now
+        when the first profiled step is this fit's first."""
+        if not steps or steps[1] <= start or steps[0] > end:
+            return None
+        profile = cls(max(steps[0], start + 1), min(steps[1], end), Path(log_dir))
+        if profile.first == start + 1:
+            profile.begin()
+        return profile
+
+    def begin(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        jax.profiler.start_trace(str(self.log_dir))
+        self.tracing = True
+
+    def due(self, step: int, last: bool) -> bool:
+        return step == self.first - 1 or step == self.last
+
+    def __call__(self, ctx: StepContext) -> None:
+        if ctx.step == self.first - 1 and not self.tracing:
+            self.begin()
+        elif ctx.step == self.last:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the trace (the loop waited for the device first); also when fit ends early."""
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
+            log.info("profile of steps %d..%d written under %s", self.first, self.last, self.log_dir)
 
 
 def run_due(callbacks: list[Callback], ctx: StepContext) -> None:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 from tensorboardX import SummaryWriter
 
 from jaxdist.data.audit import read_records
+from jaxdist.train.tracking import scalars
 
 
 class MetricsWriter:
@@ -19,11 +19,12 @@ class MetricsWriter:
     no-op on processes other than 0 so every process can call it.
     """
 
-    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True, tracker: Any = None):
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
         self._tb = None
+        self._tracker = tracker  # jaxdist.train.tracking: W&B or MLflow (train.tracker), or None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -40,10 +41,12 @@ class MetricsWriter:
         record = {"kind": kind, "step": int(step)}
         record.update({k: _plain(v) for k, v in values.items()})
         self._file.write(json.dumps(record) + "\n")
+        tags = scalars(kind, {k: v for k, v in record.items() if k not in ("kind", "step")})
         if self._tb is not None:
-            for k, v in record.items():
-                if k not in ("kind", "step") and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(f"{kind}/{k}", v, int(step))
+            for tag, v in tags.items():
+                self._tb.add_scalar(tag, v, int(step))
+        if self._tracker is not None and tags:
+            self._tracker.log(tags, int(step))
 
     def flush(self) -> None:
         if self._file:
@@ -58,6 +61,9 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._tracker is not None:
+            self._tracker.close()
+            self._tracker = None
 
 
 def _plain(v: Any) -> Any:

@@ -44,6 +44,7 @@ from jaxdist.train.callbacks import (
     LogMetrics,
     MetricsWindow,
     NonFiniteStep,
+    Profile,
     ProgressBar,
     SaveCheckpoint,
     SaveLocal,
@@ -51,6 +52,7 @@ from jaxdist.train.callbacks import (
     run_due,
 )
 from jaxdist.train.metrics import MetricsWriter
+from jaxdist.train.tracking import open_tracker
 from jaxdist.train.optimizer import make_optimizer
 from jaxdist.train.step import init_state, make_eval_step, make_train_step
 
@@ -99,7 +101,10 @@ class Trainer:
         self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
         self.skipped_steps: list[int] = []  # steps skipped for a non-finite loss or gradient norm (skip_nonfinite)
         self._build_checkpoints()  # the persistent tier and the node-local one
-        self.metrics = MetricsWriter(self.run_dir, enabled=self.is_main, tensorboard=c.train.tensorboard)
+        tracker = open_tracker(c.train.tracker, self.run_dir, c.train.name, c.to_dict()) if self.is_main else None
+        self.metrics = MetricsWriter(
+            self.run_dir, enabled=self.is_main, tensorboard=c.train.tensorboard, tracker=tracker
+        )
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
@@ -423,6 +428,9 @@ class Trainer:
         prefetch = self.batches.loader(
             start, self.batch_sharding, depth=2, poll_every=1 if jax.process_count() == 1 else c.train.log_every
         )
+        profile = Profile.open(c.train.profile_steps, start, end, self.run_dir / "profile")
+        if profile is not None:
+            callbacks.insert(0, profile)  # stops before the step's saves and evaluation: only training traced
         window.restart()
         try:
             for i in range(start, end):
@@ -433,6 +441,8 @@ class Trainer:
         except NonFiniteStep as e:  # found at a sync; every save syncs first, so none holds a later state
             raise NonFiniteStep(e.step, e.loss, e.grad_norm, e.allowed, self._newest_checkpoint()) from None
         finally:
+            if profile is not None:
+                profile.close()
             prefetch.close()
             if bar is not None:
                 bar.close()
