@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import threading
 import time
@@ -44,6 +45,10 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jaxdist.checkpoint import RunCheckpointer, integrity  # noqa: E402
+from jaxdist.train.compile_cache import configure_compile_cache  # noqa: E402
+
+if os.environ.get("JAXDIST_TEST_COMPILE_CACHE"):  # the test session's shared cache (tests/conftest.py)
+    configure_compile_cache(os.environ["JAXDIST_TEST_COMPILE_CACHE"])
 from jaxdist.checkpoint.writer import named_leaves  # noqa: E402
 
 
