@@ -6,6 +6,8 @@
     jaxdist ckpt list|inspect|verify|plan RUN_DIR    checkpoints of a run: steps, contents, checksums, write plan
     jaxdist data show|verify RUN_DIR                 a run's batch list: versions, sources, cursor; checks
     jaxdist data add RUN_DIR PATH...                 mix new data into a run (running or stopped)
+    jaxdist data prepare SRC OUT --tokenizer T [--workers N] [--text-field text]
+                                                     tokenize JSONL / Parquet / text into OUT/tokens.bin
     jaxdist sample RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
                    [--seed S] [--step STEP] [--stop STRING] [KEY=VALUE ...]
                                                      continue prompts with a run's checkpoint (streamed)
@@ -79,6 +81,7 @@ def cmd_train(args) -> int:
     initialize_from_env()
     import jax
 
+    from jaxdist.models.attention import attention_note
     from jaxdist.resolve import resolve
     from jaxdist.train.trainer import Trainer
 
@@ -87,6 +90,7 @@ def cmd_train(args) -> int:
             agent.attach(trainer)
         if jax.process_index() == 0:
             print(trainer.describe(), file=sys.stderr)
+            print(attention_note(trainer.config.model, trainer.config.train.seq_len, jax.devices()[0]), file=sys.stderr)
         trainer.init_state()
         start = int(jax.device_get(trainer.state["step"]))
         if start and jax.process_index() == 0:
@@ -147,6 +151,8 @@ def cmd_ckpt(args) -> int:
 def cmd_data(args) -> int:
     if args.overrides:
         raise ConfigError(f"jaxdist data does not take '{args.overrides[0]}': see `jaxdist data --help`.")
+    if args.action == "prepare":
+        return cmd_prepare(args)
     run = Path(args.run_dir)
     if not run.is_dir():
         raise ConfigError(f"run directory '{run}' does not exist: pass the run's folder, e.g. runs/<train.name>.")
@@ -166,6 +172,21 @@ def cmd_data(args) -> int:
     print(
         f"queued {len(r['sources'])} source(s), {r['batches']:,} batches, seed {r['seed']} as {r['request']}: "
         "a running trainer mixes them in at its next step, a stopped one when it starts"
+    )
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from jaxdist.data.prepare import prepare  # JAX-free; tokenizers and pyarrow are loaded when used
+
+    if len(args.paths) != 1:
+        raise ConfigError("jaxdist data prepare takes SRC OUT: the corpus and the output directory.")
+    out = Path(args.paths[0])
+    m = prepare(args.run_dir, out, args.tokenizer, args.workers, args.text_field, int(args.piece_mb * (1 << 20)))
+    print(
+        f"{m['n_tokens']:,} tokens ({m['token_dtype']}) of {m['n_documents']:,} documents from "
+        f"{len(m['sources'])} file(s) in {out / 'tokens.bin'}; train with data.source=tokens "
+        f"data.path={out / 'tokens.bin'} data.tokenizer={args.tokenizer}"
     )
     return 0
 
@@ -276,6 +297,32 @@ def cmd_gen(args) -> int:
     return run_job(cfg, args.config, words)
 
 
+def cmd_convert(args) -> int:
+    from jaxdist.convert_config import import_config, stored_config  # JAX-free: devices are set up first
+
+    if args.direction == "hf-to-jaxdist":
+        cfg = import_config(args.src, args.dst, args.overrides)
+    else:
+        cfg = stored_config(args.src, args.overrides)
+    prepare_host_devices(cfg)
+    from jaxdist.train.distributed import initialize_from_env  # JAX, after XLA_FLAGS
+
+    initialize_from_env()
+    import jax
+
+    from jaxdist.convert import hf_to_run, run_to_hf
+
+    if args.direction == "hf-to-jaxdist":
+        nbytes = hf_to_run(cfg)
+        done = f"{nbytes / 1e6:.1f} MB of parameters as step 0 of {cfg.run_dir} (jaxdist train resumes from it)"
+    else:
+        files = run_to_hf(cfg, args.dst, args.step, args.dtype)
+        done = f"{len(files)} files in {args.dst}"
+    if jax.process_index() == 0:
+        print(f"wrote {done}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxdist", description="Train large models on device meshes.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -312,10 +359,30 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--top", type=int, default=0, help="plan: show only the N biggest arrays")
     k.set_defaults(fn=cmd_ckpt)
 
-    d = sub.add_parser("data", help="show, verify or add to a run's batch list (its exact data order)")
-    d.add_argument("action", choices=("show", "add", "verify"))
-    d.add_argument("run_dir", help="run directory (runs/<train.name>)")
-    d.add_argument("paths", nargs="*", help="add: text files, directories of text files or token files (.bin)")
+    cv = sub.add_parser(
+        "convert", help="Hugging Face checkpoints in and out: hf-to-jaxdist HF RUN | jaxdist-to-hf RUN HF"
+    )
+    cv.add_argument("direction", choices=("hf-to-jaxdist", "jaxdist-to-hf"))
+    cv.add_argument("src", help="hf-to-jaxdist: the Hugging Face directory; jaxdist-to-hf: the run directory")
+    cv.add_argument("dst", help="hf-to-jaxdist: the new run directory; jaxdist-to-hf: the output directory")
+    cv.add_argument("--step", type=int, help="jaxdist-to-hf: the checkpoint step (default: newest)")
+    cv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="jaxdist-to-hf: tensor dtype")
+    cv.set_defaults(fn=cmd_convert)
+
+    d = sub.add_parser(
+        "data", help="show, verify or add to a run's batch list (its exact data order); prepare a corpus"
+    )
+    d.add_argument("action", choices=("show", "add", "verify", "prepare"))
+    d.add_argument("run_dir", help="run directory (runs/<train.name>); prepare: SRC, the corpus")
+    d.add_argument(
+        "paths",
+        nargs="*",
+        help="add: text files, directories of text files or token files (.bin); prepare: OUT, the output directory",
+    )
+    d.add_argument("--tokenizer", default="bytes", help="prepare: bytes, a tokenizer.json or a SentencePiece .model")
+    d.add_argument("--workers", type=int, default=1, help="prepare: tokenizing processes (default: 1)")
+    d.add_argument("--text-field", default="text", help="prepare: JSONL field / Parquet column of the text")
+    d.add_argument("--piece-mb", type=float, default=8.0, help="prepare: input MiB per piece of work (default: 8)")
     d.add_argument("--seed", type=int, help="add: shuffle seed (default: random, recorded in the journal)")
     d.add_argument(
         "--kind",

@@ -49,6 +49,7 @@ from jaxdist.config_sections import (  # noqa: F401  (re-exported: the sections 
     TrainConfig,
 )
 from jaxdist.errors import ConfigError
+from jaxdist.config_hf import apply_init_from
 
 # --------------------------------------------------------------------------- whole
 
@@ -269,6 +270,7 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file at ``path``, then dotted overrides; validated without devices."""
     cfg = Config()
+    explicit: set[str] = set()  # the keys the user set (model.init_from's config.json fills in the others)
     if path is not None:
         p = Path(path)
         if p.is_dir():
@@ -286,8 +288,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file '{p}' is not valid TOML ({e}): fix the syntax.") from None
         for k, v in _ordered(_flatten(data)):
             cfg = _set(cfg, k, v)
+            explicit.add(k)
     for k, v in _ordered(parse_overrides(list(overrides or []))):
         cfg = _set(cfg, k, v)
+        explicit.add(k)
+    cfg = apply_init_from(cfg, explicit)
     validate(cfg)
     return cfg
 

@@ -73,14 +73,42 @@ def check_model(m: ModelConfig) -> None:
             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.n_kv_heads}: "
             "choose n_kv_heads that divides n_heads."
         )
-    for name in ("dtype", "param_dtype"):
+    for name in ("dtype", "param_dtype", "attention"):
         if getattr(m, name) not in choices(m, name):
             raise ConfigError(f"model.{name}='{getattr(m, name)}' is not supported: use {_one_of(choices(m, name))}.")
+    if m.attention_block <= 0:
+        raise ConfigError(f"model.attention_block={m.attention_block} must be positive (tokens per block).")
+    if m.attention == "cudnn" and m.dtype != "bfloat16":
+        raise ConfigError(
+            f"model.attention=cudnn runs in bfloat16 only but model.dtype={m.dtype}: "
+            "set model.dtype=bfloat16 or use model.attention=auto, xla or blockwise."
+        )
+    _check_rope(m)
     m.moe.check()
     if m.moe.experts and (m.moe.every <= 0 or m.n_layers % m.moe.every):
         raise ConfigError(
             f"model.moe.every={m.moe.every} does not divide model.n_layers={m.n_layers}: "
             "choose an MoE interval that divides the number of blocks."
+        )
+
+
+def _check_rope(m: ModelConfig) -> None:
+    """The rotary scaling fields (ConfigError, one sentence)."""
+    if m.rope_scaling not in choices(m, "rope_scaling"):
+        raise ConfigError(
+            f"model.rope_scaling='{m.rope_scaling}' is not supported: use {_one_of(choices(m, 'rope_scaling'))}."
+        )
+    if m.rope_scaling != "none" and not m.rope_factor > 0:
+        raise ConfigError(
+            f"model.rope_factor={m.rope_factor} must be positive with model.rope_scaling={m.rope_scaling}."
+        )
+    if m.rope_scaling == "llama3" and not (
+        0 < m.rope_low_freq_factor < m.rope_high_freq_factor and m.rope_original_max_len > 0
+    ):
+        raise ConfigError(
+            f"model.rope_scaling=llama3 needs 0 < rope_low_freq_factor ({m.rope_low_freq_factor}) < "
+            f"rope_high_freq_factor ({m.rope_high_freq_factor}) and a positive rope_original_max_len "
+            f"({m.rope_original_max_len}): fix those fields."
         )
 
 
@@ -186,6 +214,24 @@ def check_data(d: DataConfig) -> None:
         )
     if not 0 < d.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie strictly between 0 and 1.")
+    if d.tokenizer != "bytes":
+        t = Path(d.tokenizer)
+        if not t.is_file():
+            raise ConfigError(
+                f"data.tokenizer '{t}' does not exist: point it at a tokenizer.json or a SentencePiece .model, "
+                "or set data.tokenizer=bytes."
+            )
+        if t.suffix not in (".json", ".model"):
+            raise ConfigError(
+                f"data.tokenizer '{t}' is neither a Hugging Face tokenizer.json nor a SentencePiece .model: "
+                "point it at one of those, or set data.tokenizer=bytes."
+            )
+        if d.source != "tokens":
+            raise ConfigError(
+                f"data.source='{d.source}' is read byte by byte, which data.tokenizer '{t}' cannot tokenize: "
+                f"run `jaxdist data prepare SRC OUT --tokenizer {t}` and train with data.source=tokens "
+                "data.path=OUT/tokens.bin."
+            )
 
 
 def check_checkpoint(c: CheckpointConfig) -> None:

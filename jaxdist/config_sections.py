@@ -29,6 +29,7 @@ from jaxdist.errors import ConfigError
 # Every choice a config field offers, defined once (the checks and the CLI read them with `choices`).
 DType = Literal["float32", "bfloat16"]
 Router = Literal["softmax", "sigmoid"]
+RopeScaling = Literal["none", "linear", "llama3"]
 Dispatch = Literal["dropless", "capacity"]
 PipelineSchedule = Literal["gpipe", "1f1b", "seq1f1b"]
 ChunkSplit = Literal["cost", "equal"]
@@ -37,6 +38,7 @@ TokenDType = Literal["uint16", "uint32"]
 Launcher = Literal["local", "ssh", "slurm", "kubernetes"]
 Recovery = Literal["standby", "requeue"]
 CrashedRank = Literal["same_node", "standby"]
+Attention = Literal["auto", "xla", "blockwise", "cudnn"]
 Tracker = Literal["none", "wandb", "mlflow"]
 PIPELINE_SCHEDULES: tuple[str, ...] = typing.get_args(PipelineSchedule)
 
@@ -107,6 +109,31 @@ class ModelConfig:
         "float32", "Storage dtype of the master weights: float32 (recommended with bf16 compute) or bfloat16."
     )
     init_std: float = _f(0.02, "Standard deviation of the normal weight initialiser.")
+    attention: Attention = _f(
+        "auto",
+        "Attention implementation: xla (whole [T, T] scores), blockwise (online softmax over key/value blocks, "
+        "memory linear in T), cudnn (fused, CUDA GPUs, bfloat16), or auto (cudnn where supported, else blockwise "
+        "from 2048 tokens, else xla).",
+    )
+    attention_block: int = _f(512, "Tokens per query and key/value block of blockwise attention.")
+    rope_scaling: RopeScaling = _f(
+        "none",
+        "Rotary frequency scaling: none, linear (every frequency / rope_factor) or llama3 (Llama 3.1's blend).",
+    )
+    rope_factor: float = _f(1.0, "Rotary scaling factor of rope_scaling=linear or llama3.")
+    rope_low_freq_factor: float = _f(
+        1.0, "llama3 scaling: wavelengths above rope_original_max_len / this are divided by rope_factor."
+    )
+    rope_high_freq_factor: float = _f(
+        4.0, "llama3 scaling: wavelengths below rope_original_max_len / this are kept (blended in between)."
+    )
+    rope_original_max_len: int = _f(8192, "llama3 scaling: the context length the model was pretrained with (tokens).")
+    qkv_bias: bool = _f(False, "Learned biases on the query, key and value projections (Qwen2).")
+    init_from: str = _f(
+        "",
+        "A Hugging Face model directory (config.json + *.safetensors): the model fields come from its config.json "
+        "and a run without a checkpoint starts from its weights.",
+    )
     moe: "MoEConfig" = field(
         default_factory=lambda: MoEConfig(), metadata={"help": "Mixture of experts: the `[model.moe]` table (below)."}
     )
@@ -437,6 +464,10 @@ class DataConfig:
     eval_fraction: float = _f(0.05, "Share of files (or of the token file's tail) held out for evaluation.")
     seed: int = _f(0, "Seed of the sample order.")
     max_bytes: int = _f(0, "Read at most this many bytes of text (0: all); keeps tests small.")
+    tokenizer: str = _f(
+        "bytes",
+        "bytes (one token per UTF-8 byte, 260 ids) or the path of a Hugging Face tokenizer.json or a SentencePiece .model; with a file, model.vocab_size follows its vocabulary unless set, and text is tokenized with `jaxdist data prepare` (data.source=tokens).",
+    )
 
     def check(self) -> None:
         """ConfigError (one sentence) for data settings that cannot work by themselves."""

@@ -8,7 +8,8 @@
 remat selector's plan for this mesh and budget
 (:func:`jaxdist.remat.policy.resolve_remat_policy`, the plan in
 ``train.remat_spec``); the device-dependent checks (mesh product, batch
-divisibility) run here.  The Trainer takes the resolved config as it is: it
+divisibility, ``model.attention=cudnn`` off a GPU) run here, and the
+attention ``auto`` picks for ``train.seq_len`` is logged.  The Trainer takes the resolved config as it is: it
 plans nothing.  ``jaxdist train``, the notebooks and the Python API all come
 through here.
 """
@@ -22,6 +23,8 @@ from typing import Any, Sequence
 from jaxdist.cluster import load_cluster
 from jaxdist.config import Config
 from jaxdist.config_checks import mark_resolved, validate, validate_devices
+from jaxdist.data.manifest import settle_tokenizer
+from jaxdist.models.attention import attention_note, check_attention_platform
 from jaxdist.planner.plan import resolve_auto
 from jaxdist.remat.policy import resolve_remat_policy
 
@@ -34,11 +37,14 @@ def resolve(config: Config, devices: Sequence[Any]) -> Config:
 
     Raises ConfigError (one sentence) when the config cannot run on these devices.
     """
+    config = settle_tokenizer(config)  # model.vocab_size follows data.tokenizer; checks a prepared corpus
     if config.mesh.auto:
         config = resolve_auto(config, devices)
         validate(config)  # a new config: the planner's choices meet every rule
         log.info("planned mesh: %s", " ".join(f"{a}={n}" for a, n in config.mesh.sizes().items()))
     validate_devices(config, len(devices))
+    check_attention_platform(config.model, devices[0].platform)
+    log.info("%s", attention_note(config.model, config.train.seq_len, devices[0]))
     if config.train.remat_spec.kind == "auto":  # every process computes the same plan (FLOPs over peak)
         _, plan = resolve_remat_policy(config, config.mesh.resolved(len(devices)), load_cluster(config.mesh.cluster))
         config = dataclasses.replace(config, train=config.train.with_remat_plan(plan))

@@ -4,12 +4,17 @@ import shutil
 import tempfile
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-# One persistent compilation cache for the multi-process test groups of this session (tests/checkpoint/worker.py):
-# a group of 4 processes compiles the same programs as the previous group, so later groups load them instead.
-# A cached program is the same executable, so every bit-for-bit assertion holds; the controller's tests keep
-# their own per-job caches (they count hits and misses).
+# One persistent compilation cache per test session.  Many tests compile the same programs (the tiny model's
+# train step on the same mesh, built by a new Trainer each time), and each group of the multi-process
+# checkpoint tests (tests/checkpoint/worker.py reads $JAXDIST_TEST_COMPILE_CACHE) compiles what the previous
+# group did: later ones load the executable instead.  A cached program is the same executable, so every
+# bit-for-bit assertion holds.  The controller's jobs keep their own per-job caches (they count hits and
+# misses): the setting below is jax.config in this process only, not the environment their workers inherit.
 if "JAXDIST_TEST_COMPILE_CACHE" not in os.environ:
     os.environ["JAXDIST_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jaxdist-test-cache-")
     atexit.register(shutil.rmtree, os.environ["JAXDIST_TEST_COMPILE_CACHE"], True)
 
-import jax  # noqa: E402, F401  (imported here, after XLA_FLAGS: every test sees 8 CPU devices)
+import jax  # noqa: E402  (imported here, after XLA_FLAGS: every test sees 8 CPU devices)
+
+jax.config.update("jax_compilation_cache_dir", os.environ["JAXDIST_TEST_COMPILE_CACHE"])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)  # tiny programs: not worth a file

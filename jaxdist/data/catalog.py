@@ -107,6 +107,12 @@ def read_path(path: str | Path, kind: str = "auto", token_dtype: str = "uint16")
     return "text", _text_file(p)
 
 
+def _reads_as_text(path: str | Path, kind: str) -> bool:
+    """Whether :func:`read_path` would read ``path`` byte by byte (a text file or a directory of them)."""
+    p = Path(path)
+    return p.is_dir() or kind == "text" or (kind == "auto" and p.exists() and p.suffix not in TOKEN_SUFFIXES)
+
+
 def read_source(entry: SourceEntry, config_tokens: np.ndarray | None = None) -> np.ndarray:
     """The tokens of a registered source, checked against the journal (length and quick fingerprint).
 
@@ -185,7 +191,13 @@ def add_data(
     B, L = current.batch_size, current.seq_len
     vocab_size = _run_config(run_dir, "model", "vocab_size", None)
     entries, total = [], 0
+    tokenizer = _run_config(run_dir, "data", "tokenizer", "bytes")
     for path in paths:
+        if tokenizer != "bytes" and _reads_as_text(path, kind):
+            raise ConfigError(
+                f"'{path}' is text, and this run trains with data.tokenizer '{tokenizer}', not bytes: tokenize it "
+                f"first with `jaxdist data prepare {path} OUT --tokenizer {tokenizer}` and add OUT/tokens.bin."
+            )
         k, tokens = read_path(path, kind, token_dtype)
         if vocab_size is not None:
             _sources.check_vocab(tokens, int(vocab_size), f"'{path}'")

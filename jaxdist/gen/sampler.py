@@ -44,7 +44,7 @@ import jax
 import numpy as np
 
 from jaxdist.config import Config
-from jaxdist.data.tokenizer import ByteTokenizer
+from jaxdist.data.tokenizer import Tokenizer, load_tokenizer
 from jaxdist.errors import ConfigError
 from jaxdist.gen.decode import Settings, decode_step, left_pad, prefill
 from jaxdist.gen.sample_config import check_request, run_config
@@ -98,8 +98,8 @@ class Sampler:
 
     ``params``: the model's parameter dict (``init_params``' structure), placed
     onto the parameter shardings if it is not there already; ``step``: the
-    checkpoint step it came from, if any.  The tokenizer is the byte-level one
-    (the only one jaxdist trains with).
+    checkpoint step it came from, if any.  The tokenizer defaults to the one
+    the run trained with (``data.tokenizer``: bytes or a tokenizer file).
     """
 
     def __init__(
@@ -107,12 +107,12 @@ class Sampler:
         config: Config,
         params: dict,
         parallelism: Parallelism | None = None,
-        tokenizer: ByteTokenizer | None = None,
+        tokenizer: Tokenizer | None = None,
         step: int | None = None,
     ):
         self.config, self.model = config, config.model
         self.parallelism = parallelism if parallelism is not None else Parallelism.build(config)
-        self.tokenizer = tokenizer if tokenizer is not None else ByteTokenizer()
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.data.tokenizer)
         self.step = step
         _, abstract, names = create_abstract(self.model)
         self.param_shardings = self.parallelism.param_shardings(names, abstract)
@@ -330,7 +330,10 @@ class Sampler:
         if any(not s for s in stops):
             raise ConfigError("a stop string is empty: give stop strings of at least one character.")
         tok = self.tokenizer
-        ids = [tok.encode(t) if t else np.array([tok.eos_id]) for t in texts]
+        # Documents were trained as [BOS] text EOS: a prompt starts like one (BOS only where the tokenizer's
+        # convention has it; never for bytes).
+        start = [tok.bos_id] if tok.add_bos else []
+        ids = [tok.encode(t, bos=tok.add_bos) if t else np.array([tok.eos_id, *start]) for t in texts]
         until = (lambda b, hist: any(s in tok.decode(hist) for s in stops)) if stops else None
         d = self.decode(ids, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, on_token, until)
         out = []
@@ -349,7 +352,7 @@ class TextStream:
     :meth:`finish` prints the rest of the final text and a newline.
     """
 
-    def __init__(self, tokenizer: ByteTokenizer, out: TextIO, stops: Sequence[str] | None = None, row: int = 0):
+    def __init__(self, tokenizer: Tokenizer, out: TextIO, stops: Sequence[str] | None = None, row: int = 0):
         self.tokenizer, self.out, self.row = tokenizer, out, row
         self.stops = list(stops or [])
         self.ids: list[int] = []

@@ -78,8 +78,9 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
     """
     d, v = m.d_model, m.vocab_size
     norms = 2 * d  # the two RMSNorm scales of a block
+    biases = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim if m.qkv_bias else 0  # q, k, v projection biases
     head = 0 if m.tie_embeddings else d * v
-    return v * d + m.n_layers * (attention_params(m) + norms) + ffn_params(m, active) + d + head
+    return v * d + m.n_layers * (attention_params(m) + norms + biases) + ffn_params(m, active) + d + head
 
 
 def matmul_params(m: ModelConfig, active: bool = True) -> int:

@@ -37,4 +37,14 @@ def block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tupl
         "w_gate": ((d, f), ("embed", "mlp")),
         "w_up": ((d, f), ("embed", "mlp")),
         "w_down": ((f, d), ("mlp", "embed")),
+        # Qwen2-style q/k/v biases (model.qkv_bias), zero at initialisation.
+        **(
+            {
+                "bq": ((h, hd), ("heads", "head_dim")),
+                "bk": ((kv, hd), ("kv_heads", "head_dim")),
+                "bv": ((kv, hd), ("kv_heads", "head_dim")),
+            }
+            if cfg.qkv_bias
+            else {}
+        ),
     }

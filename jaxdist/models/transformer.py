@@ -19,10 +19,13 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxdist.config import ModelConfig
+from jaxdist.models.attention import attention, cached_attention
+from jaxdist.models.attention import attention_over_cache, causal_attention  # noqa: F401  (re-exported)
 from jaxdist.models.hooks import constrain
 from jaxdist.models.moe import (
     DENSE_MLP_KEYS,
@@ -48,11 +51,41 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
     return (y * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def rotary_tables(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin tables of shape [T, head_dim/2] for integer positions [T]."""
-    inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+def rotary_tables(
+    positions: jax.Array, head_dim: int, theta: float, scaling: ModelConfig | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """cos and sin tables of shape [T, head_dim/2] for integer positions [T].
+
+    ``scaling``: the ModelConfig whose ``rope_scaling`` fields rescale the
+    frequencies (``linear``, ``llama3``); None or ``rope_scaling="none"`` leaves them as they are.
+    """
+    if scaling is None or scaling.rope_scaling == "none":
+        inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    else:
+        inv = jnp.asarray(scaled_inv_freq(head_dim, theta, scaling), jnp.float32)
     ang = positions.astype(jnp.float32)[:, None] * inv[None, :]
     return jnp.cos(ang), jnp.sin(ang)
+
+
+def scaled_inv_freq(head_dim: int, theta: float, m: ModelConfig) -> np.ndarray:
+    """Rotary inverse frequencies [head_dim/2] (radians per token) after ``m.rope_scaling``, in float64.
+
+    ``linear``: every frequency divided by ``rope_factor`` (positions stretched).
+    ``llama3`` (Llama 3.1): wavelengths longer than ``rope_original_max_len /
+    rope_low_freq_factor`` divided by ``rope_factor``, those shorter than
+    ``rope_original_max_len / rope_high_freq_factor`` kept, a linear blend in
+    between (Hugging Face's ``_compute_llama3_parameters``).
+    """
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if m.rope_scaling == "linear":
+        return inv / m.rope_factor
+    low, high, old = m.rope_low_freq_factor, m.rope_high_freq_factor, m.rope_original_max_len
+    wavelen = 2 * np.pi / inv
+    out = np.where(wavelen > old / low, inv / m.rope_factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * out / m.rope_factor + smooth * out
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return np.where(medium, blended, out)
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -69,27 +102,6 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: int = 0) -> jax.Array:
-    """Grouped-query causal attention.
-
-    q: [B, Tq, H, D]; k, v: [B, Tk, KV, D] with H a multiple of KV.  Query i sits
-    at absolute position q_offset + i and sees keys 0..q_offset + i.
-    Returns [B, Tq, H, D].  Softmax in float32.
-    """
-    b, tq, h, dh = q.shape
-    kv = k.shape[2]
-    g = h // kv
-    qg = q.reshape(b, tq, kv, g, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(dh))
-    tk = k.shape[1]
-    mask = (jnp.arange(tq)[:, None] + q_offset) >= jnp.arange(tk)[None, :]
-    scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, tq, h, dh).astype(q.dtype)
-
-
 def _attention_inputs(
     w: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -98,6 +110,8 @@ def _attention_inputs(
     q = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wq"]), "query_proj")
     k = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wk"]), "key_proj")
     v = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wv"]), "value_proj")
+    if "bq" in w:  # projection biases (model.qkv_bias, Qwen2), added before the rotation as in Hugging Face
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     q = constrain(apply_rotary(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
     k = constrain(apply_rotary(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))
@@ -132,7 +146,7 @@ def block_forward(
     dt = x.dtype
     w = {k: v.astype(dt) for k, v in p.items()}
     q, k, v = _attention_inputs(w, x, cos, sin, cfg)
-    x = _attention_residual(w, x, causal_attention(q, k, v))
+    x = _attention_residual(w, x, attention(q, k, v, cfg))
     h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
     if "router" in p:  # MoE block: routed experts (with their own dtype handling) replace the MLP
         out, aux = moe_forward(p, h, cfg)
@@ -169,7 +183,7 @@ def block_forward_cached(
     offset = 0 if k_prefix is None else k_prefix.shape[1]
     keys = k if k_prefix is None else jnp.concatenate([k_prefix, k], axis=1)
     values = v if v_prefix is None else jnp.concatenate([v_prefix, v], axis=1)
-    x = _attention_residual(w, x, causal_attention(q, keys, values, offset))
+    x = _attention_residual(w, x, attention(q, keys, values, cfg, offset))
     h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
     return _mlp_residual(w, x, h), k, v
 
@@ -186,24 +200,6 @@ def init_kv_cache(cfg: ModelConfig, batch: int, length: int) -> dict[str, jax.Ar
     head_dim] in the compute dtype (call under jit with KV_CACHE_NAMES shardings to create it sharded)."""
     shape = (cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim)
     return {"k": jnp.zeros(shape, array_dtype(cfg.dtype)), "v": jnp.zeros(shape, array_dtype(cfg.dtype))}
-
-
-def attention_over_cache(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Array) -> jax.Array:
-    """Grouped-query attention of q [B, Tq, H, D] over cached k, v [B, S, KV, D] where ``visible`` [B, Tq, S].
-
-    :func:`causal_attention` with an explicit per-row mask instead of the
-    causal one (kept apart so the training program does not change).
-    Returns [B, Tq, H, D].  Softmax in float32.
-    """
-    b, tq, h, dh = q.shape
-    kv = k.shape[2]
-    qg = q.reshape(b, tq, kv, h // kv, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(dh))
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, tq, h, dh).astype(q.dtype)
 
 
 def block_forward_kv(
@@ -232,7 +228,7 @@ def block_forward_kv(
     at = (0, slot, 0, 0)
     k_cache = constrain(jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), at), KV_CACHE_NAMES[1:])
     v_cache = constrain(jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), at), KV_CACHE_NAMES[1:])
-    x = _attention_residual(w, x, attention_over_cache(q, k_cache, v_cache, visible))
+    x = _attention_residual(w, x, cached_attention(q, k_cache, v_cache, visible, cfg))
     h = rms_norm(x, w["mlp_norm"], cfg.norm_eps)
     if "router" in p:  # MoE block, as in block_forward
         out, _ = moe_forward(p, h, cfg)
@@ -261,7 +257,7 @@ def forward_with_cache(
     0..Tc-1 with positions 0..Tc-1 and a causal ``visible``, the logits equal
     :meth:`Transformer.forward`'s.
     """
-    cos, sin = rotary_tables(positions.reshape(-1), cfg.head_dim, cfg.rope_theta)
+    cos, sin = rotary_tables(positions.reshape(-1), cfg.head_dim, cfg.rope_theta, cfg)
     cos, sin = (t.reshape(*positions.shape, -1) for t in (cos, sin))
     x = embed_tokens(params["embed"], tokens, cfg)
     stacked, k, v = params["layers"], cache["k"], cache["v"]
@@ -359,6 +355,8 @@ class Transformer(nnx.Module):
             init = nnx.initializers.ones if name.endswith("norm") else normal
             if name in ("wo", "w_down"):  # scaled init of residual outputs (GPT-2)
                 init = nnx.initializers.normal(cfg.init_std / (2 * cfg.n_layers) ** 0.5)
+            if name in ("bq", "bk", "bv"):  # zero at the start: a fresh model computes what it would without them
+                init = nnx.initializers.zeros
             layers[name] = param((count, *shape), ("layers", *names), init)
         for name, (shape, names) in moe_param_specs(cfg).items():
             init = normal
@@ -378,7 +376,7 @@ class Transformer(nnx.Module):
         jaxdist.models.moe.summarize_aux's router losses, drop rate and expert load."""
         cfg = self.cfg
         t = tokens.shape[1]
-        cos, sin = rotary_tables(jnp.arange(t), cfg.head_dim, cfg.rope_theta)
+        cos, sin = rotary_tables(jnp.arange(t), cfg.head_dim, cfg.rope_theta, cfg)
 
         x = embed_tokens(self.embed[...], tokens, cfg)
 

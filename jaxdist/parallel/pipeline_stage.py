@@ -182,7 +182,7 @@ class _StageRun:
 
     def _rotary(self, c: int):
         a, e = self.plan.bounds[c], self.plan.bounds[c + 1]
-        return rotary_tables(jnp.arange(a, e), self.cfg.head_dim, self.cfg.rope_theta)
+        return rotary_tables(jnp.arange(a, e), self.cfg.head_dim, self.cfg.rope_theta, self.cfg)
 
     def _args(self, c: int, p_l, x, cos, sin, kp, vp):
         full = (p_l, x, cos, sin) if c == 0 else (p_l, x, cos, sin, kp, vp)

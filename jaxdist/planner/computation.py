@@ -162,8 +162,7 @@ def _attention(m: ModelConfig, t: int, a: int) -> tuple[list[ParamTensor], list[
         ActivationTensor("value", (kv, hd), ("kv_heads", "head_dim"), a, "value_proj"),
         ActivationTensor("query_rotated", (h, hd), ("heads", "head_dim"), a),
         ActivationTensor("key_rotated", (kv, hd), ("kv_heads", "head_dim"), a),
-        ActivationTensor("attn_scores", (h, t), ("heads", "seq"), 4),
-        ActivationTensor("attn_probs", (h, t), ("heads", "seq"), 4),
+        *_score_tensors(m, h, t),
         ActivationTensor("attn_context", (h, hd), ("heads", "head_dim"), a, "attn_context"),
         ActivationTensor("attn_out", (d,), ("embed",), a, "attn_out"),
         ActivationTensor("attn_residual", (d,), ("embed",), a),
@@ -178,14 +177,25 @@ def _attention(m: ModelConfig, t: int, a: int) -> tuple[list[ParamTensor], list[
         "query_rotated",
         "key_rotated",
         "value",
-        "attn_scores",
-        "attn_probs",
+        *(x.name for x in _score_tensors(m, h, t)),
         "attn_context",
         "attn_residual",
         "mlp_norm_unscaled",
         "mlp_norm",
     )
     return params, acts, saved
+
+
+def _score_tensors(m: ModelConfig, h: int, t: int) -> list[ActivationTensor]:
+    """What attention keeps besides q, k, v and the context: the [T, T] scores and probabilities (float32) of
+    ``model.attention=xla``; blockwise and cudnn keep one log-sum-exp per query row and head.  ``auto`` is
+    counted as xla: the platform (cudnn or not) is not known here, so this errs on the side of memory."""
+    if m.attention in ("blockwise", "cudnn"):
+        return [ActivationTensor("attn_lse", (h,), ("heads",), 4)]
+    return [
+        ActivationTensor("attn_scores", (h, t), ("heads", "seq"), 4),
+        ActivationTensor("attn_probs", (h, t), ("heads", "seq"), 4),
+    ]
 
 
 def _swiglu(prefix: str, f: int, rows: int, axis: str, a: int) -> tuple[list[ActivationTensor], tuple[str, ...]]:

@@ -29,6 +29,7 @@ from jaxdist.config import Config, ConfigError
 from jaxdist.config_checks import is_resolved, validate
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.data.sources import check_vocab
+from jaxdist.hf.load import load_params
 from jaxdist.models import create_abstract, init_params
 from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.cluster import load_cluster
@@ -268,7 +269,15 @@ class Trainer:
         else:
             if self.local is not None:  # a run that starts over must never restore an older run's local steps
                 self.local.clear()
-            self.state = self._init_fn()
+            m = self.config.model
+            if m.init_from:  # fine-tuning: the Hugging Face weights, read straight into their shards
+                params = load_params(m.init_from, m, self.abstract_state()["params"])
+                start = jax.jit(
+                    lambda p: init_state(p, self.optimizer, self.config.train.seed), out_shardings=self.state_shardings
+                )
+                self.state = start(params)
+            else:
+                self.state = self._init_fn()
         return self.state
 
     def _check_resume(self, meta: dict) -> None:

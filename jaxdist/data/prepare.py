@@ -1,0 +1,224 @@
+"""``jaxdist data prepare SRC OUT --tokenizer T``: tokenize a corpus into a token file with a manifest.
+
+The result, in the directory ``OUT``:
+
+* ``tokens.bin``: the flat token file ``data.source=tokens`` reads
+  (``data.path=OUT/tokens.bin``), uint16 when the vocabulary fits 65,536 ids,
+  else uint32; each document is ``[BOS] text EOS`` (BOS only where the
+  tokenizer's convention starts documents with it, see
+  :mod:`jaxdist.data.tokenizer_files`), in corpus order;
+* ``manifest.json`` (:mod:`jaxdist.data.manifest`): the source files with
+  their SHA-256, documents and tokens each, the tokenizer's file hash,
+  vocabulary size, BOS/EOS ids, the dtype and the token count.  ``jaxdist
+  train`` checks it against its config.
+
+The corpus is cut into pieces (:mod:`jaxdist.data.corpus`) that worker
+processes tokenize (``--workers``, each a whole piece at a time, a
+contiguous range of documents).  Every finished piece is written to
+``OUT/.prepare/pieces/NNNNNN.bin`` (temporary name, fsync, rename) and then
+recorded in ``OUT/.prepare/journal.jsonl``: a killed prepare rerun with the
+same arguments redoes only the pieces not recorded, and the pieces are
+concatenated in order at the end, so the token file is byte-identical to an
+uninterrupted one, whatever the number of workers.  No JAX on this path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from jaxdist.data.corpus import Corpus, Piece, check_text_field, read_documents, scan_corpus
+from jaxdist.data.journal import append_lines, atomic_write
+from jaxdist.data.manifest import MANIFEST, TOKENS, build_manifest, read_manifest, same_inputs
+from jaxdist.data.tokenizer import Tokenizer, load_tokenizer
+from jaxdist.errors import ConfigError
+
+WORK = ".prepare"
+_worker: dict[str, Any] = {}  # per worker process: the tokenizer, loaded once by _init_worker
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    """The smallest token-file dtype that holds ids ``0..vocab_size-1``: uint16 or uint32."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def encode_documents(tok: Tokenizer, texts: list[str], dtype: str) -> tuple[np.ndarray, list[int]]:
+    """``[BOS] ids EOS`` of every text, concatenated, as ``dtype``; and each document's length (tokens)."""
+    bos = np.array([tok.bos_id] if tok.add_bos else [], dtype=dtype)
+    eos = np.array([tok.eos_id], dtype=dtype)
+    parts: list[np.ndarray] = []
+    for ids in tok.encode_batch(texts):
+        parts += [bos, ids.astype(dtype, copy=False), eos]
+    lengths = [len(b) + len(i) + 1 for b, i in zip(parts[0::3], parts[1::3])]
+    return (np.concatenate(parts) if parts else np.zeros((0,), dtype=dtype)), lengths
+
+
+def _init_worker(spec: str, single_threaded: bool) -> None:
+    if single_threaded:  # the processes are the parallelism: one core each, no oversubscription
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        os.environ["RAYON_NUM_THREADS"] = "1"
+    _worker["tok"] = load_tokenizer(spec)
+
+
+def _tokenize_piece(job: tuple[Corpus, Piece, str, str, str]) -> dict[str, Any]:
+    """Tokenize one piece into its file (atomically); returns its journal record."""
+    corpus, piece, text_field, dtype, pieces_dir = job
+    texts, owners = read_documents(corpus, piece, text_field)
+    tokens, lengths = encode_documents(_worker["tok"], texts, dtype)
+    files: dict[str, list[int]] = {}  # file index -> [documents, tokens]
+    for owner, n in zip(owners, lengths):
+        counts = files.setdefault(str(owner), [0, 0])
+        counts[0] += 1
+        counts[1] += n
+    final = Path(pieces_dir) / f"{piece.index:06d}.bin"
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")  # per process: an orphaned worker cannot clash
+    with open(tmp, "wb") as f:
+        f.write(tokens.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return {"piece": piece.index, "documents": len(texts), "tokens": int(tokens.size), "files": files}
+
+
+def _done_pieces(work: Path, itemsize: int) -> dict[int, dict[str, Any]]:
+    """Pieces the journal records whose file is there with the recorded size (a torn last line is skipped)."""
+    done: dict[int, dict[str, Any]] = {}
+    journal = work / "journal.jsonl"
+    if not journal.is_file():
+        return done
+    for line in journal.read_bytes().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        p = work / "pieces" / f"{rec['piece']:06d}.bin"
+        if p.is_file() and p.stat().st_size == rec["tokens"] * itemsize:
+            done[rec["piece"]] = rec
+    return done
+
+
+def prepare(
+    src: str | Path,
+    out: str | Path,
+    tokenizer: str,
+    workers: int = 1,
+    text_field: str = "text",
+    piece_bytes: int = 8 << 20,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize the corpus ``src`` into ``out/tokens.bin`` + ``out/manifest.json`` (see the module docstring);
+    returns the manifest.  Resumes an interrupted prepare of the same inputs; a finished one is not redone.
+    ConfigError (one sentence) for a bad corpus, tokenizer or output directory."""
+    if workers < 1:
+        raise ConfigError(f"--workers={workers} must be at least 1.")
+    tok = load_tokenizer(tokenizer)
+    if tok.eos_id is None:
+        raise ConfigError(
+            f"tokenizer '{tokenizer}' has no end-of-text token to separate documents: use a tokenizer with one, "
+            "or put a tokenizer_config.json with eos_token beside its tokenizer.json."
+        )
+    corpus = scan_corpus(src, piece_bytes)
+    check_text_field(corpus, text_field)
+    dtype = token_dtype_for(tok.vocab_size)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output '{out}' is a file: pass a directory (it gets tokens.bin and manifest.json).")
+    plan = {
+        "sources": [[f.rel, f.size, f.sha256] for f in corpus.files],
+        "kind": corpus.kind,
+        "text_field": text_field,
+        "tokenizer": tok.fingerprint,
+        "token_dtype": dtype,
+        "pieces": len(corpus.pieces),
+        "piece_bytes": piece_bytes,
+    }
+    work = out / WORK
+    if (out / MANIFEST).is_file():
+        done_manifest = read_manifest(out / MANIFEST)
+        if same_inputs(done_manifest["plan"], plan) and (out / TOKENS).is_file():
+            shutil.rmtree(work, ignore_errors=True)  # a kill after the manifest was written left it behind
+            return done_manifest
+        raise ConfigError(
+            f"'{out}' already holds a corpus prepared from other sources or with another tokenizer: "
+            "choose another output directory, or delete it first."
+        )
+    (work / "pieces").mkdir(parents=True, exist_ok=True)
+    plan_file = work / "plan.json"
+    if plan_file.is_file():
+        before = json.loads(plan_file.read_text())
+        if not same_inputs(before, plan):
+            raise ConfigError(
+                f"'{work}' holds an interrupted prepare of other sources or with another tokenizer or text field: "
+                f"rerun that prepare, or delete '{work}' to start over."
+            )
+        if before["piece_bytes"] != piece_bytes:  # continue with the interrupted prepare's pieces
+            piece_bytes = before["piece_bytes"]
+            corpus = scan_corpus(src, piece_bytes)
+            plan.update(pieces=len(corpus.pieces), piece_bytes=piece_bytes)
+    atomic_write(plan_file, json.dumps(plan, indent=1).encode())
+
+    itemsize = np.dtype(dtype).itemsize
+    done = _done_pieces(work, itemsize)
+    todo = [p for p in corpus.pieces if p.index not in done]
+    bar = tqdm(
+        total=sum(p.bytes for p in corpus.pieces),
+        initial=sum(p.bytes for p in corpus.pieces if p.index in done),
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
+        file=sys.stderr,
+        disable=not progress,
+    )
+    jobs = [(corpus, p, text_field, dtype, str(work / "pieces")) for p in todo]
+
+    def commit(rec: dict[str, Any]) -> None:
+        append_lines(work / "journal.jsonl", (json.dumps(rec) + "\n").encode(), fsync=True)
+        done[rec["piece"]] = rec
+        bar.update(corpus.pieces[rec["piece"]].bytes)
+
+    if workers == 1 or len(jobs) <= 1:
+        _init_worker(tokenizer, single_threaded=False)
+        for job in jobs:
+            commit(_tokenize_piece(job))
+    elif jobs:
+        # spawn, not fork: the caller may have started threads (JAX, the tokenizers pool) that fork would break.
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(min(workers, len(jobs)), _init_worker, (tokenizer, True)) as pool:
+            for rec in pool.imap_unordered(_tokenize_piece, jobs):
+                commit(rec)
+    bar.close()
+    return _finish(corpus, out, work, tok, dtype, text_field, plan, done)
+
+
+def _finish(corpus, out: Path, work: Path, tok, dtype, text_field, plan, done) -> dict[str, Any]:
+    """Concatenate the pieces in order into tokens.bin, write the manifest, remove the work directory."""
+    h = hashlib.sha256()
+    tmp = out / f".{TOKENS}.tmp"
+    per_file: dict[int, list[int]] = {i: [0, 0] for i in range(len(corpus.files))}
+    with open(tmp, "wb") as f:
+        for p in corpus.pieces:
+            data = (work / "pieces" / f"{p.index:06d}.bin").read_bytes()
+            f.write(data)
+            h.update(data)
+            for i, (docs, tokens) in done[p.index]["files"].items():
+                per_file[int(i)][0] += docs
+                per_file[int(i)][1] += tokens
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, out / TOKENS)
+    n_tokens = sum(r["tokens"] for r in done.values())
+    if n_tokens == 0:
+        raise ConfigError(f"corpus '{corpus.root}' holds no text: check --text-field and the files.")
+    manifest = build_manifest(corpus, tok, dtype, text_field, plan, per_file, n_tokens, h.hexdigest())
+    atomic_write(out / MANIFEST, json.dumps(manifest, indent=1).encode())
+    shutil.rmtree(work, ignore_errors=True)
+    return manifest
