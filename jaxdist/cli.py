@@ -90,7 +90,14 @@ def cmd_train(args) -> int:
             agent.attach(trainer)
         if jax.process_index() == 0:
             print(trainer.describe(), file=sys.stderr)
-            print(attention_note(trainer.config.model, trainer.config.train.seq_len, jax.devices()[0]), file=sys.stderr)
+            c = trainer.config
+            note = attention_note(c.model, c.train.seq_len, jax.devices()[0])
+            if c.mesh.context > 1:  # the sequence is split: attention is the ring of jaxdist/parallel/context.py
+                note = (
+                    f"attention: a ring over context={c.mesh.context} (blockwise blocks of {c.model.attention_block} "
+                    "tokens, load-balanced chunks)"
+                )
+            print(note, file=sys.stderr)
         trainer.init_state()
         start = int(jax.device_get(trainer.state["step"]))
         if start and jax.process_index() == 0:
@@ -444,8 +451,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Options whose value may look negative (argparse reads `--budget -5MiB` as two options): joined to their value so
+# that the value reaches its own check, which says what is wrong with it.
+SIGNED_VALUE_OPTIONS = ("--budget",)
+
+
+def _join_signed_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    for arg in argv:
+        if out and out[-1] in SIGNED_VALUE_OPTIONS and arg[:1] == "-" and (arg[1:2].isdigit() or arg[1:2] == "."):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     # Everything argparse does not know is a KEY=VALUE (or --KEY VALUE) override.
+    argv = _join_signed_values(list(sys.argv[1:] if argv is None else argv))
     args, args.overrides = build_parser().parse_known_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -23,8 +23,9 @@ from jaxdist.config import Config, ConfigError
 
 MESHES_DIR = Path(__file__).resolve().parents[1] / "meshes"
 
-# Axes that must stay inside one node; the others (data, fsdp) may cross nodes.
-NODE_LOCAL_AXES = ("tensor", "expert", "pipeline")
+# Axes that must stay inside one node; the others (data, fsdp) may cross nodes.  context's ring passes a
+# key/value block every attention step, so it stays on the fast links too.
+NODE_LOCAL_AXES = ("context", "tensor", "expert", "pipeline")
 
 
 @dataclass(frozen=True)

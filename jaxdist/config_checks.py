@@ -24,6 +24,22 @@ from typing import TYPE_CHECKING
 
 from jaxdist.errors import ConfigError
 
+# The checkpoint_name tags of a model block, in the order a block computes them (a remat policy saves a subset:
+# ``train.remat=save:NAME[,NAME]``).  Defined here, below the config, so that train.remat is checked when a config
+# is loaded; jaxdist.models.names re-exports it and the model's blocks use exactly these names.
+CHECKPOINT_NAMES: tuple[str, ...] = (
+    "attn_norm",
+    "query_proj",
+    "key_proj",
+    "value_proj",
+    "attn_context",
+    "attn_out",
+    "mlp_norm",
+    "mlp_gate",
+    "mlp_up",
+    "mlp_out",
+)
+
 if TYPE_CHECKING:  # config.py imports this module to validate what it loads
     from jaxdist.config import (
         CheckpointConfig,
@@ -154,6 +170,11 @@ def check_train(t: TrainConfig) -> None:
     for name in ("learning_rate", "min_lr_ratio", "weight_decay", "b1", "b2", "grad_clip"):
         if not math.isfinite(getattr(t, name)) or getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be a finite number >= 0.")
+    if not (math.isfinite(t.remat_slack) and 0 <= t.remat_slack <= 1):
+        raise ConfigError(
+            f"train.remat_slack={t.remat_slack} is not a share between 0 and 1: it is the extra recompute the remat "
+            "selector may accept (a share of the save-nothing recompute), 0 for the optimum, e.g. 0.03."
+        )
     for name in ("warmup_steps", "schedule_steps", "skip_nonfinite"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be 0 or positive.")
@@ -178,6 +199,17 @@ def check_train(t: TrainConfig) -> None:
         raise ConfigError(
             f"train.tracker='{t.tracker}' needs the {t.tracker} package, which is not installed: "
             f"pip install {t.tracker}, or set train.tracker=none (metrics still go to metrics.jsonl and TensorBoard)."
+        )
+
+
+def check_checkpoint_names(value: str, names: tuple[str, ...]) -> None:
+    """ConfigError (one sentence) when ``train.remat=save:...`` (``value``) names a tag no block has: jax would
+    save nothing for it, silently, which is full recomputation under another name."""
+    unknown = [n for n in names if n not in CHECKPOINT_NAMES]
+    if unknown:
+        raise ConfigError(
+            f"train.remat='{value}' names {', '.join(repr(n) for n in unknown)}, which the model does not tag: "
+            f"use save: with some of {', '.join(CHECKPOINT_NAMES)}."
         )
 
 
@@ -321,6 +353,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
         )
     _moe_on_mesh(m, cfg.mesh, sizes)
     _pipeline_on_model(cfg, sizes["pipeline"])
+    _context_on_model(cfg, sizes)
     if n_devices is not None:
         validate_devices(cfg, n_devices)
 
@@ -336,10 +369,26 @@ def is_resolved(cfg: Config, n_devices: int) -> bool:
     return getattr(cfg, "_resolved_for", None) == n_devices
 
 
+def unused_devices_note(mesh: MeshConfig, n_devices: int) -> str | None:
+    """One line when the mesh asks for fewer than ``n_devices`` devices (it runs on the first ones), else None."""
+    used = mesh.devices_used(n_devices)
+    if used == n_devices:
+        return None
+    shape = " x ".join(f"{a}={s}" for a, s in mesh.resolved(used).items() if s != 1) or "data=1"
+    return (
+        f"mesh {shape} runs on the first {used} of the {n_devices} devices; {n_devices - used} left unused "
+        "(mesh.data=-1 uses them all)"
+    )
+
+
 def validate_devices(cfg: Config, n_devices: int) -> None:
-    """The checks that need the device count: the mesh product and the batch's divisibility by the data axes."""
+    """The checks that need the device count: the mesh product and the batch's divisibility by the data axes.
+
+    A mesh whose axis sizes are all given and multiply to fewer than ``n_devices`` runs on the first ones
+    (:meth:`~jaxdist.config.MeshConfig.devices_used`); one that needs more is an error.
+    """
     t = cfg.train
-    resolved = cfg.mesh.resolved(n_devices)
+    resolved = cfg.mesh.resolved(cfg.mesh.devices_used(n_devices))
     batch_ways = resolved["data"] * resolved["fsdp"] * resolved["expert"]  # attention splits tokens over expert too
     micro = t.batch_size // t.microbatches
     if micro % batch_ways:
@@ -381,6 +430,28 @@ def _pipeline_on_model(cfg: Config, stages: int) -> None:
         raise ConfigError(
             f"the 1f1b schedule needs train.microbatches >= mesh.pipeline, got {t.microbatches} < "
             f"{stages}: set train.microbatches={stages} or more, or use gpipe or seq1f1b."
+        )
+
+
+def _context_on_model(cfg: Config, sizes: dict[str, int]) -> None:
+    """Context parallelism's fit to the model, the pipeline and the sequence (ConfigError, one sentence)."""
+    c = sizes["context"]
+    if c == 1:
+        return
+    if sizes["pipeline"] > 1:
+        raise ConfigError(
+            f"mesh.context={c} does not run with pipeline stages yet (mesh.pipeline={sizes['pipeline']}): "
+            "set mesh.pipeline=1 or mesh.context=1."
+        )
+    if cfg.model.moe.experts:
+        raise ConfigError(
+            f"mesh.context={c} does not run MoE models yet (model.moe.experts={cfg.model.moe.experts}): "
+            "set mesh.context=1 or use a dense model."
+        )
+    if cfg.train.seq_len % (2 * c):
+        raise ConfigError(
+            f"train.seq_len={cfg.train.seq_len} does not split into 2*mesh.context={2 * c} equal chunks: "
+            f"make train.seq_len a multiple of {2 * c}."
         )
 
 

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from jaxdist.config_checks import (
     check_checkpoint,
+    check_checkpoint_names,
     check_controller,
     check_data,
     check_mesh,
@@ -238,7 +239,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 # --------------------------------------------------------------------------- mesh
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert", "pipeline")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,10 @@ class MeshConfig:
     cluster: str = _f("cpu-8", "Cluster description: a name in meshes/ (cpu-8, h100x8, ...) or a path to a TOML file.")
     data: int = _f(-1, "Data-parallel replicas; -1 takes every device the other axes leave.")
     fsdp: int = _f(1, "Fully sharded data parallel: parameters and optimizer state sharded, gathered per layer.")
+    context: int = _f(
+        1,
+        "Context-parallel size: each sequence is split over this many devices (kept inside a node), attention passes keys/values around them in a ring; train.seq_len must divide into 2*context chunks.",
+    )
     tensor: int = _f(1, "Tensor (Megatron) parallel size; kept inside a node.")
     expert: int = _f(1, "Expert-parallel size (MoE models).")
     pipeline: int = _f(1, "Pipeline stages.")
@@ -295,6 +300,15 @@ class MeshConfig:
             )
         return sizes
 
+    def devices_used(self, n_devices: int) -> int:
+        """How many of ``n_devices`` the mesh runs on: all of them, unless every axis size is given (no ``data=-1``,
+        not ``auto``) and they multiply to fewer (the first ones are then used; :meth:`resolved` of the result
+        gives the sizes).  A product above ``n_devices`` is left to :meth:`resolved` to refuse."""
+        sizes = self.checked_sizes()
+        if self.auto or sizes["data"] == -1:
+            return n_devices
+        return min(math.prod(sizes.values()), n_devices)
+
     def check(self) -> None:
         """ConfigError (one sentence) for mesh settings that cannot work by themselves."""
         check_mesh(self)
@@ -335,6 +349,7 @@ class Remat:
                 raise ConfigError(
                     f"train.remat='{value}' names no checkpoint tags: write save:NAME[,NAME], e.g. save:attn_out."
                 )
+            check_checkpoint_names(value, names)
             return cls("names", names=names)
         if not value.isidentifier() or value.startswith("save_"):
             raise ConfigError(
@@ -385,6 +400,10 @@ class TrainConfig:
     remat_budget_bytes: int = _f(
         0,
         "With train.remat=auto: bytes per device for the saved activations of all blocks (block inputs included); 0 derives it from the device memory in meshes/ minus parameters, gradients, optimizer state and working space.",
+    )
+    remat_slack: float = _f(
+        0.0,
+        "With train.remat=auto: recompute the selector may add beyond the least possible within the budget, as a share of the save-nothing recompute, to save fewer bytes (it then takes the fewest bytes within that slack); 0 takes the least-recompute plan (the optimum at the budget). `jaxdist remat` prints the gap to the optimum.",
     )
     log_every: int = _f(10, "Write metrics every N steps (console, JSONL, TensorBoard).")
     eval_every: int = _f(100, "Evaluate on the held-out split every N steps (0: only at the end).")

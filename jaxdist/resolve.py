@@ -22,9 +22,10 @@ from typing import Any, Sequence
 
 from jaxdist.cluster import load_cluster
 from jaxdist.config import Config
-from jaxdist.config_checks import mark_resolved, validate, validate_devices
+from jaxdist.config_checks import mark_resolved, unused_devices_note, validate, validate_devices
 from jaxdist.data.manifest import settle_tokenizer
 from jaxdist.models.attention import attention_note, check_attention_platform
+from jaxdist.parallel.mesh import mesh_devices
 from jaxdist.planner.plan import resolve_auto
 from jaxdist.remat.policy import resolve_remat_policy
 
@@ -33,10 +34,15 @@ log = logging.getLogger(__name__)
 
 def resolve(config: Config, devices: Sequence[Any]) -> Config:
     """``config`` with ``mesh.auto`` and ``train.remat=auto`` settled for ``devices`` (the global devices of the
-    job), validated for them.
+    job), validated for them.  A mesh whose axis sizes, all given, multiply to fewer devices runs on the first
+    ones (a warning says how many are left unused; the Trainer takes the same ones, ``mesh_devices``).
 
     Raises ConfigError (one sentence) when the config cannot run on these devices.
     """
+    note = unused_devices_note(config.mesh, len(devices))
+    devices = mesh_devices(config.mesh, devices)
+    if note:
+        log.warning("%s", note)
     config = settle_tokenizer(config)  # model.vocab_size follows data.tokenizer; checks a prepared corpus
     if config.mesh.auto:
         config = resolve_auto(config, devices)

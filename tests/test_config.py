@@ -22,7 +22,7 @@ def test_defaults_are_valid_and_small():
     assert cfg.model.preset == "small"
     assert param_count(cfg.model) < 2_000_000
     validate(cfg, n_devices=8)
-    assert cfg.mesh.resolved(8) == {"data": 8, "fsdp": 1, "tensor": 1, "expert": 1, "pipeline": 1}
+    assert cfg.mesh.resolved(8) == {"data": 8, "fsdp": 1, "context": 1, "tensor": 1, "expert": 1, "pipeline": 1}
 
 
 def test_overrides_types_and_order(tmp_path):
@@ -59,7 +59,11 @@ def test_roundtrip_dict():
         (["nosuch.key=1"], None, "unknown config key 'nosuch.key'"),
         (["train.steps=abc"], None, "config key 'train.steps' needs an int, got 'abc'."),
         (["model=gpt-17"], None, "unknown model preset 'gpt-17'"),
-        (["mesh.data=3"], 8, "mesh data=3 has 3 devices but 8 are available: make the axis sizes multiply to 8"),
+        (  # smaller than the devices runs on the first ones (tests/remat/test_edges.py); larger is refused
+            ["mesh.data=3", "mesh.fsdp=4"],
+            8,
+            "mesh data=3 x fsdp=4 has 12 devices but 8 are available: make the axis sizes multiply to 8",
+        ),
         (["mesh.fsdp=3"], 8, "fsdp*tensor*expert*pipeline = 3 does not divide the 8 devices"),
         (["mesh.tensor=0"], None, "mesh.tensor=0 is not a valid axis size"),
         (["train.batch_size=12", "mesh.data=8"], 8, "is not divisible by the data axes data*fsdp=8"),

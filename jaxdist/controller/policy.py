@@ -30,7 +30,8 @@ def group_size_error(cfg: Config, n_nodes: int, devices_per_node: int) -> str | 
         return str(e)
     local = math.prod(sizes[a] for a in NODE_LOCAL_AXES)
     if devices_per_node % local:
-        return f"tensor*expert*pipeline = {local} does not fit in a node of {devices_per_node} devices"
+        named = "*".join(a for a in NODE_LOCAL_AXES if a != "context" or sizes["context"] > 1)
+        return f"{named} = {local} does not fit in a node of {devices_per_node} devices"
     if (sizes["data"] * sizes["fsdp"]) % n_nodes:
         return f"data*fsdp = {sizes['data'] * sizes['fsdp']} cannot be split over {n_nodes} nodes"
     return None

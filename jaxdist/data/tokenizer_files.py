@@ -53,7 +53,7 @@ class HFTokenizer:
 
     def __init__(self, path: str):
         try:
-            from tokenizers import Tokenizer as _Tokenizer  # optional: only a tokenizer.json needs it
+            from tokenizers import Tokenizer as _Tokenizer  # loaded when used: only a tokenizer.json needs it
         except ImportError:
             raise ConfigError(
                 f"data.tokenizer '{path}' is a tokenizer.json, which needs the tokenizers package: "
@@ -124,7 +124,7 @@ class SentencePieceTokenizer:
 
     def __init__(self, path: str):
         try:
-            import sentencepiece  # optional: only a .model needs it
+            import sentencepiece  # loaded when used: only a .model needs it
         except ImportError:
             raise ConfigError(
                 f"data.tokenizer '{path}' is a SentencePiece model, which needs the sentencepiece package: "

@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxdist.config import ModelConfig
 from jaxdist.errors import ConfigError
+from jaxdist.models import hooks
 
 # Without cuDNN, blockwise from this many key tokens on.  Measured on XLA:CPU (benchmarks/attention.py, small
 # model): at 1k blockwise ties xla's step time with 2.8x less memory, at 4k it is 1.9x faster with 11x less.
@@ -89,6 +90,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig, q_offs
     q: [B, Tq, H, D]; k, v: [B, Tk, KV, D], H a multiple of KV; query i sits at position q_offset + i and
     sees keys 0..q_offset + i.  Returns [B, Tq, H, D] in q's dtype.
     """
+    ring = hooks.sequence_attention()
+    if ring is not None and q_offset == 0 and q.shape[1] == k.shape[1]:  # tokens split over mesh.context
+        return ring(q, k, v, cfg)
     impl = _implementation(cfg, k.shape[1])
     if impl == "cudnn" and q_offset == 0 and q.shape[1] == k.shape[1]:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -299,3 +303,24 @@ def _blockwise_bwd(q_offset, block, res, dout):
 
 
 blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+# --------------------------------------------------------------------------- pieces for ring attention
+
+
+def blockwise_partial(
+    q: jax.Array, k: jax.Array, v: jax.Array, block: int, q_offset: int
+) -> tuple[jax.Array, jax.Array]:
+    """(out [B, Tq, H, D] in q's dtype, lse [B, KV, G, Tq padded to the block] float32) of q against one
+    key/value block only, query i at position q_offset + i (keys at 0..Tk-1).  Partial results over disjoint
+    key blocks combine by their log-sum-exp (context parallelism's ring, jaxdist.parallel.context)."""
+    return _blockwise_forward(q, k, v, block, q_offset)
+
+
+def blockwise_partial_grads(q, k, v, out, lse, dout, block: int, q_offset: int):
+    """(dq, dk, dv) of one key/value block's share of attention, as :func:`blockwise_partial`'s arguments.
+
+    ``out`` and ``lse`` are those of the attention over *every* key block (the combined result), ``dout`` its
+    cotangent: with them the block's gradients are independent of the other blocks (flash attention's
+    backward), so a ring can compute them one block at a time."""
+    return _blockwise_bwd(q_offset, block, (q, k, v, out, lse), dout)

@@ -1,15 +1,19 @@
-"""The two decisions the model leaves to the parallelism layer, as functions it is handed while it traces.
+"""The three decisions the model leaves to the parallelism layer, as functions it is handed while it traces.
 
 * **constrain** ``(x, logical names) -> x``: where an activation lives.  The
   model calls :func:`constrain` on its activations with logical axis names
   only; without a constraint function installed it returns ``x`` unchanged.
+* **sequence attention** ``(q, k, v, model config) -> out``: causal attention
+  over a whole sequence when its tokens are split over devices (the context
+  axis' ring attention, ``parallel/context.py``); without one installed the
+  model runs ``model.attention``'s implementation.
 * **expert dispatch** ``(tokens [N, d], expert ids [N, k], weights [N, k],
   expert params, model config) -> (y [N, d], keep [N, k] bool)``: how an MoE
   layer's tokens reach their experts.  Without one installed the MoE layer
   runs its experts on the local tokens (``jaxdist.models.moe.local_experts``).
 
-The parallelism layer (``parallel/``) installs both (``activation_sharding``,
-``expert_parallelism``; ``Parallelism.bind`` enters them inside the jitted
+The parallelism layer (``parallel/``) installs them (``activation_sharding``,
+``context_parallelism``, ``expert_parallelism``; ``Parallelism.bind`` enters them inside the jitted
 function), so this package never imports device code.  The functions are
 read while tracing: what is installed when a function is traced is baked into
 that trace.  No JAX import here.
@@ -26,9 +30,16 @@ Constrain = Callable[[Any, Sequence["str | None"]], Any]
 # (x, experts, weights, expert params, ModelConfig) -> (y, keep).
 ExpertDispatch = Callable[..., tuple[Any, Any]]
 
+# (q [B,T,H,D], k, v [B,T,KV,D], ModelConfig) -> [B,T,H,D]: causal attention of a whole sequence.
+SequenceAttention = Callable[..., Any]
+
 _CONSTRAIN: contextvars.ContextVar[Constrain | None] = contextvars.ContextVar("jaxdist_constrain", default=None)
 _DISPATCH: contextvars.ContextVar[ExpertDispatch | None] = contextvars.ContextVar(
     "jaxdist_expert_dispatch", default=None
+)
+
+_ATTENTION: contextvars.ContextVar[SequenceAttention | None] = contextvars.ContextVar(
+    "jaxdist_sequence_attention", default=None
 )
 
 
@@ -61,3 +72,19 @@ def dispatching_experts(fn: ExpertDispatch | None) -> Iterator[None]:
         yield
     finally:
         _DISPATCH.reset(token)
+
+
+def sequence_attention() -> SequenceAttention | None:
+    """The installed attention over a whole sequence (context parallelism's ring), or None (the model's own)."""
+    return _ATTENTION.get()
+
+
+@contextlib.contextmanager
+def attending(fn: SequenceAttention | None) -> Iterator[None]:
+    """Within this block causal attention over a whole sequence (queries at positions 0..T-1 against keys
+    0..T-1) runs ``fn`` (None: ``model.attention``'s implementation).  Nests; the outer one is restored."""
+    token = _ATTENTION.set(fn)
+    try:
+        yield
+    finally:
+        _ATTENTION.reset(token)

@@ -9,19 +9,9 @@ block, in the order a block computes them; a remat policy saves a subset
 from __future__ import annotations
 
 from jaxdist.config import ModelConfig
+from jaxdist.config_checks import CHECKPOINT_NAMES  # defined with the config checks (train.remat is checked at load)
 
-CHECKPOINT_NAMES = (
-    "attn_norm",
-    "query_proj",
-    "key_proj",
-    "value_proj",
-    "attn_context",
-    "attn_out",
-    "mlp_norm",
-    "mlp_gate",
-    "mlp_up",
-    "mlp_out",
-)
+__all__ = ["CHECKPOINT_NAMES", "block_param_specs"]
 
 
 def block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:

@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdist.parallel.mesh import build_mesh
+from jaxdist.parallel.context import context_parallelism
+from jaxdist.parallel.mesh import build_mesh, mesh_devices
 from jaxdist.parallel.moe import ExpertLayout, expert_layout, expert_parallelism
 from jaxdist.parallel.pipeline import PipelinePlan, pipeline_grads_fn, pipeline_plan_for
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, logical_to_spec
@@ -34,13 +35,13 @@ from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, lo
 
 @contextlib.contextmanager
 def sharded_tracing(mesh: Mesh, rules: Rules = DEFAULT_RULES, layout: ExpertLayout | None = None) -> Iterator[None]:
-    """Within this block, a model being traced constrains its activations on ``mesh`` by ``rules`` and
-    dispatches its MoE experts by ``layout`` (None: the default layout of ``mesh``, all of ``tensor`` per expert).
+    """Within this block, a model being traced constrains its activations on ``mesh`` by ``rules``, runs its
+    attention as a ring when ``mesh`` has a context axis (jaxdist.parallel.context) and dispatches its MoE experts by ``layout`` (None: the default layout of ``mesh``, all of ``tensor`` per expert).
 
     For code that traces through another API (a profiler's ``trace_context``,
     ``jit(...).lower``); a jitted function should use :meth:`Parallelism.bind`.
     """
-    with activation_sharding(mesh, rules), expert_parallelism(layout):
+    with activation_sharding(mesh, rules), context_parallelism(mesh, rules), expert_parallelism(layout):
         yield
 
 
@@ -48,7 +49,7 @@ def sharded_tracing(mesh: Mesh, rules: Rules = DEFAULT_RULES, layout: ExpertLayo
 class Parallelism:
     """Mesh, logical rules, expert layout and pipeline plan of one job.
 
-    ``mesh``: the devices with axes data, fsdp, tensor, expert, pipeline;
+    ``mesh``: the devices with axes data, fsdp, context, tensor, expert, pipeline;
     ``rules``: logical axis name -> mesh axes (jaxdist.parallel.rules);
     ``expert_layout``: where MoE experts live (jaxdist.parallel.moe);
     ``pipeline``: the stage schedule when mesh.pipeline > 1, else None.
@@ -62,7 +63,8 @@ class Parallelism:
     @classmethod
     def build(cls, config, devices: Sequence[Any] | None = None) -> "Parallelism":
         """The parallelism of a whole Config on ``devices`` (default all); ConfigError if the config cannot run."""
-        mesh = build_mesh(config.mesh, devices)
+        # A mesh smaller than the devices (every axis size given) runs on the first ones, as resolve() chose.
+        mesh = build_mesh(config.mesh, mesh_devices(config.mesh, devices if devices is not None else jax.devices()))
         return cls.for_mesh(
             mesh,
             DEFAULT_RULES,
@@ -95,8 +97,9 @@ class Parallelism:
 
     @property
     def batch_sharding(self) -> NamedSharding:
-        """Sharding of a token batch [B, T+1]: examples over every data-parallel axis."""
-        return self.sharding(("batch", "seq"))
+        """Sharding of a token batch [B, T+1]: examples over every data-parallel axis (T+1 tokens do not split
+        over ``context``; the model's activations are split there)."""
+        return self.sharding(("batch", None))
 
     @property
     def replicated(self) -> NamedSharding:

@@ -2,11 +2,11 @@
 
 A cluster is described once, in ``meshes/<name>.toml``, and read (without JAX)
 by :func:`jaxdist.cluster.load_cluster`; :func:`cluster_from_devices` describes
-the devices JAX sees the same way.  The mesh always has the five axes of
+the devices JAX sees the same way.  The mesh always has the six axes of
 ``MESH_AXES`` in that order, of the Auto type (the compiler propagates
 shardings; Explicit axes reject our differently sharded matmul operands).
 
-On several hosts the layout is hybrid: ``tensor``, ``expert`` and ``pipeline``
+On several hosts the layout is hybrid: ``context``, ``tensor``, ``expert`` and ``pipeline``
 stay inside one node (fast links), and the node count is absorbed by ``data``
 first, then ``fsdp`` (their collectives tolerate the slower network).  The
 choice of that split is the pure function :func:`hybrid_shapes`.
@@ -112,7 +112,7 @@ def cluster_from_devices(devices: Sequence[Any] | None = None) -> ClusterSpec:
 def hybrid_shapes(sizes: dict[str, int], n_nodes: int, per_node: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Split resolved axis sizes into (inside-node shape, across-node shape), both in MESH_AXES order.
 
-    The node-local axes (tensor, expert, pipeline) live entirely inside a node;
+    The node-local axes (context, tensor, expert, pipeline) live entirely inside a node;
     the ``n_nodes`` factor goes to ``data`` as far as it divides it, the rest to
     ``fsdp``.  The element-wise product of the two shapes is the mesh shape.
     Raises ConfigError when the node-local axes do not fit in ``per_node``
@@ -122,14 +122,16 @@ def hybrid_shapes(sizes: dict[str, int], n_nodes: int, per_node: int) -> tuple[t
     local = math.prod(sizes[a] for a in NODE_LOCAL_AXES)
     if per_node % local:
         raise ConfigError(
-            f"mesh tensor*expert*pipeline = {local} does not fit inside one node of {per_node} devices: "
+            f"mesh {'context*' if sizes['context'] > 1 else ''}tensor*expert*pipeline = {local} does not fit inside "
+            f"one node of {per_node} devices: "
             f"choose sizes whose product divides {per_node} and move the rest to data or fsdp."
         )
     data, fsdp = sizes["data"], sizes["fsdp"]
     if (data * fsdp) % n_nodes or data * fsdp * local != n_nodes * per_node:
         raise ConfigError(
             f"mesh data*fsdp = {data * fsdp} cannot span the {n_nodes} nodes of {per_node} devices "
-            f"with tensor*expert*pipeline = {local}: make data*fsdp = {n_nodes * per_node // local}."
+            f"with {'context*' if sizes['context'] > 1 else ''}tensor*expert*pipeline = {local}: "
+            f"make data*fsdp = {n_nodes * per_node // local}."
         )
     dcn_data = math.gcd(data, n_nodes)
     # n_nodes divides data*fsdp, so what data cannot take divides fsdp.
@@ -154,6 +156,24 @@ def device_grid(sizes: dict[str, int], devices: Sequence[Any]) -> np.ndarray:
     except (ValueError, NotImplementedError, AssertionError):
         # e.g. a TPU subset whose topology create_device_mesh cannot fold: keep the given order.
         return np.asarray(devices, dtype=object).reshape(shape)
+
+
+def mesh_devices(mesh_cfg: MeshConfig, devices: Sequence[Any]) -> list[Any]:
+    """The devices a mesh runs on: the first ``mesh_cfg.devices_used(len(devices))`` of ``devices`` (all of them
+    unless the axis sizes, all given, multiply to fewer; jaxdist.config_checks.unused_devices_note says so).
+
+    ConfigError when such a smaller mesh would leave a process of a multi-process job without a device.
+    """
+    devices = list(devices)
+    used = devices[: mesh_cfg.devices_used(len(devices))]
+    processes = {d.process_index for d in devices}
+    if len({d.process_index for d in used}) < len(processes):
+        raise ConfigError(
+            f"the mesh asks for {len(used)} of the {len(devices)} devices, which leaves some of the job's "
+            f"{len(processes)} processes without a device: make the axis sizes multiply to {len(devices)} "
+            "(or set mesh.data=-1), or start fewer processes."
+        )
+    return used
 
 
 def build_mesh(mesh_cfg: MeshConfig, devices: Sequence[Any] | None = None) -> Mesh:

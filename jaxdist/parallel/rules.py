@@ -31,7 +31,7 @@ Rules = Sequence[tuple[str, tuple[str, ...]]]
 
 DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp", "expert")),  # examples: every data-parallel axis; attention also uses expert as one
-    ("seq", ()),  # tokens of one sequence stay together
+    ("seq", ("context",)),  # tokens of one sequence: split over context (ring attention, parallel/context.py)
     ("embed", ("fsdp",)),  # model width: FSDP shards parameters along it
     ("heads", ("tensor",)),  # attention heads: Megatron column split
     ("kv_heads", ("tensor",)),  # GQA key/value heads; replicated when tensor does not divide them

@@ -93,6 +93,7 @@ class Strategy:
     schedule: str = "none"
     remat: str = "none"
     chunks: int = 1  # seq1f1b: chunks per sequence; 1 for every other schedule
+    context: int = 1  # last, so that ordering strategies without context parallelism is unchanged
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -131,6 +132,8 @@ def mesh_allowed(view: ComputationView, sizes: dict[str, int], nodes: int, per_n
     """None if the model and cluster allow these axis sizes, else the reason (one phrase)."""
     m = view.model
     t, e, p = sizes["tensor"], sizes["expert"], sizes["pipeline"]
+    if sizes.get("context", 1) > 1:
+        return "the cost model does not model context parallelism yet (mesh.context)"
     if per_node % (t * e * p):
         return f"tensor*expert*pipeline={t * e * p} does not divide the {per_node} devices of a node"
     if (sizes["data"] * sizes["fsdp"]) % nodes:
@@ -279,7 +282,7 @@ def _prime_factors(n: int) -> list[int]:
 
 def strategy_of(cfg: Config, n_devices: int) -> Strategy:
     """The planner's Strategy for a config's mesh, microbatches and remat (``train.remat`` must be a planner choice)."""
-    sizes = cfg.mesh.resolved(n_devices)
+    sizes = cfg.mesh.resolved(cfg.mesh.devices_used(n_devices))
     remat = remat_choice(cfg.train.remat).name  # ValueError if the planner does not know it
     if sizes["pipeline"] == 1:
         schedule, chunks = "none", 1

@@ -18,6 +18,7 @@ import sys
 
 from jaxdist.cluster import load_cluster
 from jaxdist.config import Config, ConfigError
+from jaxdist.config_checks import unused_devices_note
 from jaxdist.models.arithmetic import param_count
 from jaxdist.remat.plan import compare_policies, format_bytes, format_comparison, plan_remat
 from jaxdist.remat.policy import auto_budget, memory_breakdown, profile_for_config
@@ -42,12 +43,15 @@ _UNITS = {
 
 def parse_bytes(text: str) -> int:
     """``"20GiB"`` -> 21474836480, ``"512MB"`` -> 512000000, ``"1e9"`` -> 1000000000 (bytes)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    m = re.fullmatch(r"\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"budget '{text}' is not a size: write it like 20GiB, 512MiB, 80GB or 1e10 (bytes).")
     value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise ConfigError(f"budget '{text}' must be positive.")
+    if value < 1:
+        raise ConfigError(
+            f"budget '{text}' is not a positive size: it is the bytes per device the saved activations of all "
+            "blocks may take, e.g. 20GiB (leave --budget out to derive it from the device memory)."
+        )
     return int(value)
 
 
@@ -58,8 +62,12 @@ def run_remat(
     # Imported here, not at the top: they import JAX, which `jaxdist --help` must not.
 
     out = out or sys.stdout
+    given = None if budget is None else parse_bytes(budget)  # a bad --budget is refused before the profile
     cluster = load_cluster(cfg.mesh.cluster)
-    sizes = cfg.mesh.resolved(cluster.n_devices)
+    sizes = cfg.mesh.resolved(cfg.mesh.devices_used(cluster.n_devices))
+    note = unused_devices_note(cfg.mesh, cluster.n_devices)
+    if note:
+        print(f"note: {note}", file=out)
     peak = cluster.peak_flops(cfg.model.dtype)
     profile = profile_for_config(cfg, sizes, peak, measure=measure)
     t = cfg.train
@@ -78,24 +86,30 @@ def run_remat(
         f"times: {profile.timing}",
         file=out,
     )
-    if budget is not None:
-        budget_bytes = parse_bytes(budget)
+    if given is not None:
+        budget_bytes = given
     elif t.remat_budget_bytes:
         budget_bytes = t.remat_budget_bytes
     else:
         b = memory_breakdown(cfg, sizes, cluster.memory_bytes, profile)
         print("budget from device memory: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in b.items()), file=out)
         budget_bytes = auto_budget(cfg, sizes, cluster.memory_bytes, profile)
-    plan = plan_remat(profile, budget_bytes)
+    plan = plan_remat(profile, budget_bytes, slack_share=t.remat_slack)
     print("", file=out)
     print(plan.table(by_group=not operators), file=out)
     print("", file=out)
     print(format_comparison(compare_policies(profile, plan)), file=out)
-    tags = plan.saved_tags
-    only_tags = len(tags) == sum(plan.saved)
+    settings = "".join(
+        [
+            "" if budget is None else f" train.remat_budget_bytes={budget_bytes}",
+            f" train.remat_slack={t.remat_slack:g}" if t.remat_slack else "",
+        ]
+    )
+    same = plan.names_equivalent
     print(
-        f"\ntrain.remat=auto{'' if budget is None else f' train.remat_budget_bytes={budget_bytes}'} applies this plan"
-        + (f" (the same as train.remat=save:{','.join(tags)})" if only_tags and tags else ""),
+        f"\ntrain.remat=auto{settings} applies this plan"
+        + (f", the same as train.remat={same}" if same else ": no list of checkpoint names saves the same values")
+        + f"; it is {plan.gap_to_optimum()}",
         file=out,
     )
     return 0

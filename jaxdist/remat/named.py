@@ -22,6 +22,9 @@ RECIPES: dict[str, str] = {
     "save attention output projection": "save:attn_out",
     "save everything but MLP": "save:attn_norm,query_proj,key_proj,value_proj,attn_context,attn_out,mlp_norm",
 }
+# Beside them in `jaxdist remat`'s comparison: no remat at all, and the selective policy saving every tag.
+ALL_NAMES = "save:" + ",".join(CHECKPOINT_NAMES)
+BASELINES: dict[str, str] = {"none (no remat)": "none", "save every checkpoint name": ALL_NAMES}
 BUILTINS = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
 
@@ -36,13 +39,7 @@ def remat_policy(remat: str | Remat) -> Any:
         return None
     if spec.kind == "full":
         return "full"
-    if spec.kind == "names":
-        unknown = [n for n in spec.names if n not in CHECKPOINT_NAMES]
-        if unknown:  # jax would save nothing for it, silently: full recomputation under another name
-            raise ConfigError(
-                f"train.remat='{spec}' names {', '.join(repr(n) for n in unknown)}, which the model does not "
-                f"tag: use save: with some of {', '.join(CHECKPOINT_NAMES)}."
-            )
+    if spec.kind == "names":  # the names were checked when train.remat was parsed (Remat.parse)
         return jax.checkpoint_policies.save_only_these_names(*spec.names)
     if spec.kind == "selected":  # what the selector chose for auto (jaxdist.resolve.resolve)
         return spec.plan.policy()

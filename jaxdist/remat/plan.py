@@ -14,6 +14,7 @@ selector works per block: ``budget / n_layers - input_bytes``.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -21,13 +22,10 @@ import jax
 import numpy as np
 
 from jaxdist.remat.graph import InfeasibleBudget, Selection, evaluate
-from jaxdist.remat.named import RECIPES, named_policies
+from jaxdist.remat.named import BASELINES, RECIPES, named_policies, remat_policy
 from jaxdist.remat.profile import BlockProfile
 from jaxdist.remat.select import EXACT_MAX_UNITS, select
 from jaxdist.remat.trace import signature
-
-# plan_remat accepts this share of the save-nothing recompute time above the least recompute, to save memory.
-SLACK_SHARE = 0.03
 
 
 def format_bytes(n: float) -> str:
@@ -44,6 +42,25 @@ def format_seconds(s: float) -> str:
         if s >= size:
             return f"{s / size:.2f} {unit}"
     return f"{s * 1e9:.1f} ns" if s > 0 else "0"
+
+
+def group_contents(operators, kinds: int = 5) -> dict[str, str]:
+    """Per group, what it holds: its operator count and most frequent primitives, e.g.
+    ``"7 operators: 3 mul, 2 add, rsqrt, ..."`` (the ``name`` equation that is the tag itself left out)."""
+    out: dict[str, Counter] = {}
+    for op in operators:
+        out.setdefault(op.group, Counter())
+        if op.primitive != "name":
+            out[op.group][op.primitive] += 1
+    text = {}
+    for group, counts in out.items():
+        common = [f"{n} {p}" if n > 1 else p for p, n in counts.most_common(kinds)]
+        more = ", ..." if len(counts) > kinds else ""
+        total = sum(counts.values())
+        text[group] = f"{total} operator{'s' if total != 1 else ''}" + (
+            ": " + ", ".join(common) + more if common else ""
+        )
+    return text
 
 
 def signature_policy(signatures: frozenset[str]) -> Callable:
@@ -66,6 +83,8 @@ class RematPlan:
     saved_signatures: frozenset[str]
     saved: tuple[bool, ...]  # per operator: saved for the backward pass
     recomputed: tuple[bool, ...]  # per operator: recomputed in the backward pass
+    slack_share: float = 0.0  # train.remat_slack the plan was chosen with
+    optimum: Selection | None = None  # the least-recompute selection at this budget (the plan's own when slack 0)
 
     @property
     def block_bytes(self) -> float:
@@ -89,6 +108,39 @@ class RematPlan:
         return self.profile.n_layers * self.profile.recompute_flops(np.array(self.recomputed))
 
     @property
+    def optimum_recompute_time(self) -> float:
+        """Recompute time per step of the least-recompute plan at this budget, all blocks (seconds per device)."""
+        return self.profile.n_layers * (self.optimum or self.selection).time
+
+    @property
+    def optimum_activation_bytes(self) -> float:
+        """Saved activations of the least-recompute plan at this budget, inputs included (bytes per device)."""
+        p = self.profile
+        return p.n_layers * (p.input_bytes + (self.optimum or self.selection).bytes)
+
+    def gap_to_optimum(self) -> str:
+        """One phrase: how this plan's recompute compares with the least-recompute plan at the same budget."""
+        sel = self.selection
+        proven = "" if sel.method.startswith("exact") or sel.gap <= 0 else f" (proven within {sel.gap:.2%})"
+        extra = self.recompute_time - self.optimum_recompute_time
+        if self.optimum is None or extra <= 1e-12 * max(self.recompute_time, 1e-300):
+            return f"the least recompute at this budget{proven}"
+        share = extra / max(self.optimum_recompute_time, 1e-300)
+        return (
+            f"{format_seconds(extra)} ({share:.1%}) more recompute than the optimum at this budget{proven}, "
+            f"for {format_bytes(self.optimum_activation_bytes - self.activation_bytes)} less saved "
+            f"(train.remat_slack={self.slack_share:g}; 0 takes the optimum)"
+        )
+
+    @property
+    def names_equivalent(self) -> str | None:
+        """The ``train.remat`` value naming the same saved set (``save:...`` or ``full``), when tags alone say it."""
+        if any(s and not op.tag for op, s in zip(self.profile.operators, self.saved)):
+            return None
+        tags = self.saved_tags
+        return "save:" + ",".join(dict.fromkeys(tags)) if tags else "full"
+
+    @property
     def saved_tags(self) -> tuple[str, ...]:
         """checkpoint_name tags of the saved operators."""
         return tuple(op.tag for op, s in zip(self.profile.operators, self.saved) if s and op.tag)
@@ -108,12 +160,7 @@ class RematPlan:
             f"saves {format_bytes(self.activation_bytes)} (inputs {format_bytes(self.profile.n_layers * self.profile.input_bytes)}"
             f" + {format_bytes(self.profile.n_layers * self.block_bytes)} intermediates), recomputes "
             f"{format_seconds(self.recompute_time)} / {self.recompute_flops / 1e9:.3g} GFLOP per step; "
-            f"{sel.method} in {sel.solve_seconds * 1e3:.0f} ms"
-            + (
-                f", proven within {sel.gap:.2%} of optimal"
-                if not sel.method.startswith("exact") and sel.gap > 0
-                else ""
-            )
+            f"{sel.method} in {sel.solve_seconds * 1e3:.0f} ms; {self.gap_to_optimum()}"
         )
 
     def table(self, by_group: bool = False) -> str:
@@ -132,6 +179,11 @@ class RematPlan:
                 f"{name:<16} {format_bytes(b):>12} {format_seconds(t):>12} {ns:>7} {nr:>7}"
                 for name, (b, t, ns, nr) in groups.items()
             ]
+            rows.append(
+                "a group is named by the checkpoint_name tag that ends it and holds the operators computed since "
+                "the tag before (--ops lists them one by one):"
+            )
+            rows += [f"  {name}: {held}" for name, held in group_contents(ops).items()]
         else:
             rows = [f"{'#':>4} {'group':<14} {'operator':<36} {'bytes':>11} {'time':>10}  decision"]
             for op, s, r in zip(ops, self.saved, self.recomputed):
@@ -194,43 +246,55 @@ def _prefer_tags(profile: BlockProfile, graph, units: set[int]) -> set[int]:
     return units
 
 
-def recompute_slack(profile: BlockProfile, share: float = SLACK_SHARE) -> float:
+def recompute_slack(profile: BlockProfile, share: float) -> float:
     """Seconds per block a plan may recompute beyond the least possible: ``share`` of the save-nothing recompute."""
     graph, _ = profile.graph()
     return share * evaluate(graph, ()).time
 
 
 def plan_remat(
-    profile: BlockProfile, budget_bytes: float, exact_max_units: int = EXACT_MAX_UNITS, slack_share: float = SLACK_SHARE
+    profile: BlockProfile, budget_bytes: float, exact_max_units: int = EXACT_MAX_UNITS, slack_share: float = 0.0
 ) -> RematPlan:
     """The plan with the least recompute whose saved activations fit ``budget_bytes`` per device (all blocks).
 
-    Among plans whose recompute time is within ``slack_share`` (3%) of the
-    save-nothing recompute time of that least, it takes the one that saves
-    the fewest bytes: a large budget is not spent on values whose recompute
-    is negligible.  That memory is better left to XLA's working space, and
-    gains that small are below what the cost model can tell apart: XLA fuses
-    cheap elementwise operations into their users, and its FLOP count of a
-    whole program moves by a few percent of the forward pass with what is
-    saved (benchmarks/remat.py).  ``slack_share=0`` gives the plain optimum.
+    ``slack_share`` (``train.remat_slack``, default 0: the optimum) lets the
+    plan recompute up to that share of the save-nothing recompute time more
+    than the least, and then takes the one that saves the fewest bytes: a
+    large budget is not spent on values whose recompute is negligible, which
+    leaves that memory to XLA's working space (gains that small are below
+    what the cost model can tell apart: XLA fuses cheap elementwise
+    operations into their users, and its FLOP count of a whole program moves
+    by a few percent of the forward pass with what is saved;
+    benchmarks/remat.py).  Before it was a knob it was fixed at 0.03.  The
+    plan keeps the optimum (``RematPlan.optimum``) to report the gap.
 
     Raises :class:`~jaxdist.remat.select.InfeasibleBudget` (a ConfigError)
     with the smallest feasible budget when even saving nothing does not fit.
     """
     block_budget = _block_budget(profile, budget_bytes)
     graph, unit_sigs = profile.graph()
-    sel = select(graph, block_budget, exact_max_units, slack=recompute_slack(profile, slack_share))
-    units = _prefer_tags(profile, graph, set(sel.saved_units))
-    ev = evaluate(graph, units)
-    sel = dataclasses.replace(sel, saved_units=frozenset(units), bytes=ev.bytes, time=ev.time)
+    best = select(graph, block_budget, exact_max_units)
+    optimum = sel = _with_tags(profile, graph, best)
+    if slack_share > 0:
+        slack = recompute_slack(profile, slack_share)
+        sel = _with_tags(profile, graph, select(graph, block_budget, exact_max_units, slack=slack, best=best))
+    ev = evaluate(graph, sel.saved_units)
     return RematPlan(
         profile,
         float(budget_bytes),
         sel,
-        frozenset(unit_sigs[u] for u in units),
+        frozenset(unit_sigs[u] for u in sel.saved_units),
         tuple(bool(s) for s in ev.saved),
         tuple(bool(r) for r in ev.recomputed),
+        float(slack_share),
+        optimum,
     )
+
+
+def _with_tags(profile: BlockProfile, graph, sel: Selection) -> Selection:
+    units = _prefer_tags(profile, graph, set(sel.saved_units))
+    ev = evaluate(graph, units)
+    return dataclasses.replace(sel, saved_units=frozenset(units), bytes=ev.bytes, time=ev.time)
 
 
 def budget_range(profile: BlockProfile) -> tuple[float, float]:
@@ -271,7 +335,8 @@ def policy_point(profile: BlockProfile, name: str, policy: Any, budget_bytes: fl
 def compare_policies(
     profile: BlockProfile, plan: RematPlan | None = None, budget_bytes: float | None = None
 ) -> list[PolicyPoint]:
-    """The plan (if given) beside jax's built-in policies and the named recipes, all predicted."""
+    """The plan (if given) beside no remat, the policy saving every checkpoint name (``BASELINES``), jax's
+    built-in policies and the named recipes, all predicted."""
     budget = plan.budget_bytes if plan is not None and budget_bytes is None else budget_bytes
     rows = []
     if plan is not None:
@@ -284,6 +349,8 @@ def compare_policies(
                 plan.activation_bytes <= plan.budget_bytes,
             )
         )
+    for name, value in BASELINES.items():
+        rows.append(policy_point(profile, name, remat_policy(value), budget))
     for name, policy in named_policies().items():
         rows.append(policy_point(profile, name, policy, budget))
     return rows
@@ -298,5 +365,6 @@ def format_comparison(rows: list[PolicyPoint]) -> str:
             f"{r.name[:34]:<34} {format_bytes(r.activation_bytes):>18} {format_seconds(r.recompute_time):>15} "
             f"{r.recompute_flops / 1e9:>11.3f}  {fits}"
         )
-    recipes = [f"  {name}: train.remat={value}" for name, value in RECIPES.items() if any(r.name == name for r in rows)]
-    return "\n".join(out + (["recipes:"] + recipes if recipes else []))
+    named = {**BASELINES, **RECIPES}
+    recipes = [f"  {name}: train.remat={value}" for name, value in named.items() if any(r.name == name for r in rows)]
+    return "\n".join(out + (["as train.remat values:"] + recipes if recipes else []))

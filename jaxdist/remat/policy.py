@@ -8,7 +8,8 @@ Values of ``train.remat``:
 * ``auto``: profile the block at the run's shapes and shardings, take the
   budget from ``train.remat_budget_bytes`` or from the device memory in
   ``meshes/`` (:func:`auto_budget`), and save what :func:`plan_remat`
-  chooses.  Times are XLA FLOPs / the device's peak, so every process of a
+  chooses (the least recompute, or with ``train.remat_slack`` the fewest
+  bytes within that slack of it).  Times are XLA FLOPs / the device's peak, so every process of a
   multi-host job computes the same plan.
 """
 
@@ -34,7 +35,9 @@ HEADROOM = 0.10
 
 
 def _mesh_sizes(config: Config, mesh_sizes: Mapping[str, int] | None, n_devices: int) -> dict[str, int]:
-    return dict(mesh_sizes) if mesh_sizes is not None else config.mesh.resolved(n_devices)
+    if mesh_sizes is not None:
+        return dict(mesh_sizes)
+    return config.mesh.resolved(config.mesh.devices_used(n_devices))  # a smaller mesh runs on the first devices
 
 
 def profile_for_config(
@@ -121,5 +124,5 @@ def resolve_remat_policy(
     peak = cluster.peak_flops(config.model.dtype)
     profile = profile_for_config(config, sizes, peak)
     budget = config.train.remat_budget_bytes or auto_budget(config, sizes, cluster.memory_bytes, profile)
-    plan = plan_remat(profile, budget)
+    plan = plan_remat(profile, budget, slack_share=config.train.remat_slack)
     return plan.policy(), plan

@@ -247,16 +247,22 @@ def select_approximate(
 
 
 def select(
-    graph: OperatorGraph, budget: float, exact_max_units: int = EXACT_MAX_UNITS, slack: float = 0.0
+    graph: OperatorGraph,
+    budget: float,
+    exact_max_units: int = EXACT_MAX_UNITS,
+    slack: float = 0.0,
+    best: Selection | None = None,
 ) -> Selection:
     """Least recompute time within ``budget`` bytes: exact up to ``exact_max_units`` units, else :func:`select_approximate`.
 
     With ``slack`` (seconds) > 0, a second solve returns a selection with
     (within 2%) the fewest bytes among those within ``slack`` of that least
-    time.  Both solves are deterministic (node limits, no time limits).
+    time (``best``: that least-time selection, if already solved).  Both
+    solves are deterministic (node limits, no time limits).
     """
     large = graph.n_units > exact_max_units
-    best = select_approximate(graph, budget) if large else select_exact(graph, budget, node_limit=EXACT_NODE_LIMIT)
+    if best is None:
+        best = select_approximate(graph, budget) if large else select_exact(graph, budget, node_limit=EXACT_NODE_LIMIT)
     if slack <= 0:
         return best
     t0 = _time.perf_counter()

@@ -41,3 +41,25 @@ def make_optimizer(
     schedule = learning_rate_schedule(cfg, schedule_steps)
     opt = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=decay_mask)
     return opt, schedule
+
+
+def resumed_schedule_steps(cfg: TrainConfig, meta: dict, current: int) -> tuple[int, str | None]:
+    """(schedule length in steps, a one-line notice or None) for a run resuming from a checkpoint's ``meta``.
+
+    The schedule the run started with continues (its length is in the checkpoint) unless
+    ``train.schedule_steps`` sets another; a checkpoint of an older jaxdist records no length, and then
+    its run's train.steps was the length.  The notice says so when train.steps changed.  ``current``: the
+    length the Trainer was built with (when nothing is recorded).
+    """
+    before = meta.get("config", {}).get("train", {})
+    recorded = int(meta.get("schedule_steps") or before.get("schedule_steps") or before.get("steps") or 0)
+    steps = cfg.schedule_steps or recorded or current
+    if before.get("steps") in (None, cfg.steps):
+        return steps, None
+    how = (
+        f"is now train.schedule_steps={steps} steps long"
+        if cfg.schedule_steps
+        else f"keeps its recorded length of {steps} steps (then stays at learning_rate * min_lr_ratio); "
+        "set train.schedule_steps to change it"
+    )
+    return steps, f"train.steps changed from {before['steps']} to {cfg.steps}: the learning-rate schedule {how}"

@@ -33,9 +33,8 @@ from jaxdist.hf.load import load_params
 from jaxdist.models import create_abstract, init_params
 from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.cluster import load_cluster
-from jaxdist.parallel.hlo import dot_operand_types, loop_flops_correction
 from jaxdist.parallel.layout import Parallelism
-from jaxdist.parallel.mesh import describe_mesh
+from jaxdist.parallel.mesh import describe_mesh, mesh_devices
 from jaxdist.remat.named import remat_policy
 from jaxdist.train.callbacks import (
     Callback,
@@ -54,7 +53,8 @@ from jaxdist.train.callbacks import (
 )
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.tracking import open_tracker
-from jaxdist.train.optimizer import make_optimizer
+from jaxdist.train.optimizer import make_optimizer, resumed_schedule_steps
+from jaxdist.train.programs import bf16_notice, executed_flops
 from jaxdist.train.step import init_state, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,8 @@ class Trainer:
     """
 
     def __init__(self, config: Config, devices: list | None = None):
-        self.devices = list(devices if devices is not None else jax.devices())
+        # A mesh smaller than the devices (every axis size given) runs on the first ones, as resolve() chose.
+        self.devices = mesh_devices(config.mesh, devices if devices is not None else jax.devices())
         if config.mesh.auto:
             raise ConfigError(
                 "mesh=auto is settled before the Trainer is built: pass "
@@ -286,28 +287,16 @@ class Trainer:
         self._settle_schedule(meta)
 
     def _settle_schedule(self, meta: dict) -> None:
-        """Continue the learning-rate schedule the checkpoint recorded (``train.schedule_steps`` sets another).
+        """Continue the learning-rate schedule the checkpoint recorded (jaxdist.train.optimizer.resumed_schedule_steps).
 
-        A checkpoint of an older jaxdist records no length: its run's train.steps was the length.  The
-        optimizer state is the same for any length, so only the train step is rebuilt (compiled on first use).
+        The optimizer state is the same for any length, so only the train step is rebuilt (compiled on first use).
         """
-        t = self.config.train
-        before = meta.get("config", {}).get("train", {})
-        recorded = int(meta.get("schedule_steps") or before.get("schedule_steps") or before.get("steps") or 0)
-        steps = t.schedule_steps or recorded or self.schedule_steps
-        if before.get("steps") not in (None, t.steps) and self.is_main:
-            how = (
-                f"is now train.schedule_steps={steps} steps long"
-                if t.schedule_steps
-                else f"keeps its recorded length of {steps} steps (then stays at learning_rate * min_lr_ratio); "
-                "set train.schedule_steps to change it"
-            )
-            log.warning(
-                "train.steps changed from %d to %d: the learning-rate schedule %s", before["steps"], t.steps, how
-            )
+        steps, notice = resumed_schedule_steps(self.config.train, meta, self.schedule_steps)
+        if notice and self.is_main:
+            log.warning("%s", notice)
         if steps != self.schedule_steps:
             self.schedule_steps = steps
-            self.optimizer, self.schedule = make_optimizer(t, steps)
+            self.optimizer, self.schedule = make_optimizer(self.config.train, steps)
             self._build_programs()
             self._compiled_step = None
 
@@ -360,38 +349,18 @@ class Trainer:
         return self._compiled_step
 
     def hardware_flops_per_step(self) -> float | None:
-        """FLOPs the compiled train step executes on all devices (XLA's count, recomputation included, with its
-        loop bodies counted once per trip: see jaxdist.parallel.hlo.loop_flops_correction); computed once."""
+        """FLOPs the compiled train step executes on all devices (jaxdist.train.programs.executed_flops);
+        computed once."""
         if self._hardware_flops is None:
-            cost = self.compiled_train_step().cost_analysis()
-            cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older JAX: one dict per program
-            flops = (cost or {}).get("flops")
-            if flops is None:
-                return None
-            # XLA counts a loop body once; the layer and microbatch scans run theirs many times.
-            flops += loop_flops_correction(self.compiled_train_step().as_text())
-            self._hardware_flops = float(flops) * len(self.devices)
+            self._hardware_flops = executed_flops(self.compiled_train_step(), len(self.devices))
         return self._hardware_flops
 
     def bf16_notice(self) -> str | None:
-        """One sentence when ``model.dtype=bfloat16`` but the compiled step multiplies mostly in float32.
-
-        Read from the compiled program (its dots' operand types), not from a
-        version table: XLA:CPU in JAX 0.10 turns most bf16 matmuls into fp32 ones.
-        """
+        """One sentence when ``model.dtype=bfloat16`` but the compiled step multiplies mostly in float32
+        (jaxdist.train.programs.bf16_notice)."""
         if self.config.model.dtype != "bfloat16":
             return None
-        dots = dot_operand_types(self.compiled_train_step().as_text())
-        upcast, native = dots.get("f32", 0), dots.get("bf16", 0)
-        if upcast <= native:
-            return None
-        platform = self.devices[0].platform
-        return (
-            f"{upcast} of the train step's {upcast + native} matmuls run in float32 although "
-            f"model.dtype=bfloat16: this JAX {jax.__version__} {platform} backend upcasts them, so bf16 runs "
-            "at fp32 speed here"
-            + (" (Python 3.12 with JAX 0.12 multiplies them natively on CPU)." if platform == "cpu" else ".")
-        )
+        return bf16_notice(self.config.model.dtype, self.compiled_train_step().as_text(), self.devices[0].platform)
 
     def batch(self, step: int) -> jax.Array:
         """The global batch of training step ``step`` as one sharded array [B, T+1]."""

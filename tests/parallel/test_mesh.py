@@ -134,19 +134,22 @@ def _sizes(**kw):
 
 def test_hybrid_tensor_stays_in_node():
     ici, dcn = hybrid_shapes(_sizes(fsdp=8, tensor=8), n_nodes=8, per_node=8)
-    assert ici == (1, 1, 8, 1, 1) and dcn == (1, 8, 1, 1, 1)
+    assert ici == (1, 1, 1, 8, 1, 1) and dcn == (1, 8, 1, 1, 1, 1)
 
 
 def test_hybrid_nodes_go_to_data_first_then_fsdp():
-    assert hybrid_shapes(_sizes(data=8, tensor=8), 8, 8) == ((1, 1, 8, 1, 1), (8, 1, 1, 1, 1))
-    assert hybrid_shapes(_sizes(data=2, fsdp=32), 8, 8) == ((1, 8, 1, 1, 1), (2, 4, 1, 1, 1))
-    assert hybrid_shapes(_sizes(data=4, fsdp=4, tensor=2, expert=2), 8, 8) == ((1, 2, 2, 2, 1), (4, 2, 1, 1, 1))
+    assert hybrid_shapes(_sizes(data=8, tensor=8), 8, 8) == ((1, 1, 1, 8, 1, 1), (8, 1, 1, 1, 1, 1))
+    assert hybrid_shapes(_sizes(data=2, fsdp=32), 8, 8) == ((1, 8, 1, 1, 1, 1), (2, 4, 1, 1, 1, 1))
+    assert hybrid_shapes(_sizes(data=4, fsdp=4, tensor=2, expert=2), 8, 8) == (
+        (1, 2, 1, 2, 2, 1),
+        (4, 2, 1, 1, 1, 1),
+    )
     # Whatever the split, the element-wise product is the mesh shape and the inner shape fills a node.
     for sizes in (_sizes(data=6, fsdp=4, tensor=2), _sizes(data=3, fsdp=16), _sizes(fsdp=24, pipeline=2)):
         ici, dcn = hybrid_shapes(sizes, 12, 4)
         assert tuple(i * d for i, d in zip(ici, dcn)) == tuple(sizes[a] for a in MESH_AXES)
         assert math.prod(ici) == 4 and math.prod(dcn) == 12
-        assert dcn[2:] == (1, 1, 1)
+        assert dcn[2:] == (1, 1, 1, 1)
 
 
 def test_hybrid_errors():
@@ -169,11 +172,11 @@ def _fake_devices(nodes, per_node):
 def test_device_grid_keeps_tensor_groups_inside_a_process():
     devices = _fake_devices(8, 8)
     grid = device_grid(_sizes(data=2, fsdp=4, tensor=8), devices)
-    assert grid.shape == (2, 4, 8, 1, 1)
+    assert grid.shape == (2, 4, 1, 8, 1, 1)
     proc = np.vectorize(lambda d: d.process_index)(grid)
     # each tensor group (last-but-two axis) is one process; each data x fsdp slice spans all 8
-    assert (proc == proc[:, :, :1]).all()
-    assert sorted(proc[:, :, 0].ravel()) == list(range(8))
+    assert (proc == proc[:, :, :, :1]).all()
+    assert sorted(proc[:, :, 0, 0].ravel()) == list(range(8))
     assert sorted(d.id for d in grid.ravel()) == list(range(64))
 
 
@@ -188,7 +191,7 @@ def test_build_mesh_fills_data():
     mesh = build_mesh(MeshConfig(data=-1))
     assert mesh.axis_names == MESH_AXES
     assert dict(mesh.shape) == _sizes(data=8)
-    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 5
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
     assert _ids(mesh) == sorted(d.id for d in jax.devices())
 
 
@@ -210,7 +213,7 @@ def test_build_mesh_shapes(cfg, sizes):
 
 def test_build_mesh_tensor_groups_are_neighbours():
     mesh = build_mesh(MeshConfig(data=2, tensor=4))
-    groups = [sorted(d.id for d in mesh.devices[i, 0, :, 0, 0]) for i in range(2)]
+    groups = [sorted(d.id for d in mesh.devices[i, 0, 0, :, 0, 0]) for i in range(2)]
     assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
 
@@ -243,7 +246,7 @@ _WORKER = textwrap.dedent("""\
     from jaxdist.config import ConfigError, MeshConfig
     from jaxdist.parallel.mesh import build_mesh, cluster_from_devices, describe_mesh
     mesh = build_mesh(MeshConfig(fsdp=2, tensor=4))
-    proc = np.vectorize(lambda d: d.process_index)(mesh.devices)[0, :, :, 0, 0].tolist()
+    proc = np.vectorize(lambda d: d.process_index)(mesh.devices)[0, :, 0, :, 0, 0].tolist()
     spec = cluster_from_devices()
     try:
         build_mesh(MeshConfig(data=1, tensor=8))

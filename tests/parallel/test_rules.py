@@ -46,7 +46,7 @@ def test_default_rules_cover_the_model_names():
 
 def test_activations_and_params_without_mesh():
     # batch takes fsdp, so embed of the same activation is left unsplit
-    assert logical_to_spec(("batch", "seq", "embed")) == P(("data", "fsdp", "expert"), None, None)
+    assert logical_to_spec(("batch", "seq", "embed")) == P(("data", "fsdp", "expert"), "context", None)
     assert logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
     assert logical_to_spec(("mlp", "embed")) == P("tensor", "fsdp")
     assert logical_to_spec(("layers", "embed", "heads", "head_dim")) == P("pipeline", "fsdp", "tensor", None)

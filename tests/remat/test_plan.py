@@ -25,8 +25,11 @@ from jaxdist.models.arithmetic import param_count
 XLA_MODEL = ["model=tiny", "model.n_layers=16", "mesh.data=1"]
 B, T = 16, 64
 # Shares of the range between save nothing and save everything.  The memory check uses the plain
-# optimum (slack_share=0: five different plans); the Pareto check the default plans (which converge
-# once the budget holds every matmul output).
+# optimum (slack_share=0, train.remat_slack's default: five different plans); the Pareto check plans with
+# train.remat_slack=0.03 (the default before it was a knob; they converge once the budget holds every matmul
+# output).  The plain optimum is not Pareto in XLA at every budget: at 0.64 it saves 74 MB for 0.7 MFLOP less
+# than dots_saveable's 48 MB, within XLA's FLOP noise (the compile-verified choice of issue 20 item 1).
+PARETO_SLACK = 0.03
 MEMORY_BUDGETS = (0.36, 0.45, 0.55, 0.73, 0.91)
 PARETO_BUDGETS = (0.09, 0.27, 0.45, 0.64, 0.91)
 
@@ -38,7 +41,9 @@ def xla():
     profile = profile_block(cfg.model, B, T, {}, peak_flops=5e10)
     lo, hi = budget_range(profile)
     plans = {("memory", f): plan_remat(profile, lo + f * (hi - lo), slack_share=0.0) for f in MEMORY_BUDGETS}
-    plans.update({("pareto", f): plan_remat(profile, lo + f * (hi - lo)) for f in PARETO_BUDGETS})
+    plans.update(
+        {("pareto", f): plan_remat(profile, lo + f * (hi - lo), slack_share=PARETO_SLACK) for f in PARETO_BUDGETS}
+    )
     named = named_policies()
     measured = measure_policies(cfg.model, mesh, B, T, {**{k: p.policy() for k, p in plans.items()}, **named})
     base, full = measured["nothing_saveable"], measured["everything_saveable"]
@@ -94,7 +99,7 @@ def test_pareto_in_xla_at_ten_budgets():
     mesh = build_mesh(cfg.mesh, jax.devices()[:1])
     profile = profile_block(cfg.model, B, T, {}, peak_flops=5e10)
     lo, hi = budget_range(profile)
-    plans = {f: plan_remat(profile, lo + f * (hi - lo)) for f in np.linspace(0, 1, 12)[1:-1]}
+    plans = {f: plan_remat(profile, lo + f * (hi - lo), slack_share=PARETO_SLACK) for f in np.linspace(0, 1, 12)[1:-1]}
     named = named_policies()
     m = measure_policies(cfg.model, mesh, B, T, {**{f: p.policy() for f, p in plans.items()}, **named})
     pts = {
