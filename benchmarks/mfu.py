@@ -158,6 +158,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
     import jax
 
     from jaxdist.parallel.mesh import describe_mesh
+    from jaxdist.resolve import resolve
     from jaxdist.train.trainer import Trainer
 
     devices = jax.devices()[: args.devices]
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace) -> list[tuple[str, str]]:
     ]
 
     try:
-        with Trainer(cfg, devices=devices) as trainer:
+        with Trainer(resolve(cfg, devices), devices=devices) as trainer:  # resolve: train.remat=auto's plan
             head.insert(2, ("mesh", describe_mesh(trainer.mesh)))
             if args.memory_plan:
                 return head + memory_plan(trainer)

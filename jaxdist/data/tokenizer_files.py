@@ -102,13 +102,7 @@ class HFTokenizer:
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
         """Token ids of ``text`` [n] uint32; ``bos``/``eos`` add this tokenizer's BOS before / EOS after."""
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return np.array(
-            ([self.bos_id] if bos and self.bos_id is not None else [])
-            + ids
-            + ([self.eos_id] if eos and self.eos_id is not None else []),
-            dtype=np.uint32,
-        )
+        return _with_specials(self._tok.encode(text, add_special_tokens=False).ids, self, bos, eos)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text (no specials), encoded by the library's batch path."""
@@ -150,13 +144,7 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
         """Token ids of ``text`` [n] uint32; ``bos``/``eos`` add BOS before / EOS after."""
-        ids = self._sp.encode(text)
-        return np.array(
-            ([self.bos_id] if bos and self.bos_id is not None else [])
-            + ids
-            + ([self.eos_id] if eos and self.eos_id is not None else []),
-            dtype=np.uint32,
-        )
+        return _with_specials(self._sp.encode(text), self, bos, eos)
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids of each text (no specials)."""
@@ -165,3 +153,10 @@ class SentencePieceTokenizer:
     def decode(self, ids) -> str:
         """The text of ``ids``: control ids (BOS, EOS, PAD) and ids outside the vocabulary dropped."""
         return self._sp.decode(_keep_known(ids, self.vocab_size))
+
+
+def _with_specials(ids: list[int], tok, bos: bool, eos: bool) -> np.ndarray:
+    """``ids`` [n] as uint32, with ``tok``'s BOS before (``bos``) and EOS after (``eos``) where it has them."""
+    head = [tok.bos_id] if bos and tok.bos_id is not None else []
+    tail = [tok.eos_id] if eos and tok.eos_id is not None else []
+    return np.array(head + list(ids) + tail, dtype=np.uint32)
