@@ -44,6 +44,7 @@ from jaxdist.cluster import prepare_host_devices
 from jaxdist.config import PIPELINE_SCHEDULES, Config, ConfigError, load_config, reference_markdown
 from jaxdist.controller.agent import agent_from_env
 from jaxdist.controller.commands import controller, launch
+from jaxdist.controller.health_view import status as health_status
 from jaxdist.data import add_data, load_source
 from jaxdist.data.audit import describe, verify
 
@@ -271,6 +272,10 @@ def cmd_controller(args) -> int:
     return controller(args.config, args.overrides)
 
 
+def cmd_status(args) -> int:
+    return health_status(args.run_dir, args.heatmap)
+
+
 def cmd_gen(args) -> int:
     from jaxdist.gen.config import load_gen_config  # JAX-free: the dispatcher never loads JAX
 
@@ -352,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("controller", help="run only the controller of a job (node agents join it)")
     co.add_argument("--config", help="TOML config file")
     co.set_defaults(fn=cmd_controller)
+
+    st = sub.add_parser("status", help="a launched job's health per node: table and heat map (no JAX)")
+    st.add_argument("run_dir", help="run directory (<runs_dir>/<name>)")
+    st.add_argument("--heatmap", help="where to write the heat map PNG (default <run>/controller/health.png)")
+    st.set_defaults(fn=cmd_status)
 
     k = sub.add_parser("ckpt", help="list, inspect, verify a run's checkpoints or print their write plan")
     k.add_argument("action", choices=("list", "inspect", "verify", "plan"))

@@ -306,6 +306,12 @@ def check_controller(c: ControllerConfig) -> None:
             "controller.standbys and controller.warm_spares must be >= 0, controller.max_failures and "
             "controller.max_process_failures >= 1."
         )
+    if c.health_every < 0 or not c.health_z > 0 or not c.health_min_share >= 0 or not c.health_min_change >= 0:
+        raise ConfigError(
+            f"controller.health_every={c.health_every}, health_z={c.health_z}, health_min_share="
+            f"{c.health_min_share} and health_min_change={c.health_min_change} are out of range: use "
+            "health_every >= 0 steps (0: no efficiency records), health_z > 0 and the fractions >= 0."
+        )
     if not c.heartbeat_interval > 0 or not c.heartbeat_timeout >= 2 * c.heartbeat_interval:
         raise ConfigError(
             f"controller.heartbeat_timeout={c.heartbeat_timeout} must be at least twice "

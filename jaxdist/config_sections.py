@@ -557,6 +557,21 @@ class ControllerConfig:
         15.0,
         "How long (seconds) a worker's heartbeats may pause while it is starting, or while its connection still answers ZeroMQ's own heartbeats (sent outside the Python GIL): compiling can hold the GIL for seconds on a busy host. A stopped or hung process is caught by heartbeat_timeout all the same.",
     )
+    health_every: int = _f(
+        10,
+        "Steps per efficiency record each worker sends (closed at the metric flushes of train.log_every; 0: none): steps, samples, and the seconds its loop spent waiting for data, dispatching, blocked on the device, saving, evaluating. The controller writes them to <run>/controller/health.jsonl.",
+    )
+    health_z: float = _f(
+        5.0,
+        "A rank's part of the loop (or the job's step time) is abnormal beyond this many scaled median absolute deviations above the others' (or its recent) median -- and beyond health_min_share / health_min_change; two abnormal periods in a row raise an alarm (an event, a link probe).",
+    )
+    health_min_share: float = _f(
+        0.08, "A rank stands out only by more than this fraction of the job's step time per step (seconds/seconds)."
+    )
+    health_min_change: float = _f(
+        0.25,
+        "The job is slower than its recent history only by more than this fraction of its recent median step time.",
+    )
     progress_timeout: float = _f(
         120.0, "A training group whose step does not advance for this long (seconds) is declared failed."
     )

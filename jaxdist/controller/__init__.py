@@ -19,7 +19,6 @@ from jaxdist.controller.policy import (
     lineage,
     plan_replacement,
     slow_nodes,
-    throughput_anomaly,
     valid_group_sizes,
 )
 from jaxdist.controller.setup_cache import SetupCache, SetupKey
@@ -32,6 +31,5 @@ __all__ = [
     "lineage",
     "plan_replacement",
     "slow_nodes",
-    "throughput_anomaly",
     "valid_group_sizes",
 ]

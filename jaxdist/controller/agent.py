@@ -46,6 +46,7 @@ from jaxdist.controller.setup_cache import library_versions
 log = logging.getLogger(__name__)
 
 CONTROLLER_ENV = "JAXDIST_CONTROLLER"
+PERIODS_RESENT = 4  # efficiency records each heartbeat carries (the newest)
 
 
 @dataclass
@@ -92,6 +93,9 @@ class WorkerAgent:
         self._stop = threading.Event()
         self._beat_now, self._beat_sent = threading.Event(), threading.Event()
         self._first_step = True
+        self._clock: Any = None  # the attached trainer's LoopClock (jaxdist.train.efficiency)
+        self._periods: list[dict[str, Any]] = []  # the newest efficiency records, resent until superseded
+        self._index = 0  # efficiency records sent (a process trains in one generation)
         self._thread = threading.Thread(target=self._run, name="jaxdist-agent", daemon=True)
         self._thread.start()
 
@@ -116,6 +120,9 @@ class WorkerAgent:
     def _beat(self) -> None:
         with self._lock:
             info = dict(self._info)
+        clock = self._clock
+        if clock is not None:  # where the loop is: plain reads of another thread's attributes, no lock needed
+            info["loop"] = {"phase": clock.phase, "dispatched": clock.dispatched, "since": clock.since}
         self._peer.send({"t": "hb", "node": self.node, "pid": self.pid, **info})
 
     def _handle(self, msg: dict[str, Any]) -> None:
@@ -168,7 +175,7 @@ class WorkerAgent:
     def attach(self, trainer: Any) -> None:
         """Report the progress of ``trainer`` (a loop callback that never waits for the device) and its mesh's
         device order."""
-        trainer.add_callback(_ProgressReport(self))
+        trainer.add_callback(_ProgressReport(self, trainer.config.controller.health_every))
         order = [int(d.id) for d in trainer.mesh.devices.flat]
         self.update(state="restoring", mesh_device_order=order)
 
@@ -209,6 +216,23 @@ class WorkerAgent:
             self._first_step = False
         self.update(**info)
 
+    def watch_loop(self, clock: Any) -> None:
+        """Report where the training loop is with every heartbeat (a ``jaxdist.train.efficiency.LoopClock``)."""
+        self._clock = clock
+
+    def close_period(self, clock: Any, step: int) -> None:
+        """Send the efficiency record of ``clock`` up to ``step`` (a ``health.Period``) with the next heartbeats.
+
+        The newest few ride on every heartbeat until newer ones replace them: a lost heartbeat loses none,
+        and the controller ignores the ones it has (by generation, rank and index).
+        """
+        record = {"gen": self._info["gen"], "rank": self._info["rank"], "node": self.node, "index": self._index}
+        record.update(clock.take_period(step))
+        self._index += 1
+        with self._lock:
+            self._periods = (self._periods + [record])[-PERIODS_RESENT:]
+            self._info["periods"] = list(self._periods)
+
     def finished(self, final_step: int | None = None) -> None:
         """Report "done".  Heartbeats go on until the process exits: JAX's shutdown barrier
         may still hold it for a while, and a silent worker would be declared failed."""
@@ -242,8 +266,9 @@ class _ProgressReport:
 
     syncs = False
 
-    def __init__(self, agent: WorkerAgent):
+    def __init__(self, agent: WorkerAgent, health_every: int = 0):
         self.agent = agent
+        self.health_every = health_every  # steps per efficiency record (0: none)
         self.reported = -1  # newest step recorded with its metrics
         self.progressed = -1  # newest step reported finished
 
@@ -252,6 +277,12 @@ class _ProgressReport:
 
     def __call__(self, ctx: Any) -> None:
         now = time.time()
+        clock = ctx.window.clock
+        self.agent.watch_loop(clock)
+        flushed_now = bool(ctx.window.flushed) and ctx.window.flushed[-1]["step"] == ctx.step
+        # A period closes at a flush (the window's honest time is known there), the same step on every rank.
+        if flushed_now and self.health_every > 0 and ctx.step - clock.first_step + 1 >= self.health_every:
+            self.agent.close_period(clock, ctx.step)
         for r in ctx.window.flushed:
             if r["step"] > self.reported:
                 self.agent.record(ctx.trainer, int(r["step"]), r, now)

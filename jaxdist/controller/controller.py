@@ -41,6 +41,7 @@ from jaxdist.cluster import load_cluster
 from jaxdist.config import Config, ConfigError
 from jaxdist.controller import policy
 from jaxdist.controller.generations import GenerationLifecycle
+from jaxdist.controller.health import HealthHistory, Period, Thresholds, job_step_s
 from jaxdist.controller.protocol import Endpoint, load_or_create_token
 from jaxdist.controller.setup_cache import SetupCache, SetupEntry
 from jaxdist.controller.state import EventLog, Generation, JobState, NodeView, WorkerInfo
@@ -125,8 +126,8 @@ class Controller(GenerationLifecycle):
         self.plan: dict[int, str] | None = None
         self.killed: dict[tuple[str, int], float] = {}
         self.kill_sent_at = 0.0
-        self.rates: list[float] = []
-        self.rate_step = 0
+        self.health: HealthHistory | None = None  # this generation's efficiency records, by rounds
+        self.thresholds = Thresholds(cc.health_z, cc.health_min_change, cc.health_min_share)
         self.rtt: dict[tuple[str, str], float] = {}
         self.anomaly_probe: set[str] = set()
         self.start_failures = 0
@@ -224,7 +225,7 @@ class Controller(GenerationLifecycle):
             w.warm_at = now
         w.state, w.gen, w.rank, w.step = str(msg["state"]), int(msg["gen"]), int(msg["rank"]), int(msg["step"])
         w.resume_step, w.tokens_per_s = msg.get("resume_step"), float(msg.get("tokens_per_s", 0.0))
-        for k in ("versions", "cache_hits", "cache_misses", "mesh_device_order", "step_time", "resumed_from"):
+        for k in ("versions", "cache_hits", "cache_misses", "mesh_device_order", "step_time", "resumed_from", "loop"):
             if k in msg:
                 w.info[k] = msg[k]
         s = self.state
@@ -236,9 +237,8 @@ class Controller(GenerationLifecycle):
         if g is not None and w.step > g.last_step:
             g.last_step = s.last_step = w.step
             self.progress_at = now
-        if w.rank == 0 and w.step > self.rate_step and w.tokens_per_s > 0:  # one sample per step seen, from rank 0
-            self.rate_step = w.step
-            self._throughput(w.tokens_per_s)
+        for record in msg.get("periods", ()):
+            self._on_period(Period.from_dict(record))
         if g is not None and g.first_step_at is None and w.state == "training":
             self._first_step(g, w)
 
@@ -247,7 +247,6 @@ class Controller(GenerationLifecycle):
         g.resume_step = int(w.resume_step or 0)
         self.state.phase = "running"
         self.start_failures = 0
-        self.rates, self.rate_step = [], 0
         members = [self._member_worker(r) for r in self.state.members]
         self.events.add(
             "first_step",
@@ -269,15 +268,42 @@ class Controller(GenerationLifecycle):
                 self.setup.invalidate(self.entry.key)
         self._save(force=True)
 
-    def _throughput(self, rate: float) -> None:
-        self.rates.append(rate)
-        if policy.throughput_anomaly(self.rates[3:]) and not self.anomaly_probe:  # skip the first, compiling steps
-            self.events.add("throughput_anomaly", gen=self.state.generation, recent=self.rates[-5:])
-            self.rates = []
-            live = self._live_nodes()
-            self.anomaly_probe = {v.name for v in live}
-            for v in live:
-                self._probe(v, live)
+    def _on_period(self, p: Period) -> None:
+        """A member's efficiency record: keep it, and judge each round every member has now reported."""
+        s = self.state
+        if self.health is None or self.health.gen != s.generation:
+            self.health = HealthHistory(s.generation, len(s.members))
+        if not self.health.add(p):
+            return  # resent, or of an ended generation
+        with open(self.dir / "health.jsonl", "a") as f:
+            f.write(json.dumps({"record": "period", **p.to_dict()}) + "\n")
+            for r, periods, found, alarms in self.health.complete_rounds(self.thresholds):
+                f.write(
+                    json.dumps(
+                        {
+                            "record": "round",
+                            "gen": s.generation,
+                            "round": r,
+                            "step_s": job_step_s(periods),
+                            "last_step": periods[0].last_step,
+                            "findings": [x.to_dict() for x in found],
+                        }
+                    )
+                    + "\n"
+                )
+                for x in alarms:
+                    d = x.to_dict()
+                    self.events.add("health", gen=s.generation, finding=d.pop("kind"), **d)
+                # A job-wide slowdown no rank's data or saves explain: are the links between the nodes slow?
+                if any(x.rank is None and x.kind in ("slowdown", "compute") for x in alarms) and not self.anomaly_probe:
+                    self._probe_links()
+
+    def _probe_links(self) -> None:
+        """Ping every pair of live nodes' agents (TCP), naming a node whose links are all slow."""
+        live = self._live_nodes()
+        self.anomaly_probe = {v.name for v in live}
+        for v in live:
+            self._probe(v, live)
 
     def _on_exit(self, node: str, pid: int, rc: int, now: float) -> None:
         ident = f"w:{node}:{pid}"

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxdist.controller import policy
+from jaxdist.controller.health import LoopPosition, stuck_ranks
 from jaxdist.controller.protocol import port_is_free
 from jaxdist.controller.setup_cache import SetupEntry, SetupKey
 from jaxdist.controller.state import Generation, NodeView
@@ -171,8 +172,36 @@ class GenerationLifecycle:
             heartbeat_grace=self.cc.heartbeat_grace,
             disconnect_grace=self.cc.heartbeat_interval,
         )
+        if not failures and s.phase == "running":
+            failures = self._stuck(now)
         if failures:
             self._fail(failures, now)
+
+    def _stuck(self, now: float) -> list[policy.Failure]:
+        """A member alive and heartbeating whose step does not finish while the others wait (health.stuck_ranks)."""
+        s, positions = self.state, []
+        if self.progress_at is None:
+            return []
+        for r, node in s.members.items():
+            w = self._member_worker(r)
+            loop = w.info.get("loop") if w is not None else None
+            if not loop:
+                return []  # a worker that does not report its loop (or not yet): judged by the timeouts alone
+            positions.append(
+                LoopPosition(r, node, str(loop["phase"]), int(loop["dispatched"]), time.time() - float(loop["since"]))
+            )
+        typical = self.health.typical_step_s() if self.health is not None and self.health.gen == s.generation else None
+        rank0 = self._member_worker(0)
+        step_s = typical or (float(rank0.info.get("step_time") or 0) if rank0 else 0.0)
+        found = stuck_ranks(
+            now - self.progress_at, positions, step_s * self.cfg.train.log_every, self.cc.heartbeat_timeout
+        )
+        if found is None:
+            return []
+        ranks, why = found
+        if len(ranks) == len(positions):
+            return [policy.Failure("stuck", None, None, why)]
+        return [policy.Failure("stuck", s.members[r], r, why) for r in ranks]
 
     def _fail(self, failures: list[policy.Failure], now: float) -> None:
         s = self.state

@@ -4,7 +4,7 @@
   (elastic start: the largest count the mesh and batch allow, up to max_nodes);
 * :func:`find_failures`: which workers are dead, silent or stuck;
 * :func:`plan_replacement`: which node takes each rank of the next generation;
-* :func:`throughput_anomaly`, :func:`slow_nodes`: slow steps, and which node's links are slow;
+* :func:`slow_nodes`: which node's links are slow (slow steps: :mod:`jaxdist.controller.health`);
 * :func:`lineage`: which batches the final parameters were trained on.
 """
 
@@ -191,14 +191,6 @@ def plan_replacement(
 
 
 # --------------------------------------------------------------------------- slowness
-
-
-def throughput_anomaly(rates: Sequence[float], recent: int = 5, fraction: float = 0.5) -> bool:
-    """True when the median of the last ``recent`` rates (tokens/s) is below ``fraction`` x the median before them."""
-    if len(rates) < 2 * recent:
-        return False
-    base = statistics.median(rates[:-recent])
-    return statistics.median(rates[-recent:]) < fraction * base
 
 
 def slow_nodes(rtt: dict[tuple[str, str], float], factor: float = 3.0) -> list[str]:

@@ -43,6 +43,7 @@ import jax
 from tqdm.auto import tqdm
 
 from jaxdist.errors import ConfigError
+from jaxdist.train.efficiency import LoopClock
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ class MetricsWindow:
         peak_flops: float,
         skip_nonfinite: int = 0,
         skipped: list[int] | None = None,
+        clock: LoopClock | None = None,
     ):
         self.writer = writer
         self.tokens_per_step = tokens_per_step
@@ -113,6 +115,7 @@ class MetricsWindow:
         self.latest: dict[str, float] | None = None  # the newest record on the host
         self.flushed: list[dict[str, float]] = []  # records of the flush at the current step
         self.history: list[dict[str, float]] = []
+        self.clock = LoopClock() if clock is None else clock  # where the host's time goes (efficiency records)
         self.t0 = time.perf_counter()
 
     def restart(self) -> None:
@@ -138,6 +141,7 @@ class MetricsWindow:
         host = jax.device_get([m for _, m, _ in self.pending])  # waits for the last step of the window
         now = time.perf_counter()
         n = len(self.pending)
+        self.clock.add_window(n, now - self.t0)
         dt = (now - self.t0) / n
         records = []
         for (step, _, batch), m in zip(self.pending, host):
@@ -279,6 +283,7 @@ class Evaluate:
 
     every: int
     syncs: bool = True
+    part = "eval"  # where the loop clock books its time
 
     def due(self, step: int, last: bool) -> bool:
         return every(self.every, at_end=True)(step, last)
@@ -296,6 +301,7 @@ class SaveCheckpoint:
 
     every: int
     syncs: bool = True
+    part = "checkpoint"  # where the loop clock books its time
 
     def due(self, step: int, last: bool) -> bool:
         return every(self.every, at_end=True)(step, last)
@@ -314,6 +320,7 @@ class SaveLocal:
 
     every: int
     syncs: bool = True
+    part = "checkpoint"  # where the loop clock books its time
 
     def due(self, step: int, last: bool) -> bool:
         return step % self.every == 0
@@ -379,9 +386,13 @@ def run_due(callbacks: list[Callback], ctx: StepContext) -> None:
     if not due:
         return
     syncing = any(cb.syncs for cb in due)
+    clock = ctx.window.clock
     if syncing:
+        clock.enter("blocked")
         ctx.window.flush()
     for cb in due:
+        clock.enter(getattr(cb, "part", "callbacks"))
         cb(ctx)
+    clock.enter("callbacks")
     if syncing:
         ctx.window.restart()

@@ -51,6 +51,7 @@ from jaxdist.train.callbacks import (
     StepContext,
     run_due,
 )
+from jaxdist.train.efficiency import LoopClock
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.tracking import open_tracker
 from jaxdist.train.optimizer import make_optimizer, resumed_schedule_steps
@@ -383,6 +384,8 @@ class Trainer:
         end = c.train.steps if steps is None else min(c.train.steps, start + steps)
         if start >= end:
             return []
+        # Where the host spends the loop's time (the controller agent's efficiency records and stuck-rank view).
+        self.loop_clock = LoopClock(c.train.batch_size // jax.process_count(), start + 1)
         window = MetricsWindow(
             self.metrics,
             self.tokens_per_step,
@@ -391,6 +394,7 @@ class Trainer:
             self.peak_flops,
             c.train.skip_nonfinite,
             self.skipped_steps,
+            self.loop_clock,
         )
         bar = ProgressBar(c.train.steps, start, c.train.name) if c.train.progress and self.is_main else None
         saving = SaveCheckpoint(c.checkpoint.every) if self.checkpointer is not None else None
@@ -412,8 +416,11 @@ class Trainer:
         window.restart()
         try:
             for i in range(start, end):
+                self.loop_clock.enter("data")
                 batch_id, batch = prefetch.get(i)  # data added since the last step joins here
+                self.loop_clock.enter("dispatch")
                 self.state, m = self.train_step(self.state, batch)
+                self.loop_clock.enter("callbacks", i + 1)
                 window.add(i + 1, m, (format_id(batch_id), self.batches.version))
                 run_due(callbacks, StepContext(self, i + 1, start, end, window))
         except NonFiniteStep as e:  # found at a sync; every save syncs first, so none holds a later state

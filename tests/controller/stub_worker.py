@@ -16,7 +16,10 @@ Environment: ``JAXDIST_STUB_STEP_S`` (seconds per step, default 0.05),
 step takes that long: a slow cluster), ``JAXDIST_STUB_HANG_AT`` (the first
 group to reach that step stops stepping but keeps heartbeating: a deadlock),
 ``JAXDIST_STUB_NONSENSE_AT`` (rank 0 exits with code 2 at that step, as a
-worker does whose run can only produce nonsense, e.g. a NaN loss).
+worker does whose run can only produce nonsense, e.g. a NaN loss),
+``JAXDIST_STUB_DATA_DELAY=RANK:S`` (that rank waits S seconds for each batch:
+a slow input pipeline), ``JAXDIST_STUB_STUCK=RANK:STEP`` (that rank stops
+before that step, still heartbeating, while the others wait: a stuck rank).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pathlib import Path
 
 from jaxdist.config import load_config
 from jaxdist.controller.agent import agent_from_env, record_step
+from jaxdist.train.efficiency import LoopClock
 
 GENESIS = "genesis"
 
@@ -60,6 +64,14 @@ def _barrier(d: Path, step: int, rank: int, n: int) -> None:
         time.sleep(0.003)
 
 
+def _rank_value(spec: str | None, rank: int) -> float | None:
+    """``"RANK:VALUE"`` -> VALUE for that rank, else None."""
+    if not spec:
+        return None
+    r, value = spec.split(":")
+    return float(value) if int(r) == rank else None
+
+
 def main(argv: list[str]) -> int:
     path = argv[argv.index("--config") + 1] if "--config" in argv else None
     overrides = [a for i, a in enumerate(argv) if a != "--config" and (i == 0 or argv[i - 1] != "--config")]
@@ -79,8 +91,21 @@ def main(argv: list[str]) -> int:
     slow_from = int(os.environ.get("JAXDIST_STUB_SLOW_FROM", "0")) or None
     hang_at = int(os.environ.get("JAXDIST_STUB_HANG_AT", "0")) or None
     nonsense_at = int(os.environ.get("JAXDIST_STUB_NONSENSE_AT", "0")) or None
+    # The loop's parts as a Trainer books them (jaxdist.train.efficiency: JAX-free): the sleep is the step's
+    # compute ("dispatch"), the barrier the collective ("blocked"), rank 0's files the checkpoint.
+    clock = LoopClock(cfg.train.batch_size // n, start + 1)
+    agent.watch_loop(clock)
+    slow_data = _rank_value(os.environ.get("JAXDIST_STUB_DATA_DELAY"), rank)  # this rank waits for its batches
+    stuck_at = _rank_value(os.environ.get("JAXDIST_STUB_STUCK"), rank)  # this rank stops in "data", heartbeating
     for step in range(start + 1, cfg.train.steps + 1):
         t0 = time.perf_counter()
+        clock.enter("data")
+        if slow_data:
+            time.sleep(slow_data)
+        if stuck_at and step == int(stuck_at) and not (run / "stub" / "stuck").exists():
+            (run / "stub" / "stuck").touch()
+            time.sleep(3600)
+        clock.enter("dispatch")
         if step == nonsense_at and rank == 0:
             print(f"jaxdist: the loss at step {step} is not finite: stopping (exit 2).", file=sys.stderr)
             return 2
@@ -91,7 +116,10 @@ def main(argv: list[str]) -> int:
         slow = slow_from is not None and step >= slow_from
         time.sleep(float(os.environ.get("JAXDIST_STUB_SLOW_S", "0.3")) if slow else step_s)
         state = advance(state, step)
+        clock.enter("blocked", step)
         _barrier(group, step, rank, n)
+        clock.add_window(1, time.perf_counter() - t0)
+        clock.enter("checkpoint")
         if rank == 0:
             d = ckpt / str(step)
             d.mkdir(parents=True, exist_ok=True)
@@ -101,8 +129,11 @@ def main(argv: list[str]) -> int:
             for old in ckpt.glob("*"):
                 if old.name.isdigit() and int(old.name) < step - 3:
                     shutil.rmtree(old, ignore_errors=True)
+        clock.enter("callbacks")
         dt = time.perf_counter() - t0
         agent.on_step(None, step, {"tokens_per_s": 1000.0 / dt, "step_time": dt})
+        if cfg.controller.health_every and step - clock.first_step + 1 >= cfg.controller.health_every:
+            agent.close_period(clock, step)
     if rank == 0:
         (run / "stub" / "final.json").write_text(json.dumps({"step": cfg.train.steps, "state": state}))
     agent.finished()

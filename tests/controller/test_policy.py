@@ -18,7 +18,6 @@ from jaxdist.controller.policy import (
     lost_steps,
     plan_replacement,
     slow_nodes,
-    throughput_anomaly,
     valid_group_sizes,
 )
 
@@ -135,13 +134,6 @@ def test_plan_replacement():
     assert plan_replacement(members, set(), ["s1"], set()) == members
     # a member is never doubled
     assert plan_replacement(members, {"a"}, ["b", "s1"], set()) == {0: "s1", 1: "b", 2: "c", 3: "d"}
-
-
-def test_throughput_anomaly():
-    assert not throughput_anomaly([100.0] * 9)  # too few to judge
-    assert not throughput_anomaly([100.0] * 10 + [60.0] * 5)
-    assert throughput_anomaly([100.0] * 10 + [40.0] * 5)
-    assert not throughput_anomaly([100.0] * 10 + [40.0] * 2 + [100.0] * 3)  # a blip is not slowness
 
 
 def test_slow_nodes_finds_the_node_in_every_slow_pair():

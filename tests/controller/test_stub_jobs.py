@@ -205,6 +205,7 @@ def test_slow_steps_are_located_and_a_stalled_group_restarts(tmp_path):
             "controller.max_nodes=3",
             "controller.standbys=0",
             "controller.progress_timeout=2",
+            "controller.health_every=3",
         ),
         nodes=3,
         cwd=tmp_path,
@@ -218,8 +219,10 @@ def test_slow_steps_are_located_and_a_stalled_group_restarts(tmp_path):
         assert job.wait(120) == 0
     finally:
         job.close()
-    anomaly, probe = events_of(job, "throughput_anomaly"), events_of(job, "probe")
-    assert anomaly and probe[0]["slow_nodes"] == ["local-1"]
+    health, probe = events_of(job, "health"), events_of(job, "probe")
+    # steps 61-63 (the round after step 60) are slower on every rank's host: a job-wide "compute" finding
+    assert [(h["finding"], h["rank"], h["round"]) for h in health] == [("compute", None, 20)], health
+    assert probe[0]["slow_nodes"] == ["local-1"]
     failure = events_of(job, "failure")
     assert [f["kinds"] for f in failure] == [["stalled"]] and failure[0]["nodes"] == []
     assert events_of(job, "start")[1]["members"] == events_of(job, "start")[0]["members"]  # no node blamed

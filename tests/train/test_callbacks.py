@@ -49,6 +49,16 @@ def test_step_times_add_up_to_the_wall_time_between_hooks(tmp_path, log_every):
     rows = read_metrics(tmp_path / "default")
     assert [r["step"] for r in rows] == list(range(1, 41))
     assert all(r["window"] == log_every for r in rows)
+    # The loop clock's record (the controller's efficiency record) holds the same honest training time, and
+    # its parts account for it: waiting for data, dispatching and waiting for the device make up the training
+    # time (the callbacks after a flush are outside it: the next window starts when they are done).
+    rec = t.loop_clock.take_period(40)
+    assert rec["train_s"] == pytest.approx(sum(r["step_time"] for r in history), rel=1e-9)
+    assert (rec["first_step"], rec["samples"]) == (1, 40 * 16)
+    host = rec["data_wait_s"] + rec["dispatch_s"] + rec["blocked_s"]
+    assert 0.8 * rec["train_s"] < host < 1.01 * rec["train_s"] + 0.05, rec
+    assert host + rec["callbacks_s"] > 0.99 * rec["train_s"], rec
+    assert rec["blocked_s"] > 0 and rec["dispatch_s"] > 0 and rec["checkpoint_s"] == 0
     # MFU from the model arithmetic; HFU from XLA's count of the compiled step (more ops than the matmuls).
     assert all(0 < r["mfu"] < r["hfu"] for r in rows)
     assert rows[-1]["tokens_per_s"] == pytest.approx(16 * 64 / rows[-1]["step_time"])

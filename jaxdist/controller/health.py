@@ -1,0 +1,314 @@
+"""A job's health from its workers' efficiency records: robust detection, as pure functions.
+
+Every training process reports one :class:`Period` per ``controller.health_every`` steps (closed at the
+loop's metric flushes, so every rank closes its periods at the same steps): how many steps and samples it
+trained, the honest training time (the metrics window's clock), and the seconds its host spent in each
+part of the loop -- waiting for the next batch (``data_wait_s``), from batch ready to step dispatched
+(``dispatch_s``: the host's own part of the step), blocked on the device's results (``blocked_s``: the
+device's compute and the collectives), in checkpoint saves (``checkpoint_s``) and evaluation (``eval_s``).
+The controller groups the ranks' n-th periods into a *round* and asks :func:`assess`.
+
+Two questions, both with robust statistics (median and MAD: one wild value moves neither):
+
+* **Has the job slowed down?**  The round's seconds per step (the median over ranks) against the job's own
+  last ``history`` rounds: abnormal when it exceeds their median by more than ``z`` scaled MADs *and* by
+  more than ``min_change`` of the median.  The first condition ignores the noise the job has shown; the
+  second ignores changes too small to matter when the history happens to be very steady (MAD near 0).
+* **Does one rank stand out?**  For each part of the loop, a rank's seconds per step against the other
+  ranks' in the same round: abnormal when it exceeds their median by more than ``z`` scaled MADs *and* by
+  more than ``min_share`` of the job's step time (``min_change`` for saves: the primary host legitimately
+  writes more).  A cause shared by every rank (an external load on the whole host, a slower phase of
+  training) moves the median with it and names no rank.
+
+A finding becomes an alarm (an event, a probe) once the same kind -- for the same rank -- has been
+abnormal ``persist`` rounds in a row: one noisy round (a scheduling hiccup of the host) raises nothing.
+
+What each finding means (:class:`Finding` ``kind``):
+
+* ``data``: one rank waits for its batches (its input pipeline is slow);
+* ``compute``: one rank's host takes longer to dispatch its part of the step (a slow or overloaded host);
+* ``checkpoint``: saves block the loop (one rank's, or the whole job's against its history);
+* ``slowdown``: the job is slower and no host-side part explains it: the time went into the device step
+  itself (a slow device or a slow link; telling those apart needs timed collectives on the devices).
+  A job-wide finding names the part that grew on the median rank: ``data``, ``compute`` or ``checkpoint``
+  when every rank's host spends the extra time there (shared storage, an overloaded cluster);
+* ``stuck``: see :func:`stuck_ranks`: alive and heartbeating, but its step does not finish while the
+  others wait.
+
+A rank's step time cannot single it out in a synchronous job: the collectives make every rank's step as
+slow as the slowest, which is why the parts are compared, not the totals.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+MAD_SCALE = 1.4826  # MAD x this estimates the standard deviation of normally distributed values
+PARTS = ("data_wait_s", "dispatch_s", "blocked_s", "checkpoint_s", "eval_s")
+KIND_OF_PART = {"data_wait_s": "data", "dispatch_s": "compute", "checkpoint_s": "checkpoint"}  # a rank's own
+
+
+@dataclass(frozen=True)
+class Period:
+    """One rank's efficiency record: steps ``first_step``..``last_step`` (inclusive), seconds per part."""
+
+    gen: int
+    rank: int
+    node: str
+    index: int  # the rank's n-th period in this generation (0-based): the ranks' same index form a round
+    first_step: int
+    last_step: int
+    t_end: float  # seconds since the epoch
+    samples: int  # sequences this rank trained
+    train_s: float  # the metrics window's time of these steps (from dispatch to finished on the device)
+    data_wait_s: float = 0.0
+    dispatch_s: float = 0.0
+    blocked_s: float = 0.0
+    checkpoint_s: float = 0.0
+    eval_s: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return self.last_step - self.first_step + 1
+
+    @property
+    def step_s(self) -> float:
+        """Seconds per step (training time only)."""
+        return self.train_s / max(self.steps, 1)
+
+    def per_step(self, part: str) -> float:
+        """Seconds per step spent in ``part`` (one of :data:`PARTS`)."""
+        return getattr(self, part) / max(self.steps, 1)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Period":
+        known = cls.__dataclass_fields__
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """How far from normal is abnormal (see the module docstring)."""
+
+    z: float = 5.0  # scaled MADs above the median
+    min_change: float = 0.25  # job: and at least this fraction above its recent median step time
+    min_share: float = 0.08  # rank: and at least this fraction of the job's step time per step
+    persist: int = 2  # consecutive abnormal rounds before a finding is raised (one noisy round is not)
+    history: int = 8  # rounds of the job's own history compared against
+    min_history: int = 3  # rounds needed before the job-level test says anything
+    warmup_rounds: int = 1  # a generation's first rounds (compiling, loading) are neither judged nor history
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something abnormal in a round: ``kind`` (see the module docstring), the rank and node if one is named."""
+
+    kind: str
+    round: int
+    rank: int | None
+    node: str | None
+    value: float  # seconds per step of the measured quantity
+    reference: float  # its normal value (the other ranks' median, or the job's recent median)
+    why: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def median_mad(values: Sequence[float]) -> tuple[float, float]:
+    """The median and the median absolute deviation from it."""
+    m = statistics.median(values)
+    return m, statistics.median(abs(v - m) for v in values)
+
+
+def above(value: float, values: Sequence[float], z: float, floor: float) -> tuple[bool, float, float]:
+    """Whether ``value`` exceeds the median of ``values`` by more than ``z`` scaled MADs and by more than
+    ``floor``; also returns the median and the robust score (``inf`` when the MAD is 0 and it exceeds)."""
+    m, mad = median_mad(values)
+    excess = value - m
+    score = excess / (MAD_SCALE * mad) if mad > 0 else (float("inf") if excess > 0 else 0.0)
+    return excess > floor and score > z, m, score
+
+
+def job_step_s(round_periods: Sequence[Period]) -> float:
+    """The job's seconds per step in a round: the median over its ranks (they run in lockstep)."""
+    return statistics.median(p.step_s for p in round_periods)
+
+
+def round_summary(round_periods: Sequence[Period]) -> dict[str, float]:
+    """The round's medians over ranks: ``step_s`` and each part of :data:`PARTS`, in seconds per step."""
+    out = {"step_s": job_step_s(round_periods)}
+    for part in PARTS:
+        out[part] = statistics.median(p.per_step(part) for p in round_periods)
+    return out
+
+
+JOB_KIND_OF_PART = {"data_wait_s": "data", "dispatch_s": "compute", "checkpoint_s": "checkpoint"}
+
+
+def assess(
+    round_index: int,
+    periods: Sequence[Period],
+    history: Sequence[dict[str, float]],
+    t: Thresholds = Thresholds(),
+) -> list[Finding]:
+    """Findings of one round: ``periods`` (one per rank); ``history``: the :func:`round_summary` of the
+    job's previous normal rounds, oldest first (only the last ``t.history`` count)."""
+    if not periods:
+        return []
+    out: list[Finding] = []
+    now = round_summary(periods)
+    job = now["step_s"]
+    if len(periods) >= 3:  # with two ranks, one standing out from the other cannot be told from the reverse
+        for part, kind in KIND_OF_PART.items():  # blocked_s: shared by all ranks in lockstep, not a rank's own
+            for p in periods:
+                others = [q.per_step(part) for q in periods if q is not p]
+                # A save legitimately differs by rank (the primary host writes more): it must block for longer.
+                floor = (t.min_change if part == "checkpoint_s" else t.min_share) * job
+                hit, ref, score = above(p.per_step(part), others, t.z, floor)
+                if hit:
+                    out.append(
+                        Finding(
+                            kind,
+                            round_index,
+                            p.rank,
+                            p.node,
+                            p.per_step(part),
+                            ref,
+                            f"rank {p.rank} on {p.node} spends {p.per_step(part):.3f} s per step in "
+                            f"{part[:-2].replace('_', ' ')}, the other ranks {ref:.3f} s (score {score:.1f})",
+                        )
+                    )
+    recent = list(history)[-t.history :]
+    if len(recent) >= t.min_history and not out:  # a rank named above explains a slower job
+        steps = [h["step_s"] for h in recent]
+        hit, ref, score = above(job, steps, t.z, t.min_change * statistics.median(steps))
+        if hit:
+            # Which part of the loop took the extra time, on the median rank: a host-side part shared by every
+            # rank (shared storage, an overloaded cluster), or the device step itself (blocked_s).
+            grew = {part: now[part] - statistics.median(h[part] for h in recent) for part in PARTS}
+            part = max(grew, key=grew.get)
+            kind = JOB_KIND_OF_PART.get(part, "slowdown")
+            what = (
+                "the device step itself is slower (a slow device or link: no host-side part explains it)"
+                if kind == "slowdown"
+                else f"every rank spends {grew[part]:.3f} s more per step in {part[:-2].replace('_', ' ')}"
+            )
+            out.append(
+                Finding(
+                    kind,
+                    round_index,
+                    None,
+                    None,
+                    job,
+                    ref,
+                    f"the job takes {job:.3f} s per step, its recent median {ref:.3f} s (score {score:.1f}): {what}",
+                    {"grew": grew},
+                )
+            )
+    return out
+
+
+@dataclass
+class HealthHistory:
+    """The controller's record of one generation's periods, grouped into rounds as they complete."""
+
+    gen: int
+    ranks: int
+    periods: dict[int, list[Period]] = field(default_factory=dict)  # rank -> its periods in order
+    rounds_done: int = 0
+    job_history: list[dict[str, float]] = field(default_factory=list)  # round_summary of the normal rounds
+    streaks: dict[tuple[str, int | None], int] = field(default_factory=dict)  # (kind, rank) -> abnormal rounds
+
+    def add(self, p: Period) -> bool:
+        """Record ``p`` (a duplicate or another generation's is ignored); True if it is new."""
+        mine = self.periods.setdefault(p.rank, [])
+        if p.gen != self.gen or p.index != len(mine):
+            return False
+        mine.append(p)
+        return True
+
+    def complete_rounds(
+        self, t: Thresholds = Thresholds()
+    ) -> Iterable[tuple[int, list[Period], list[Finding], list[Finding]]]:
+        """Each round every rank has now reported (in order; each round once), with its findings and the
+        alarms among them: a finding whose (kind, rank) has now been abnormal ``t.persist`` rounds in a row
+        (raised once per spell: it is raised again only after a normal round).
+
+        A round with a finding does not join the job's history: a slow spell is compared against the
+        normal rounds before it, not against itself.  The first ``t.warmup_rounds`` rounds hold the
+        generation's compiles and restores (one rank may compile while the others load their programs
+        from the cache): they are recorded but not judged.
+        """
+        while len(self.periods) == self.ranks and all(len(v) > self.rounds_done for v in self.periods.values()):
+            r = self.rounds_done
+            periods = [self.periods[k][r] for k in sorted(self.periods)]
+            found = assess(r, periods, self.job_history, t) if r >= t.warmup_rounds else []
+            if not found and r >= t.warmup_rounds:
+                self.job_history.append(round_summary(periods))
+            self.rounds_done += 1
+            now = {(f.kind, f.rank): f for f in found}
+            self.streaks = {k: self.streaks.get(k, 0) + 1 for k in now}
+            yield r, periods, found, [f for k, f in now.items() if self.streaks[k] == t.persist]
+
+    def typical_step_s(self) -> float | None:
+        """The median seconds per step of the normal rounds so far (None before any)."""
+        return statistics.median(h["step_s"] for h in self.job_history) if self.job_history else None
+
+
+@dataclass(frozen=True)
+class LoopPosition:
+    """Where a rank's training loop is (from its heartbeats): in ``phase`` for ``age_s`` seconds, having
+    dispatched steps up to ``dispatched``."""
+
+    rank: int
+    node: str
+    phase: str  # "data" | "dispatch" | "blocked" | "checkpoint" | "eval" | "callbacks" | "idle"
+    dispatched: int
+    age_s: float
+
+
+STUCK_PHASES = ("data", "dispatch", "callbacks")  # a rank held here keeps the others waiting in the step
+GROUP_STUCK_FACTOR = 10.0  # a whole group blocked is judged this many windows late: a slow step looks the same
+
+
+def stuck_ranks(
+    stalled_s: float, positions: Sequence[LoopPosition], window_s: float, heartbeat_timeout: float
+) -> tuple[list[int], str] | None:
+    """The ranks holding up a group that has made no step for ``stalled_s`` seconds although every rank
+    still heartbeats, and why; None when nothing is stuck (yet).
+
+    ``window_s``: the seconds of one metrics window (``train.log_every`` steps at the job's step time): a
+    host legitimately waits that long for its device at a flush.  A rank is stuck when the group has made
+    no step for ``3 x window_s + heartbeat_timeout`` while at least one other rank waits in the step
+    (phase ``blocked``) and it has been in its own host-side phase (waiting for data, dispatching, running
+    callbacks) for as long.  A rank in a save or an evaluation is not named (those can take long; the
+    progress timeout still covers them).  If every rank is blocked, the hang is inside the device
+    program and no host can be named: after ``GROUP_STUCK_FACTOR`` windows the whole group is returned.
+    """
+    if not positions or window_s <= 0:
+        return None
+    limit = 3.0 * window_s + heartbeat_timeout
+    if stalled_s <= limit:
+        return None
+    blocked = [p for p in positions if p.phase == "blocked"]
+    if not blocked:
+        return None  # every host is busy with its own work: nobody waits for anybody
+    held = [p for p in positions if p.phase in STUCK_PHASES and p.age_s > limit]
+    if held:
+        named = sorted(p.rank for p in held)
+        what = ", ".join(f"rank {p.rank} on {p.node} ({p.phase} for {p.age_s:.1f} s)" for p in held)
+        return named, f"{what} while {len(blocked)} rank(s) wait in the step; no step for {stalled_s:.1f} s"
+    group_limit = GROUP_STUCK_FACTOR * window_s + heartbeat_timeout
+    if len(blocked) == len(positions) and stalled_s > group_limit:
+        return sorted(p.rank for p in positions), (
+            f"every rank has waited in step {min(p.dispatched for p in positions)} for {stalled_s:.1f} s "
+            f"(over {group_limit:.1f} s): a hang inside the device program, no single rank to name"
+        )
+    return None

@@ -1,0 +1,252 @@
+"""The health detector (jaxdist/controller/health.py): pure decisions on efficiency records, and its view."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from jaxdist.cli import main
+from jaxdist.controller.health import (
+    HealthHistory,
+    LoopPosition,
+    Period,
+    Thresholds,
+    assess,
+    round_summary,
+    stuck_ranks,
+)
+from jaxdist.controller.health_view import format_table, node_table, read_health
+from jaxdist.train.efficiency import LoopClock
+
+STEPS = 10
+
+
+def period(rank, index=0, *, step_s=0.1, data=0.001, dispatch=0.01, ckpt=0.0, gen=0, rng=None, noise=0.0):
+    """A rank's record of STEPS steps in lockstep: blocked is what the step leaves after its own parts."""
+    j = (lambda: 1 + rng.gauss(0, noise)) if rng else (lambda: 1.0)
+    d, c, k = data * j(), dispatch * j(), ckpt * j()
+    train = step_s * j()
+    blocked = max(train - d - c, 0.0)
+    first = index * STEPS + 1
+    return Period(
+        gen, rank, f"n{rank}", index, first, first + STEPS - 1, 0.0, 8 * STEPS, train * STEPS,
+        data_wait_s=d * STEPS, dispatch_s=c * STEPS, blocked_s=blocked * STEPS, checkpoint_s=k * STEPS,
+    )  # fmt: skip
+
+
+def history(n=8, **kw):
+    return [round_summary([period(r, i, **kw) for r in range(4)]) for i in range(n)]
+
+
+def test_a_rank_waiting_for_data_is_named_and_nothing_else():
+    ps = [period(r, 8) for r in range(4)]
+    ps[2] = period(2, 8, data=0.03, step_s=0.13)  # 30% of a step: its input pipeline
+    found = assess(8, ps, history())
+    assert [(f.kind, f.rank, f.node) for f in found] == [("data", 2, "n2")]
+    assert found[0].value == pytest.approx(0.03) and found[0].reference == pytest.approx(0.001)
+
+
+def test_a_rank_slow_to_dispatch_is_named_compute():
+    ps = [period(r, 8) for r in range(4)]
+    ps[1] = period(1, 8, dispatch=0.02)  # +10% of a step in its host's part of the step
+    assert [(f.kind, f.rank) for f in assess(8, ps, history())] == [("compute", 1)]
+
+
+def test_a_change_below_min_share_names_no_rank():
+    ps = [period(r, 8) for r in range(4)]
+    ps[1] = period(1, 8, dispatch=0.017)  # 7 ms more: under 8% of a 0.1 s step
+    assert assess(8, ps, history()) == []
+
+
+def test_a_slower_device_step_is_a_job_wide_slowdown():
+    ps = [period(r, 8, step_s=0.2) for r in range(4)]  # every rank blocked longer: device or link
+    found = assess(8, ps, history())
+    assert [(f.kind, f.rank) for f in found] == [("slowdown", None)]
+    assert found[0].value == pytest.approx(0.2) and found[0].reference == pytest.approx(0.1)
+    # the same extra time in every host's dispatch: the cluster's hosts, not the devices
+    ps = [period(r, 8, step_s=0.2, dispatch=0.11) for r in range(4)]
+    assert [(f.kind, f.rank) for f in assess(8, ps, history())] == [("compute", None)]
+
+
+def test_a_checkpoint_stall_is_named():
+    ps = [period(r, 8, step_s=0.1, ckpt=0.2) for r in range(4)]  # saves block every rank's loop
+    ps = [Period(**{**p.to_dict(), "train_s": p.train_s + p.checkpoint_s}) for p in ps]
+    assert [(f.kind, f.rank) for f in assess(8, ps, history())] == [("checkpoint", None)]
+    ps = [period(r, 8) for r in range(4)]
+    ps[3] = period(3, 8, ckpt=0.03)  # one rank's saves 30% of a step (its disk)
+    assert [(f.kind, f.rank) for f in assess(8, ps, history())] == [("checkpoint", 3)]
+    ps[3] = period(3, 8, ckpt=0.02)  # 20%: the primary host may write more than the others
+    assert assess(8, ps, history()) == []
+
+
+def test_a_job_change_within_min_change_or_its_noise_is_normal():
+    ps = [period(r, 8, step_s=0.12) for r in range(4)]  # +20%: under health_min_change (25%)
+    assert assess(8, ps, history()) == []
+    ps = [period(r, 8, step_s=0.14) for r in range(4)]  # +40%: more than min_change ...
+    assert [f.kind for f in assess(8, ps, history())] == ["slowdown"]  # ... against a steady history
+    noisy = [round_summary([period(r, i, step_s=s) for r in range(4)]) for i, s in enumerate(NOISY)]
+    assert assess(8, ps, noisy) == []  # ... but within 5 scaled MADs of a history that noisy
+
+
+NOISY = [0.08, 0.12, 0.09, 0.13, 0.1, 0.07, 0.11, 0.1]
+
+
+def test_two_ranks_name_no_rank_and_a_short_history_says_nothing():
+    ps = [period(0, 2), period(1, 2, data=0.05)]
+    assert assess(2, ps, history(2)) == []
+    ps = [period(r, 2, step_s=0.5) for r in range(4)]
+    assert assess(2, ps, history(2)) == []  # 2 rounds of history: under min_history
+
+
+def test_no_false_alarm_in_a_thousand_noisy_fault_free_rounds():
+    """10% noise on every part of every rank (a loaded host): the defaults never fire."""
+    rng = random.Random(0)
+    h = HealthHistory(0, 8)
+    found = []
+    for i in range(1000):
+        for r in range(8):
+            assert h.add(period(r, i, rng=rng, noise=0.1))
+        for _, _, f, _ in h.complete_rounds():
+            found += f
+    assert found == [] and h.rounds_done == 1000
+
+
+def test_injected_slow_ranks_are_flagged_in_the_first_round():
+    """10-30% of a step added to one rank's data wait or dispatch, under 10% noise: flagged at once, named."""
+    rng = random.Random(2)
+    hits = 0
+    for trial in range(40):
+        h = HealthHistory(0, 4)
+        for i in range(6):
+            for r in range(4):
+                h.add(period(r, i, rng=rng, noise=0.1))
+        list(h.complete_rounds())
+        bad, extra, part = rng.randrange(4), rng.uniform(0.01, 0.03), rng.choice(["data", "dispatch"])
+        for r in range(4):
+            kw = {part: {"data": 0.001, "dispatch": 0.01}[part] + (extra if r == bad else 0.0)}
+            h.add(period(r, 6, step_s=0.1 + extra, rng=rng, noise=0.1, **kw))
+        (_, _, found, _), *_ = list(h.complete_rounds())
+        kind = {"data": "data", "dispatch": "compute"}[part]
+        hits += [(f.kind, f.rank) for f in found] == [(kind, bad)]
+    assert hits >= 38  # at least 95% named right
+
+
+def test_rounds_complete_in_order_once_and_slow_rounds_stay_out_of_the_history():
+    h = HealthHistory(gen=1, ranks=3)
+    assert not h.add(period(0, 0, gen=0))  # another generation's
+    assert h.add(period(0, 0, gen=1)) and not h.add(period(0, 0, gen=1))  # a resent one
+    assert not h.add(period(0, 2, gen=1))  # out of order
+    assert list(h.complete_rounds()) == []  # ranks 1 and 2 have not reported
+    for i in range(5):
+        for r in range(3):
+            h.add(period(r, i, gen=1))
+    rounds = list(h.complete_rounds())
+    assert [r for r, *_ in rounds] == [0, 1, 2, 3, 4] and h.rounds_done == 5
+    assert len(h.job_history) == 4  # round 0 is warm-up: recorded, not judged, not history
+    alarms = []
+    for i, step_s in enumerate([0.3, 0.1, 0.3, 0.3, 0.3, 0.1, 0.3, 0.3], start=5):
+        for r in range(3):
+            h.add(period(r, i, gen=1, step_s=step_s))
+        ((_, _, found, raised),) = list(h.complete_rounds())
+        assert [f.kind for f in found] == (["slowdown"] if step_s > 0.1 else [])
+        alarms += [(i, f.kind) for f in raised]
+    # an alarm once a spell has lasted 2 rounds, once per spell; slow rounds stay out of the history
+    assert alarms == [(8, "slowdown"), (12, "slowdown")] and len(h.job_history) == 6
+    assert h.typical_step_s() == pytest.approx(0.1)
+
+
+def pos(rank, phase, age, dispatched=50):
+    return LoopPosition(rank, f"n{rank}", phase, dispatched, age)
+
+
+def test_a_stuck_rank_is_named_after_three_windows_and_the_heartbeat_timeout():
+    window, hb = 0.2, 1.0  # limit 1.6 s
+    stuck = [pos(0, "blocked", 5.0), pos(1, "data", 5.0, 49), pos(2, "blocked", 5.0)]
+    assert stuck_ranks(1.5, stuck, window, hb) is None  # not yet
+    ranks, why = stuck_ranks(1.7, stuck, window, hb)
+    assert ranks == [1] and "rank 1 on n1 (data for 5.0 s)" in why
+    # a rank that only just entered its phase is not stuck; nor one in a save (long saves are legitimate)
+    assert stuck_ranks(1.7, [pos(0, "blocked", 5), pos(1, "dispatch", 0.1), pos(2, "blocked", 5)], window, hb) is None
+    assert stuck_ranks(9.0, [pos(0, "blocked", 9), pos(1, "checkpoint", 9), pos(2, "blocked", 9)], window, hb) is None
+    # every host busy with its own work: nobody waits for anybody
+    assert stuck_ranks(9.0, [pos(r, "eval", 9) for r in range(3)], window, hb) is None
+
+
+def test_a_group_blocked_inside_the_device_program_is_stuck_only_much_later():
+    allb = [pos(r, "blocked", 30.0) for r in range(4)]
+    assert stuck_ranks(2.5, allb, 0.2, 1.0) is None  # 3 windows + hb passed, but a slow step looks the same
+    ranks, why = stuck_ranks(3.1, allb, 0.2, 1.0)  # 10 windows + hb
+    assert ranks == [0, 1, 2, 3] and "inside the device program" in why
+
+
+def test_loop_clock_books_each_part_and_starts_the_next_period(monkeypatch):
+    t = [100.0]
+    monkeypatch.setattr("jaxdist.train.efficiency.time.perf_counter", lambda: t[0])
+    clock = LoopClock(samples_per_step=4, first_step=11)
+    for step in range(11, 14):
+        clock.enter("data")
+        t[0] += 0.5
+        clock.enter("dispatch")
+        t[0] += 0.25
+        clock.enter("callbacks", step)
+        t[0] += 0.125
+    clock.enter("blocked")
+    t[0] += 2.0
+    clock.add_window(3, 4.625)
+    clock.enter("checkpoint")
+    t[0] += 1.0  # still saving when the period is taken: counted up to now
+    rec = clock.take_period(13)
+    assert (rec["first_step"], rec["last_step"], rec["samples"], rec["train_s"]) == (11, 13, 12, 4.625)
+    assert (rec["data_wait_s"], rec["dispatch_s"], rec["blocked_s"], rec["checkpoint_s"]) == (1.5, 0.75, 2.0, 1.0)
+    assert rec["callbacks_s"] == 0.375 and clock.dispatched == 13 and clock.phase == "checkpoint"
+    t[0] += 1.0
+    nxt = clock.take_period(14)
+    assert nxt["first_step"] == 14 and nxt["checkpoint_s"] == 1.0 and nxt["data_wait_s"] == 0.0
+
+
+def write_health(run, periods, rounds):
+    d = run / "controller"
+    d.mkdir(parents=True)
+    lines = [json.dumps({"record": "period", **p.to_dict()}) for p in periods]
+    lines += [json.dumps({"record": "round", **r}) for r in rounds] + ['{"record": "per']  # a torn last line
+    (d / "health.jsonl").write_text("\n".join(lines))
+    (d / "events.jsonl").write_text(json.dumps({"event": "probe", "slow_nodes": ["n2"]}) + "\n")
+
+
+def test_status_prints_a_table_per_node_and_writes_a_heat_map(tmp_path, capsys):
+    periods = [period(r, i, data=0.03 if (r == 2 and i == 3) else 0.001) for i in range(4) for r in range(4)]
+    finding = {"kind": "data", "rank": 2, "round": 3, "why": "rank 2 on n2 spends 0.030 s per step in data wait"}
+    write_health(tmp_path, periods, [{"gen": 0, "round": 3, "step_s": 0.1, "findings": [finding]}])
+    got, rounds = read_health(tmp_path)
+    assert got == periods and len(rounds) == 1
+    rows = node_table(got, rounds, {"slow_nodes": ["n2"]})
+    assert [(r["rank"], r["flags"], r["probe"]) for r in rows] == [
+        (0, "-", "ok"), (1, "-", "ok"), (2, "data@3", "slow links"), (3, "-", "ok")
+    ]  # fmt: skip
+    assert rows[0]["samples_per_s"] == pytest.approx(80.0) and rows[0]["step_s"] == pytest.approx(0.1)
+    assert "data@3" in format_table(rows)
+    assert main(["status", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "round 3: data: rank 2 on n2" in out
+    png = tmp_path / "controller" / "health.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_status_of_a_run_without_records_is_one_sentence(tmp_path, capsys):
+    assert main(["status", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "health.jsonl does not exist" in err and err.count("\n") == 1
+
+
+def test_health_settings_out_of_range_are_refused(capsys):
+    assert main(["config", "controller.health_z=0"]) == 2
+    assert "health_z > 0" in capsys.readouterr().err
+
+
+def test_thresholds_follow_the_config_defaults():
+    from jaxdist.config import load_config
+
+    c = load_config(None, []).controller
+    assert Thresholds(c.health_z, c.health_min_change, c.health_min_share) == Thresholds()

@@ -1,0 +1,62 @@
+"""The health monitor in a running job (controller, node agents, JAX-free stub workers).
+
+A rank whose input pipeline is slow is named from the efficiency records; a rank that stops inside its
+loop while still heartbeating (the others wait for it in the step) is found as stuck within a few step
+times plus the heartbeat timeout, far ahead of controller.progress_timeout, and restarted on its node.
+"""
+
+from __future__ import annotations
+
+import json
+
+from jaxdist.cli import main
+from jaxdist.controller.local import LocalJob
+
+from .stub_worker import expected_final
+from .test_stub_jobs import events_of, final_state, stub_args, trained_steps
+
+
+def test_a_slow_input_rank_is_named_and_a_stuck_rank_restarts_before_the_progress_timeout(tmp_path, capsys):
+    steps, stuck_at = 60, 40
+    job = LocalJob(
+        stub_args(
+            "stuck",
+            steps,
+            "train.batch_size=24",
+            "train.log_every=1",
+            "controller.min_nodes=3",
+            "controller.max_nodes=3",
+            "controller.standbys=0",
+            "controller.progress_timeout=60",
+            "controller.health_every=4",
+        ),
+        nodes=3,
+        cwd=tmp_path,
+        env={"JAXDIST_STUB_DATA_DELAY": "1:0.03", "JAXDIST_STUB_STUCK": f"2:{stuck_at}"},
+    )
+    try:
+        job.start()
+        assert job.wait(120) == 0, job.summary()
+    finally:
+        job.close()
+    assert final_state(job) == expected_final(steps)
+    (failure,) = events_of(job, "failure")
+    assert failure["kinds"] == ["stuck"] and failure["ranks"] == [2], failure
+    assert "rank 2 on" in failure["detail"] and "(data for" in failure["detail"]
+    assert failure["last_step"] == stuck_at - 1
+    # found a few step times plus the heartbeat timeout (1 s) after the rank stopped, not after 60 s
+    stopped = (job.run_dir / "stub" / "stuck").stat().st_mtime
+    assert 1.0 < failure["time"] - stopped < 8.0, failure["time"] - stopped
+    assert [g[0] for g in trained_steps(job)] == [1, stuck_at]  # restarted from the step it stopped at
+    health = events_of(job, "health")
+    assert health and all((h["finding"], h["rank"]) == ("data", 1) for h in health), health
+    # an alarm once per spell and generation: the 2nd abnormal round (round 0 is the warm-up, not judged)
+    assert [(h["gen"], h["round"]) for h in health] == [(0, 2), (1, 2)], health
+    records = [json.loads(x) for x in (job.run_dir / "controller" / "health.jsonl").read_text().splitlines()]
+    periods = [r for r in records if r["record"] == "period"]
+    assert {(r["gen"], r["rank"]) for r in periods} == {(g, r) for g in (0, 1) for r in range(3)}
+    slow = [r for r in periods if r["rank"] == 1 and r["gen"] == 0]
+    assert all(r["data_wait_s"] >= 0.03 * 4 for r in slow)  # the injected wait, booked as waiting for data
+    assert main(["status", str(job.run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "data@" in out.splitlines()[2]  # rank 1's row carries its flags
