@@ -187,6 +187,8 @@ class GenerationLifecycle:
             loop = w.info.get("loop") if w is not None else None
             if not loop:
                 return []  # a worker that does not report its loop (or not yet): judged by the timeouts alone
+            if now - w.last_heartbeat > 4 * self.cc.heartbeat_interval:
+                return []  # not heartbeating (stopped, dying): that is find_failures' "silent", not stuck
             positions.append(
                 LoopPosition(r, node, str(loop["phase"]), int(loop["dispatched"]), time.time() - float(loop["since"]))
             )
