@@ -60,3 +60,39 @@ def test_a_slow_input_rank_is_named_and_a_stuck_rank_restarts_before_the_progres
     assert main(["status", str(job.run_dir)]) == 0
     out = capsys.readouterr().out
     assert "data@" in out.splitlines()[2]  # rank 1's row carries its flags
+
+
+def test_no_alarm_and_no_lost_node_in_a_fault_free_job_on_a_loaded_host(tmp_path):
+    """Two busy processes load both cores for the whole job: no rank is named, no node lost, nothing fails."""
+    import subprocess
+    import sys
+
+    burn = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    steps = 80
+    job = LocalJob(
+        stub_args(
+            "calm",
+            steps,
+            "train.batch_size=24",
+            "train.log_every=1",
+            "controller.min_nodes=3",
+            "controller.max_nodes=3",
+            "controller.standbys=0",
+            "controller.health_every=4",
+        ),
+        nodes=3,
+        cwd=tmp_path,
+    )
+    try:
+        job.start()
+        assert job.wait(180) == 0, job.summary()
+    finally:
+        job.close()
+        for p in burn:
+            p.kill()
+            p.wait()
+    assert final_state(job) == expected_final(steps)
+    assert [h for h in events_of(job, "health") if h["rank"] is not None] == []
+    assert events_of(job, "node_lost") == [] and events_of(job, "failure") == []
+    rounds = [json.loads(x) for x in (job.run_dir / "controller" / "health.jsonl").read_text().splitlines()]
+    assert len([r for r in rounds if r["record"] == "round"]) == steps // 4  # every round was judged
