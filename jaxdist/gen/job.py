@@ -157,6 +157,9 @@ class Dispatcher:
         if kind == "want":
             if self.chain.done:
                 return {"t": "exit"}
+            if sender not in self.go:  # a fresh round now, so an idle node never waits a whole round_s
+                self.idle[sender] = stage
+                self.decide(force=True)
             task = board.take(sender) if sender in self.go else None
             if task is None:  # not told to process this round (or nothing pending): idle until it is
                 self.idle[sender] = stage
