@@ -11,11 +11,18 @@ SIGKILL) takes back the task it held and starts a replacement (at most
 ``gen.max_restarts`` in all). A task whose lease (``gen.lease_s``) expires is
 handed out again too, for workers the dispatcher did not start.
 
+With ``gen.stages`` the job is a chain (:mod:`jaxdist.gen.chain`):
+``gen.workers`` workers per stage, each stage's tasks cut from the previous
+stage's outputs. Tasks go only to the nodes each round's decision tells to
+process (:mod:`jaxdist.gen.rounds`: importance x work within
+``gen.compute_budget``); a round runs every ``gen.round_s`` and whenever an
+idle node asks.
+
 Every second it writes ``<state_dir>/status.json``: tasks pending / running /
 delivered / refused, shards and tokens per worker, tokens generated per
 second, and the training run's side as its receiver reports it (shards
 received and adopted, how many steps the cursor trails the newest shard).
-``jaxdist gen status`` prints it.
+``jaxdist gen status`` prints it (:mod:`jaxdist.gen.status`).
 """
 
 from __future__ import annotations
@@ -358,57 +365,3 @@ def ssh_worker_command(
 
 def run_job(cfg: GenConfig, config_path: str | None = None, overrides: list[str] = ()) -> int:
     return Dispatcher(cfg, config_path, overrides).run()
-
-
-def read_status(cfg: GenConfig) -> dict[str, Any]:
-    """The job's last status (``status.json``), with the training run's side asked live from its receiver."""
-    path = Path(cfg.state_path) / "status.json"
-    try:
-        s = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"no status in {path}: start the job with jaxdist gen --config ... first.") from None
-    client = Client(cfg.token(), "g:status", cfg.deliver_to)
-    try:
-        r = client.request({"t": "status"}, deadline_s=3.0, try_s=1.5)
-    finally:
-        client.close()
-    if r is not None:
-        s["run"] = {k: v for k, v in r.items() if k not in ("rid", "sender", "sid", "seq", "ts", "ok")}
-    return s
-
-
-def format_status(s: dict[str, Any]) -> str:
-    streams, why = s.get("streams", []), s.get("streams_why", [])
-    stages = s.get("stages") or ["?"] * len(streams)
-    lines = [
-        f"generation job {s['name']}: {s['tasks']} tasks: {s['pending']} pending, {s['running']} running, "
-        f"{s['delivered']} delivered, {s['refused']} refused ({s['reassigned']} handed out again)",
-    ]
-    for k, (fn, n, w) in enumerate(zip(stages, streams, why)):
-        c = s["stages_counts"][k] if "stages_counts" in s else {}
-        lines.append(
-            f"  stage {k} {fn}: {n} samples per task (parallel streams): {w}"
-            + (f"; {c['tasks']} tasks, {c['pending']} pending, {c['running']} running" if c else "")
-        )
-    budget = f"{s['compute_budget']:g}" if s.get("compute_budget") else "no limit"
-    lines += [
-        f"  last round (of {s.get('rounds', 0)}): selected {', '.join(s.get('selected') or []) or 'none'}; "
-        f"importance per stage {', '.join(f'{x:g}' for x in s.get('importance') or []) or '-'}; compute {s.get('compute_used', 0):g} of {budget} "
-        f"(now {s.get('compute_now', 0):g}, at most {s.get('compute_max', 0):g} in any round)",
-        f"  {s['tokens']:,} tokens delivered, {s['tokens_per_s']:,.1f} tokens/s over {s['elapsed_s']:.0f} s; "
-        f"workers alive: {', '.join(s['alive']) or 'none'}",
-    ]
-    for name, w in sorted(s["workers"].items()):
-        lines.append(
-            f"  {name}: {int(w['shards'])} shards, {int(w['tokens']):,} tokens, {w['seconds']:.1f} s generating"
-        )
-    r = s.get("run") or {}
-    if r:
-        lines.append(
-            f"  training run: {r['received']} shards received: {r['adopted']} in the batch list, {r['queued']} "
-            f"queued for the trainer, {r['waiting']} waiting for a batch's worth; cursor {r['cursor']} of "
-            f"{r['batches']} batches, {r['behind_steps']} steps behind the newest shard"
-        )
-    else:
-        lines.append("  training run: its receiver did not answer")
-    return "\n".join(lines)
