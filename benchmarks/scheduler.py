@@ -27,14 +27,16 @@ import numpy as np
 
 from jaxdist.gen.profile import ModelProfile, fit_profile, synthetic_records
 from jaxdist.gen.schedule import (
-    NodeWork,
     Stage,
     exhaustive_plan,
     format_plan,
-    knapsack,
-    node_demand,
     plan_fixed_streams,
     plan_streams,
+)
+from jaxdist.gen.selection import (
+    NodeWork,
+    knapsack,
+    node_demand,
     select_nodes,
 )
 

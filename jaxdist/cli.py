@@ -301,7 +301,8 @@ def cmd_gen(args) -> int:
             rec.close()
         return 0
     cfg = load_gen_config(args.config, words)
-    from jaxdist.gen.job import format_status, read_status, run_job
+    from jaxdist.gen.job import run_job
+    from jaxdist.gen.status import format_status, read_status
 
     if action == "status":
         print(format_status(read_status(cfg)))

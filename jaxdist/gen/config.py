@@ -11,6 +11,12 @@ Example::
     deliver_to = "127.0.0.1:5601"    # the training run's receiver (jaxdist gen receive RUN_DIR)
     run = "runs/student"             # the training run (its token; optional with token_file)
 
+    # A chain of cooperating models instead of one function: stage k+1's tasks are made from the
+    # outputs stage k's tasks return (in task order); only the last stage delivers to the run.
+    # stages = ["sampler", "mypkg.filters:score"]
+    # compute_budget = 16            # compute of the tasks running at once, at most (0: no limit)
+    # stage_compute = [1.0, 0.25]    # compute one stream of each stage uses (default 1 each)
+
     [gen.sampler]                    # with function = "sampler"
     run = "runs/teacher"             # the checkpointed run whose model generates
     max_new_tokens = 64
@@ -60,12 +66,29 @@ class GenConfig:
     lease_s: float = 600.0  # a task not finished this long after it was handed out goes to another worker
     max_restarts: int = 4  # worker processes restarted after dying, in all
     deliver_timeout_s: float = 600.0  # how long a worker retries a delivery the receiver does not acknowledge
+    stages: list[str] = field(default_factory=list)  # a chain: one function per stage (replaces gen.function)
+    compute_budget: float = 0.0  # the most compute the running tasks may use together (0: no limit)
+    stage_compute: list[float] = field(default_factory=list)  # compute units per stream of each stage (default 1)
+    round_s: float = 0.25  # how often the dispatcher selects the nodes that process next (s)
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
 
     @property
+    def functions(self) -> list[str]:
+        """The generation function of each stage (one stage without gen.stages)."""
+        return list(self.stages) or [self.function]
+
+    def model_of(self, stage: int) -> str:
+        """A stage's name in run logs and profiles: the teacher run, or module:function."""
+        fn = self.functions[stage]
+        return self.sampler.run if fn == "sampler" else fn
+
+    @property
     def model(self) -> str:
-        """The generation function's name in run logs and profiles: the teacher run, or module:function."""
-        return self.sampler.run if self.function == "sampler" else self.function
+        """The first stage's name in run logs and profiles."""
+        return self.model_of(0)
+
+    def compute_per_stream(self, stage: int) -> float:
+        return float(self.stage_compute[stage]) if self.stage_compute else 1.0
 
     @property
     def state_path(self) -> Path:
@@ -90,13 +113,26 @@ class GenConfig:
             raise ConfigError(f"gen.workers must be at least 1 (got {self.workers}).")
         if not self.name or any(c in self.name for c in "/:\\") or ".." in self.name:
             raise ConfigError(f"gen.name {self.name!r} must be a plain name (no '/', ':' or '..').")
-        if self.function == "sampler":
-            if not self.sampler.run:
-                raise ConfigError("gen.function is 'sampler' but gen.sampler.run is not set: name the teacher's run.")
-        elif ":" not in self.function:
+        for fn in self.functions:
+            if fn == "sampler":
+                if not self.sampler.run:
+                    raise ConfigError("a stage is 'sampler' but gen.sampler.run is not set: name the teacher's run.")
+            elif not isinstance(fn, str) or ":" not in fn:
+                raise ConfigError(
+                    f"generation function {fn!r} is neither 'sampler' nor 'module:function': "
+                    "name a Python function, e.g. mypkg.filters:clean."
+                )
+        if self.stage_compute and (
+            len(self.stage_compute) != len(self.functions) or not all(c > 0 for c in self.stage_compute)
+        ):
             raise ConfigError(
-                f"gen.function {self.function!r} is neither 'sampler' nor 'module:function': "
-                "name a Python function, e.g. mypkg.filters:clean."
+                f"gen.stage_compute {self.stage_compute} must give one positive number per stage "
+                f"({len(self.functions)}): fix the list."
+            )
+        if not self.compute_budget >= 0 or not self.round_s > 0:
+            raise ConfigError(
+                f"gen.compute_budget={self.compute_budget} and gen.round_s={self.round_s} must be a number of at "
+                "least 0 and positive seconds: fix them."
             )
         if not (self.run or self.token_file or os.environ.get("JAXDIST_JOB_TOKEN")):
             raise ConfigError(
@@ -118,6 +154,14 @@ class GenConfig:
 
 
 def _coerce(value: str, like: Any, key: str) -> Any:
+    if isinstance(like, list):  # comma-separated; numbers for a list of numbers
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        if key == "stage_compute":
+            try:
+                return [float(v) for v in items]
+            except ValueError:
+                raise ConfigError(f"gen.{key}={value!r} is not a list of numbers: give e.g. 1,0.5.") from None
+        return items
     if isinstance(like, bool):
         if value.lower() in ("true", "1", "yes"):
             return True

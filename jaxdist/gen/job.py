@@ -11,11 +11,18 @@ SIGKILL) takes back the task it held and starts a replacement (at most
 ``gen.max_restarts`` in all). A task whose lease (``gen.lease_s``) expires is
 handed out again too, for workers the dispatcher did not start.
 
+With ``gen.stages`` the job is a chain (:mod:`jaxdist.gen.chain`):
+``gen.workers`` workers per stage, each stage's tasks cut from the previous
+stage's outputs. Tasks go only to the nodes each round's decision tells to
+process (:mod:`jaxdist.gen.rounds`: importance x work within
+``gen.compute_budget``); a round runs every ``gen.round_s`` and whenever an
+idle node asks.
+
 Every second it writes ``<state_dir>/status.json``: tasks pending / running /
 delivered / refused, shards and tokens per worker, tokens generated per
 second, and the training run's side as its receiver reports it (shards
 received and adopted, how many steps the cursor trails the newest shard).
-``jaxdist gen status`` prints it.
+``jaxdist gen status`` prints it (:mod:`jaxdist.gen.status`).
 """
 
 from __future__ import annotations
@@ -35,11 +42,13 @@ import numpy as np
 from jaxdist.config import ConfigError
 from jaxdist.data.journal import atomic_write
 from jaxdist.controller.launch import read_hosts
+from jaxdist.gen.chain import Chain
 from jaxdist.gen.channel import Client, Server, split_address
 from jaxdist.gen.config import GenConfig
 from jaxdist.gen.profile import load_profiles
+from jaxdist.gen.rounds import NodeReport, RoundDecision, decide_round, format_round
 from jaxdist.gen.schedule import Stage, plan_streams
-from jaxdist.gen.tasks import TaskBoard, load_samples, make_tasks
+from jaxdist.gen.tasks import load_samples
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +60,24 @@ class Dispatcher:
         self.state = cfg.state_path
         self.state.mkdir(parents=True, exist_ok=True)
         samples = load_samples(cfg.samples)
-        task_size, self.streams_why = (
-            (cfg.task_size, "gen.task_size") if cfg.task_size else streams_from_profile(cfg, samples)
-        )
-        self.board = TaskBoard(make_tasks(cfg.name, samples, task_size), self.state / "tasks.jsonl", cfg.lease_s)
-        self.task_size = task_size
+        n_stages = len(cfg.functions)
+        chosen = [
+            (cfg.task_size, "gen.task_size") if cfg.task_size else streams_from_profile(cfg, samples, k)
+            for k in range(n_stages)
+        ]
+        self.streams, self.streams_why = [c[0] for c in chosen], [c[1] for c in chosen]
+        self.compute = [cfg.compute_per_stream(k) for k in range(n_stages)]
+        too_big = [
+            k for k in range(n_stages) if cfg.compute_budget and self.streams[k] * self.compute[k] > cfg.compute_budget
+        ]
+        if too_big:
+            k = too_big[0]
+            raise ConfigError(
+                f"a task of stage {k} ({cfg.functions[k]}) needs {self.streams[k] * self.compute[k]:g} compute, over "
+                f"gen.compute_budget={cfg.compute_budget:g}: raise the budget or lower its streams."
+            )
+        self.chain = Chain(cfg.name, samples, self.streams, self.state, cfg.lease_s)
+        self.board = self.chain.boards[0]
         self.server = Server(self.token, "dispatcher", cfg.bind, 0, allow_remote=cfg.bind != "127.0.0.1")
         self.procs: dict[str, subprocess.Popen] = {}
         # worker name -> host (SSH workers), "w<k>" on this machine
@@ -68,7 +90,16 @@ class Dispatcher:
             for host in hosts:
                 for k in range(cfg.workers):
                     self.hosts[f"{host}-w{k}"] = host
-        self.worker_names = list(self.hosts) or [f"w{k}" for k in range(cfg.workers)]
+        base = list(self.hosts) or [f"w{k}" for k in range(cfg.workers)]
+        # a chain: gen.workers workers per stage, named s<stage><name>
+        self.stage_of = {(f"s{k}{b}" if n_stages > 1 else b): k for k in range(n_stages) for b in base}
+        self.host_of = {(f"s{k}{b}" if n_stages > 1 else b): self.hosts.get(b) for k in range(n_stages) for b in base}
+        self.worker_names = list(self.stage_of)
+        self.idle: dict[str, int] = {}  # sender -> stage: asked for work and holds none
+        self.go: set[str] = set()  # senders told to process this round
+        self.round: RoundDecision | None = None
+        self.rounds, self.max_used = 0, 0.0
+        self._last_round = 0.0
         self.per_worker: dict[str, dict[str, float]] = {}
         self.restarts = 0
         self.t0 = time.time()
@@ -80,15 +111,19 @@ class Dispatcher:
     # ------------------------------------------------------------------ workers
 
     def _spawn(self, name: str) -> None:
-        host = self.hosts.get(_base(name))
+        host = self.host_of[_base(name)]
+        stage = ["--stage", str(self.stage_of[_base(name)])]
         log_path = self.state / f"{name}.log"
         with open(log_path, "ab") as out:
             if host is None:  # a process on this machine
                 argv = worker_argv(sys.executable, self.server.address, name, self.config_path, self.overrides)
+                argv[argv.index("--name") : argv.index("--name")] = stage
                 env = {**os.environ, "JAXDIST_JOB_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
                 self.procs[name] = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
             else:
-                argv = ssh_worker_command(host, self.cfg, self.server.port, name, self.config_path, self.overrides)
+                argv = ssh_worker_command(
+                    host, self.cfg, self.server.port, name, self.config_path, self.overrides, stage
+                )
                 p = self.procs[name] = subprocess.Popen(
                     argv, stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT
                 )
@@ -104,11 +139,13 @@ class Dispatcher:
             if rc is None:
                 continue
             del self.procs[name]
-            back = self.board.release(f"g:{name}")
+            self.idle.pop(f"g:{name}", None)
+            self.go.discard(f"g:{name}")
+            back = [i for b in self.chain.boards for i in b.release(f"g:{name}")]
             if rc == 0:
                 continue
             log.warning("worker %s exited with %d; %d task(s) handed out again", name, rc, len(back))
-            if self.board.done:
+            if self.chain.done:
                 continue
             if rc == 2:  # a config error: every replacement would fail the same way
                 raise ConfigError(f"worker {name} stopped on a config error: see {self.state / (name + '.log')}.")
@@ -120,25 +157,34 @@ class Dispatcher:
 
     def handle(self, sender: str, msg: dict[str, Any], payload: bytes | None) -> dict[str, Any]:
         kind = msg.get("t")
+        stage = int(msg.get("stage", 0))
+        if not 0 <= stage < len(self.chain.boards):
+            return {"ok": False, "refused": f"no stage {stage}"}
+        board = self.chain.boards[stage]
         if kind == "want":
-            if self.board.done:
+            if self.chain.done:
                 return {"t": "exit"}
-            task = self.board.take(sender)
-            if task is None:
+            if sender not in self.go:  # a fresh round now, so an idle node never waits a whole round_s
+                self.idle[sender] = stage
+                self.decide(force=True)
+            task = board.take(sender) if sender in self.go else None
+            if task is None:  # not told to process this round (or nothing pending): idle until it is
+                self.idle[sender] = stage
                 return {"t": "wait"}
+            self.go.discard(sender)
+            self.idle.pop(sender, None)
             return {"t": "task", "task": task.index, "key": task.key, "samples": task.samples}
         if kind == "done":
             i = int(msg["task"])
-            if not 0 <= i < len(self.board.tasks):
+            if not 0 <= i < len(board.tasks):
                 return {"ok": False, "refused": f"no task {i}"}
             if msg.get("outcome") == "failed":  # the function raised: a retry might not; record and move on
-                self.board.finish(i, sender, {"outcome": "refused", "reason": msg.get("reason")})
+                board.finish(i, sender, {"outcome": "refused", "reason": msg.get("reason")})
+                self.chain.refresh()
                 return {"ok": True}
-            self.board.finish(
-                i,
-                sender,
-                {k: msg.get(k) for k in ("outcome", "duplicate", "tokens", "seconds", "reason")},
-            )
+            keys = ("outcome", "duplicate", "tokens", "seconds", "reason", "outputs")
+            board.finish(i, sender, {k: msg.get(k) for k in keys if k != "outputs" or "outputs" in msg})
+            self.chain.refresh()
             w = self.per_worker.setdefault(sender.removeprefix("g:"), {"shards": 0, "tokens": 0, "seconds": 0.0})
             if msg.get("outcome") == "delivered":
                 w["shards"] += 1
@@ -147,21 +193,53 @@ class Dispatcher:
             w["seconds"] += float(msg.get("seconds") or 0.0)
             return {"ok": True}
         if kind == "retry":
-            self.board.running.pop(int(msg["task"]), None)
+            board.running.pop(int(msg["task"]), None)
             return {"ok": True}
         return {"ok": False, "refused": f"unknown request {kind!r}"}
 
     # ------------------------------------------------------------------ status
 
+    def decide(self, force: bool = False) -> None:
+        """A round: the idle nodes' reports and the pending tasks -> the nodes told to process (gen/rounds.py)."""
+        now = time.monotonic()
+        if not force and now - self._last_round < self.cfg.round_s:
+            return
+        self._last_round = now
+        reports = [NodeReport(sender, stage, True) for sender, stage in self.idle.items()]
+        d = decide_round(
+            reports,
+            self.chain.pending(),
+            self.streams,
+            self.compute,
+            self.chain.running_compute(self.compute),
+            self.cfg.compute_budget,
+        )
+        self.go = set(d.selected)
+        self.rounds += 1
+        self.max_used = max(self.max_used, d.used)
+        if d.selected:
+            self.round = d
+            log.debug("round %d: %s", self.rounds, format_round(d, self.cfg.functions))
+
     def status(self) -> dict[str, Any]:
         wall = max(1e-9, time.time() - self.t0)
+        d = self.round
         return {
             "name": self.cfg.name,
-            "streams": self.task_size,
+            "stages": self.cfg.functions,
+            "streams": self.streams,
             "streams_why": self.streams_why,
+            "selected": [n.removeprefix("g:") for n in d.selected] if d else [],
+            "importance": list(d.importance) if d else [],
+            "compute_used": d.used if d else 0.0,
+            "compute_now": self.chain.running_compute(self.compute),
+            "compute_max": self.max_used,
+            "compute_budget": self.cfg.compute_budget,
+            "rounds": self.rounds,
             "dispatcher": self.server.address,
             "deliver_to": self.cfg.deliver_to,
-            **self.board.counts(),
+            **{k: v for k, v in self.chain.counts().items() if k != "stages"},
+            "stages_counts": self.chain.counts()["stages"],
             "workers": self.per_worker,
             "alive": sorted(self.procs),
             "restarts": self.restarts,
@@ -198,13 +276,15 @@ class Dispatcher:
             for name in self.worker_names:
                 self._spawn(name)
             while self.procs:
-                self.server.serve_once(self.handle, 0.1)
+                self.server.serve_once(self.handle, 0.05)
+                self.decide()
                 self._watch()
                 self._write_status()
-                if not self.procs and not self.board.done:
+                if not self.procs and not self.chain.done:
+                    left = sum(len(b.tasks) - len(b.finished) for b in self.chain.boards)
                     raise ConfigError(
                         f"every worker died and {self.cfg.max_restarts} restarts are used up with "
-                        f"{len(self.board.tasks) - len(self.board.finished)} tasks left: see the logs in {self.state}."
+                        f"{left} tasks left: see the logs in {self.state}."
                     )
             self._write_status(force=True)
         finally:
@@ -213,7 +293,7 @@ class Dispatcher:
                 p.wait(timeout=10)
             self.server.close()
             self._receiver_client.close()
-        c = self.board.counts()
+        c = self.chain.boards[-1].counts()
         print(
             f"generation job {self.cfg.name}: {c['delivered']} of {c['tasks']} tasks delivered, {c['refused']} "
             f"refused, {c['reassigned']} handed out again, {self.tokens:,} tokens "
@@ -222,18 +302,24 @@ class Dispatcher:
         return 0 if c["refused"] == 0 else 1
 
 
-def streams_from_profile(cfg: GenConfig, samples: list[str]) -> tuple[int, str]:
-    """Samples per task (a worker's parallel streams) from the model's profile, and why: the most throughput
-    whose task latency stays within gen.latency_target_s (jaxdist/gen/schedule.py ``plan_streams``)."""
+def streams_from_profile(cfg: GenConfig, samples: list[str], stage_index: int = 0) -> tuple[int, str]:
+    """Samples per task (a worker's parallel streams) of a stage from its model's profile, and why: the most
+    throughput whose task latency stays within gen.latency_target_s (jaxdist/gen/schedule.py ``plan_streams``).
+    A later stage's request sizes are not known before it runs: its profile's logged means stand in."""
     profiles = load_profiles(cfg.profile)
-    if cfg.model not in profiles:
+    model = cfg.model_of(stage_index)
+    if model not in profiles:
         raise ConfigError(
-            f"{cfg.profile} has no profile of '{cfg.model}' (it has {', '.join(sorted(profiles))}): "
+            f"{cfg.profile} has no profile of '{model}' (it has {', '.join(sorted(profiles))}): "
             "profile this model's run logs (jaxdist gen profile)."
         )
-    tokens_in = float(np.mean([len(s.encode()) for s in samples]))
-    tokens_out = float(cfg.sampler.max_new_tokens if cfg.function == "sampler" else tokens_in)
-    stage = Stage(cfg.model, 1.0, tokens_in, tokens_out, cfg.latency_target_s)
+    if stage_index == 0:
+        tokens_in = float(np.mean([len(s.encode()) for s in samples]))
+        sampler = cfg.functions[0] == "sampler"
+        tokens_out = float(cfg.sampler.max_new_tokens if sampler else tokens_in)
+    else:
+        tokens_in, tokens_out = profiles[model].mean_tokens_in, profiles[model].mean_tokens_out
+    stage = Stage(model, 1.0, tokens_in, tokens_out, cfg.latency_target_s)
     choice = plan_streams(profiles, [stage], nodes=1, streams=range(1, 65)).choices[0]
     log.info("streams per worker from %s: %d (%s)", cfg.profile, choice.streams, choice.why_streams)
     return choice.streams, choice.why_streams
@@ -252,7 +338,13 @@ def worker_argv(python: str, dispatcher: str, name: str, config_path: str | None
 
 
 def ssh_worker_command(
-    host: str, cfg: GenConfig, port: int, name: str, config_path: str | None, overrides: list[str]
+    host: str,
+    cfg: GenConfig,
+    port: int,
+    name: str,
+    config_path: str | None,
+    overrides: list[str],
+    stage: list[str] = (),
 ) -> list[str]:
     """The ssh argv of an SSH worker: reverse tunnels to the dispatcher and the receiver, the token on stdin.
 
@@ -262,6 +354,7 @@ def ssh_worker_command(
     r_host, r_port = split_address(cfg.deliver_to)
     config = str(Path(config_path).absolute()) if config_path else None
     argv = worker_argv(cfg.python, f"127.0.0.1:{port}", name, config, [*overrides, f"deliver_to=127.0.0.1:{r_port}"])
+    argv[argv.index("--name") : argv.index("--name")] = list(stage)
     remote = (
         f"cd {shlex.quote(os.getcwd())} && IFS= read -r JAXDIST_JOB_TOKEN && export JAXDIST_JOB_TOKEN && "
         f"exec {shlex.join(argv)}"
@@ -272,44 +365,3 @@ def ssh_worker_command(
 
 def run_job(cfg: GenConfig, config_path: str | None = None, overrides: list[str] = ()) -> int:
     return Dispatcher(cfg, config_path, overrides).run()
-
-
-def read_status(cfg: GenConfig) -> dict[str, Any]:
-    """The job's last status (``status.json``), with the training run's side asked live from its receiver."""
-    path = Path(cfg.state_path) / "status.json"
-    try:
-        s = json.loads(path.read_text())
-    except (OSError, ValueError):
-        raise ConfigError(f"no status in {path}: start the job with jaxdist gen --config ... first.") from None
-    client = Client(cfg.token(), "g:status", cfg.deliver_to)
-    try:
-        r = client.request({"t": "status"}, deadline_s=3.0, try_s=1.5)
-    finally:
-        client.close()
-    if r is not None:
-        s["run"] = {k: v for k, v in r.items() if k not in ("rid", "sender", "sid", "seq", "ts", "ok")}
-    return s
-
-
-def format_status(s: dict[str, Any]) -> str:
-    lines = [
-        f"generation job {s['name']}: {s['tasks']} tasks: {s['pending']} pending, {s['running']} running, "
-        f"{s['delivered']} delivered, {s['refused']} refused ({s['reassigned']} handed out again)",
-        f"  {s.get('streams', '?')} samples per task (parallel streams): {s.get('streams_why', '')}",
-        f"  {s['tokens']:,} tokens delivered, {s['tokens_per_s']:,.1f} tokens/s over {s['elapsed_s']:.0f} s; "
-        f"workers alive: {', '.join(s['alive']) or 'none'}",
-    ]
-    for name, w in sorted(s["workers"].items()):
-        lines.append(
-            f"  {name}: {int(w['shards'])} shards, {int(w['tokens']):,} tokens, {w['seconds']:.1f} s generating"
-        )
-    r = s.get("run") or {}
-    if r:
-        lines.append(
-            f"  training run: {r['received']} shards received: {r['adopted']} in the batch list, {r['queued']} "
-            f"queued for the trainer, {r['waiting']} waiting for a batch's worth; cursor {r['cursor']} of "
-            f"{r['batches']} batches, {r['behind_steps']} steps behind the newest shard"
-        )
-    else:
-        lines.append("  training run: its receiver did not answer")
-    return "\n".join(lines)

@@ -56,6 +56,7 @@ from scipy.optimize import least_squares, lsq_linear
 from jaxdist.errors import ConfigError
 from jaxdist.gen.runlog import RunRecord, parse_record, read_run_logs
 
+MAX_FIT_ERROR = 0.15  # a fit further than this from its own logs is refused (relative rms / worst stream count)
 SATURATION = 0.9  # the share of the throughput limit at which a model counts as saturated
 MIN_SERIAL = 3  # single-stream requests a fit needs (three unknowns: a, p, b)
 
@@ -90,6 +91,17 @@ class ModelProfile:
     points: tuple[StreamPoint, ...]
     serial_rms: float  # relative rms error of the serial latency fit
     curve_rms: float  # relative rms error of the slowdown (throughput curve) fit
+
+    @property
+    def fit_error(self) -> float:
+        """How far the fit is from its logs: the worst of the serial and curve rms errors and, per stream count,
+        the fitted throughput's relative error against the measured one."""
+        worst = max(
+            (abs(self.tokens_per_s(p.streams, p.tokens_in, p.tokens_out) / p.tokens_s - 1) for p in self.points
+             if p.tokens_s > 0),
+            default=0.0,
+        )  # fmt: skip
+        return max(self.serial_rms, self.curve_rms, worst)
 
     @property
     def limit_tokens_s(self) -> float:
@@ -199,9 +211,10 @@ def _fit_contention(model: str, points: list[StreamPoint]) -> tuple[float, float
     return c, rms
 
 
-def fit_profile(model: str, records: list[RunRecord]) -> ModelProfile:
-    """The performance parameters of ``model`` from its records; ConfigError if they cannot determine them."""
-    records = [r for r in records if r.model == model]
+def fit_profile(model: str, records: list[RunRecord], max_error: float = MAX_FIT_ERROR) -> ModelProfile:
+    """The performance parameters of ``model`` from its records; ConfigError if they cannot determine them or
+    the fit is further than ``max_error`` (relative) from them. First-use requests (compiles) are left out."""
+    records = [r for r in records if r.model == model and not r.first_use]
     a, p, b, serial_rms = _fit_serial(model, [r for r in records if r.streams == 1])
     by_s: dict[int, list[RunRecord]] = defaultdict(list)
     for r in records:
@@ -218,7 +231,7 @@ def fit_profile(model: str, records: list[RunRecord]) -> ModelProfile:
     c, curve_rms = _fit_contention(model, points)
     mean_in = float(np.mean([r.tokens_in for r in records]))
     mean_out = float(np.mean([r.tokens_out for r in records]))
-    return ModelProfile(
+    prof = ModelProfile(
         model=model,
         requests=len(records),
         request_s=a,
@@ -232,12 +245,19 @@ def fit_profile(model: str, records: list[RunRecord]) -> ModelProfile:
         serial_rms=serial_rms,
         curve_rms=curve_rms,
     )
+    if not prof.fit_error <= max_error:
+        raise ConfigError(
+            f"the fit of model '{model}' is {100 * prof.fit_error:.1f}% from its own logs (over the "
+            f"{100 * max_error:.0f}% limit): log it after a warm-up of each batch shape (or mark first uses), with "
+            f"varied output lengths at 1 stream and enough requests at each stream count."
+        )
+    return prof
 
 
-def fit_profiles(records: list[RunRecord]) -> dict[str, ModelProfile]:
-    """One profile per model in ``records`` (in order of first appearance)."""
+def fit_profiles(records: list[RunRecord], max_error: float = MAX_FIT_ERROR) -> dict[str, ModelProfile]:
+    """One profile per model in ``records`` (in order of first appearance); see :func:`fit_profile`."""
     models = list(dict.fromkeys(r.model for r in records))
-    return {m: fit_profile(m, records) for m in models}
+    return {m: fit_profile(m, records, max_error) for m in models}
 
 
 def synthetic_records(
@@ -291,7 +311,7 @@ def format_table(profiles: dict[str, ModelProfile], curves: bool = True) -> str:
                 pr.model, str(pr.requests), _ms(pr.request_s), _ms(pr.input_token_s), _ms(pr.output_token_s),
                 f"{pr.serial_tokens_s:.4g}", f"{pr.contention:.3f}", f"{pr.limit_tokens_s:.4g}", sat,
                 _ms(pr.extra_stream_token_s), _ms(pr.extra_stream_s),
-                f"{100 * max(pr.serial_rms, pr.curve_rms):.1f}%",
+                f"{100 * pr.fit_error:.1f}%",
             )
         )  # fmt: skip
     out = [_grid(rows)]
@@ -351,10 +371,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("logs", nargs="+", help="run logs (JSONL, one request a line)")
     ap.add_argument("--out", default="gen-profile.json", help="where to write the parameters (JSON)")
     ap.add_argument("--models", help="comma-separated model names the logs must keep to")
+    ap.add_argument(
+        "--max-error", type=float, default=MAX_FIT_ERROR, help="refuse a fit further than this from its logs"
+    )
     a = ap.parse_args(argv)
     try:  # each skipped line is a warning of jaxdist.gen.runlog
         runlog = read_run_logs(a.logs, a.models.split(",") if a.models else None)
-        profiles = fit_profiles(runlog.records)
+        profiles = fit_profiles(runlog.records, a.max_error)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

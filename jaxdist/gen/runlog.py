@@ -10,7 +10,9 @@ node was running in parallel (a sampler batch of 4 prompts is 4 streams);
 ``start`` / ``end``: wall-clock seconds (``time.time()``) of this request;
 ``tokens_in`` / ``tokens_out``: prompt and generated tokens; ``worker`` /
 ``node``: who ran it (the profile measures throughput per worker, so logs of
-several workers need distinct names).
+several workers need distinct names); ``first_use`` (optional, default false):
+the request ran a batch shape for the first time, so its time includes
+compiling that shape's programs; fits leave such requests out.
 
 **Writing.** :class:`RunLogWriter` appends and flushes one line per record; if
 the file ends in a torn line (a writer killed mid-line) it starts a fresh line
@@ -50,6 +52,7 @@ class RunRecord:
     tokens_out: int
     worker: str = ""
     node: str = ""
+    first_use: bool = False  # its time includes compiling a new batch shape: not a steady-state measurement
 
     @property
     def seconds(self) -> float:
@@ -94,6 +97,7 @@ def parse_record(obj: object) -> RunRecord:
         int(nums["tokens_out"]),
         str(obj.get("worker", "")),
         str(obj.get("node", "")),
+        bool(obj.get("first_use", False)),
     )
 
 
@@ -109,9 +113,11 @@ class RunLogWriter:
         self.path, self.model, self.worker, self.node, self.fsync = Path(path), model, worker, node, fsync
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
-    def log(self, streams: int, start: float, end: float, tokens_in: int, tokens_out: int) -> RunRecord:
+    def log(
+        self, streams: int, start: float, end: float, tokens_in: int, tokens_out: int, first_use: bool = False
+    ) -> RunRecord:
         """Append one request of this writer's model (times in seconds, counts in tokens); returns its record."""
-        rec = RunRecord(self.model, streams, start, end, tokens_in, tokens_out, self.worker, self.node)
+        rec = RunRecord(self.model, streams, start, end, tokens_in, tokens_out, self.worker, self.node, first_use)
         self.write([rec])
         return rec
 

@@ -104,15 +104,26 @@ class TaskBoard:
     reassigned: int = 0
 
     def __post_init__(self) -> None:
-        keys = {t.key: t.index for t in self.tasks}
+        self._stored: dict[str, dict[str, Any]] = {}  # finished records by key, of this and earlier runs
         if self.state_path.exists():
             for line in self.state_path.read_bytes().splitlines():
                 try:
                     rec = json.loads(line)
-                    if rec["key"] in keys:
-                        self.finished[keys[rec["key"]]] = rec
+                    self._stored[rec["key"]] = rec
                 except (ValueError, KeyError, TypeError):
                     log.warning("%s: a torn line (a kill mid-write) skipped; its task runs again", self.state_path)
+        for t in self.tasks:
+            if t.key in self._stored:
+                self.finished[t.index] = self._stored[t.key]
+
+    def add(self, samples: list[str], key: str) -> Task:
+        """A new task (a chain's later stage: made from an earlier stage's outputs); finished already if an
+        earlier run of the job finished it."""
+        task = Task(len(self.tasks), key, samples)
+        self.tasks.append(task)
+        if key in self._stored:
+            self.finished[task.index] = self._stored[key]
+        return task
 
     @property
     def pending(self) -> list[int]:

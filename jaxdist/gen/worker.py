@@ -39,9 +39,12 @@ log = logging.getLogger("jaxdist.gen.worker")
 GenFn = Callable[[list[str], int], list[str] | str]
 
 
-def generation_function(cfg: GenConfig) -> GenFn:
-    """``fn(samples, task_index) -> outputs`` for ``cfg.function``; ConfigError if it cannot be loaded."""
-    if cfg.function == "sampler":
+def generation_function(cfg: GenConfig, stage: int = 0) -> GenFn:
+    """``fn(samples, task_index) -> outputs`` for the stage's function; ConfigError if it cannot be loaded.
+
+    The sampler's function carries ``first_use``: whether its last call compiled a new batch shape."""
+    function = cfg.functions[stage]
+    if function == "sampler":
         from jaxdist.cluster import prepare_host_devices
         from jaxdist.gen.sample_config import check_request, run_config  # JAX-free: devices are set up first
 
@@ -55,6 +58,7 @@ def generation_function(cfg: GenConfig) -> GenFn:
         log.info("sampler: %s step %s", s.run, sampler.step)
 
         def sample(samples: list[str], index: int) -> list[str]:
+            programs = len(sampler._programs)
             out = sampler.generate(
                 samples,
                 max_new_tokens=s.max_new_tokens,
@@ -63,15 +67,17 @@ def generation_function(cfg: GenConfig) -> GenFn:
                 top_p=s.top_p,
                 seed=s.seed + index,
             )
+            sample.first_use = len(sampler._programs) > programs
             return [g.prompt + g.text for g in out]
 
+        sample.first_use = False
         return sample
-    module, _, name = cfg.function.partition(":")
+    module, _, name = function.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError(
-            f"gen.function {cfg.function!r} cannot be loaded ({e}): put its module on PYTHONPATH."
+            f"generation function {function!r} cannot be loaded ({e}): put its module on PYTHONPATH."
         ) from None
     return lambda samples, index: fn(samples)
 
@@ -84,23 +90,29 @@ def _as_text(out: list[str] | str) -> str:
     return "\n".join(out)
 
 
-def _log_requests(runlog: RunLogWriter, samples: list[str], payload: bytes, start: float, end: float) -> None:
+def _log_requests(
+    runlog: RunLogWriter, samples: list[str], payload: bytes, start: float, end: float, first_use: bool
+) -> None:
     out = len(payload) // max(1, len(samples))
     for sample in samples:
-        runlog.log(len(samples), start, end, len(sample.encode()), out)
+        runlog.log(len(samples), start, end, len(sample.encode()), out, first_use)
 
 
-def run_worker(cfg: GenConfig, dispatcher: str, name: str) -> int:
+def run_worker(cfg: GenConfig, dispatcher: str, name: str, stage: int = 0) -> int:
+    """Serve one stage: take its tasks, run its function; the last stage delivers to the run, an earlier one
+    returns its outputs (a list of strings) to the dispatcher, which makes the next stage's tasks of them."""
     token = cfg.token()
-    fn = generation_function(cfg)
+    fn = generation_function(cfg, stage)
+    last = stage == len(cfg.functions) - 1
     ident = f"g:{name}"
     disp, recv = Client(token, ident, dispatcher), Client(token, ident, cfg.deliver_to)
     # One record per sample of each task (its samples run together: streams = the task's size), for
     # `jaxdist gen profile` (jaxdist/gen/profile.py); counts in bytes, the byte tokenizer's tokens.
-    runlog = RunLogWriter(cfg.state_path / f"runlog.{name}.jsonl", cfg.model, worker=name, node=socket.gethostname())
+    model = cfg.model_of(stage)
+    runlog = RunLogWriter(cfg.state_path / f"runlog.{name}.jsonl", model, worker=name, node=socket.gethostname())
     try:
         while True:
-            r = disp.request({"t": "want"}, deadline_s=120.0)
+            r = disp.request({"t": "want", "stage": stage}, deadline_s=120.0)
             if r is None:
                 log.error("worker %s: the dispatcher at %s does not answer; stopping", name, dispatcher)
                 return 3
@@ -112,13 +124,20 @@ def run_worker(cfg: GenConfig, dispatcher: str, name: str) -> int:
             index, key, samples = int(r["task"]), str(r["key"]), list(r["samples"])
             t0, t_start = time.monotonic(), time.time()
             try:
-                payload = _as_text(fn(samples, index)).encode()
+                out = fn(samples, index)
+                payload = _as_text(out).encode()
+                if not last and not isinstance(out, (list, tuple)):
+                    raise TypeError("a stage before the last must return a list of str (the next stage's samples)")
             except Exception as e:  # the user's function failed on this task: report it, keep working
                 log.exception("worker %s: the generation function failed on task %d", name, index)
-                disp.request({"t": "done", "task": index, "outcome": "failed", "reason": repr(e)})
+                disp.request({"t": "done", "stage": stage, "task": index, "outcome": "failed", "reason": repr(e)})
                 continue
             gen_s = time.monotonic() - t0
-            _log_requests(runlog, samples, payload, t_start, time.time())
+            _log_requests(runlog, samples, payload, t_start, time.time(), bool(getattr(fn, "first_use", False)))
+            if not last:  # the outputs go back to the dispatcher: the next stage's samples
+                outcome = {"t": "done", "stage": stage, "task": index, "outcome": "passed", "seconds": gen_s}
+                disp.request({**outcome, "outputs": list(out)})
+                continue
             ack = recv.request(
                 {"t": "deliver", "key": key, "sha256": digest(payload), "n_bytes": len(payload)},
                 payload,
@@ -126,10 +145,11 @@ def run_worker(cfg: GenConfig, dispatcher: str, name: str) -> int:
             )
             if ack is None:  # the receiver is down: the task goes back, another try later
                 log.warning("worker %s: no acknowledgement for task %d from %s", name, index, cfg.deliver_to)
-                disp.request({"t": "retry", "task": index})
+                disp.request({"t": "retry", "stage": stage, "task": index})
                 continue
             outcome = {
                 "t": "done",
+                "stage": stage,
                 "task": index,
                 "outcome": "delivered" if ack["ok"] else "refused",
                 "duplicate": bool(ack.get("duplicate")),
@@ -148,11 +168,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m jaxdist.gen.worker")
     p.add_argument("--config")
     p.add_argument("--dispatcher", required=True)
+    p.add_argument("--stage", type=int, default=0, help="the chain's stage this worker serves (gen.stages)")
     p.add_argument("--name", required=True)
     p.add_argument("overrides", nargs="*")
     a = p.parse_args(argv)
     try:
-        return run_worker(load_gen_config(a.config, a.overrides), a.dispatcher, a.name)
+        return run_worker(load_gen_config(a.config, a.overrides), a.dispatcher, a.name, a.stage)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

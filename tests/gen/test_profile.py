@@ -132,3 +132,27 @@ def test_records_from_measurements_and_damaged_profiles(tmp_path):
     with pytest.raises(ConfigError) as e:
         load_profiles(tmp_path / "p.json")
     one_sentence(str(e.value))
+
+
+def test_a_fit_far_from_its_logs_is_refused_and_first_uses_are_left_out(tmp_path, capsys):
+    """Compiles inside request times (the real-log failure of issue 16): one sentence, not a wrong table; the same
+    requests marked first_use are left out and the fit is within 5% again."""
+    import dataclasses
+
+    recs = synthetic_records("gen", *TRUE[0], streams=(1, 2, 4, 8), requests=200, noise=0.02, seed=3)
+    # the first request of each 10 compiles a new shape: 3 s more
+    slow = [dataclasses.replace(r, end=r.end + 3.0) if i % 10 == 0 else r for i, r in enumerate(recs)]
+    with pytest.raises(ConfigError) as e:
+        fit_profile("gen", slow)
+    assert "over the 15% limit" in str(e.value) and "warm-up" in str(e.value)
+    one_sentence(str(e.value))
+    log = write_log(tmp_path / "slow.jsonl", slow)
+    assert main([str(log), "--out", str(tmp_path / "p.json")]) == 2
+    assert capsys.readouterr().err.startswith("error: the fit of model 'gen' is ")
+    assert not (tmp_path / "p.json").exists()
+    assert main([str(log), "--out", str(tmp_path / "p.json"), "--max-error", "10"]) == 0  # a stated looser limit
+    marked = [dataclasses.replace(r, first_use=True) if i % 10 == 0 else r for i, r in enumerate(slow)]
+    log = write_log(tmp_path / "marked.jsonl", marked)
+    pr = fit_profiles(read_run_logs([log]).records)["gen"]
+    assert pr.requests == len(recs) - len(recs[::10]) and pr.fit_error < 0.05
+    assert pr.output_token_s == pytest.approx(TRUE[0][2], rel=0.05) and pr.contention == pytest.approx(0.15, rel=0.05)

@@ -10,21 +10,23 @@ from jaxdist.errors import ConfigError
 from jaxdist.gen.profile import ModelProfile
 from jaxdist.gen.runlog import RunRecord
 from jaxdist.gen.schedule import (
-    NodeWork,
     Stage,
-    cost_unit,
-    exhaustive_knapsack,
     exhaustive_plan,
     format_plan,
-    format_selection,
-    node_demand,
-    knapsack,
-    lp_bound,
     plan_fixed_streams,
     plan_streams,
-    select_nodes,
     stage_importance,
     stages_from_log,
+)
+from jaxdist.gen.selection import (
+    NodeWork,
+    cost_unit,
+    exhaustive_knapsack,
+    format_selection,
+    knapsack,
+    lp_bound,
+    node_demand,
+    select_nodes,
 )
 
 

@@ -1,0 +1,127 @@
+"""The sampler's profile from its own run logs against a direct measurement (issue 16): streams 1, 2, 4, 8.
+
+The sampler (the ``tiny`` preset, random weights, one CPU device) continues
+prompts of ``--prompt-len`` random bytes greedily, as a generation worker
+does, and each batch of ``s`` prompts is written to a run log (JSONL) the way
+a worker writes it: ``s`` records with ``streams = s``, the batch's start and
+end, tokens in and out (:class:`jaxdist.gen.runlog.RunLogWriter`). Two things
+make the log fit for a profile, the two the first real logs lacked:
+
+* **each batch shape is warmed up first**: one untimed batch per stream count
+  compiles its programs (the worker marks such requests ``first_use``
+  instead, and fits leave them out);
+* **output lengths vary**: each batch stops after a length drawn from
+  ``--lengths`` (all rows of a batch the same), so the per-token and
+  per-request costs separate. The cache is sized for the longest, so there is
+  one program per stream count whatever the length.
+
+``jaxdist gen profile``'s fit (:func:`jaxdist.gen.profile.fit_profiles`, which
+refuses a fit more than 15% from its logs) then predicts the throughput at
+each stream count; the **direct measurement** is separate batches of
+``--check-len`` tokens (not in the log), ``s x tokens / median batch seconds``.
+
+The table is printed even for a fit ``jaxdist gen profile`` would refuse
+(its error and the verdict are printed above it). On a machine shared with
+other jobs (load far above its cores) batch times of a few milliseconds vary
+tenfold and the fit is refused, as it should be: run it on a quiet machine.
+
+    python benchmarks/gen_profile.py            # about 20 s on a quiet machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")  # before JAX starts
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxdist.config import load_config  # noqa: E402
+from jaxdist.errors import ConfigError  # noqa: E402
+from jaxdist.gen.profile import MAX_FIT_ERROR, fit_profiles, format_table  # noqa: E402
+from jaxdist.gen.runlog import RunLogWriter, read_run_logs  # noqa: E402
+from jaxdist.gen.sampler import Sampler  # noqa: E402
+from jaxdist.models.transformer import init_params  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--streams", default="1,2,4,8")
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--lengths", default="8,16,24,32,40,48", help="output lengths of the logged batches")
+    p.add_argument("--batches", type=int, default=12, help="logged batches per stream count")
+    p.add_argument("--check-len", type=int, default=28, help="output length of the direct measurement")
+    p.add_argument("--check-reps", type=int, default=5)
+    p.add_argument("--log", help="where to write the run log (default: a temporary file)")
+    a = p.parse_args(argv)
+    streams = [int(x) for x in a.streams.split(",")]
+    lengths = [int(x) for x in a.lengths.split(",")]
+    cfg = load_config(None, [f"model={a.preset}", "mesh.cluster=cpu-1"])
+    sampler = Sampler(cfg, jax.jit(lambda: init_params(cfg.model, 0))())
+    rng = np.random.default_rng(0)
+    longest = max(max(lengths), a.check_len)
+    clock = time.perf_counter
+
+    def batch(s: int, n: int) -> float:
+        """Seconds of one batch of s prompts stopped after n tokens each (the cache sized for the longest)."""
+        prompts = list(rng.integers(32, 127, size=(s, a.prompt_len)))
+        t0 = clock()
+        d = sampler.decode(prompts, longest, stop_at_eos=False, until=lambda b, hist: len(hist) >= n)
+        assert all(len(t) == n for t in d.tokens), [len(t) for t in d.tokens]
+        return clock() - t0
+
+    log_path = Path(a.log or tempfile.mkdtemp(prefix="gen-profile-")) / "runlog.bench.jsonl"
+    log = RunLogWriter(log_path, a.preset, worker="bench")
+    t_start = time.perf_counter()
+    for s in streams:
+        batch(s, 2)  # the warm-up: compiles this stream count's programs (prefill and step)
+    for i in range(a.batches):  # stream counts interleaved: a load change on a shared machine hits them all
+        n = lengths[i % len(lengths)]
+        for s in streams:
+            start = time.time()
+            seconds = batch(s, n)
+            for _ in range(s):
+                log.log(s, start, start + seconds, a.prompt_len, n)
+    direct: dict[int, list[float]] = {s: [] for s in streams}
+    for _ in range(a.check_reps):
+        for s in streams:
+            direct[s].append(batch(s, a.check_len))
+    try:  # fitted without the error limit, so the table shows how far off a refused fit is
+        prof = fit_profiles(read_run_logs([log_path]).records, max_error=math.inf)[a.preset]
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table({a.preset: prof}))
+    verdict = "accepts" if prof.fit_error <= MAX_FIT_ERROR else "refuses"
+    print(
+        f"\nfit error {100 * prof.fit_error:.1f}%: jaxdist gen profile {verdict} it (limit {100 * MAX_FIT_ERROR:.0f}%)"
+    )
+    print(
+        f"\nsampler {a.preset} (random weights), 1 {jax.devices()[0].platform} device, prompt {a.prompt_len} "
+        f"tokens; log: {a.batches} batches per stream count, lengths {a.lengths}; direct: {a.check_len} tokens, "
+        f"median of {a.check_reps}; {time.perf_counter() - t_start:.0f} s; JAX {jax.__version__}\n"
+    )
+    print("| streams | measured tok/s | fitted tok/s | error |")
+    print("| --- | --- | --- | --- |")
+    worst = 0.0
+    for s in streams:
+        measured = s * a.check_len / statistics.median(direct[s])
+        fitted = prof.tokens_per_s(s, a.prompt_len, a.check_len)
+        worst = max(worst, abs(fitted / measured - 1))
+        print(f"| {s} | {measured:.1f} | {fitted:.1f} | {100 * (fitted / measured - 1):+.1f}% |")
+    print(f"\nworst error {100 * worst:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
