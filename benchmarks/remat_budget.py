@@ -33,8 +33,8 @@ SETTINGS = {
 
 def mesh_overrides(mesh: str) -> list[str]:
     """``"data=2,tensor=2"`` -> mesh overrides on cpu-8 (the rest of the devices unused); ``"1"``: cpu-1."""
-    if mesh == "1":
-        return ["mesh.cluster=cpu-1"]
+    if mesh == "1":  # every axis given: one device, even where JAX simulates 8
+        return ["mesh.cluster=cpu-1", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1", "mesh.expert=1"]
     sizes = dict(kv.split("=") for kv in mesh.split(","))
     return ["mesh.cluster=cpu-8"] + [f"mesh.{a}={sizes.get(a, 1)}" for a in ("data", "fsdp", "tensor", "expert")]
 

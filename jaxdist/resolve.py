@@ -30,6 +30,7 @@ from jaxdist.parallel.mesh import mesh_devices
 from jaxdist.planner.plan import resolve_auto
 from jaxdist.planner.verify import load_working, record_working
 from jaxdist.remat.policy import HEADROOM, memory_breakdown, profile_for_config, resolve_remat_policy
+from jaxdist.remat.plan import plan_remat
 from jaxdist.remat.verify import PeakModel, VerifiedChoice, candidates, choose
 from jaxdist.train.aot import compiled_peak
 
@@ -98,7 +99,9 @@ def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, le
     t = config.train
     budget = memory_budget(t.memory_budget_bytes, cluster.memory_bytes)
     first = budget - fixed - ratio * reference  # the activation budget the prediction leaves
-    pool = candidates(profile, [first], slack_share=t.remat_slack)
+    if t.remat_budget_bytes:  # its own plan joins; below the block inputs: InfeasibleBudget names the least
+        plan_remat(profile, t.remat_budget_bytes, slack_share=t.remat_slack)
+    pool = candidates(profile, [first, t.remat_budget_bytes], slack_share=t.remat_slack)
 
     def compile_candidate(c):
         cfg = dataclasses.replace(config, train=config.train.with_remat_plan(c))
