@@ -25,6 +25,7 @@ Three tables:
     python benchmarks/remat.py                       # all of the above on CPU, a few minutes on 2 cores
     python benchmarks/remat.py --skip-pareto         # optimality only (about a minute)
     python benchmarks/remat.py --devices 8 --mesh data=2,fsdp=2,tensor=2   # sharded Pareto table
+    python benchmarks/remat.py --budget-table        # train.remat=auto against the compiler (remat_budget.py)
 """
 
 from __future__ import annotations
@@ -148,11 +149,22 @@ def main(argv=None) -> int:
     p.add_argument("--mesh", default="", help="axis sizes, e.g. data=2,fsdp=2,tensor=2 (default: one device)")
     p.add_argument("--devices", type=int, default=1, help="devices in the mesh (simulated CPU devices)")
     p.add_argument("--budgets", type=int, default=10)
+    p.add_argument(
+        "--budget-table",
+        action="store_true",
+        help="only the compiled-peak table of benchmarks/remat_budget.py (train.remat=auto against every named "
+        "policy at --budgets budgets on the issue's settings)",
+    )
     p.add_argument("--seeds", type=int, default=2, help="generated graphs per kind and size")
     p.add_argument("--skip-pareto", action="store_true")
     p.add_argument("--skip-optimality", action="store_true")
     p.add_argument("--model-table", action="store_true")
     args = p.parse_args(argv)
+    if args.budget_table:  # its own device count (8 simulated): the settings' meshes use up to 4
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import remat_budget
+
+        return remat_budget.main(["--budgets", str(args.budgets)])
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={max(args.devices, 1)}"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -92,6 +92,9 @@ def cmd_train(args) -> int:
         if jax.process_index() == 0:
             print(trainer.describe(), file=sys.stderr)
             c = trainer.config
+            chosen = c.train.remat_spec.plan
+            if hasattr(chosen, "trials"):  # train.remat=auto closed against the compiler: predicted vs compiled
+                print(chosen.table() + "\n" + chosen.describe(), file=sys.stderr)
             note = attention_note(c.model, c.train.seq_len, jax.devices()[0])
             if c.mesh.context > 1:  # the sequence is split: attention is the ring of jaxdist/parallel/context.py
                 note = (
@@ -231,9 +234,40 @@ def cmd_remat(args) -> int:
     if args.mesh:
         overrides.append(f"mesh.cluster={args.mesh}")
     cfg = load_config(args.config, overrides)
-    from jaxdist.remat.command import run_remat  # imports JAX
+    prepare_host_devices(cfg)  # the closed loop compiles on the cluster's (simulated CPU) devices
+    from jaxdist.remat.command import parse_bytes, run_remat  # imports JAX
 
-    return run_remat(cfg, args.budget, measure=args.measure, operators=args.ops)
+    rc = run_remat(cfg, args.budget, measure=args.measure, operators=args.ops)
+    if rc == 0 and cfg.train.remat_verify:
+        if args.budget is not None:
+            cfg = cfg.replace(**{"train.remat_budget_bytes": parse_bytes(args.budget)})
+        _verify_remat(cfg)
+    return rc
+
+
+def _verify_remat(cfg) -> None:
+    """Print train.remat=auto closed against the compiler (predicted vs compiled peak), or why it cannot be."""
+    import jax
+
+    from jaxdist.cluster import load_cluster, memory_budget
+    from jaxdist.remat.plan import format_bytes
+    from jaxdist.resolve import verified_remat
+
+    cluster = load_cluster(cfg.mesh.cluster)
+    devices = jax.devices()
+    used = cfg.mesh.devices_used(cluster.n_devices)
+    budget = memory_budget(cfg.train.memory_budget_bytes, cluster.memory_bytes)
+    print(f"\nagainst the compiler: train.memory_budget_bytes {format_bytes(budget)} per device (compiled peak)")
+    if devices[0].device_kind != cluster.device_kind or len(devices) < used:
+        print(
+            f"not compiled: the mesh needs {used} x {cluster.device_kind} and this process sees {len(devices)} x "
+            f"{devices[0].device_kind}; run `jaxdist remat` (or train) where those devices are to close the loop "
+            "(train.remat_verify=false skips it)."
+        )
+        return
+    choice = verified_remat(cfg.replace(**{"train.remat": "auto"}), devices[:used])
+    print(choice.table())
+    print(choice.describe())
 
 
 def cmd_pipeline(args) -> int:

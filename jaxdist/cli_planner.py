@@ -34,6 +34,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top", type=int, default=8, help="plans to show (default 8)")
     p.add_argument("--exhaustive", action="store_true", help="evaluate every candidate instead of searching")
     p.add_argument("--axes", help="mesh axes the plan may use, e.g. data,fsdp,tensor (default: what train runs)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="compile the chosen plan's train step ahead of time and keep the best whose compiled peak fits "
+        "train.memory_budget_bytes (needs the plan's devices; CPU clusters are simulated)",
+    )
     p.set_defaults(fn=cmd_plan)
 
     c = sub.add_parser("calibrate", help="measure the present devices' efficiency and links for the planner")
@@ -60,6 +66,8 @@ def cmd_plan(args) -> int:
     cfg = load_config(args.config, extra + list(args.overrides))
     seq_len = cfg.train.seq_len if _explicit_seq_len(args) else cfg.model.max_seq_len
     cfg = cfg.replace(**{"train.seq_len": seq_len})
+    if args.verify:
+        prepare_host_devices(cfg)  # before JAX starts: the cluster's simulated CPU devices to compile for
 
     from jaxdist.planner.cluster import load_calibration  # the planner imports JAX: not at registration
     from jaxdist.planner.plan import plan
@@ -79,6 +87,11 @@ def cmd_plan(args) -> int:
                 "and leave it out of --axes."
             )
     calibration = load_calibration(args.calibration) if args.calibration else None
+    fraction = 0.9  # the planner's usable share; train.memory_budget_bytes, when set, is the usable bytes
+    if cfg.train.memory_budget_bytes and cfg.mesh.cluster != "live":
+        from jaxdist.cluster import load_cluster
+
+        fraction = cfg.train.memory_budget_bytes / load_cluster(cfg.mesh.cluster).memory_bytes
     p = plan(
         cfg.model,
         cfg.mesh.cluster,
@@ -88,6 +101,7 @@ def cmd_plan(args) -> int:
         calibration=calibration,
         axes=axes,
         enumerate_all=args.exhaustive,
+        memory_fraction=fraction,
     )
     m = cfg.model
     n_params = param_count(m)
@@ -106,11 +120,43 @@ def cmd_plan(args) -> int:
     print(f"{searched} in {p.seconds:.2f} s\n")
     print(p.table(args.top))
     print()
+    if args.verify:
+        p = _verified(p, cfg)
     print(p.explain())
     out = Path(args.out)
     out.write_text(p.to_toml(cfg))
     print(f"\nwrote {out}: run it with `jaxdist train --config {out}`")
     return 0
+
+
+def _verified(p, cfg):
+    """``p`` with the plan ``--verify`` found first: the best whose compiled train step fits the budget (the
+    table of compiles printed); ConfigError when the plan's devices are not here or none fits."""
+    import dataclasses
+
+    import jax
+
+    from jaxdist.cluster import memory_budget
+    from jaxdist.planner.verify import verify_plan
+    from jaxdist.train.aot import compiled_peak
+
+    devices = jax.devices()
+    n, kind = p.cluster.n_devices, p.cluster.spec.device_kind
+    if devices[0].device_kind != kind or len(devices) < n:
+        raise ConfigError(
+            f"--verify compiles for the plan's {n} x {kind} devices but this process sees {len(devices)} x "
+            f"{devices[0].device_kind}: run `jaxdist plan --verify` where those devices are, or leave --verify out."
+        )
+    budget = memory_budget(cfg.train.memory_budget_bytes, p.cluster.spec.memory_bytes)
+
+    def compile_peak(e):
+        one = dataclasses.replace(p, ranked=(e,)).to_config(cfg)
+        got = compiled_peak(one, devices[:n])
+        return got.peak_bytes, got.seconds
+
+    v = verify_plan(p.ranked, budget, compile_peak)
+    print(v.table() + "\n")
+    return dataclasses.replace(p, ranked=(v.chosen,) + tuple(e for e in p.ranked if e is not v.chosen))
 
 
 def cmd_calibrate(args) -> int:

@@ -28,6 +28,17 @@ MESHES_DIR = Path(__file__).resolve().parents[1] / "meshes"
 NODE_LOCAL_AXES = ("context", "tensor", "expert", "pipeline")
 
 
+# Share of a device's memory train.memory_budget_bytes=0 keeps free: the runtime, fragmentation and what
+# XLA's memory_analysis() does not count (the planner's memory_fraction leaves the same).
+MEMORY_RESERVE = 0.10
+
+
+def memory_budget(configured: int, memory_bytes: int) -> float:
+    """Bytes per device the compiled train step may hold: ``configured`` (train.memory_budget_bytes) when set,
+    else ``memory_bytes`` (the cluster file's) less :data:`MEMORY_RESERVE`."""
+    return float(configured) if configured else (1.0 - MEMORY_RESERVE) * memory_bytes
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
     """A cluster: identical devices, ``devices_per_node`` on each of ``nodes`` hosts.

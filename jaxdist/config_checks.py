@@ -175,7 +175,7 @@ def check_train(t: TrainConfig) -> None:
             f"train.remat_slack={t.remat_slack} is not a share between 0 and 1: it is the extra recompute the remat "
             "selector may accept (a share of the save-nothing recompute), 0 for the optimum, e.g. 0.03."
         )
-    for name in ("warmup_steps", "schedule_steps", "skip_nonfinite"):
+    for name in ("warmup_steps", "schedule_steps", "skip_nonfinite", "memory_budget_bytes", "remat_budget_bytes"):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be 0 or positive.")
     if not t.name or "/" in t.name or "\\" in t.name or t.name in (".", ".."):

@@ -399,7 +399,15 @@ class TrainConfig:
     )
     remat_budget_bytes: int = _f(
         0,
-        "With train.remat=auto: bytes per device for the saved activations of all blocks (block inputs included); 0 derives it from the device memory in meshes/ minus parameters, gradients, optimizer state and working space.",
+        "With train.remat=auto: an extra bound on the saved activations of all blocks (block inputs included, bytes per device), beside train.memory_budget_bytes which bounds the whole compiled peak; 0: no extra bound (with train.remat_verify=false: derived from the device memory minus parameters, gradients, optimizer state and working space).",
+    )
+    memory_budget_bytes: int = _f(
+        0,
+        "Bytes per device the compiled train step may hold at its peak (arguments + outputs + temp - aliased, as XLA's memory_analysis() reports); 0: the cluster file's memory_bytes less a 10% reserve for the runtime and fragmentation. train.remat=auto and `jaxdist plan --verify` choose against it by compiling their best candidates.",
+    )
+    remat_verify: bool = _f(
+        True,
+        "With train.remat=auto: compile the best candidates ahead of time (at most 3 in the normal course) and keep the fastest whose compiled peak fits train.memory_budget_bytes; false trusts the prediction (no compile; the plan then only bounds saved activations by train.remat_budget_bytes or the predicted budget).",
     )
     remat_slack: float = _f(
         0.0,
@@ -426,7 +434,9 @@ class TrainConfig:
         return Remat.parse(self.remat)
 
     def with_remat_plan(self, plan: Any) -> "TrainConfig":
-        """A copy whose ``remat_spec`` is the remat selector's ``plan`` (``train.remat`` stays ``auto``).
+        """A copy whose ``remat_spec`` is the remat selector's ``plan`` (``train.remat`` stays ``auto``): a
+        jaxdist.remat.plan.RematPlan, or the closed loop's jaxdist.remat.verify.VerifiedChoice (both have
+        ``policy()``).
 
         Set by jaxdist.resolve.resolve; a section replaced later parses ``auto`` again (its batch or mesh may
         differ), and a resumed run selects again, alike.

@@ -5,9 +5,10 @@
 
 ``mesh=auto`` becomes the planner's mesh sizes, microbatches and remat
 (:func:`jaxdist.planner.plan.resolve_auto`); ``train.remat=auto`` becomes the
-remat selector's plan for this mesh and budget
-(:func:`jaxdist.remat.policy.resolve_remat_policy`, the plan in
-``train.remat_spec``); the device-dependent checks (mesh product, batch
+remat selector's choice for this mesh, closed against the compiler
+(:func:`verified_remat`: the fastest candidate whose compiled peak fits ``train.memory_budget_bytes``,
+:mod:`jaxdist.remat.verify`; with ``train.remat_verify=false`` the prediction alone,
+:func:`jaxdist.remat.policy.resolve_remat_policy`), in ``train.remat_spec``; the device-dependent checks (mesh product, batch
 divisibility, ``model.attention=cudnn`` off a GPU) run here, and the
 attention ``auto`` picks for ``train.seq_len`` is logged.  The Trainer takes the resolved config as it is: it
 plans nothing.  ``jaxdist train``, the notebooks and the Python API all come
@@ -20,14 +21,18 @@ import dataclasses
 import logging
 from typing import Any, Sequence
 
-from jaxdist.cluster import load_cluster
+from jaxdist.cluster import load_cluster, memory_budget
 from jaxdist.config import Config
 from jaxdist.config_checks import mark_resolved, unused_devices_note, validate, validate_devices
 from jaxdist.data.manifest import settle_tokenizer
 from jaxdist.models.attention import attention_note, check_attention_platform
 from jaxdist.parallel.mesh import mesh_devices
 from jaxdist.planner.plan import resolve_auto
-from jaxdist.remat.policy import resolve_remat_policy
+from jaxdist.planner.verify import load_working, record_working
+from jaxdist.remat.policy import HEADROOM, memory_breakdown, profile_for_config, resolve_remat_policy
+from jaxdist.remat.plan import plan_remat
+from jaxdist.remat.verify import PeakModel, VerifiedChoice, candidates, choose
+from jaxdist.train.aot import compiled_peak
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +57,58 @@ def resolve(config: Config, devices: Sequence[Any]) -> Config:
     check_attention_platform(config.model, devices[0].platform)
     log.info("%s", attention_note(config.model, config.train.seq_len, devices[0]))
     if config.train.remat_spec.kind == "auto":  # every process computes the same plan (FLOPs over peak)
-        _, plan = resolve_remat_policy(config, config.mesh.resolved(len(devices)), load_cluster(config.mesh.cluster))
+        if config.train.remat_verify:  # compiled, not only predicted: every process compiles the same programs
+            plan = verified_remat(config, devices)
+        else:
+            _, plan = resolve_remat_policy(
+                config, config.mesh.resolved(len(devices)), load_cluster(config.mesh.cluster)
+            )
         config = dataclasses.replace(config, train=config.train.with_remat_plan(plan))
         log.info("remat plan: %s", plan.describe())
     mark_resolved(config, len(devices))
     return config
+
+
+def setting_key(config: Config, mesh_sizes: dict) -> str:
+    """What the learned working space is kept under: model shape, dtype, mesh, microbatch and sequence."""
+    m, t = config.model, config.train
+    mesh = ",".join(f"{a}={s}" for a, s in mesh_sizes.items() if s > 1) or "1"
+    return (
+        f"{m.preset}:d{m.d_model}:f{m.d_ff}:l{m.n_layers}:h{m.n_heads}:v{m.vocab_size}:{m.dtype}:{mesh}:"
+        f"b{t.batch_size // t.microbatches}x{t.microbatches}:s{t.seq_len}"
+    )
+
+
+def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, learn: bool = True) -> VerifiedChoice:
+    """``train.remat=auto`` closed against the compiler on ``devices`` (the job's, or the first of them the
+    mesh uses): the fastest candidate whose compiled train step peaks within ``train.memory_budget_bytes``.
+
+    ``compile_peak(config) -> CompiledPeak`` (default :func:`jaxdist.train.aot.compiled_peak` on
+    ``devices``); the working-space ratio the compiles show is stored for the device kind when ``learn``.
+    """
+    compile_peak = compile_peak or (lambda cfg: compiled_peak(cfg, devices))
+    cluster = load_cluster(config.mesh.cluster)
+    sizes = config.mesh.resolved(len(devices))
+    profile = profile_for_config(config, sizes, cluster.peak_flops(config.model.dtype))
+    b = memory_breakdown(config, sizes, cluster.memory_bytes, profile)
+    fixed = b["parameters"] + b["gradients"] + b["optimizer"]
+    reference = b["working"] - HEADROOM * b["memory"]  # logits and one block's backward values, no headroom
+    kind, key = devices[0].device_kind, setting_key(config, sizes)
+    ratio, _ = load_working(kind, key)
+    model = PeakModel(fixed, reference, ratio)
+    t = config.train
+    budget = memory_budget(t.memory_budget_bytes, cluster.memory_bytes)
+    first = budget - fixed - ratio * reference  # the activation budget the prediction leaves
+    if t.remat_budget_bytes:  # its own plan joins; below the block inputs: InfeasibleBudget names the least
+        plan_remat(profile, t.remat_budget_bytes, slack_share=t.remat_slack)
+    pool = candidates(profile, [first, t.remat_budget_bytes], slack_share=t.remat_slack)
+
+    def compile_candidate(c):
+        cfg = dataclasses.replace(config, train=config.train.with_remat_plan(c))
+        p = compile_peak(cfg)
+        return p.peak_bytes, p.flops, p.seconds
+
+    choice = choose(pool, budget, model, compile_candidate, activation_cap=t.remat_budget_bytes or None)
+    if learn:
+        record_working(kind, key, choice.learned_ratio)
+    return choice

@@ -21,7 +21,14 @@ COMMON = [
 
 def test_remat_auto_becomes_the_selectors_plan_and_the_trainer_plans_nothing(tmp_path):
     cfg = load_config(
-        None, COMMON + ["train.remat=auto", "train.remat_budget_bytes=3000000", f"train.runs_dir={tmp_path}"]
+        None,
+        COMMON
+        + [
+            "train.remat=auto",
+            "train.remat_budget_bytes=3000000",
+            "train.remat_verify=false",
+            f"train.runs_dir={tmp_path}",
+        ],
     )
     resolved = resolve(cfg, jax.devices())
     spec = resolved.train.remat_spec

@@ -69,22 +69,8 @@ class Trainer:
     """
 
     def __init__(self, config: Config, devices: list | None = None):
-        # A mesh smaller than the devices (every axis size given) runs on the first ones, as resolve() chose.
-        self.devices = mesh_devices(config.mesh, devices if devices is not None else jax.devices())
-        if config.mesh.auto:
-            raise ConfigError(
-                "mesh=auto is settled before the Trainer is built: pass "
-                "jaxdist.resolve.resolve(config, devices) to Trainer."
-            )
-        if not is_resolved(config, len(self.devices)):  # built without resolve(): the same checks, here
-            validate(config, len(self.devices))
-        self.config = config
+        self._build_parallelism(config, devices)
         c = config
-        self.cluster = load_cluster(c.mesh.cluster)
-        # Mesh, logical rules, expert layout (MoE weights on the expert view, mesh.expert_tensor), pipeline plan.
-        self.parallelism = Parallelism.build(c, self.devices)
-        self.mesh, self.rules = self.parallelism.mesh, self.parallelism.rules
-        self.expert_layout = self.parallelism.expert_layout
         self.is_main = jax.process_index() == 0
         self.run_dir = c.run_dir
 
@@ -111,6 +97,36 @@ class Trainer:
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
+
+    @classmethod
+    def for_compiling(cls, config: Config, devices: list | None = None) -> "Trainer":
+        """The mesh, model and jitted programs only: no data, run directory, checkpoints or metrics (nothing to
+        close).  For compiling the train step ahead of time (:mod:`jaxdist.train.aot`)."""
+        self = cls.__new__(cls)
+        self._build_parallelism(config, devices)
+        self._build_model()
+        self._build_programs()
+        self._compiled_step = None
+        return self
+
+    def _build_parallelism(self, config: Config, devices: list | None) -> None:
+        """The devices (checked against the config), the cluster, the mesh and logical rules."""
+        # A mesh smaller than the devices (every axis size given) runs on the first ones, as resolve() chose.
+        self.devices = mesh_devices(config.mesh, devices if devices is not None else jax.devices())
+        if config.mesh.auto:
+            raise ConfigError(
+                "mesh=auto is settled before the Trainer is built: pass "
+                "jaxdist.resolve.resolve(config, devices) to Trainer."
+            )
+        if not is_resolved(config, len(self.devices)):  # built without resolve(): the same checks, here
+            validate(config, len(self.devices))
+        self.config = config
+        c = config
+        self.cluster = load_cluster(c.mesh.cluster)
+        # Mesh, logical rules, expert layout (MoE weights on the expert view, mesh.expert_tensor), pipeline plan.
+        self.parallelism = Parallelism.build(c, self.devices)
+        self.mesh, self.rules = self.parallelism.mesh, self.parallelism.rules
+        self.expert_layout = self.parallelism.expert_layout
 
     def _build_model(self) -> None:
         """The remat policy (``auto``: the plan resolve() selected), the abstract model, optimizer and shardings."""

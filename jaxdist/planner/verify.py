@@ -1,0 +1,161 @@
+"""The budget is the compiled peak: ``jaxdist plan --verify``, and the working-space term compiles teach.
+
+Two things that compile ahead of time to check a prediction share this module:
+
+* **The planner's loop** (:func:`verify_plan`): the plans in the planner's order are compiled one at a time
+  (an injected ``compile_peak``, so this stays pure) until one's compiled peak per device (arguments +
+  outputs + temp - aliased) is within the budget; a plan whose compiled peak exceeds it is never the one
+  returned.  After each compile the remaining predictions are scaled by what it showed (compiled /
+  predicted), so a plan predicted to fit only by an optimistic model is passed over without a compile.
+  Usually one compile; more only while compiles show the model optimistic, and each of those moves the
+  correction, so the next plan compiled is one the corrected model says fits (:class:`VerifyError` when
+  none is left).
+* **The working-space store** (:func:`load_working`, :func:`record_working`): the remat selector's closed
+  loop (:mod:`jaxdist.remat.verify`) learns the ratio of XLA's working space to its reference from each
+  compile; the ratios live per device kind beside the calibration (``<kind>.working.json`` in
+  :func:`jaxdist.planner.calibrate.calibration_dir`), keyed by the setting, and the next selection starts
+  from them: the same setting's ratio when it was seen, else the median over the device kind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from jaxdist.config import ConfigError
+from jaxdist.planner.calibrate import calibration_path
+from jaxdist.planner.cost import Estimate
+
+# Ratios kept per device kind (the oldest settings are dropped first).
+KEEP = 64
+# The working-space ratio before any compile: the reference itself.
+DEFAULT_RATIO = 1.0
+
+
+class VerifyError(ConfigError):
+    """No plan's compiled peak fits the budget."""
+
+
+@dataclass(frozen=True)
+class PlanTrial:
+    """One compiled plan: predicted and compiled peak (bytes per device), compile seconds."""
+
+    estimate: Estimate
+    predicted: float
+    compiled: float
+    seconds: float
+    fits: bool
+
+
+@dataclass(frozen=True)
+class VerifiedPlan:
+    """The fastest plan whose compiled peak fits the budget, and every compile it took."""
+
+    chosen: Estimate
+    trial: PlanTrial
+    trials: tuple[PlanTrial, ...]
+    budget_bytes: float
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling."""
+        return sum(t.seconds for t in self.trials)
+
+    def table(self) -> str:
+        """Each compiled plan: predicted vs compiled peak, error, fits."""
+        gib = 2**20  # MiB: small CPU plans stay readable, an 80 GiB device is 81920 MiB
+        rows = [f"{'compiled plan':<52} {'predicted':>12} {'compiled':>12} {'error':>7}  fits"]
+        for t in self.trials:
+            rows.append(
+                f"{t.estimate.strategy.describe()[:52]:<52} {t.predicted / gib:>8.2f} MiB {t.compiled / gib:>8.2f} MiB "
+                f"{t.predicted / t.compiled - 1:>+7.1%}  {'yes' if t.fits else 'no'}"
+            )
+        t = self.trial
+        rows.append(
+            f"verified: {t.estimate.strategy.describe()}, compiled peak {t.compiled / gib:.2f} MiB per device of "
+            f"{self.budget_bytes / gib:.2f} MiB (predicted {t.predicted / gib:.2f} MiB, "
+            f"{t.predicted / t.compiled - 1:+.1%}); {len(self.trials)} compile(s) in {self.compile_seconds:.1f} s"
+        )
+        return "\n".join(rows)
+
+
+def verify_plan(
+    ranked: Sequence[Estimate],
+    budget_bytes: float,
+    compile_peak: Callable[[Estimate], tuple[float, float]],
+) -> VerifiedPlan:
+    """The first plan of ``ranked`` (best first) whose compiled peak is at most ``budget_bytes``.
+
+    ``compile_peak(estimate) -> (peak bytes per device, seconds)``.  Plans are taken in order, skipping
+    those the latest compile's correction (compiled / predicted) says will not fit.  Raises VerifyError when
+    none fits.
+    """
+    trials: list[PlanTrial] = []
+    scale = 1.0
+    for e in ranked:
+        predicted = e.memory.total
+        if predicted * scale > budget_bytes and (trials or predicted > budget_bytes):
+            continue  # corrected by the compiles so far, it does not fit: no compile spent on it
+        peak, secs = compile_peak(e)
+        t = PlanTrial(e, predicted, float(peak), secs, peak <= budget_bytes)
+        trials.append(t)
+        if t.fits:
+            return VerifiedPlan(e, t, tuple(trials), float(budget_bytes))
+        scale = peak / predicted
+    least = min(trials, key=lambda t: t.compiled, default=None)
+    seen = (
+        f"; the least compiled peak was {least.compiled / 2**30:.3f} GiB ({least.estimate.strategy.describe()})"
+        if least
+        else ""
+    )
+    raise VerifyError(
+        f"no plan's compiled train step fits {budget_bytes / 2**30:.3f} GiB per device{seen}: use more devices, "
+        "a smaller train.batch_size or train.seq_len, or raise train.memory_budget_bytes."
+    )
+
+
+# --------------------------------------------------------------------------- the working-space store
+
+
+def working_path(device_kind: str) -> Path:
+    """Where the working-space ratios of a device kind live (beside its calibration file)."""
+    p = calibration_path(device_kind)
+    return p.with_name(p.stem + ".working.json")
+
+
+def _read(device_kind: str) -> dict[str, float]:
+    p = working_path(device_kind)
+    try:
+        data = json.loads(p.read_text())
+        return {str(k): float(v) for k, v in data.get("ratios", {}).items()}
+    except (OSError, ValueError, AttributeError, TypeError):  # none yet, or a torn file: start again
+        return {}
+
+
+def load_working(device_kind: str, key: str) -> tuple[float, str]:
+    """(ratio, where it came from) for a setting ``key`` on ``device_kind``: that setting's learned ratio, else
+    the median of the device kind's, else :data:`DEFAULT_RATIO`."""
+    ratios = _read(device_kind)
+    if key in ratios:
+        return ratios[key], "learned for this setting"
+    if ratios:
+        values = sorted(ratios.values())
+        return values[len(values) // 2], f"median of {len(values)} settings learned on {device_kind}"
+    return DEFAULT_RATIO, "default (nothing learned yet)"
+
+
+def record_working(device_kind: str, key: str, ratio: float) -> Path:
+    """Store ``ratio`` for ``key`` (newest last, at most :data:`KEEP` settings); returns the file's path."""
+    ratios = _read(device_kind)
+    ratios.pop(key, None)
+    ratios[key] = float(ratio)
+    ratios = dict(list(ratios.items())[-KEEP:])
+    p = working_path(device_kind)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(f"{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"device_kind": device_kind, "ratios": ratios}, indent=1) + "\n")
+    tmp.replace(p)  # atomic: processes of one job write the same numbers
+    return p

@@ -1,0 +1,114 @@
+"""train.remat=auto closed against the compiler (jaxdist/remat/verify.py) and the working-space store.
+
+The loop's decisions are checked with an injected compiler whose answer is known (peak = fixed + saved +
+a per-candidate working space), against brute force over the candidates; one test compiles for real: an
+injected optimistic working-space term makes the first candidate overflow, the loop repairs, the chosen
+plan's compiled peak fits, and what the compiles taught is stored and read back.
+"""
+
+import jax
+import pytest
+
+from jaxdist.config import ConfigError, load_config
+from jaxdist.planner.verify import load_working, record_working, working_path
+from jaxdist.remat import profile_block
+from jaxdist.remat.verify import PeakModel, candidates, choose, named_values
+from jaxdist.resolve import setting_key, verified_remat
+
+B, T = 4, 32
+
+
+@pytest.fixture(scope="module")
+def pool():
+    profile = profile_block(load_config(None, ["model=tiny"]).model, B, T, {}, peak_flops=5e10)
+    return candidates(profile, n_budgets=8)
+
+
+def _compiler(fixed, working):
+    calls = []
+
+    def compile_peak(c):
+        calls.append(c)
+        return fixed + c.activation_bytes + working(c), c.recompute_flops, 0.0
+
+    return compile_peak, calls
+
+
+def _optimum(pool, budget, fixed, working):
+    fits = [c for c in pool if fixed + c.activation_bytes + working(c) <= budget]
+    return min(fits, key=lambda c: (c.recompute_flops, c.activation_bytes))
+
+
+def test_candidates_cover_the_named_set_and_are_pareto(pool):
+    names = {c.name for c in pool}
+    assert "full" in names and min(c.recompute_flops for c in pool) == 0  # both ends: save nothing, recompute nothing
+    for a in pool:
+        for b in pool:
+            better = b.activation_bytes < a.activation_bytes or b.recompute_flops < a.recompute_flops
+            assert not (b.activation_bytes <= a.activation_bytes and b.recompute_flops <= a.recompute_flops and better)
+    assert len(named_values()) >= 5 + 12 and len({c.saved for c in pool}) == len(pool)
+
+
+@pytest.mark.parametrize("ratio", [0.0, 1.0, 4.0])  # optimistic, right, pessimistic working-space terms
+@pytest.mark.parametrize("share", [0.25, 0.6])
+def test_chosen_fits_and_is_the_optimum_whatever_the_starting_term(pool, ratio, share):
+    # Within 3 compiles the chosen one fits and is the fastest compiled one that does; allowed 8, the loop
+    # finds the optimum over all candidates (brute force) from any starting term.
+    fixed, ref = 1_000_000.0, 2_000_000.0
+    # The true working space moves with the candidate (as XLA's does): 1.0-1.2 x the reference.
+    working = lambda c: ref * (1.0 + 0.2 * (c.activation_bytes % 7) / 7)  # noqa: E731
+    lo = min(c.activation_bytes for c in pool)
+    hi = max(c.activation_bytes for c in pool)
+    budget = fixed + 1.2 * ref + lo + share * (hi - lo)
+    compile_peak, calls = _compiler(fixed, working)
+    got = choose(pool, budget, PeakModel(fixed, ref, ratio), compile_peak)
+    assert got.trial.compiled <= budget and all(t.fits == (t.compiled <= budget) for t in got.trials)
+    assert got.trial.flops == min(t.flops for t in got.trials if t.fits) and len(calls) <= 3
+    if ratio == 0.0:  # optimistic: the first compile overflows and the loop repairs
+        assert not got.trials[0].fits
+    best = _optimum(pool, budget, fixed, working)
+    wide = choose(pool, budget, PeakModel(fixed, ref, ratio), _compiler(fixed, working)[0], max_compiles=8)
+    assert wide.chosen.recompute_flops == best.recompute_flops and wide.trial.compiled <= budget
+
+
+def test_no_candidate_fits_is_one_sentence(pool):
+    compile_peak, _ = _compiler(1e9, lambda c: 0.0)
+    with pytest.raises(ConfigError, match="no remat choice compiles within train.memory_budget_bytes=1000"):
+        choose(pool, 1000, PeakModel(0.0, 1.0, 0.0), compile_peak)
+
+
+def test_working_ratio_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXDIST_CALIBRATION_DIR", str(tmp_path))
+    assert load_working("cpu", "a") == (1.0, "default (nothing learned yet)")
+    record_working("cpu", "a", 0.5)
+    record_working("cpu", "b", 0.9)
+    record_working("cpu", "c", 0.7)
+    assert load_working("cpu", "b")[0] == 0.9
+    assert load_working("cpu", "z") == (0.7, "median of 3 settings learned on cpu")
+    assert load_working("gpu", "a")[0] == 1.0 and working_path("cpu").parent == tmp_path
+
+
+def test_real_compiles_repair_an_optimistic_term_and_store_the_learned_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXDIST_CALIBRATION_DIR", str(tmp_path))
+    budget = 3_800_000  # between full remat (~2.6 MB) and no remat (4.06 MB) at this size
+    cfg = load_config(
+        None,
+        [
+            "model=tiny",
+            "mesh.cluster=cpu-1",
+            f"train.batch_size={B}",
+            f"train.seq_len={T}",
+            "train.remat=auto",
+            f"train.memory_budget_bytes={budget}",
+        ],
+    )
+    devices = jax.devices()[:1]
+    key = setting_key(cfg, cfg.mesh.resolved(1))
+    record_working(devices[0].device_kind, key, -5.0)  # a wrong, optimistic working space: no room at all
+    choice = verified_remat(cfg, devices)
+    assert not choice.trials[0].fits and choice.trials[0].compiled > budget  # the prediction was optimistic
+    assert choice.trial.compiled <= budget and choice.trial.fits  # repaired: the chosen plan's peak fits
+    fitting = [t for t in choice.trials if t.fits]
+    assert choice.trial.flops == min(t.flops for t in fitting)
+    learned, source = load_working(devices[0].device_kind, key)
+    assert source == "learned for this setting" and learned == pytest.approx(choice.learned_ratio) and learned > 0
