@@ -14,6 +14,12 @@ if "JAXDIST_TEST_COMPILE_CACHE" not in os.environ:
     os.environ["JAXDIST_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jaxdist-test-cache-")
     atexit.register(shutil.rmtree, os.environ["JAXDIST_TEST_COMPILE_CACHE"], True)
 
+# The planner's calibrations and the learned working space of the memory loops: one empty directory per test
+# session (never the user's ~/.cache), so no test depends on what an earlier run learned.
+if "JAXDIST_CALIBRATION_DIR" not in os.environ:
+    os.environ["JAXDIST_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="jaxdist-test-calibration-")
+    atexit.register(shutil.rmtree, os.environ["JAXDIST_CALIBRATION_DIR"], True)
+
 import jax  # noqa: E402  (imported here, after XLA_FLAGS: every test sees 8 CPU devices)
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAXDIST_TEST_COMPILE_CACHE"])
