@@ -263,6 +263,15 @@ def cmd_pipeline(args) -> int:
     return 0
 
 
+def cmd_comm(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from jaxdist.cluster import load_cluster
+    from jaxdist.parallel.comm import plan_for_config  # no JAX
+
+    print(plan_for_config(cfg, load_cluster(cfg.mesh.cluster)).table())
+    return 0
+
+
 def cmd_launch(args) -> int:
     return launch(args.config, args.overrides, print_only=args.print, image=args.image)
 
@@ -434,6 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kind", choices=PIPELINE_SCHEDULES, help="schedule (default: seq1f1b with chunks, else 1f1b)")
     pl.add_argument("--split", default="cost", choices=("cost", "equal"), help="chunk boundaries: equal cost or tokens")
     pl.set_defaults(fn=cmd_pipeline)
+
+    cm = sub.add_parser("comm", help="print the gradient communication plan: buckets, collectives, issue points")
+    cm.add_argument("what", choices=("plan",), help="plan: the table of gradient collectives of one step")
+    cm.add_argument(
+        "--config", help="TOML config file (model, mesh, train.grad_bucket_bytes); KEY=VALUE overrides follow"
+    )
+    cm.set_defaults(fn=cmd_comm)
 
     g = sub.add_parser("gen", help="generation workers feeding a training run: run, status, receive RUN_DIR")
     g.add_argument(
