@@ -82,6 +82,7 @@ def cmd_train(args) -> int:
     import jax
 
     from jaxdist.models.attention import attention_note
+    from jaxdist.parallel.comm import describe_xla_options
     from jaxdist.resolve import resolve
     from jaxdist.train.trainer import Trainer
 
@@ -91,6 +92,15 @@ def cmd_train(args) -> int:
         if jax.process_index() == 0:
             print(trainer.describe(), file=sys.stderr)
             c = trainer.config
+            if trainer.xla_options:  # GPUs under automatic sharding: the options the gradient plan chose
+                print(describe_xla_options(trainer.xla_options), file=sys.stderr)
+            if c.train.grad_sync == "per_block":
+                p = trainer.comm_plan
+                print(
+                    f"gradients reduced per block: {len(p.buckets)} collectives per step, {p.layers_per_bucket} "
+                    "layer(s) per bucket (jaxdist comm plan prints them)",
+                    file=sys.stderr,
+                )
             note = attention_note(c.model, c.train.seq_len, jax.devices()[0])
             if c.mesh.context > 1:  # the sequence is split: attention is the ring of jaxdist/parallel/context.py
                 note = (

@@ -193,3 +193,32 @@ def plan_for_config(config, cluster: ClusterSpec) -> CommPlan:
     devices) and ``train.grad_bucket_bytes``; ConfigError if the mesh does not fit the cluster."""
     sizes = config.mesh.resolved(cluster.n_devices)
     return plan_comm(config.model, sizes, cluster, config.train.grad_bucket_bytes)
+
+
+def xla_gpu_options(plan: CommPlan) -> dict[str, bool | int]:
+    """XLA compiler options for a GPU train step under automatic sharding (``train.grad_sync=end``), from ``plan``.
+
+    * ``xla_gpu_enable_latency_hiding_scheduler``: schedule each asynchronous collective's start as early and
+      its done as late as the data allow, so a block's gradient reduction runs under the backward of the
+      blocks below it (XLA's own form of ``per_block``);
+    * ``xla_gpu_all_reduce_combine_threshold_bytes``, ``..._reduce_scatter_...`` and ``..._all_gather_...``:
+      the combiner passes merge neighbouring collectives up to this size, set to the plan's largest bucket so
+      XLA forms the plan's buckets (one layer bucket per combined collective) rather than its defaults
+      (which may merge the whole backward's reductions into one at the end).
+
+    Options go to ``jax.jit(...).lower(...).compile(compiler_options=...)``: per program, no XLA_FLAGS needed.
+    """
+    largest = max(b.bytes for b in plan.buckets)
+    return {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_all_reduce_combine_threshold_bytes": largest,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": largest,
+        "xla_gpu_all_gather_combine_threshold_bytes": largest,
+    }
+
+
+def describe_xla_options(options: dict) -> str:
+    """One line for the console: the XLA options the plan set (or that none were)."""
+    if not options:
+        return "XLA collective options: none set (only GPUs under train.grad_sync=end take them)"
+    return "XLA collective options from the gradient plan: " + " ".join(f"--{k}={v}" for k, v in options.items())
