@@ -72,3 +72,19 @@ def test_cli_prints_the_table(capsys):
     assert main(["comm", "plan", "mesh.data=3"]) == 2
     with pytest.raises(ConfigError):
         plan_comm(M, {"data": 8}, CPU8, -1)
+
+
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        (["train.microbatches=2"], "train.microbatches=2"),
+        (["mesh.pipeline=2"], "mesh.pipeline=2"),
+        (["model=moe-tiny"], "dense models only"),
+        (["train.grad_bucket_bytes=-1"], "grad_bucket_bytes"),
+    ],
+)
+def test_per_block_refuses_what_it_does_not_cover(over, match):
+    from jaxdist.config import load_config  # validates what it loads
+
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, ["train.grad_sync=per_block", *over])
