@@ -83,6 +83,7 @@ def cmd_train(args) -> int:
     import jax
 
     from jaxdist.models.attention import attention_note
+    from jaxdist.parallel.comm import describe_xla_options
     from jaxdist.resolve import resolve
     from jaxdist.train.trainer import Trainer
 
@@ -95,6 +96,15 @@ def cmd_train(args) -> int:
             chosen = c.train.remat_spec.plan
             if hasattr(chosen, "trials"):  # train.remat=auto closed against the compiler: predicted vs compiled
                 print(chosen.table() + "\n" + chosen.describe(), file=sys.stderr)
+            if trainer.xla_options:  # GPUs under automatic sharding: the options the gradient plan chose
+                print(describe_xla_options(trainer.xla_options), file=sys.stderr)
+            if c.train.grad_sync == "per_block":
+                p = trainer.comm_plan
+                print(
+                    f"gradients reduced per block: {len(p.buckets)} collectives per step, {p.layers_per_bucket} "
+                    "layer(s) per bucket (jaxdist comm plan prints them)",
+                    file=sys.stderr,
+                )
             note = attention_note(c.model, c.train.seq_len, jax.devices()[0])
             if c.mesh.context > 1:  # the sequence is split: attention is the ring of jaxdist/parallel/context.py
                 note = (
@@ -298,6 +308,15 @@ def cmd_pipeline(args) -> int:
     return 0
 
 
+def cmd_comm(args) -> int:
+    cfg = load_config(args.config, args.overrides)
+    from jaxdist.cluster import load_cluster
+    from jaxdist.parallel.comm import plan_for_config  # no JAX
+
+    print(plan_for_config(cfg, load_cluster(cfg.mesh.cluster)).table())
+    return 0
+
+
 def cmd_launch(args) -> int:
     return launch(args.config, args.overrides, print_only=args.print, image=args.image)
 
@@ -479,6 +498,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--kind", choices=PIPELINE_SCHEDULES, help="schedule (default: seq1f1b with chunks, else 1f1b)")
     pl.add_argument("--split", default="cost", choices=("cost", "equal"), help="chunk boundaries: equal cost or tokens")
     pl.set_defaults(fn=cmd_pipeline)
+
+    cm = sub.add_parser("comm", help="print the gradient communication plan: buckets, collectives, issue points")
+    cm.add_argument("what", choices=("plan",), help="plan: the table of gradient collectives of one step")
+    cm.add_argument(
+        "--config", help="TOML config file (model, mesh, train.grad_bucket_bytes); KEY=VALUE overrides follow"
+    )
+    cm.set_defaults(fn=cmd_comm)
 
     g = sub.add_parser("gen", help="generation workers feeding a training run: run, status, receive RUN_DIR")
     g.add_argument(

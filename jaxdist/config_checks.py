@@ -175,7 +175,14 @@ def check_train(t: TrainConfig) -> None:
             f"train.remat_slack={t.remat_slack} is not a share between 0 and 1: it is the extra recompute the remat "
             "selector may accept (a share of the save-nothing recompute), 0 for the optimum, e.g. 0.03."
         )
-    for name in ("warmup_steps", "schedule_steps", "skip_nonfinite", "memory_budget_bytes", "remat_budget_bytes"):
+    for name in (
+        "warmup_steps",
+        "schedule_steps",
+        "skip_nonfinite",
+        "memory_budget_bytes",
+        "remat_budget_bytes",
+        "grad_bucket_bytes",
+    ):
         if getattr(t, name) < 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be 0 or positive.")
     if not t.name or "/" in t.name or "\\" in t.name or t.name in (".", ".."):
@@ -360,6 +367,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _moe_on_mesh(m, cfg.mesh, sizes)
     _pipeline_on_model(cfg, sizes["pipeline"])
     _context_on_model(cfg, sizes)
+    _grad_sync_on_model(cfg, sizes)
     if n_devices is not None:
         validate_devices(cfg, n_devices)
 
@@ -497,3 +505,25 @@ def _moe_on_mesh(m: ModelConfig, mesh: MeshConfig, sizes: dict[str, int]) -> Non
             f"model.moe.shared_d_ff={e.shared_d_ff} is not divisible by mesh.tensor={tensor}: "
             "choose a shared-expert width that the tensor size divides."
         )
+
+
+def _grad_sync_on_model(cfg: Config, sizes: dict[str, int]) -> None:
+    """train.grad_sync=per_block's reach (ConfigError, one sentence): the shard_map form covers dense models
+    with one microbatch on data, fsdp and tensor axes."""
+    if cfg.train.grad_sync != "per_block":
+        return
+    if cfg.model.moe.experts:
+        raise ConfigError(
+            "train.grad_sync=per_block covers dense models only: set train.grad_sync=end for an MoE model."
+        )
+    if cfg.train.microbatches > 1:
+        raise ConfigError(
+            f"train.grad_sync=per_block reduces each block once per step, which train.microbatches="
+            f"{cfg.train.microbatches} would repeat per microbatch: set train.microbatches=1 or train.grad_sync=end."
+        )
+    for axis in ("pipeline", "context", "expert"):
+        if sizes[axis] > 1:
+            raise ConfigError(
+                f"train.grad_sync=per_block does not run with mesh.{axis}={sizes[axis]} yet: set mesh.{axis}=1 "
+                "or train.grad_sync=end."
+            )

@@ -34,6 +34,7 @@ RopeScaling = Literal["none", "linear", "llama3"]
 Dispatch = Literal["dropless", "capacity"]
 PipelineSchedule = Literal["gpipe", "1f1b", "seq1f1b"]
 ChunkSplit = Literal["cost", "equal"]
+GradSync = Literal["end", "per_block"]
 DataSource = Literal["stdlib", "text_dir", "tokens"]
 TokenDType = Literal["uint16", "uint32"]
 Launcher = Literal["local", "ssh", "slurm", "kubernetes"]
@@ -388,6 +389,14 @@ class TrainConfig:
     b1: float = _f(0.9, "AdamW beta1.")
     b2: float = _f(0.95, "AdamW beta2.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 disables).")
+    grad_sync: GradSync = _f(
+        "end",
+        "When the gradients are reduced over the data axes: end (after the whole backward pass, XLA's automatic sharding) or per_block (each bucket of blocks right after its backward, in a shard_map over data and fsdp, so the reduction overlaps the rest of the backward pass; see `jaxdist comm plan`). per_block needs a dense model, train.microbatches=1 and no pipeline or context axis.",
+    )
+    grad_bucket_bytes: int = _f(
+        0,
+        "Gradient bytes per device one collective may carry with train.grad_sync=per_block (consecutive layers are bucketed up to it); 0 chooses it from the cluster's link bandwidth x latency (`jaxdist comm plan` prints the rule).",
+    )
     skip_nonfinite: int = _f(
         0,
         "Steps with a non-finite loss or gradient norm to skip (their update is not applied, their batch counts as trained, each is logged) before one more stops the run; a stopped run keeps only checkpoints from before that step. Counted from the process's start.",

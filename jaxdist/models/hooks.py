@@ -1,4 +1,4 @@
-"""The three decisions the model leaves to the parallelism layer, as functions it is handed while it traces.
+"""The four decisions the model leaves to the parallelism layer, as functions it is handed while it traces.
 
 * **constrain** ``(x, logical names) -> x``: where an activation lives.  The
   model calls :func:`constrain` on its activations with logical axis names
@@ -11,6 +11,12 @@
   expert params, model config) -> (y [N, d], keep [N, k] bool)``: how an MoE
   layer's tokens reach their experts.  Without one installed the MoE layer
   runs its experts on the local tokens (``jaxdist.models.moe.local_experts``).
+
+* **gradient sync** ``(params, where) -> params``: an identity the model applies to its weights where they
+  enter the computation (``where``: ``"embed"``, ``"layers"`` once per scan step on that step's group of
+  ``layers_per_step`` blocks, ``"head"``); the parallelism layer's version reduces their gradients in its
+  backward (``parallel/grad_sync.py``).  Without one installed nothing is applied and the scan runs one
+  block per step.
 
 The parallelism layer (``parallel/``) installs them (``activation_sharding``,
 ``context_parallelism``, ``expert_parallelism``; ``Parallelism.bind`` enters them inside the jitted
@@ -88,3 +94,31 @@ def attending(fn: SequenceAttention | None) -> Iterator[None]:
         yield
     finally:
         _ATTENTION.reset(token)
+
+
+class GradSync:
+    """What the model asks of an installed gradient sync: ``layers_per_step`` blocks per scan step (a
+    divisor of ``n_layers``) and ``__call__(params, where)``, an identity on a dict of weights."""
+
+    layers_per_step: int = 1
+
+    def __call__(self, params: dict, where: str) -> dict:  # pragma: no cover - an interface
+        return params
+
+
+_GRAD_SYNC: contextvars.ContextVar[GradSync | None] = contextvars.ContextVar("jaxdist_grad_sync", default=None)
+
+
+def grad_sync() -> GradSync | None:
+    """The installed gradient sync, or None (the model's weights are used as they are)."""
+    return _GRAD_SYNC.get()
+
+
+@contextlib.contextmanager
+def syncing_grads(fn: GradSync | None) -> Iterator[None]:
+    """Within this block the model passes its weights through ``fn`` (see :class:`GradSync`).  Nests."""
+    token = _GRAD_SYNC.set(fn)
+    try:
+        yield
+    finally:
+        _GRAD_SYNC.reset(token)

@@ -26,6 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxdist.config import ModelConfig
 from jaxdist.models.attention import attention, cached_attention
 from jaxdist.models.attention import attention_over_cache, causal_attention  # noqa: F401  (re-exported)
+from jaxdist.models import hooks
 from jaxdist.models.hooks import constrain
 from jaxdist.models.moe import (
     DENSE_MLP_KEYS,
@@ -378,13 +379,25 @@ class Transformer(nnx.Module):
         t = tokens.shape[1]
         cos, sin = rotary_tables(jnp.arange(t), cfg.head_dim, cfg.rope_theta, cfg)
 
-        x = embed_tokens(self.embed[...], tokens, cfg)
+        sync = hooks.grad_sync()  # the parallelism layer's gradient reduction points (None: none)
+        table = self.embed[...] if sync is None else sync({"embed": self.embed[...]}, "embed")["embed"]
+        x = embed_tokens(table, tokens, cfg)
 
         def body(x, p):
             return block_forward(p, x, cos, sin, cfg), None
 
         stacked = {k: v[...] for k, v in self.layers.items()}
-        if cfg.moe.experts:  # scan over groups of moe.every blocks, the last of each an MoE block
+        if sync is not None:  # scan steps of k blocks, each group's weights through the sync (dense models)
+            k = sync.layers_per_step
+
+            def body(x, group):
+                group = sync(group, "layers")
+                for j in range(k):
+                    x = block_forward({n: w[j] for n, w in group.items()}, x, cos, sin, cfg)
+                return x, None
+
+            stacked = {n: w.reshape(cfg.n_layers // k, k, *w.shape[1:]) for n, w in stacked.items()}
+        elif cfg.moe.experts:  # scan over groups of moe.every blocks, the last of each an MoE block
 
             def body(x, group):
                 aux = {}
@@ -399,7 +412,10 @@ class Transformer(nnx.Module):
         aux = summarize_aux(aux, cfg) if cfg.moe.experts else {}
 
         weights = {"final_norm": self.final_norm, "embed": self.embed, "lm_head": getattr(self, "lm_head", None)}
-        return head({k: v[...] for k, v in head_params(weights, cfg).items()}, x, cfg), aux
+        hp = {k: v[...] for k, v in head_params(weights, cfg).items()}
+        if sync is not None:  # the tied table went through the sync once, at the embedding
+            hp = {**hp, **sync({k: v for k, v in hp.items() if k != "embed"}, "head"), "embed": table}
+        return head(hp, x, cfg), aux
 
 
 def _with_remat(fn: Callable, policy: Any) -> Callable:

@@ -50,6 +50,9 @@ _ARRAY = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _COMP_HEAD = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->.*\{\s*$")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([a-z][\w\-]*)\((.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_GROUPS = re.compile(
+    r"(replica_groups|source_target_pairs)=(\[[0-9,]*\]<=\[[0-9,]*\](T\([0-9,]*\))?|mesh\[[^\]]*\][^{]*\{[^}]*\}|\{(\{[0-9,]*\},?)*\})"
+)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Collective:
     count: int
     computation: str
     op_name: str
+    groups: str = ""  # the replica groups (or source-target pairs) as written in the HLO
 
     @property
     def total_bytes(self) -> int:
@@ -170,7 +174,18 @@ def parse_collectives(hlo_text: str, n_devices: int | None = None) -> list[Colle
                     nbytes = array_bytes(type_text) // 2 if kind != "collective-permute" else nbytes // 2
                 if kind == "reduce-scatter":
                     nbytes *= group
-                found.append(Collective(kind, nbytes, group, times, name, op_name.group(1) if op_name else ""))
+                groups = _GROUPS.search(rest)
+                found.append(
+                    Collective(
+                        kind,
+                        nbytes,
+                        group,
+                        times,
+                        name,
+                        op_name.group(1) if op_name else "",
+                        groups.group(0) if groups else "",
+                    )
+                )
             if op.endswith("-done") or op == "fusion":
                 continue
             for callee, n in _callees(rest):

@@ -33,6 +33,9 @@ from jaxdist.hf.load import load_params
 from jaxdist.models import create_abstract, init_params
 from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.cluster import load_cluster
+from jaxdist.parallel.comm import plan_comm, xla_gpu_options
+from jaxdist.parallel.consistency import check_same_collectives, coordination_store
+from jaxdist.parallel.grad_sync import per_block_grads_fn
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh, mesh_devices
 from jaxdist.remat.named import remat_policy
@@ -74,6 +77,14 @@ class Trainer:
         self.is_main = jax.process_index() == 0
         self.run_dir = c.run_dir
 
+        # The gradient collectives' buckets and issue points (jaxdist comm plan); per_block applies them, and on
+        # GPUs under automatic sharding the XLA options below follow them.
+        dense = not c.model.moe.experts
+        self.comm_plan = (
+            plan_comm(c.model, dict(self.mesh.shape), self.cluster, c.train.grad_bucket_bytes) if dense else None
+        )
+        gpu_auto = self.devices[0].platform == "gpu" and c.train.grad_sync == "end" and dense
+        self.xla_options = xla_gpu_options(self.comm_plan) if gpu_auto else {}
         self._build_model()  # remat policy, abstract sharded model, optimizer, state shardings
         self._build_programs()  # the jitted init, train and eval functions (compiled on first use)
         self._build_data()  # the source, the batch list at its cursor, the eval batches
@@ -87,6 +98,7 @@ class Trainer:
         self.state: dict | None = None
         self._compiled_step = None  # compiled_train_step()
         self._hardware_flops: float | None = None  # hardware_flops_per_step()
+        self.collectives_hash: str | None = None  # the step's collectives, checked equal in every process by fit
         self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
         self.skipped_steps: list[int] = []  # steps skipped for a non-finite loss or gradient norm (skip_nonfinite)
         self._build_checkpoints()  # the persistent tier and the node-local one
@@ -164,7 +176,7 @@ class Trainer:
                     self.schedule,
                     c.train.microbatches,
                     c.train.grad_clip,
-                    grads_fn=self.parallelism.pipeline_grads_fn(c),
+                    grads_fn=self._grads_fn(),
                 )
             ),
             in_shardings=(self.state_shardings, self.batch_sharding),
@@ -176,6 +188,15 @@ class Trainer:
             in_shardings=(self.state_shardings["params"], self.batch_sharding),
             out_shardings=self.replicated,
         )
+
+    def _grads_fn(self):
+        """The pipeline executor's gradients, per_block's shard_map (train.grad_sync), or None (the model's own)."""
+        c = self.config
+        if c.train.grad_sync == "per_block":
+            return per_block_grads_fn(
+                self.graphdef, c.model, self.mesh, self.rules, self.param_shardings, self.comm_plan
+            )
+        return self.parallelism.pipeline_grads_fn(c)
 
     def _build_data(self) -> None:
         """The data source, the run's batch list (exact order across restarts) and the eval sampler."""
@@ -357,7 +378,8 @@ class Trainer:
         batch = jax.ShapeDtypeStruct(
             (self.config.train.batch_size, self.config.train.seq_len + 1), jax.numpy.int32, sharding=self.batch_sharding
         )
-        return self._train_step.lower(self.abstract_state(), batch).compile()
+        lowered = self._train_step.lower(self.abstract_state(), batch)
+        return lowered.compile(compiler_options=self.xla_options) if self.xla_options else lowered.compile()
 
     def compiled_train_step(self):
         """The train step compiled for this run's shapes, compiled once and reused (what ``fit`` calls)."""
@@ -402,6 +424,11 @@ class Trainer:
             return []
         # Where the host spends the loop's time (the controller agent's efficiency records and stuck-rank view).
         self.loop_clock = LoopClock(c.train.batch_size // jax.process_count(), start + 1)
+        if jax.process_count() > 1 and self.collectives_hash is None:  # same collectives everywhere, or no start
+            kv_set, kv_get = coordination_store()
+            self.collectives_hash = check_same_collectives(
+                self.compiled_train_step().as_text(), jax.process_index(), jax.process_count(), kv_set, kv_get
+            )
         window = MetricsWindow(
             self.metrics,
             self.tokens_per_step,

@@ -1,0 +1,224 @@
+"""Gradient communication plan: which blocks' gradients are reduced together, by which collective, and when.
+
+In data-parallel and FSDP training every replica must reduce each block's gradient.  Reducing them all after
+the backward pass leaves the links idle while the devices compute, then the devices idle while the links
+work; reducing them block by block overlaps the two, but only if every device issues the same collectives in
+the same order.  :func:`plan_comm` decides that order, from the model alone (so it is the same everywhere):
+
+* **Blocks in backward order**: the output head (final norm and ``lm_head``; with tied embeddings the head's
+  gradient lands on the embedding and travels with it), the layers from last to first, the embedding.
+* **Buckets**: consecutive layers whose gradients together stay within a size threshold travel as one
+  collective.  The layers are scanned, so every bucket holds the same number ``k`` of layers (the largest
+  divisor of ``n_layers`` whose bucket fits the threshold; at least one).
+* **Threshold** (``train.grad_bucket_bytes``; 0 = default): ``10 x n x latency x bandwidth`` of the link the
+  data axes use, n the devices in the reduction.  A ring all-reduce of S bytes over n devices costs about
+  ``2 (n-1) latency + 2 (n-1)/n S / bandwidth``; at ``S = 10 n latency bandwidth`` the latency term is about a
+  tenth of the transfer term, so a bucket pays little for being small while the overlap gains from many.
+* **Collective**: all-reduce over ``data`` (one, of the bucket's weights together); with ``fsdp > 1`` first a
+  reduce-scatter over ``fsdp`` per weight (the transpose of the forward's all-gather), then the all-reduce
+  over ``data`` of the scattered shards.
+* **Issue point**: right after the backward of the bucket's last block (in backward order).
+
+Nothing here imports JAX: ``jaxdist comm plan`` prints the table before any device starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from jaxdist.cluster import ClusterSpec
+from jaxdist.config import ConfigError, ModelConfig
+from jaxdist.models.arithmetic import DTYPE_BYTES
+from jaxdist.models.names import block_param_specs
+
+# Logical names split over the tensor axis and over fsdp (jaxdist.parallel.rules.DEFAULT_RULES says the same).
+_TENSOR_NAMES = ("heads", "kv_heads", "mlp", "vocab")
+_FSDP_NAMES = ("embed",)
+# Multiplies n x latency x bandwidth in the default threshold (the latency term ~ a tenth of the transfer).
+THRESHOLD_FACTOR = 10
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One gradient collective of a step.
+
+    ``blocks``: the blocks whose gradients it carries, in backward order (``head``, ``layer 31``, ...,
+    ``embed``); ``bytes``: gradient bytes per device entering it (fsdp-gathered, tensor-split);
+    ``reduced_bytes``: what each device holds after it (``bytes / fsdp``); ``collective``: e.g.
+    ``reduce-scatter(fsdp) + all-reduce(data)``; ``issue_after``: the backward step after which it is issued.
+    """
+
+    index: int
+    blocks: tuple[str, ...]
+    bytes: int
+    reduced_bytes: int
+    collective: str
+    issue_after: str
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """The gradient collectives of one step, in the order every device issues them (:func:`plan_comm`).
+
+    ``threshold_bytes``: the bucket size limit used; ``layers_per_bucket``: k, layers per layer bucket;
+    ``link``: ``intra`` or ``inter`` (node link the data axes use); ``bandwidth`` (bytes/s), ``latency`` (s);
+    ``reduce_devices``: devices in one gradient reduction (data x fsdp).
+    """
+
+    buckets: tuple[Bucket, ...]
+    threshold_bytes: int
+    threshold_rule: str
+    layers_per_bucket: int
+    link: str
+    bandwidth: float
+    latency: float
+    reduce_devices: int
+    axis_sizes: tuple[tuple[str, int], ...]
+
+    def table(self) -> str:
+        """The plan as a printable table, one row per bucket, with the threshold and its rule above it."""
+        sizes = " ".join(f"{a}={n}" for a, n in self.axis_sizes if n > 1) or "one device"
+        lines = [
+            f"gradient collectives per step: {len(self.buckets)} buckets, {self.layers_per_bucket} layer(s) per "
+            f"layer bucket; mesh {sizes}; {self.reduce_devices} devices per reduction over the {self.link}-node "
+            f"link ({self.bandwidth / 1e9:.4g} GB/s, {self.latency * 1e6:.4g} us)",
+            f"threshold {_fmt_bytes(self.threshold_bytes)}: {self.threshold_rule}",
+            f"{'#':>3}  {'blocks':<22} {'bytes in':>10} {'bytes out':>10}  {'collective':<36} issued after",
+        ]
+        for b in self.buckets:
+            names = b.blocks[0] if len(b.blocks) == 1 else f"{b.blocks[0]} .. {b.blocks[-1].split()[-1]}"
+            lines.append(
+                f"{b.index:>3}  {names:<22} {_fmt_bytes(b.bytes):>10} {_fmt_bytes(b.reduced_bytes):>10}  "
+                f"{b.collective:<36} {b.issue_after}"
+            )
+        return "\n".join(lines)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.4g} {unit}"
+    return f"{int(n)} B"
+
+
+def local_elements(shape: tuple[int, ...], names: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[int, int]:
+    """(elements per device before the gradient reduction, after it) of one weight of ``shape`` with logical
+    ``names``: tensor-split dimensions (heads, kv_heads, mlp, vocab) divided by ``tensor`` where it divides
+    them; after a reduce-scatter the ``embed`` dimension is also divided by ``fsdp`` where it divides it."""
+    tensor, fsdp = sizes.get("tensor", 1), sizes.get("fsdp", 1)
+    before, after = 1, 1
+    for n, name in zip(shape, names):
+        if name in _TENSOR_NAMES and n % tensor == 0:
+            n //= tensor
+        before *= n
+        after *= n // fsdp if name in _FSDP_NAMES and n % fsdp == 0 else n
+    return before, after
+
+
+def block_grad_bytes(m: ModelConfig, sizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+    """Gradient bytes per device (before, after the reduction) of each block kind: ``layer`` (one dense
+    layer), ``head`` (final norm + lm_head; 0 with tied embeddings), ``embed`` (the table)."""
+    if m.moe.experts:
+        raise ConfigError("the gradient communication plan covers dense models: set model.moe.experts=0.")
+    width = DTYPE_BYTES[m.param_dtype]
+    layer = [local_elements(s, n, sizes) for s, n in block_param_specs(m).values()]
+    d, v = m.d_model, m.vocab_size
+    head = [local_elements((d,), ("norm",), sizes)]
+    if not m.tie_embeddings:
+        head.append(local_elements((d, v), ("embed", "vocab"), sizes))
+    embed = local_elements((v, d), ("vocab", "embed"), sizes)
+    return {
+        "layer": (sum(b for b, _ in layer) * width, sum(a for _, a in layer) * width),
+        "head": (sum(b for b, _ in head) * width, sum(a for _, a in head) * width),
+        "embed": (embed[0] * width, embed[1] * width),
+    }
+
+
+def default_threshold(bandwidth: float, latency: float, devices: int) -> int:
+    """Bucket size limit (bytes): ``THRESHOLD_FACTOR x devices x latency x bandwidth`` (see the module docstring)."""
+    return int(THRESHOLD_FACTOR * max(devices, 2) * latency * bandwidth)
+
+
+def plan_comm(
+    m: ModelConfig,
+    sizes: Mapping[str, int],
+    cluster: ClusterSpec,
+    threshold_bytes: int = 0,
+) -> CommPlan:
+    """The gradient collectives of one training step of model ``m`` on a mesh of axis ``sizes`` (data, fsdp,
+    tensor, ...) on ``cluster``; ``threshold_bytes`` 0 = :func:`default_threshold`.  Pure."""
+    data, fsdp = sizes.get("data", 1), sizes.get("fsdp", 1)
+    n = data * fsdp
+    # The data axes are the ones allowed to cross nodes (jaxdist.cluster.NODE_LOCAL_AXES): over the inter-node
+    # link when the cluster has several nodes and the reduction spans more devices than a node holds.
+    inter = cluster.nodes > 1 and n * math.prod(v for a, v in sizes.items() if a not in ("data", "fsdp")) > (
+        cluster.devices_per_node
+    )
+    bw = cluster.inter_node_bandwidth if inter else cluster.intra_node_bandwidth
+    lat = cluster.inter_node_latency if inter else cluster.intra_node_latency
+    if threshold_bytes < 0:
+        raise ConfigError(f"train.grad_bucket_bytes={threshold_bytes} must be 0 (the default rule) or positive.")
+    if threshold_bytes:
+        threshold, rule = threshold_bytes, "train.grad_bucket_bytes"
+    else:
+        threshold = default_threshold(bw, lat, n)
+        rule = (
+            f"{THRESHOLD_FACTOR} x {max(n, 2)} devices x {lat * 1e6:.4g} us x {bw / 1e9:.4g} GB/s "
+            "(latency about a tenth of the transfer time)"
+        )
+    grads = block_grad_bytes(m, sizes)
+    layer_in, layer_out = grads["layer"]
+    k = max([d for d in range(1, m.n_layers + 1) if m.n_layers % d == 0 and d * layer_in <= threshold], default=1)
+    kind = "all-reduce(data)" if fsdp == 1 else "reduce-scatter(fsdp) + all-reduce(data)"
+    buckets: list[Bucket] = []
+
+    def add(blocks: tuple[str, ...], nbytes: int, reduced: int, after: str) -> None:
+        buckets.append(Bucket(len(buckets), blocks, nbytes, reduced, kind, after))
+
+    # With tied embeddings the head bucket holds the final norm only: the table's gradient is complete at the end.
+    add(("head",), *grads["head"], "backward of head")
+    for top in range(m.n_layers - 1, -1, -k):
+        blocks = tuple(f"layer {i}" for i in range(top, top - k, -1))
+        add(blocks, k * layer_in, k * layer_out, f"backward of layer {top - k + 1}")
+    add(("embed",), *grads["embed"], "backward of embed")
+    return CommPlan(
+        tuple(buckets), threshold, rule, k, "inter" if inter else "intra", bw, lat, n, tuple(sorted(sizes.items()))
+    )
+
+
+def plan_for_config(config, cluster: ClusterSpec) -> CommPlan:
+    """:func:`plan_comm` of a whole Config: its model, ``mesh`` axis sizes (``data=-1`` filled from the cluster's
+    devices) and ``train.grad_bucket_bytes``; ConfigError if the mesh does not fit the cluster."""
+    sizes = config.mesh.resolved(cluster.n_devices)
+    return plan_comm(config.model, sizes, cluster, config.train.grad_bucket_bytes)
+
+
+def xla_gpu_options(plan: CommPlan) -> dict[str, bool | int]:
+    """XLA compiler options for a GPU train step under automatic sharding (``train.grad_sync=end``), from ``plan``.
+
+    * ``xla_gpu_enable_latency_hiding_scheduler``: schedule each asynchronous collective's start as early and
+      its done as late as the data allow, so a block's gradient reduction runs under the backward of the
+      blocks below it (XLA's own form of ``per_block``);
+    * ``xla_gpu_all_reduce_combine_threshold_bytes``, ``..._reduce_scatter_...`` and ``..._all_gather_...``:
+      the combiner passes merge neighbouring collectives up to this size, set to the plan's largest bucket so
+      XLA forms the plan's buckets (one layer bucket per combined collective) rather than its defaults
+      (which may merge the whole backward's reductions into one at the end).
+
+    Options go to ``jax.jit(...).lower(...).compile(compiler_options=...)``: per program, no XLA_FLAGS needed.
+    """
+    largest = max(b.bytes for b in plan.buckets)
+    return {
+        "xla_gpu_enable_latency_hiding_scheduler": True,
+        "xla_gpu_all_reduce_combine_threshold_bytes": largest,
+        "xla_gpu_reduce_scatter_combine_threshold_bytes": largest,
+        "xla_gpu_all_gather_combine_threshold_bytes": largest,
+    }
+
+
+def describe_xla_options(options: dict) -> str:
+    """One line for the console: the XLA options the plan set (or that none were)."""
+    if not options:
+        return "XLA collective options: none set (only GPUs under train.grad_sync=end take them)"
+    return "XLA collective options from the gradient plan: " + " ".join(f"--{k}={v}" for k, v in options.items())
