@@ -49,6 +49,9 @@ def first_difference(mine: list[str], theirs: list[str], me: int, other: int) ->
     return None
 
 
+_ROUNDS: dict[tuple[str, int], int] = {}  # checks made so far, per tag and process
+
+
 def check_same_collectives(
     hlo_text: str, process: int, processes: int, kv_set: Callable, kv_get: Callable, tag: str = "step"
 ) -> str:
@@ -59,6 +62,10 @@ def check_same_collectives(
     """
     seq = collective_sequence(hlo_text)
     digest = sequence_hash(seq)
+    # A key is written once per job: a process that checks again (another Trainer, another fit) uses the next
+    # round's keys; every process checks in the same order, so their rounds match.
+    n = _ROUNDS[(tag, process)] = _ROUNDS.get((tag, process), -1) + 1
+    tag = f"{tag}/{n}"
     kv_set(f"jaxdist/collectives/{tag}/{process}", json.dumps({"hash": digest, "seq": seq}))
     for other in range(processes):
         if other == process:

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import json
+
 import pytest
 
 from jaxdist.config import ConfigError
@@ -49,14 +51,23 @@ def test_sequence_and_first_difference():
     # Over a store shared by two "processes": equal passes, a difference raises in both.
     store: dict[str, str] = {}
     args = (store.__setitem__, lambda k, ms: store[k])
-    with pytest.raises(KeyError):  # process 1 publishes its list, then finds process 0's missing (a plain dict)
-        check_same_collectives(HLO, 1, 2, *args, tag="a")
-    assert check_same_collectives(HLO, 0, 2, *args, tag="a") == check_same_collectives(HLO, 1, 2, *args, tag="a")
+    digest = None
+    for n in (0, 1):  # two checks (two fits): each round has its own keys, none is overwritten
+        with pytest.raises(KeyError):  # process 1 publishes its list, then finds process 0's missing (a plain dict)
+            check_same_collectives(HLO, 1, 2, *args, tag="a")
+        digest = check_same_collectives(HLO, 0, 2, *args, tag="a")  # process 0 finds process 1's: equal
+        assert json.loads(store[f"jaxdist/collectives/a/{n}/1"])["hash"] == digest
+    assert {k for k in store if k.startswith("jaxdist/collectives/a/")} == {
+        f"jaxdist/collectives/a/{n}/{p}" for n in (0, 1) for p in (0, 1)
+    }
     with pytest.raises(KeyError):
         check_same_collectives(other, 1, 2, *args, tag="b")
-    for me in (0, 1):  # both processes refuse, naming the same first difference
-        with pytest.raises(ConfigError, match=r"compiled different train steps, .*: collective #1 .* in process 1"):
-            check_same_collectives(HLO if me == 0 else other, me, 2, *args, tag="b")
+    with pytest.raises(ConfigError, match=r"compiled different train steps, .*: collective #1 .* in process 1"):
+        check_same_collectives(HLO, 0, 2, *args, tag="b")  # process 0 refuses, naming the first difference
+    with pytest.raises(KeyError):
+        check_same_collectives(HLO, 0, 2, *args, tag="c")
+    with pytest.raises(ConfigError, match=r"compiled different train steps, .*: collective #1 .* in process 1"):
+        check_same_collectives(other, 1, 2, *args, tag="c")  # and so does process 1, the same sentence
 
 
 # --------------------------------------------------------------------------- two processes
