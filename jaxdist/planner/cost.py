@@ -369,6 +369,7 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
             )
 
     chunks = in_flight(s)[0]  # seq1f1b: every block pass is over 1/chunks of a sequence
+    ctx = ("context",) if s.context > 1 else ()  # weights are replicated over context: reduce over it too
     X_chunk = X / chunks
     for b in view.blocks:
         per_layer = math.ceil(b.count / p) * m
@@ -393,10 +394,10 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
         # weights are replicated over it, each device differentiates its own tokens).
         if F > 1 and D * s.context > 1:
             add("gradient reduce (fsdp)", "all-reduce", ("fsdp",), gathered * pb, per_layer)
-            add("gradient reduce (data)", "all-reduce", ("data", "context"), matmul * pb, per_layer)
-            add("gradient reduce (norms)", "all-reduce", ("data", "fsdp", "context"), norms * pb, per_layer)
+            add("gradient reduce (data)", "all-reduce", ("data", *ctx), matmul * pb, per_layer)
+            add("gradient reduce (norms)", "all-reduce", ("data", "fsdp", *ctx), norms * pb, per_layer)
         else:
-            add("gradient reduce", "all-reduce", ("data", "fsdp", "context"), (gathered + norms) * pb, per_layer)
+            add("gradient reduce", "all-reduce", ("data", "fsdp", *ctx), (gathered + norms) * pb, per_layer)
         if b.dispatch_rows:
             # Tokens to their experts and back, forward and backward.
             add("expert all-to-all", "all-to-all", ("expert",), X * b.dispatch_rows, 4 * per_layer, overlappable=False)
@@ -406,7 +407,7 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
     add("embedding gather (fsdp)", "all-gather", ("fsdp",), E / vocab_shards, 2)
     add("embedding lookup all-reduce", "all-reduce", ("tensor",), X, m, overlappable=False)
     add("logits softmax all-reduce", "all-reduce", ("tensor",), X + 4 * S, m, overlappable=False)
-    add("embedding gradient reduce", "all-reduce", ("data", "fsdp", "context"), E + E / vocab_shards + d * pb, m)
+    add("embedding gradient reduce", "all-reduce", ("data", "fsdp", *ctx), E + E / vocab_shards + d * pb, m)
     for ring in ring_collectives(view, s, local_rows, remat.recompute == 1.0):
         add(**ring, overlappable=False)  # exposed: what a hop's transfer exceeds its block's compute
     if p > 1:
