@@ -95,7 +95,8 @@ def measure_context(preset: str, seq: int, impl: str, context: int, block: int, 
             f"mesh.context={context}",
             "mesh.data=1",
             "train.batch_size=1",
-            f"data.max_bytes={max(200000, 4 * seq)}",
+            f"data.max_bytes={max(200000, 64 * seq)}",
+            "data.eval_fraction=0.5",  # the eval split needs a window of seq + 1 tokens,
         ]
     )
     t0 = time.perf_counter()

@@ -33,15 +33,16 @@ from jaxdist.planner.candidates import Strategy
 from jaxdist.planner.computation import ComputationView, computation_view
 
 # Score tiles (heads x block x block, float32) XLA keeps live at once while a layer's ring is
-# differentiated: about two for the device's own block and two per hop (the unrolled hops overlap).  Read
-# from the buffer assignment of the compiled step (small model, seq 4096, blocks of 512: 6 to 12 tiles of
-# 4 MiB live at the peak for context 2 and 4); with this count the whole prediction is within 7% of the
-# compiled peak for the tiny and small models at 1k-4k tokens, context 2 and 4 (tests/planner/test_context.py).
+# differentiated: about two for the device's own block and two per hop, with at most two hops live (the
+# middle hops run in a loop, jaxdist.parallel.context).  Read from the buffer assignment of the compiled
+# step (small model, seq 4096, blocks of 512: 6 tiles of 4 MiB for context 2; the loop took 4 off the
+# unrolled ring's 10 for context 4); tests/planner/test_context.py holds the whole prediction to the
+# compiled peak.
 
 
 def live_score_tiles(context: int) -> int:
     """Score tiles of one block pair live at the peak of a layer's backward with ``context`` devices."""
-    return 2 + 2 * context
+    return 2 + 2 * min(context, 2)
 
 
 def ring_view(view: ComputationView, s: Strategy) -> ComputationView:

@@ -131,7 +131,7 @@ def test_cli_plan_names_the_context_axis(tmp_path):
 
 # Compiled step (Trainer, adam, blockwise attention) of the tiny model at 1024 tokens, blocks of 128, batch 1,
 # on 1, 2 and 4 devices; tolerance 10 % (the fitted memory model's in-sample worst is 8 %).  Measured here:
-# prediction / compiled = 0.933, 1.063, 0.953 (17.2 / 18.5, 11.3 / 10.6, 8.1 / 8.5 MiB).  Context 2 exercises
+# prediction / compiled = 0.933, 1.063, 0.980 (17.2 / 18.5, 11.3 / 10.6, 7.1 / 7.2 MiB).  Context 2 exercises
 # every ring term; 1 is the model without the ring (also tests/planner/test_measured.py) and 4 compiles twice
 # as many hops: slow.
 @pytest.mark.parametrize(
