@@ -138,6 +138,11 @@ def context_table(args) -> None:
             f"| {impl} | {c} | {r['peak_mib']:.0f} | {r['predicted_mib']:.0f} | {ratio} | {ideal} | {step} | {fits} |",
             flush=True,
         )
+    print(
+        "# What does not shrink with context: the weights, gradients and adam state (replicated over context;\n"
+        "# 16 bytes per parameter), the ring's score tiles (about 6 x heads x block^2 float32, fixed by\n"
+        "# model.attention_block, not by the sequence) and its key/value block in transit; the rest is per T/c."
+    )
 
 
 def main() -> None:
