@@ -9,8 +9,16 @@ warmup, each waited on with ``block_until_ready``; a program whose planned peak 
 (default: 60% of this machine's available memory) is compiled but not run.  The last columns are the ratios
 xla / blockwise.
 
-    python benchmarks/attention.py                      # 1k, 4k, 16k on one CPU device, a few minutes
-    python benchmarks/attention.py --seqs 1024,2048 --block 256 --steps 3
+The second table (``--context-seq``, default 16384; ``--contexts 1,2,4,8``) is the whole compiled train step
+(the Trainer's: forward, backward, adam update) of the same model, batch 1, with the sequence split over
+``mesh.context`` devices of the 8 simulated CPU devices: peak memory per device (memory_analysis), the
+planner's prediction for that strategy, ``peak(1) / peak(c)`` against the ideal ``c``, and a step time
+(one timed step after one warmup; ``--context-steps 0`` compiles only).  Its first row is ``xla`` attention on
+one device.  ``--budget-mib`` (default 512) is a per-device budget: the last column says which rows fit it.
+
+    python benchmarks/attention.py                      # 1k, 4k, 16k on one CPU device, then the context rows
+    python benchmarks/attention.py --seqs 1024,2048 --block 256 --steps 3 --context-seq 4096
+    python benchmarks/attention.py --seqs '' --context-steps 0     # the context rows only, compile only
 """
 
 from __future__ import annotations
@@ -67,6 +75,76 @@ def measure(preset: str, seq: int, impl: str, block: int, steps: int, budget_gib
     return out
 
 
+def measure_context(preset: str, seq: int, impl: str, context: int, block: int, steps: int) -> dict:
+    """{'peak_mib', 'predicted_mib', 'step_s' (None: not run), 'compile_s'} of the Trainer's step with the
+    sequence split over ``context`` devices (batch 1)."""
+    import jax
+
+    from jaxdist.measure.steps import measure_step, measurement_config
+    from jaxdist.planner.candidates import strategy_of
+    from jaxdist.planner.computation import computation_view
+    from jaxdist.planner.cost import memory
+
+    cfg = measurement_config(
+        [
+            f"model={preset}",
+            f"model.max_seq_len={seq}",
+            f"train.seq_len={seq}",
+            f"model.attention={impl}",
+            f"model.attention_block={block}",
+            f"mesh.context={context}",
+            "mesh.data=1",
+            "train.batch_size=1",
+            f"data.max_bytes={max(200000, 64 * seq)}",
+            "data.eval_fraction=0.5",  # the eval split needs a window of seq + 1 tokens,
+        ]
+    )
+    t0 = time.perf_counter()
+    m = measure_step(cfg, jax.devices()[:context], steps=steps, warmup=1)
+    predicted = memory(computation_view(cfg.model, seq), strategy_of(cfg, context), 1).total
+    return {
+        "peak_mib": m.memory_bytes / 2**20,
+        "predicted_mib": predicted / 2**20,
+        "step_s": m.step_time,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def context_table(args) -> None:
+    """The context rows: peak per device falling with context, and the budget demonstration."""
+    seq = args.context_seq
+    print(
+        f"\n# context rows: {args.preset}, seq {seq}, batch 1, Trainer step (adam), block {args.block}; "
+        f"per-device budget {args.budget_mib} MiB"
+    )
+    head = (
+        "| attention | context | peak MiB/device | planner MiB | peak(1)/peak(c) | of ideal c | step s | fits budget |"
+    )
+    print(head)
+    print("|" + "---|" * head.count(" | ") + "---|")
+    rows = [("xla", 1)] + [("blockwise", int(c)) for c in args.contexts.split(",")]
+    base = None
+    for impl, c in rows:
+        # xla at long sequences is compiled only: its [T, T] scores would not fit this machine's memory
+        steps = 0 if impl == "xla" and seq > 4096 else args.context_steps
+        r = measure_context(args.preset, seq, impl, c, args.block, steps)
+        if impl == "blockwise" and c == 1:
+            base = r["peak_mib"]
+        ratio = f"{base / r['peak_mib']:.2f}" if base and impl == "blockwise" else "-"
+        ideal = f"{base / r['peak_mib'] / c:.0%}" if base and impl == "blockwise" else "-"
+        step = f"{r['step_s']:.2f}" if r["step_s"] else "compile only"
+        fits = "yes" if r["peak_mib"] <= args.budget_mib else "no"
+        print(
+            f"| {impl} | {c} | {r['peak_mib']:.0f} | {r['predicted_mib']:.0f} | {ratio} | {ideal} | {step} | {fits} |",
+            flush=True,
+        )
+    print(
+        "# What does not shrink with context: the weights, gradients and adam state (replicated over context;\n"
+        "# 16 bytes per parameter), the ring's score tiles (about 6 x heads x block^2 float32, fixed by\n"
+        "# model.attention_block, not by the sequence) and its key/value block in transit; the rest is per T/c."
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="small")
@@ -74,8 +152,12 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=512, help="model.attention_block of the blockwise runs (tokens)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--budget-gib", type=float, default=0.6 * available_gib())
+    ap.add_argument("--context-seq", type=int, default=16384, help="sequence of the context rows (0: none)")
+    ap.add_argument("--contexts", default="1,2,4,8", help="mesh.context sizes of the context rows")
+    ap.add_argument("--context-steps", type=int, default=1, help="timed steps per context row (0: compile only)")
+    ap.add_argument("--budget-mib", type=float, default=512, help="per-device budget of the context rows (MiB)")
     args = ap.parse_args()
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     import jax
 
     print(
@@ -88,7 +170,7 @@ def main() -> None:
     )
     print(head)
     print("|" + "---|" * head.count(" | ") + "---|")
-    for seq in (int(s) for s in args.seqs.split(",")):
+    for seq in (int(s) for s in args.seqs.split(",") if s):
         r = {
             impl: measure(args.preset, seq, impl, args.block, args.steps, args.budget_gib)
             for impl in ("xla", "blockwise")
@@ -104,6 +186,8 @@ def main() -> None:
             f"{x['peak_mib'] / b['peak_mib']:.1f} | {ratio} |",
             flush=True,
         )
+    if args.context_seq:
+        context_table(args)
 
 
 if __name__ == "__main__":

@@ -81,11 +81,6 @@ def cmd_plan(args) -> int:
         bad = [a for a in axes if a not in MESH_AXES]
         if bad:
             raise ConfigError(f"--axes names unknown axes {', '.join(bad)}: use some of {', '.join(MESH_AXES)}.")
-        if "context" in axes:  # the planner has no cost model of the ring yet (jaxdist/parallel/context.py)
-            raise ConfigError(
-                "--axes context: the planner does not model the context axis yet; set mesh.context yourself "
-                "and leave it out of --axes."
-            )
     calibration = load_calibration(args.calibration) if args.calibration else None
     fraction = 0.9  # the planner's usable share; train.memory_budget_bytes, when set, is the usable bytes
     if cfg.train.memory_budget_bytes and cfg.mesh.cluster != "live":

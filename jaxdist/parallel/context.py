@@ -123,22 +123,29 @@ def _ring_forward(q, k, v, context, block):
         o2, l2 = _merge(o[:, h:], lse[..., h:], *_partial(qb, kb, vb, block, 2 * h))
         return jnp.concatenate([o[:, :h], o2], axis=1), jnp.concatenate([lse[..., :h], l2], axis=3)
 
-    cur = (k, v)
-    for t in range(context):
-        # Send this block on before computing with it: the transfer has no dependency on the compute, so XLA
-        # can overlap the next block's ppermute with this block's attention.
-        nxt = jax.lax.ppermute(cur, AXIS, _ring_perm(context)) if t + 1 < context else None
+    def hop(t, o, lse, cur):
         kb, vb = cur
-        if t == 0:  # the device's own block: chunk a causal, chunk b sees a whole and b causally
-            o_a, l_a = _partial(qa, kb[:, :h], vb[:, :h], block, 0)
-            o_b, l_b = _merge(
-                *_partial(qb, kb[:, :h], vb[:, :h], block, h), *_partial(qb, kb[:, h:], vb[:, h:], block, 0)
-            )
-            o, lse = jnp.concatenate([o_a, o_b], axis=1), jnp.concatenate([l_a, l_b], axis=3)
-        else:
-            src = (me - t) % context
-            o, lse = jax.lax.cond(src < me, lower, upper, o, lse, kb, vb)
-        cur = nxt
+        return jax.lax.cond((me - t) % context < me, lower, upper, o, lse, kb, vb)
+
+    # Each hop sends its block on before computing with it: the transfer has no dependency on the compute, so
+    # XLA can overlap the next block's ppermute with this block's attention.  The middle hops run in a loop
+    # (not unrolled) so that one hop's score tiles are live at a time, whatever the ring's size.
+    cur = (k, v)
+    nxt = jax.lax.ppermute(cur, AXIS, _ring_perm(context)) if context > 1 else None
+    kb, vb = cur  # the device's own block: chunk a causal, chunk b sees a whole and b causally
+    o_a, l_a = _partial(qa, kb[:, :h], vb[:, :h], block, 0)
+    o_b, l_b = _merge(*_partial(qb, kb[:, :h], vb[:, :h], block, h), *_partial(qb, kb[:, h:], vb[:, h:], block, 0))
+    o, lse = jnp.concatenate([o_a, o_b], axis=1), jnp.concatenate([l_a, l_b], axis=3)
+
+    def middle(t, carry):
+        o, lse, cur = carry
+        nxt = jax.lax.ppermute(cur, AXIS, _ring_perm(context))
+        o, lse = hop(t, o, lse, cur)
+        return o, lse, nxt
+
+    if context > 1:
+        o, lse, cur = jax.lax.fori_loop(1, context - 1, middle, (o, lse, nxt))
+        o, lse = hop(context - 1, o, lse, cur)  # the last hop sends nothing on
     return o, lse
 
 
@@ -163,25 +170,36 @@ def _ring_backward(q, k, v, out, lse, dout, context, block):
         dq, dk, dv = grads(q[:, h:], kb, vb, second, 2 * h)
         return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
-    dq = jnp.zeros(q.shape, jnp.float32)
-    kv = (k, v)
-    dkv = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    for t in range(context):
-        nxt = jax.lax.ppermute(kv, AXIS, _ring_perm(context)) if t + 1 < context else None  # overlaps the compute
+    def own(kb, vb):  # the device's own block (hop 0)
+        dqa, dka, dva = grads(q[:, :h], kb[:, :h], vb[:, :h], first, 0)
+        dqb1, dka1, dva1 = grads(q[:, h:], kb[:, :h], vb[:, :h], second, h)
+        dqb2, dkb2, dvb2 = grads(q[:, h:], kb[:, h:], vb[:, h:], second, 0)
+        ddq = jnp.concatenate([dqa, dqb1 + dqb2], axis=1)
+        ddk = jnp.concatenate([dka + dka1, dkb2], axis=1)
+        ddv = jnp.concatenate([dva + dva1, dvb2], axis=1)
+        return ddq, ddk, ddv
+
+    def hop(t, dq, dkv, kv):
         kb, vb = kv
-        if t == 0:
-            dqa, dka, dva = grads(q[:, :h], kb[:, :h], vb[:, :h], first, 0)
-            dqb1, dka1, dva1 = grads(q[:, h:], kb[:, :h], vb[:, :h], second, h)
-            dqb2, dkb2, dvb2 = grads(q[:, h:], kb[:, h:], vb[:, h:], second, 0)
-            ddq = jnp.concatenate([dqa, dqb1 + dqb2], axis=1)
-            ddk = jnp.concatenate([dka + dka1, dkb2], axis=1)
-            ddv = jnp.concatenate([dva + dva1, dvb2], axis=1)
-        else:
-            ddq, ddk, ddv = jax.lax.cond((me - t) % context < me, lower, upper, kb, vb)
-        dq = dq + ddq
+        ddq, ddk, ddv = jax.lax.cond((me - t) % context < me, lower, upper, kb, vb)
         # The gradient of the block held now goes on with it; after `context` moves it is back with its owner.
-        dkv = jax.lax.ppermute((dkv[0] + ddk, dkv[1] + ddv), AXIS, _ring_perm(context))
-        kv = nxt
+        return dq + ddq, jax.lax.ppermute((dkv[0] + ddk, dkv[1] + ddv), AXIS, _ring_perm(context))
+
+    kv = (k, v)
+    nxt = jax.lax.ppermute(kv, AXIS, _ring_perm(context)) if context > 1 else None  # overlaps the compute
+    ddq, ddk, ddv = own(k, v)
+    dq = ddq
+    dkv = jax.lax.ppermute((ddk, ddv), AXIS, _ring_perm(context))
+
+    def middle(t, carry):  # a loop, not unrolled: one hop's buffers live at a time (as in the forward)
+        dq, dkv, kv = carry
+        nxt = jax.lax.ppermute(kv, AXIS, _ring_perm(context))
+        dq, dkv = hop(t, dq, dkv, kv)
+        return dq, dkv, nxt
+
+    if context > 1:
+        dq, dkv, kv = jax.lax.fori_loop(1, context - 1, middle, (dq, dkv, nxt))
+        dq, dkv = hop(context - 1, dq, dkv, kv)
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 

@@ -3,9 +3,11 @@
 A :class:`Strategy` is one evaluation point of the search.  :func:`candidates`
 enumerates every strategy that the model, the batch and the cluster allow:
 
-* ``data * fsdp * tensor * expert * pipeline`` = the free devices;
-* ``tensor * expert * pipeline`` divides the devices of one node (these axes
-  stay on the fast links), and ``data * fsdp`` is a multiple of the node count;
+* ``data * fsdp * context * tensor * expert * pipeline`` = the free devices;
+* ``context * tensor * expert * pipeline`` divides the devices of one node (these
+  axes stay on the fast links), and ``data * fsdp`` is a multiple of the node count;
+* ``context > 1`` only for a dense model without pipeline stages whose sequence
+  splits into ``2 * context`` chunks (the ring's load-balanced order);
 * heads and MLP width divisible by ``tensor`` (KV heads divisible by it, or it
   by them), experts by ``expert`` (dense models: ``expert = 1``), layers by
   ``pipeline``;
@@ -93,7 +95,7 @@ class Strategy:
     schedule: str = "none"
     remat: str = "none"
     chunks: int = 1  # seq1f1b: chunks per sequence; 1 for every other schedule
-    context: int = 1  # last, so that ordering strategies without context parallelism is unchanged
+    context: int = 1  # sequence split over the ring (planner/ring.py); last, so ordering without it is unchanged
 
     @property
     def mesh(self) -> dict[str, int]:
@@ -131,11 +133,16 @@ def _divisors(n: int) -> list[int]:
 def mesh_allowed(view: ComputationView, sizes: dict[str, int], nodes: int, per_node: int) -> str | None:
     """None if the model and cluster allow these axis sizes, else the reason (one phrase)."""
     m = view.model
-    t, e, p = sizes["tensor"], sizes["expert"], sizes["pipeline"]
-    if sizes.get("context", 1) > 1:
-        return "the cost model does not model context parallelism yet (mesh.context)"
-    if per_node % (t * e * p):
-        return f"tensor*expert*pipeline={t * e * p} does not divide the {per_node} devices of a node"
+    t, e, p, c = sizes["tensor"], sizes["expert"], sizes["pipeline"], sizes.get("context", 1)
+    if c > 1:  # the refusals of config_checks._context_on_model, as constraints of the search
+        if p > 1:
+            return f"context={c} does not run with pipeline stages (pipeline={p})"
+        if view.n_experts:
+            return f"context={c} does not run MoE models"
+        if view.seq_len % (2 * c):
+            return f"the sequence of {view.seq_len} tokens does not split into 2*context={2 * c} equal chunks"
+    if per_node % (c * t * e * p):
+        return f"context*tensor*expert*pipeline={c * t * e * p} does not divide the {per_node} devices of a node"
     if (sizes["data"] * sizes["fsdp"]) % nodes:
         return f"data*fsdp={sizes['data'] * sizes['fsdp']} is not a multiple of the {nodes} nodes"
     if m.n_heads % t or m.d_ff % t:

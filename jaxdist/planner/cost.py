@@ -30,6 +30,7 @@ from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 from jaxdist.planner.candidates import RematChoice, Strategy, remat_choice
 from jaxdist.planner.cluster import ClusterView
 from jaxdist.planner.computation import BlockKind, ComputationView
+from jaxdist.planner.ring import ring_buffer_bytes, ring_collectives, ring_view
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class CommItem:
     link: str = "intra"
     seconds: float = 0.0
     overlappable: bool = True
+    overlap_flops: float = 0.0  # compute (FLOPs) each execution hides behind; only the excess is exposed
 
     @property
     def total_bytes(self) -> float:
@@ -256,6 +258,7 @@ class MemoryTerms:
     activations: float
     batch: float
     scaled: dict
+    ring: float = 0.0  # bytes of the context ring's buffers (planner/ring.py), exact: no coefficient
 
     def memory(self, coeff: MemoryCoefficients) -> Memory:
         """Bytes per device under ``coeff``."""
@@ -272,18 +275,19 @@ class MemoryTerms:
             optimizer=self.state.optimizer,
             grads=self.state.grads + extra_grads,
             activations=self.activations,
-            working=working,
+            working=working + self.ring,
             batch=self.batch,
         )
 
 
 def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryTerms:
     """The :class:`MemoryTerms` of strategy ``s`` at global batch ``batch_size`` sequences."""
+    view = ring_view(view, s)
     sizes = tuple(s.mesh.items())
     pb, T = view.param_bytes, view.seq_len
     remat = remat_choice(s.remat)
     rows_mb = batch_size // s.microbatches  # sequences per microbatch, whole job
-    tokens = rows_mb // _batch_ways(s) * T  # tokens per microbatch on one device
+    tokens = rows_mb // _batch_ways(s) * T // s.context  # tokens per microbatch on one device
     chunks, units = in_flight(s)  # units of 1/chunks of a microbatch on stage 0
     held = math.ceil(units / chunks)  # microbatches with a chunk in flight
     local = sum(_local(p, sizes) for p in view.other_params)  # parameter elements on one device
@@ -311,7 +315,11 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
         "fixed": 1.0,
     }
     return MemoryTerms(
-        state=state, activations=activations, batch=batch_size // _batch_ways(s) * (T + 1) * 4, scaled=scaled
+        state=state,
+        activations=activations,
+        batch=batch_size // _batch_ways(s) * (T + 1) * 4,
+        scaled=scaled,
+        ring=ring_buffer_bytes(view, s, rows_mb // _batch_ways(s)),
     )
 
 
@@ -333,22 +341,35 @@ def memory(view: ComputationView, s: Strategy, batch_size: int, coeff: MemoryCoe
 
 def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[CommItem]:
     """The collectives of one step of ``s`` (times not filled in; see :func:`estimate`)."""
+    view = ring_view(view, s)
     sizes = tuple(s.mesh.items())
     m, D, F, p = s.microbatches, s.data, s.fsdp, s.pipeline
     pb, ab, T, d = view.param_bytes, view.act_bytes, view.seq_len, view.model.d_model
     V = view.model.vocab_size
     local_rows = batch_size // m // _batch_ways(s)
-    X = local_rows * T * d * ab  # one block's output on one device, per microbatch
-    S = local_rows * T * 4  # one float32 per token
+    X = local_rows * T // s.context * d * ab  # one block's output on one device, per microbatch
+    S = local_rows * T // s.context * 4  # one float32 per token
     remat = remat_choice(s.remat)
     items: list[CommItem] = []
 
-    def add(name, kind, axes, nbytes, count, overlappable=True):
+    def add(name, kind, axes, nbytes, count, overlappable=True, overlap_flops=0.0):
         group = math.prod(s.mesh[a] for a in axes)
         if group > 1 and nbytes > 0 and count > 0:
-            items.append(CommItem(name, kind, tuple(axes), group, float(nbytes), int(count), overlappable=overlappable))
+            items.append(
+                CommItem(
+                    name,
+                    kind,
+                    tuple(axes),
+                    group,
+                    float(nbytes),
+                    int(count),
+                    overlappable=overlappable,
+                    overlap_flops=overlap_flops,
+                )
+            )
 
     chunks = in_flight(s)[0]  # seq1f1b: every block pass is over 1/chunks of a sequence
+    ctx = ("context",) if s.context > 1 else ()  # weights are replicated over context: reduce over it too
     X_chunk = X / chunks
     for b in view.blocks:
         per_layer = math.ceil(b.count / p) * m
@@ -369,13 +390,14 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
             (2 + bwd) * per_layer * chunks,
             overlappable=False,
         )
-        # Gradients, every microbatch: full size over fsdp, then the shard over data.
-        if F > 1 and D > 1:
+        # Gradients, every microbatch: full size over fsdp, then the shard over data (and context: the
+        # weights are replicated over it, each device differentiates its own tokens).
+        if F > 1 and D * s.context > 1:
             add("gradient reduce (fsdp)", "all-reduce", ("fsdp",), gathered * pb, per_layer)
-            add("gradient reduce (data)", "all-reduce", ("data",), matmul * pb, per_layer)
-            add("gradient reduce (norms)", "all-reduce", ("data", "fsdp"), norms * pb, per_layer)
+            add("gradient reduce (data)", "all-reduce", ("data", *ctx), matmul * pb, per_layer)
+            add("gradient reduce (norms)", "all-reduce", ("data", "fsdp", *ctx), norms * pb, per_layer)
         else:
-            add("gradient reduce", "all-reduce", ("data", "fsdp"), (gathered + norms) * pb, per_layer)
+            add("gradient reduce", "all-reduce", ("data", "fsdp", *ctx), (gathered + norms) * pb, per_layer)
         if b.dispatch_rows:
             # Tokens to their experts and back, forward and backward.
             add("expert all-to-all", "all-to-all", ("expert",), X * b.dispatch_rows, 4 * per_layer, overlappable=False)
@@ -385,7 +407,9 @@ def collectives(view: ComputationView, s: Strategy, batch_size: int) -> list[Com
     add("embedding gather (fsdp)", "all-gather", ("fsdp",), E / vocab_shards, 2)
     add("embedding lookup all-reduce", "all-reduce", ("tensor",), X, m, overlappable=False)
     add("logits softmax all-reduce", "all-reduce", ("tensor",), X + 4 * S, m, overlappable=False)
-    add("embedding gradient reduce", "all-reduce", ("data", "fsdp"), E + E / vocab_shards + d * pb, m)
+    add("embedding gradient reduce", "all-reduce", ("data", "fsdp", *ctx), E + E / vocab_shards + d * pb, m)
+    for ring in ring_collectives(view, s, local_rows, remat.recompute == 1.0):
+        add(**ring, overlappable=False)  # exposed: what a hop's transfer exceeds its block's compute
     if p > 1:
         # Stage boundaries: activations forward, their gradients backward, per microbatch.
         add("pipeline send/recv", "collective-permute", ("pipeline",), X_chunk, 2 * m * chunks, overlappable=False)
@@ -412,21 +436,23 @@ def estimate(
     """Predicted step time, memory and collectives of ``s``; ``fits`` is false (with the reason)
     when the memory per device exceeds ``memory_fraction`` of the device's memory."""
     mem = memory(view, s, batch_size, coeff)
+    view = ring_view(view, s)
+    peak = cluster.peak_flops(view.model.dtype)
     timed = []
     for c in collectives(view, s, batch_size):
         inter = crosses_nodes(c.axes, s, cluster.nodes)
         bw = cluster.inter_node_bandwidth if inter else cluster.intra_node_bandwidth
         lat = cluster.inter_node_latency if inter else cluster.intra_node_latency
-        secs = c.count * collective_seconds(c.kind, c.bytes, c.group, bw, lat, cluster.collective_overhead)
+        one = collective_seconds(c.kind, c.bytes, c.group, bw, lat, cluster.collective_overhead)
+        secs = c.count * max(0.0, one - c.overlap_flops / (peak * cluster.efficiency))
         timed.append(dataclasses.replace(c, link="inter" if inter else "intra", seconds=secs))
     tokens = batch_size * view.seq_len
     remat = remat_choice(s.remat)
     rec = recompute_flops(view, remat)
     # One device runs 1/pipeline of the blocks (the last stage also the head) on its share of the tokens.
-    local_tokens = tokens / _batch_ways(s)
+    local_tokens = tokens / _batch_ways(s) / s.context
     layer_flops = sum(b.count / s.pipeline * (3.0 * b.flops_fwd + rec[b.name]) for b in view.blocks)
     flops_dev = local_tokens * (layer_flops + 3.0 * view.head_flops_fwd) / s.tensor
-    peak = cluster.peak_flops(view.model.dtype)
     # Fixed cost per block pass (forward, backward, recomputed forward) per microbatch, and the head's two.
     chunks = in_flight(s)[0]
     passes = s.microbatches * (

@@ -143,7 +143,11 @@ class Plan:
 def trainable_axes() -> tuple[str, ...]:
     """The mesh axes ``jaxdist train`` accepts today (validate() is asked; pipeline joins once supported)."""
     axes = ["data", "fsdp", "tensor"]
-    probes = {"expert": ["model=moe-tiny", "mesh.expert=2"], "pipeline": ["model=small", "mesh.pipeline=2"]}
+    probes = {
+        "context": ["model=small", "mesh.context=2"],
+        "expert": ["model=moe-tiny", "mesh.expert=2"],
+        "pipeline": ["model=small", "mesh.pipeline=2"],
+    }
     for axis, overrides in probes.items():
         try:
             load_config(None, overrides)

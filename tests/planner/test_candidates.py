@@ -13,11 +13,13 @@ def brute_force(m, nodes, per_node, batch, max_mb=64, seq=64):
     n = nodes * per_node
     divs = [d for d in range(1, n + 1) if n % d == 0]
     out = set()
-    for data, fsdp, tensor, expert, pipe in itertools.product(divs, repeat=5):
-        if data * fsdp * tensor * expert * pipe != n:
+    for data, fsdp, ctx, tensor, expert, pipe in itertools.product(divs, repeat=6):
+        if data * fsdp * ctx * tensor * expert * pipe != n:
             continue
-        if per_node % (tensor * expert * pipe) or (data * fsdp) % nodes:
-            continue  # tensor, expert, pipeline inside a node; the node count on data * fsdp
+        if per_node % (ctx * tensor * expert * pipe) or (data * fsdp) % nodes:
+            continue  # context, tensor, expert, pipeline inside a node; the node count on data * fsdp
+        if ctx > 1 and (pipe > 1 or m.moe.experts or seq % (2 * ctx)):
+            continue  # the ring: no pipeline, no MoE, 2 * context equal chunks
         if m.n_heads % tensor or m.d_ff % tensor or (m.n_kv_heads % tensor and tensor % m.n_kv_heads):
             continue
         if expert > 1 and (not m.moe.experts or m.moe.experts % expert):
@@ -32,7 +34,7 @@ def brute_force(m, nodes, per_node, batch, max_mb=64, seq=64):
                 if sched == "1f1b" and mb < pipe:
                     continue
                 for r in REMAT_CHOICES:
-                    out.add(Strategy(data, fsdp, tensor, expert, pipe, mb, sched, r.name, chunks))
+                    out.add(Strategy(data, fsdp, tensor, expert, pipe, mb, sched, r.name, chunks, ctx))
     return out
 
 

@@ -43,7 +43,7 @@ def test_plan_writes_a_config_that_loads_to_the_chosen_strategy(tmp_path):
 
 def test_planned_axes_are_the_ones_train_accepts():
     axes = trainable_axes()
-    assert axes[:3] == ("data", "fsdp", "tensor")
+    assert axes[:4] == ("data", "fsdp", "context", "tensor")
     try:
         load_config(None, ["mesh.pipeline=2"])
         assert "pipeline" in axes
