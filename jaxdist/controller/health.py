@@ -312,3 +312,73 @@ def stuck_ranks(
             f"(over {group_limit:.1f} s): a hang inside the device program, no single rank to name"
         )
     return None
+
+
+PROBE_MIN_EXCESS = (
+    0.5  # a node's compute or a pair's transfer stands out only by more than this fraction of the others'
+)
+
+
+def name_probe(record: dict[str, Any], z: float = 5.0, min_excess: float = PROBE_MIN_EXCESS) -> dict[str, Any]:
+    """What a device probe's ``record`` (jaxdist.train.device_probe.DeviceProbe.run) names, as printable data.
+
+    A node's compute seconds (a matmul on its own devices, no collective) stand out when they exceed the
+    other nodes' median by more than ``z`` scaled MADs and by more than ``min_excess`` of that median: the
+    node is slow (``kind="compute"``).  Otherwise a pair's transfer seconds are judged the same way against
+    the other pairs; the slow pairs, when neither end's compute stands out, are a slow link: one pair names
+    that link (``kind="link"``, ``link=[a, b]``); a node in every slow pair (two or more) names its own
+    network (``kind="link"``, ``node``).  Returns ``kind`` (``"compute"``, ``"link"`` or None), ``node``,
+    ``link``, ``why``, and ``words``: one word per node for the status table.
+    """
+    compute = {k: float(v) for k, v in record["compute_s"].items()}
+    nodes = list(record.get("nodes") or compute)
+    words = dict.fromkeys(nodes, "ok")
+    out: dict[str, Any] = {
+        "kind": None,
+        "node": None,
+        "link": None,
+        "why": "no node or link stands out",
+        "words": words,
+    }
+    slow_nodes = []
+    if len(compute) >= 3:
+        for n, s in compute.items():
+            others = [v for k, v in compute.items() if k != n]
+            hit, ref, _ = above(s, others, z, min_excess * statistics.median(others))
+            if hit:
+                slow_nodes.append((n, s, ref))
+    if slow_nodes:
+        n, s, ref = max(slow_nodes, key=lambda x: x[1] - x[2])
+        for m, *_ in slow_nodes:
+            words[m] = "slow compute"
+        out.update(kind="compute", node=n, why=f"{n} computes in {s * 1e3:.2f} ms, the other nodes {ref * 1e3:.2f} ms")
+        return out
+    pairs = [(str(a), str(b), float(s)) for a, b, s, *_ in record["pairs"]]
+    slow = []
+    if len(pairs) >= 3:
+        for i, (a, b, s) in enumerate(pairs):
+            others = [p[2] for j, p in enumerate(pairs) if j != i]
+            hit, ref, _ = above(s, others, z, min_excess * statistics.median(others))
+            if hit:
+                slow.append((a, b, s, ref))
+    if not slow:
+        return out
+    ref = slow[0][3]
+    if len(slow) == 1:
+        a, b, s, _ = slow[0]
+        words[a], words[b] = f"slow link to {b}", f"slow link to {a}"
+        out.update(kind="link", link=[a, b], why=f"{a}-{b} takes {s * 1e3:.2f} ms, the other pairs {ref * 1e3:.2f} ms")
+        return out
+    common = set(slow[0][:2]).intersection(*(set(p[:2]) for p in slow[1:]))
+    if len(common) == 1:
+        n = common.pop()
+        words[n] = "slow network"
+        out.update(kind="link", node=n, why=f"every slow pair ({len(slow)}) involves {n}: its network is slow")
+        return out
+    for a, b, *_ in slow:
+        words[a] = words[b] = "slow links"
+    out.update(
+        kind="link",
+        why=f"{len(slow)} pairs are slow with no node common to all: " + ", ".join(f"{a}-{b}" for a, b, *_ in slow),
+    )
+    return out

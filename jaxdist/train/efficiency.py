@@ -14,6 +14,7 @@ starts the next.  The current part, the step dispatched and since when are reada
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 PART_FIELDS = {
     "data": "data_wait_s",
@@ -22,6 +23,7 @@ PART_FIELDS = {
     "checkpoint": "checkpoint_s",
     "eval": "eval_s",
     "callbacks": "callbacks_s",
+    "probe": "probe_s",
 }
 
 
@@ -34,6 +36,7 @@ class LoopClock:
         self.since = time.time()  # when the current part began (seconds since the epoch)
         self.dispatched = first_step - 1  # the newest step dispatched (1-based count of steps)
         self._t = time.perf_counter()
+        self.hook: Callable[[str], None] | None = None  # test-only fault hooks (jaxdist.train.faults): sleep there
         self._reset(first_step)
 
     def _reset(self, first_step: int) -> None:
@@ -51,6 +54,8 @@ class LoopClock:
         if step is not None:
             self.dispatched = step
         self.phase, self.since = phase, time.time()
+        if self.hook is not None:
+            self.hook(phase)  # after the switch: an injected delay is booked to the part entered
 
     def add_window(self, steps: int, seconds: float) -> None:
         """A metrics window of ``steps`` steps finished, ``seconds`` from its start to its last step done."""

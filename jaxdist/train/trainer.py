@@ -52,6 +52,7 @@ from jaxdist.train.callbacks import (
     run_due,
 )
 from jaxdist.train.efficiency import LoopClock
+from jaxdist.train.faults import fault_hooks
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.tracking import open_tracker
 from jaxdist.train.optimizer import make_optimizer, resumed_schedule_steps
@@ -386,6 +387,9 @@ class Trainer:
             return []
         # Where the host spends the loop's time (the controller agent's efficiency records and stuck-rank view).
         self.loop_clock = LoopClock(c.train.batch_size // jax.process_count(), start + 1)
+        self.faults = fault_hooks(self.run_dir)  # None unless $JAXDIST_FAULT_HOOKS=1 (test-only)
+        if self.faults is not None:
+            self.loop_clock.hook = self.faults.on_phase
         window = MetricsWindow(
             self.metrics,
             self.tokens_per_step,

@@ -14,10 +14,11 @@ from jaxdist.controller.health import (
     Period,
     Thresholds,
     assess,
+    name_probe,
     round_summary,
     stuck_ranks,
 )
-from jaxdist.controller.health_view import format_table, node_table, read_health
+from jaxdist.controller.health_view import format_table, last_probe, node_table, read_health
 from jaxdist.train.efficiency import LoopClock
 
 STEPS = 10
@@ -250,3 +251,43 @@ def test_thresholds_follow_the_config_defaults():
 
     c = load_config(None, []).controller
     assert Thresholds(c.health_z, c.health_min_change, c.health_min_share) == Thresholds()
+
+
+def _probe_record(compute, pair_s, seed=0):
+    """A device probe's record: nodes n0..n3, ``pair_s(a, b)`` seconds per pair, a little noise."""
+    rng = random.Random(seed)
+    nodes = [f"n{i}" for i in range(len(compute))]
+    pairs = [[a, b, pair_s(a, b) * (1 + 0.05 * rng.random()), 1e9] for i, a in enumerate(nodes) for b in nodes[i + 1 :]]
+    return {"nodes": nodes, "compute_s": dict(zip(nodes, compute)), "pairs": pairs}
+
+
+def test_a_probe_names_a_slow_node_a_slow_link_or_a_node_whose_network_is_slow():
+    base = lambda a, b: 0.002  # noqa: E731
+    # compute stands out: the node, even though its pairs are slower too (its sends are late)
+    v = name_probe(_probe_record([0.01, 0.01, 0.03, 0.0101], lambda a, b: 0.004 if "n2" in (a, b) else 0.002))
+    assert (v["kind"], v["node"], v["link"]) == ("compute", "n2", None) and v["words"]["n2"] == "slow compute"
+    # one pair stands out, neither end's compute does: that link
+    v = name_probe(_probe_record([0.01] * 4, lambda a, b: 0.006 if (a, b) == ("n0", "n3") else 0.002))
+    assert (v["kind"], v["node"], v["link"]) == ("link", None, ["n0", "n3"])
+    assert v["words"] == {"n0": "slow link to n3", "n1": "ok", "n2": "ok", "n3": "slow link to n0"}
+    # every pair of n1 is slow (three of six): n1's network
+    v = name_probe(_probe_record([0.01] * 4, lambda a, b: 0.006 if "n1" in (a, b) else 0.002))
+    assert (v["kind"], v["node"]) == ("link", "n1") and v["words"]["n1"] == "slow network"
+    # noise within 5 % and a pair 30 % slower (below PROBE_MIN_EXCESS): nothing
+    for seed in range(50):
+        v = name_probe(_probe_record([0.01, 0.0102, 0.0099, 0.0101], base, seed))
+        assert v["kind"] is None, v
+    v = name_probe(_probe_record([0.01] * 4, lambda a, b: 0.0026 if (a, b) == ("n0", "n1") else 0.002))
+    assert v["kind"] is None
+
+
+def test_status_shows_the_device_probes_word_per_node(tmp_path, capsys):
+    periods = [period(r, i) for i in range(3) for r in range(4)]
+    write_health(tmp_path, periods, [])
+    v = name_probe(_probe_record([0.01] * 4, lambda a, b: 0.006 if (a, b) == ("n1", "n2") else 0.002))
+    event = {"event": "device_probe", "step": 30, "probe_s": 1.5, **v}
+    (tmp_path / "controller" / "events.jsonl").write_text(json.dumps(event) + "\n")
+    rows = node_table(*read_health(tmp_path), last_probe(tmp_path))
+    assert [r["probe"] for r in rows] == ["ok", "slow link to n2", "slow link to n1", "ok"]
+    assert main(["status", str(tmp_path)]) == 0
+    assert "device probe at step 30 (1.50 s): n1-n2 takes" in capsys.readouterr().out
