@@ -269,12 +269,13 @@ class LoopPosition:
 
     rank: int
     node: str
-    phase: str  # "data" | "dispatch" | "blocked" | "checkpoint" | "eval" | "callbacks" | "idle"
+    phase: str  # "data" | "agree" | "dispatch" | "blocked" | "checkpoint" | "eval" | "callbacks" | "idle"
     dispatched: int
     age_s: float
 
 
 STUCK_PHASES = ("data", "dispatch", "callbacks")  # a rank held here keeps the others waiting in the step
+WAITING_PHASES = ("blocked", "agree")  # waiting for the other ranks: in the step, or agreeing on the batch list
 GROUP_STUCK_FACTOR = 10.0  # a whole group blocked is judged this many windows late: a slow step looks the same
 
 
@@ -297,7 +298,7 @@ def stuck_ranks(
     limit = 3.0 * window_s + heartbeat_timeout
     if stalled_s <= limit:
         return None
-    blocked = [p for p in positions if p.phase == "blocked"]
+    blocked = [p for p in positions if p.phase in WAITING_PHASES]
     if not blocked:
         return None  # every host is busy with its own work: nobody waits for anybody
     held = [p for p in positions if p.phase in STUCK_PHASES and p.age_s > limit]

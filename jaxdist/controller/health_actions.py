@@ -50,7 +50,8 @@ class HealthActions:
             "pairs": pairs,
             "ring_s": record.get("ring_s"),
             "allreduce_s": record.get("allreduce_s"),
-            **{k: verdict[k] for k in ("kind", "node", "link", "why", "words")},
+            "finding": verdict["kind"],  # "compute" | "link" | None (an event's own field is "kind")
+            **{k: verdict[k] for k in ("node", "link", "why", "words")},
         }
         self.events.add("device_probe", **fields)
         with open(self.dir / "health.jsonl", "a") as f:

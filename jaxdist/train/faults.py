@@ -7,8 +7,9 @@ file is no fault), a list of injections, each ``{"kind": ..., ...}``:
 * ``{"kind": "compute", "node": N, "delay_s": s}``: node N's host sleeps ``s`` seconds when it dispatches each
   step, and in the device probe's compute test;
 * ``{"kind": "data", "node": N, "delay_s": s}``: node N waits ``s`` seconds more for each batch;
-* ``{"kind": "link", "nodes": [A, B], "delay_s": s}``: nodes A and B sleep ``s`` seconds in the step's blocked
-  part (where the collectives are waited for) and in the probe's transfer between A and B;
+* ``{"kind": "link", "nodes": [A, B], "delay_s": s}``: nodes A and B sleep ``s`` seconds where the processes
+  wait for each other before each step (the batch-list agreement, a collective; every ``train.log_every``
+  steps) and in the probe's transfer between A and B;
 * ``{"kind": "stuck", "node": N}``: node N stops in its data wait (its heartbeats go on) while the injection
   stays in the file.
 
@@ -63,7 +64,9 @@ class FaultHooks:
 
     def on_phase(self, phase: str) -> None:
         """The loop enters ``phase`` (a LoopClock hook): sleep what the injections ask for there."""
-        delay = {"data": "data", "dispatch": "compute", "blocked": "link"}.get(phase)
+        # A link's delay where the processes wait for each other before a step (the batch-list agreement):
+        # in the flush's "blocked" a host sleep would hide behind the device's own work.
+        delay = {"data": "data", "dispatch": "compute", "agree": "link"}.get(phase)
         if delay is None:
             return
         if phase == "data":

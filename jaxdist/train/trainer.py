@@ -420,6 +420,10 @@ class Trainer:
         window.restart()
         try:
             for i in range(start, end):
+                # The processes' agreement on the batch list is a collective: waiting there for a slower peer
+                # is not this rank's own wait for data (that would hide which rank's input is slow).
+                self.loop_clock.enter("agree")
+                prefetch.agree(i)
                 self.loop_clock.enter("data")
                 batch_id, batch = prefetch.get(i)  # data added since the last step joins here
                 self.loop_clock.enter("dispatch")

@@ -285,9 +285,47 @@ def test_status_shows_the_device_probes_word_per_node(tmp_path, capsys):
     periods = [period(r, i) for i in range(3) for r in range(4)]
     write_health(tmp_path, periods, [])
     v = name_probe(_probe_record([0.01] * 4, lambda a, b: 0.006 if (a, b) == ("n1", "n2") else 0.002))
-    event = {"event": "device_probe", "step": 30, "probe_s": 1.5, **v}
+    event = {"event": "device_probe", "step": 30, "probe_s": 1.5, "finding": v.pop("kind"), **v}
     (tmp_path / "controller" / "events.jsonl").write_text(json.dumps(event) + "\n")
     rows = node_table(*read_health(tmp_path), last_probe(tmp_path))
     assert [r["probe"] for r in rows] == ["ok", "slow link to n2", "slow link to n1", "ok"]
     assert main(["status", str(tmp_path)]) == 0
     assert "device probe at step 30 (1.50 s): n1-n2 takes" in capsys.readouterr().out
+
+
+def test_the_controller_asks_every_member_once_records_the_verdict_and_evicts_only_when_told(tmp_path):
+    from types import SimpleNamespace
+
+    from jaxdist.controller.health_actions import HealthActions
+    from jaxdist.controller.state import EventLog, JobState
+
+    class Fake(HealthActions):
+        def __init__(self, evict):
+            self.state = JobState("j", phase="running", generation=3, members={0: "n0", 1: "n1", 2: "n2", 3: "n3"})
+            self.cc = SimpleNamespace(health_z=5.0, evict_slow=evict)
+            self.dir, self.events, self.sent, self.acted = tmp_path, EventLog(tmp_path / f"ev{evict}.jsonl"), [], []
+            self.endpoint = SimpleNamespace(send=lambda ident, msg: self.sent.append((ident, msg)))
+
+        def _member_worker(self, r):
+            return SimpleNamespace(identity=f"w:n{r}:{100 + r}")
+
+        def _ban(self, node, why):
+            self.acted.append(("ban", node))
+
+        def _fail(self, failures, now):
+            self.acted.append(("fail", [(f.kind, f.node, f.rank) for f in failures]))
+
+    record = _probe_record([0.01, 0.01, 0.01, 0.01], lambda a, b: 0.006 if "n2" in (a, b) else 0.002)
+    for evict in (False, True):
+        c = Fake(evict)
+        c._probe_devices("slow")
+        c._probe_devices("slow again")  # one probe at a time
+        assert [i for i, _ in c.sent] == [f"w:n{r}:{100 + r}" for r in range(4)]
+        assert {m["id"] for _, m in c.sent} == {1} and c.sent[0][1]["nodes"] == ["n0", "n1", "n2", "n3"]
+        c._on_device_probe({"id": 1, "step": 9, "seconds": 1.2, "ring_s": 0.01, "allreduce_s": 0.02, **record})
+        c._on_device_probe({"id": 1, **record})  # resent with the next heartbeat: once
+        (e,) = [e for e in c.events.events if e["event"] == "device_probe"]
+        assert (e["finding"], e["node"], e["step"], len(e["pairs"])) == ("link", "n2", 9, 6)
+        assert c.acted == ([("ban", "n2"), ("fail", [("evicted", "n2", 2)])] if evict else [])
+        (line,) = [json.loads(x) for x in (tmp_path / "health.jsonl").read_text().splitlines()][-1:]
+        assert line["record"] == "probe" and line["words"]["n2"] == "slow network"
