@@ -78,13 +78,15 @@ def rounds(job: LocalJob) -> list[dict]:
     return out
 
 
-def plan(rng: random.Random, n: int, nodes: list[str]) -> list[dict]:
-    """``n`` injections: compute, data and link in turn (random nodes, compute 10-30 % of a step), 3 stuck last."""
-    kinds = ["compute", "data", "link"]
+def plan(rng: random.Random, n: int, nodes: list[str], kinds: list[str]) -> list[dict]:
+    """``n`` injections: ``kinds`` in turn (random nodes, compute 10-30 % of a step), up to 3 stuck last."""
+    with_stuck = "stuck" in kinds
+    kinds = [k for k in kinds if k != "stuck"]
     out = []
-    stuck = min(3, max(1, n // 7))
+    stuck = min(3, max(1, n // 7)) if with_stuck else 0
+    stuck = n if not kinds else stuck
     for i in range(n - stuck):
-        kind = kinds[i % 3]
+        kind = kinds[i % len(kinds)]
         if kind == "link":
             out.append({"kind": "link", "nodes": sorted(rng.sample(nodes, 2))})
         else:
@@ -125,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-frac", type=float, default=1.0, help="the link delay, a fraction of a step")
     ap.add_argument("--timeout-periods", type=int, default=8)
     ap.add_argument("--seed", type=int, default=17)
+    ap.add_argument("--kinds", default="compute,data,link,stuck", help="the kinds injected, in turn (stuck last)")
     ap.add_argument("--dir", default=None)
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         step_s = statistics.median(r["step_s"] for r in rounds(job)[1:])
         nodes = sorted(job.state()["members"].values())
         print(f"fault-free: {quiet['seconds']:.0f} s, alarms {quiet['alarms']}, step {step_s * 1e3:.0f} ms", flush=True)
-        for k, inj in enumerate(plan(rng, args.injections, nodes)):
+        for k, inj in enumerate(plan(rng, args.injections, nodes, args.kinds.split(","))):
             gen = job.state()["generation"]
             fault = dict(inj)
             if inj["kind"] in ("compute", "data"):

@@ -279,6 +279,23 @@ def test_a_probe_names_a_slow_node_a_slow_link_or_a_node_whose_network_is_slow()
         assert v["kind"] is None, v
     v = name_probe(_probe_record([0.01] * 4, lambda a, b: 0.0026 if (a, b) == ("n0", "n1") else 0.002))
     assert v["kind"] is None
+    # a probe of benchmarks/health.py's job (ms): one delayed link and a noisy pair sharing a node with it
+    ms = {
+        ("n3", "n0"): 527.7,
+        ("n1", "n2"): 1.5,
+        ("n3", "n2"): 2.1,
+        ("n1", "n0"): 4.8,
+        ("n3", "n1"): 2.4,
+        ("n2", "n0"): 1.8,
+    }
+    rec = {
+        "compute_s": {"n3": 1.9e-3, "n1": 1.3e-3, "n2": 1.9e-3, "n0": 1.6e-3},
+        "pairs": [[a, b, t / 1e3] for (a, b), t in ms.items()],
+    }
+    v = name_probe(rec)
+    assert (v["kind"], v["node"], v["link"]) == ("link", None, ["n3", "n0"]) and "also above the others: n1-n0" in v[
+        "why"
+    ]
 
 
 def test_status_shows_the_device_probes_word_per_node(tmp_path, capsys):
