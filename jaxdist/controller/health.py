@@ -241,8 +241,9 @@ class HealthHistory:
         alarms among them: a finding whose (kind, rank) has now been abnormal ``t.persist`` rounds in a row
         (raised once per spell: it is raised again only after a normal round).
 
-        A round with a finding does not join the job's history: a slow spell is compared against the
-        normal rounds before it, not against itself.  The first ``t.warmup_rounds`` rounds hold the
+        A round with a finding does not join the job's history, nor does one already ``min_change`` slower
+        than its recent median: a slow spell is compared against the normal rounds before it, not against
+        itself.  The first ``t.warmup_rounds`` rounds hold the
         generation's compiles and restores (one rank may compile while the others load their programs
         from the cache): they are recorded but not judged.
         """
@@ -250,12 +251,20 @@ class HealthHistory:
             r = self.rounds_done
             periods = [self.periods[k][r] for k in sorted(self.periods)]
             found = assess(r, periods, self.job_history, t) if r >= t.warmup_rounds else []
-            if not found and r >= t.warmup_rounds:
-                self.job_history.append(round_summary(periods))
+            summary = round_summary(periods)
+            if not found and r >= t.warmup_rounds and not self._drifting(summary["step_s"], t):
+                self.job_history.append(summary)
             self.rounds_done += 1
             now = {(f.kind, f.rank): f for f in found}
             self.streaks = {k: self.streaks.get(k, 0) + 1 for k in now}
             yield r, periods, found, [f for k, f in now.items() if self.streaks[k] == t.persist]
+
+    def _drifting(self, step_s: float, t: Thresholds) -> bool:
+        """A round slower than the recent median by more than ``t.min_change`` but not (yet) abnormal -- the
+        first, partly slow round of a spell -- stays out of the history too: joining it would raise the
+        reference and hide the rest of the spell."""
+        recent = [h["step_s"] for h in self.job_history[-t.history :]]
+        return len(recent) >= t.min_history and step_s > (1 + t.min_change) * statistics.median(recent)
 
     def typical_step_s(self) -> float | None:
         """The median seconds per step of the normal rounds so far (None before any)."""

@@ -346,3 +346,18 @@ def test_the_controller_asks_every_member_once_records_the_verdict_and_evicts_on
         assert c.acted == ([("ban", "n2"), ("fail", [("evicted", "n2", 2)])] if evict else [])
         (line,) = [json.loads(x) for x in (tmp_path / "health.jsonl").read_text().splitlines()][-1:]
         assert line["record"] == "probe" and line["words"]["n2"] == "slow network"
+
+
+def test_the_partly_slow_first_rounds_of_a_spell_stay_out_of_the_history():
+    # Normal rounds 0.10 +- 0.01 s (history MAD 0.01: abnormal beyond ~0.174 s), then a spell whose first rounds
+    # are only partly slow (within 5 MADs, beyond min_change): joining the history, they hid the spell (0.2 s).
+    h = HealthHistory(gen=0, ranks=4)
+    steps = [0.1, 0.09, 0.11, 0.1, 0.09, 0.11, 0.1, 0.11, 0.09, 0.16, 0.165, 0.17, 0.2, 0.2, 0.2]
+    found_at = []
+    for i, s in enumerate(steps):
+        for r in range(4):
+            h.add(period(r, i, step_s=s))
+        ((_, _, found, _),) = list(h.complete_rounds())
+        found_at += [i for f in found if f.kind == "slowdown"]
+    assert found_at == [12, 13, 14]
+    assert max(x["step_s"] for x in h.job_history) == pytest.approx(0.11)
