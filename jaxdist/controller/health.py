@@ -334,8 +334,9 @@ def name_probe(record: dict[str, Any], z: float = 5.0, min_excess: float = PROBE
 
     A node's compute seconds (a matmul on its own devices, no collective) stand out when they exceed the
     other nodes' median by more than ``z`` scaled MADs and by more than ``min_excess`` of that median: the
-    node is slow (``kind="compute"``).  Otherwise a pair's transfer seconds are judged the same way against
-    the other pairs; the slow pairs, when no node's compute stands out, are a slow link: they name the worst
+    node is slow (``kind="compute"``).  A pair's transfer seconds are judged the same way against
+    the other pairs (when both a node and pairs stand out, the larger excess in seconds wins: it explains more
+    of the slower step); the slow pairs are a slow link: they name the worst
     of them (``kind="link"``, ``link=[a, b]``), unless one node's pairs are all slow: its own network
     (``kind="link"``, ``node``).  Returns ``kind`` (``"compute"``, ``"link"`` or None), ``node``,
     ``link``, ``why``, and ``words``: one word per node for the status table.
@@ -357,12 +358,6 @@ def name_probe(record: dict[str, Any], z: float = 5.0, min_excess: float = PROBE
             hit, ref, _ = above(s, others, z, min_excess * statistics.median(others))
             if hit:
                 slow_nodes.append((n, s, ref))
-    if slow_nodes:
-        n, s, ref = max(slow_nodes, key=lambda x: x[1] - x[2])
-        for m, *_ in slow_nodes:
-            words[m] = "slow compute"
-        out.update(kind="compute", node=n, why=f"{n} computes in {s * 1e3:.2f} ms, the other nodes {ref * 1e3:.2f} ms")
-        return out
     pairs = [(str(a), str(b), float(s)) for a, b, s, *_ in record["pairs"]]
     slow = []
     if len(pairs) >= 3:
@@ -371,6 +366,16 @@ def name_probe(record: dict[str, Any], z: float = 5.0, min_excess: float = PROBE
             hit, ref, _ = above(s, others, z, min_excess * statistics.median(others))
             if hit:
                 slow.append((a, b, s, ref))
+    # Both stand out: the one with the larger excess seconds explains the slower step (a busy host's compute
+    # test varies by a millisecond or two; a degraded link adds far more).
+    worst_pair = max((p[2] - p[3] for p in slow), default=0.0)
+    worst_node = max((x[1] - x[2] for x in slow_nodes), default=0.0)
+    if slow_nodes and worst_node >= worst_pair:
+        n, s, ref = max(slow_nodes, key=lambda x: x[1] - x[2])
+        for m, *_ in slow_nodes:
+            words[m] = "slow compute"
+        out.update(kind="compute", node=n, why=f"{n} computes in {s * 1e3:.2f} ms, the other nodes {ref * 1e3:.2f} ms")
+        return out
     if not slow:
         return out
     # A node whose every pair is slow: its own network.  Otherwise the worst pair is the link (another pair

@@ -59,7 +59,7 @@ class DeviceProbe:
         groups: Sequence[Sequence[Any]],
         names: Sequence[str],
         nbytes: int = 1 << 20,
-        matmul: int = 256,
+        matmul: int = 512,
         reps: int = 5,
         delay: Callable[[str, str], float] | None = None,
     ):

@@ -361,3 +361,22 @@ def test_the_partly_slow_first_rounds_of_a_spell_stay_out_of_the_history():
         found_at += [i for f in found if f.kind == "slowdown"]
     assert found_at == [12, 13, 14]
     assert max(x["step_s"] for x in h.job_history) == pytest.approx(0.11)
+
+
+def test_a_probe_names_a_far_slower_link_over_a_noisy_compute_test():
+    # a probe of benchmarks/health.py's job (ms): one node's compute test 2x the others' on the busy host (a
+    # millisecond more), the delayed link 250x the other pairs (half a second more): the link explains the step
+    ms = {
+        ("n0", "n2"): 1.9,
+        ("n3", "n1"): 2.0,
+        ("n0", "n1"): 1.5,
+        ("n3", "n2"): 2.0,
+        ("n0", "n3"): 522.3,
+        ("n1", "n2"): 2.4,
+    }
+    rec = {"compute_s": {"n0": 0.9e-3, "n3": 2.06e-3, "n1": 0.8e-3, "n2": 1.9e-3}}
+    rec["pairs"] = [[a, b, t / 1e3] for (a, b), t in ms.items()]
+    v = name_probe(rec)
+    assert (v["kind"], v["node"], v["link"]) == ("link", None, ["n0", "n3"])
+    rec["compute_s"]["n3"] = 0.6  # a compute test 600 ms slower: the node
+    assert (name_probe(rec)["kind"], name_probe(rec)["node"]) == ("compute", "n3")
