@@ -90,6 +90,10 @@ def cmd_train(args) -> int:
     with Trainer(resolve(cfg, jax.devices())) as trainer:
         if agent is not None:
             agent.attach(trainer)
+            if jax.process_count() > 1:  # the controller's device probe, run by every process at the same step
+                from jaxdist.train.device_probe import probe_for_agent
+
+                trainer.add_callback(probe_for_agent(trainer, agent))
         if jax.process_index() == 0:
             print(trainer.describe(), file=sys.stderr)
             c = trainer.config

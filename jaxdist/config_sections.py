@@ -591,6 +591,10 @@ class ControllerConfig:
         0.25,
         "The job is slower than its recent history only by more than this fraction of its recent median step time.",
     )
+    evict_slow: bool = _f(
+        False,
+        "Evict the node a health alarm names (a rank's compute or data, persisting health_persist rounds) or a device probe names (a slow node, or the node whose network is slow) and restart the group with a standby in its place (the node is not used again); false: only report.",
+    )
     progress_timeout: float = _f(
         120.0, "A training group whose step does not advance for this long (seconds) is declared failed."
     )

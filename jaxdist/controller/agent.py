@@ -96,6 +96,7 @@ class WorkerAgent:
         self._clock: Any = None  # the attached trainer's LoopClock (jaxdist.train.efficiency)
         self._periods: list[dict[str, Any]] = []  # the newest efficiency records, resent until superseded
         self._index = 0  # efficiency records sent (a process trains in one generation)
+        self._probe: tuple[int, list[str]] = (0, [])  # the newest device probe requested: id, node names by rank
         self._thread = threading.Thread(target=self._run, name="jaxdist-agent", daemon=True)
         self._thread.start()
 
@@ -136,6 +137,8 @@ class WorkerAgent:
             )
             self.update(state="joining", gen=self._assignment.generation, rank=self._assignment.rank)
             self._assigned.set()
+        elif msg.get("t") == "probe_devices" and int(msg["id"]) > self._probe[0]:
+            self._probe = (int(msg["id"]), [str(n) for n in msg["nodes"]])  # one tuple: read whole, no lock
 
     # ------------------------------------------------------------------ main thread
 
@@ -232,6 +235,19 @@ class WorkerAgent:
         with self._lock:
             self._periods = (self._periods + [record])[-PERIODS_RESENT:]
             self._info["periods"] = list(self._periods)
+
+    def probe_requested(self) -> int:
+        """The id of the newest device probe the controller asked for (0: none)."""
+        return self._probe[0]
+
+    def probe_nodes(self) -> list[str]:
+        """The generation's node names by rank, as the newest probe request gave them."""
+        return self._probe[1]
+
+    def probe_report(self, probe_id: int, record: dict[str, Any]) -> None:
+        """Send the device probe's result (rank 0's; every rank holds the same gathered record)."""
+        if self._info["rank"] == 0:
+            self.update(probe={"id": probe_id, **record})
 
     def finished(self, final_step: int | None = None) -> None:
         """Report "done".  Heartbeats go on until the process exits: JAX's shutdown barrier

@@ -42,6 +42,7 @@ from jaxdist.config import Config, ConfigError
 from jaxdist.controller import policy
 from jaxdist.controller.generations import GenerationLifecycle
 from jaxdist.controller.health import HealthHistory, Period, Thresholds, job_step_s
+from jaxdist.controller.health_actions import HealthActions
 from jaxdist.controller.protocol import Endpoint, load_or_create_token
 from jaxdist.controller.setup_cache import SetupCache, SetupEntry
 from jaxdist.controller.state import EventLog, Generation, JobState, NodeView, WorkerInfo
@@ -81,7 +82,7 @@ def controller_dir(cfg: Config) -> Path:
     return (cfg.run_dir / "controller").absolute()
 
 
-class Controller(GenerationLifecycle):
+class Controller(GenerationLifecycle, HealthActions):
     """One job's controller; :meth:`run` until the job is done (0) or cannot continue (1)."""
 
     def __init__(self, cfg: Config, config_args: list[str], echo: bool = False):
@@ -239,6 +240,8 @@ class Controller(GenerationLifecycle):
             self.progress_at = now
         for record in msg.get("periods", ()):
             self._on_period(Period.from_dict(record))
+        if "probe" in msg:
+            self._on_device_probe(msg["probe"])
         if g is not None and g.first_step_at is None and w.state == "training":
             self._first_step(g, w)
 
@@ -297,6 +300,7 @@ class Controller(GenerationLifecycle):
                 # A job-wide slowdown no rank's data or saves explain: are the links between the nodes slow?
                 if any(x.rank is None and x.kind in ("slowdown", "compute") for x in alarms) and not self.anomaly_probe:
                     self._probe_links()
+                self._on_alarms(alarms)  # the device probe, an eviction (health_actions.py)
 
     def _probe_links(self) -> None:
         """Ping every pair of live nodes' agents (TCP), naming a node whose links are all slow."""

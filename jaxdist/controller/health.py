@@ -241,8 +241,9 @@ class HealthHistory:
         alarms among them: a finding whose (kind, rank) has now been abnormal ``t.persist`` rounds in a row
         (raised once per spell: it is raised again only after a normal round).
 
-        A round with a finding does not join the job's history: a slow spell is compared against the
-        normal rounds before it, not against itself.  The first ``t.warmup_rounds`` rounds hold the
+        A round with a finding does not join the job's history, nor does one already ``min_change`` slower
+        than its recent median: a slow spell is compared against the normal rounds before it, not against
+        itself.  The first ``t.warmup_rounds`` rounds hold the
         generation's compiles and restores (one rank may compile while the others load their programs
         from the cache): they are recorded but not judged.
         """
@@ -250,12 +251,20 @@ class HealthHistory:
             r = self.rounds_done
             periods = [self.periods[k][r] for k in sorted(self.periods)]
             found = assess(r, periods, self.job_history, t) if r >= t.warmup_rounds else []
-            if not found and r >= t.warmup_rounds:
-                self.job_history.append(round_summary(periods))
+            summary = round_summary(periods)
+            if not found and r >= t.warmup_rounds and not self._drifting(summary["step_s"], t):
+                self.job_history.append(summary)
             self.rounds_done += 1
             now = {(f.kind, f.rank): f for f in found}
             self.streaks = {k: self.streaks.get(k, 0) + 1 for k in now}
             yield r, periods, found, [f for k, f in now.items() if self.streaks[k] == t.persist]
+
+    def _drifting(self, step_s: float, t: Thresholds) -> bool:
+        """A round slower than the recent median by more than ``t.min_change`` but not (yet) abnormal -- the
+        first, partly slow round of a spell -- stays out of the history too: joining it would raise the
+        reference and hide the rest of the spell."""
+        recent = [h["step_s"] for h in self.job_history[-t.history :]]
+        return len(recent) >= t.min_history and step_s > (1 + t.min_change) * statistics.median(recent)
 
     def typical_step_s(self) -> float | None:
         """The median seconds per step of the normal rounds so far (None before any)."""
@@ -269,12 +278,13 @@ class LoopPosition:
 
     rank: int
     node: str
-    phase: str  # "data" | "dispatch" | "blocked" | "checkpoint" | "eval" | "callbacks" | "idle"
+    phase: str  # "data" | "agree" | "dispatch" | "blocked" | "checkpoint" | "eval" | "callbacks" | "idle"
     dispatched: int
     age_s: float
 
 
 STUCK_PHASES = ("data", "dispatch", "callbacks")  # a rank held here keeps the others waiting in the step
+WAITING_PHASES = ("blocked", "agree")  # waiting for the other ranks: in the step, or agreeing on the batch list
 GROUP_STUCK_FACTOR = 10.0  # a whole group blocked is judged this many windows late: a slow step looks the same
 
 
@@ -297,7 +307,7 @@ def stuck_ranks(
     limit = 3.0 * window_s + heartbeat_timeout
     if stalled_s <= limit:
         return None
-    blocked = [p for p in positions if p.phase == "blocked"]
+    blocked = [p for p in positions if p.phase in WAITING_PHASES]
     if not blocked:
         return None  # every host is busy with its own work: nobody waits for anybody
     held = [p for p in positions if p.phase in STUCK_PHASES and p.age_s > limit]
@@ -312,3 +322,76 @@ def stuck_ranks(
             f"(over {group_limit:.1f} s): a hang inside the device program, no single rank to name"
         )
     return None
+
+
+PROBE_MIN_EXCESS = (
+    0.5  # a node's compute or a pair's transfer stands out only by more than this fraction of the others'
+)
+
+
+def name_probe(record: dict[str, Any], z: float = 5.0, min_excess: float = PROBE_MIN_EXCESS) -> dict[str, Any]:
+    """What a device probe's ``record`` (jaxdist.train.device_probe.DeviceProbe.run) names, as printable data.
+
+    A node's compute seconds (a matmul on its own devices, no collective) stand out when they exceed the
+    other nodes' median by more than ``z`` scaled MADs and by more than ``min_excess`` of that median: the
+    node is slow (``kind="compute"``).  A pair's transfer seconds are judged the same way against
+    the other pairs (when both a node and pairs stand out, the larger excess in seconds wins: it explains more
+    of the slower step); the slow pairs are a slow link: they name the worst
+    of them (``kind="link"``, ``link=[a, b]``), unless one node's pairs are all slow: its own network
+    (``kind="link"``, ``node``).  Returns ``kind`` (``"compute"``, ``"link"`` or None), ``node``,
+    ``link``, ``why``, and ``words``: one word per node for the status table.
+    """
+    compute = {k: float(v) for k, v in record["compute_s"].items()}
+    nodes = list(record.get("nodes") or compute)
+    words = dict.fromkeys(nodes, "ok")
+    out: dict[str, Any] = {
+        "kind": None,
+        "node": None,
+        "link": None,
+        "why": "no node or link stands out",
+        "words": words,
+    }
+    slow_nodes = []
+    if len(compute) >= 3:
+        for n, s in compute.items():
+            others = [v for k, v in compute.items() if k != n]
+            hit, ref, _ = above(s, others, z, min_excess * statistics.median(others))
+            if hit:
+                slow_nodes.append((n, s, ref))
+    pairs = [(str(a), str(b), float(s)) for a, b, s, *_ in record["pairs"]]
+    slow = []
+    if len(pairs) >= 3:
+        for i, (a, b, s) in enumerate(pairs):
+            others = [p[2] for j, p in enumerate(pairs) if j != i]
+            hit, ref, _ = above(s, others, z, min_excess * statistics.median(others))
+            if hit:
+                slow.append((a, b, s, ref))
+    # Both stand out: the one with the larger excess seconds explains the slower step (a busy host's compute
+    # test varies by a millisecond or two; a degraded link adds far more).
+    worst_pair = max((p[2] - p[3] for p in slow), default=0.0)
+    worst_node = max((x[1] - x[2] for x in slow_nodes), default=0.0)
+    if slow_nodes and worst_node >= worst_pair:
+        n, s, ref = max(slow_nodes, key=lambda x: x[1] - x[2])
+        for m, *_ in slow_nodes:
+            words[m] = "slow compute"
+        out.update(kind="compute", node=n, why=f"{n} computes in {s * 1e3:.2f} ms, the other nodes {ref * 1e3:.2f} ms")
+        return out
+    if not slow:
+        return out
+    # A node whose every pair is slow: its own network.  Otherwise the worst pair is the link (another pair
+    # that barely passes the test on a busy host must not turn one slow link into a "slow node").
+    count = {n: sum(n in p[:2] for p in slow) for n in nodes}
+    full = [n for n, c in count.items() if c >= 2 and c == len(nodes) - 1]
+    if len(full) == 1:
+        n = full[0]
+        words[n] = "slow network"
+        out.update(kind="link", node=n, why=f"every pair of {n} ({count[n]}) is slow: its network is slow")
+        return out
+    a, b, s, ref = max(slow, key=lambda p: p[2] / p[3] if p[3] > 0 else float("inf"))
+    words[a], words[b] = f"slow link to {b}", f"slow link to {a}"
+    others = [f"{x}-{y}" for x, y, *_ in slow if (x, y) != (a, b)]
+    also = f" (also above the others: {', '.join(others)})" if others else ""
+    out.update(
+        kind="link", link=[a, b], why=f"{a}-{b} takes {s * 1e3:.2f} ms, the other pairs {ref * 1e3:.2f} ms{also}"
+    )
+    return out

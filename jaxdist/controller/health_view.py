@@ -40,7 +40,8 @@ def read_health(run_dir: str | Path) -> tuple[list[Period], list[dict[str, Any]]
 
 
 def last_probe(run_dir: str | Path) -> dict[str, Any] | None:
-    """The newest link probe the controller ran after a slowdown (its ``probe`` event), or None."""
+    """The newest probe the controller ran after a slowdown (its ``device_probe`` event: timed collectives on
+    the devices, or a ``probe`` event: TCP pings between the node agents), or None."""
     path = Path(run_dir) / "controller" / "events.jsonl"
     found = None
     if path.is_file():
@@ -49,7 +50,7 @@ def last_probe(run_dir: str | Path) -> dict[str, Any] | None:
                 e = json.loads(line)
             except ValueError:
                 continue
-            if e.get("event") == "probe":
+            if e.get("event") in ("probe", "device_probe"):
                 found = e
     return found
 
@@ -85,10 +86,18 @@ def node_table(periods: list[Period], rounds: list[dict[str, Any]], probe: dict[
                 "blocked_s": med(lambda p: p.per_step("blocked_s")),
                 "checkpoint_s": med(lambda p: p.per_step("checkpoint_s")),
                 "flags": " ".join(flags.get(rank, [])) or "-",
-                "probe": ("-" if probe is None else "slow links" if last[-1].node in slow else "ok"),
+                "probe": _probe_word(probe, last[-1].node, slow),
             }
         )
     return rows
+
+
+def _probe_word(probe: dict[str, Any] | None, node: str, slow: set[str]) -> str:
+    if probe is None:
+        return "-"
+    if probe.get("event") == "device_probe":  # health.name_probe's word per node
+        return str(probe.get("words", {}).get(node, "-"))
+    return "slow links" if node in slow else "ok"
 
 
 def format_table(rows: list[dict]) -> str:
@@ -149,7 +158,10 @@ def status(run_dir: str | Path, heatmap: str | Path | None = None) -> int:
     if not periods:
         print(f"{run_dir}: no efficiency record yet (each rank sends one per controller.health_every steps)")
         return 0
-    print(format_table(node_table(periods, rounds, last_probe(run_dir))))
+    probe = last_probe(run_dir)
+    print(format_table(node_table(periods, rounds, probe)))
+    if probe is not None and probe.get("event") == "device_probe":
+        print(f"device probe at step {probe.get('step')} ({probe.get('probe_s', 0):.2f} s): {probe['why']}")
     findings = [(r["round"], f) for r in rounds for f in r.get("findings", [])]
     for r, f in findings[-10:]:
         print(f"round {r}: {f['kind']}: {f['why']}")

@@ -347,15 +347,23 @@ class FollowingLoader:
         if poll_every < 1:
             raise ValueError(f"poll_every must be >= 1, got {poll_every}")
         self.run, self._sharding, self._depth, self._poll_every = run, sharding, depth, poll_every
-        self._start = start
+        self._start, self._agreed = start, -1
         self._inner = BatchLoader(run.reader, start, sharding, depth)
 
-    def get(self, position: int) -> tuple[int, Any]:
-        """(packed id, batch) at ``position``, after adopting any new version at this boundary."""
+    def agree(self, position: int) -> None:
+        """Adopt any new version at this boundary (with several processes, a collective at the polled
+        positions: the loop books it apart from its own wait for data).  Once per position."""
+        if self._agreed == position:
+            return
+        self._agreed = position
         poll = position == self._start or position % self._poll_every == 0
         if self.run.boundary(position, poll):  # batches read ahead from the old version are dropped
             self._inner.close()
             self._inner = BatchLoader(self.run.reader, position, self._sharding, self._depth)
+
+    def get(self, position: int) -> tuple[int, Any]:
+        """(packed id, batch) at ``position``, after adopting any new version at this boundary."""
+        self.agree(position)
         return self._inner.get(position)
 
     def close(self) -> None:

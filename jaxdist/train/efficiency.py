@@ -3,8 +3,9 @@
 The loop marks each part it enters (:meth:`LoopClock.enter`); the clock adds the seconds spent in the part
 it leaves.  A part is one of ``data`` (waiting for the next batch), ``dispatch`` (batch ready to step
 dispatched: the host's own part of the step; dispatch is asynchronous), ``blocked`` (waiting for the
-device's results at a metrics flush: the device's compute and collectives), ``checkpoint``, ``eval`` and
-``callbacks``.  The metrics window adds its honest training time at each flush (:meth:`add_window`).
+device's results at a metrics flush: the device's compute and collectives; ``agree``, the processes agreeing
+on the batch list before a step, is booked there too: it waits for the slowest peer), ``checkpoint``,
+``eval``, ``callbacks`` and ``probe`` (the device probe).  The metrics window adds its honest training time at each flush (:meth:`add_window`).
 
 :meth:`take_period` returns the record since the last one (the controller's ``health.Period`` fields) and
 starts the next.  The current part, the step dispatched and since when are readable from another thread
@@ -14,14 +15,17 @@ starts the next.  The current part, the step dispatched and since when are reada
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 PART_FIELDS = {
     "data": "data_wait_s",
     "dispatch": "dispatch_s",
     "blocked": "blocked_s",
+    "agree": "blocked_s",  # the processes agreeing on the batch list: waiting for peers, like a collective
     "checkpoint": "checkpoint_s",
     "eval": "eval_s",
     "callbacks": "callbacks_s",
+    "probe": "probe_s",
 }
 
 
@@ -34,6 +38,7 @@ class LoopClock:
         self.since = time.time()  # when the current part began (seconds since the epoch)
         self.dispatched = first_step - 1  # the newest step dispatched (1-based count of steps)
         self._t = time.perf_counter()
+        self.hook: Callable[[str], None] | None = None  # test-only fault hooks (jaxdist.train.faults): sleep there
         self._reset(first_step)
 
     def _reset(self, first_step: int) -> None:
@@ -51,6 +56,8 @@ class LoopClock:
         if step is not None:
             self.dispatched = step
         self.phase, self.since = phase, time.time()
+        if self.hook is not None:
+            self.hook(phase)  # after the switch: an injected delay is booked to the part entered
 
     def add_window(self, steps: int, seconds: float) -> None:
         """A metrics window of ``steps`` steps finished, ``seconds`` from its start to its last step done."""

@@ -55,6 +55,7 @@ from jaxdist.train.callbacks import (
     run_due,
 )
 from jaxdist.train.efficiency import LoopClock
+from jaxdist.train.faults import fault_hooks
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.tracking import open_tracker
 from jaxdist.train.optimizer import make_optimizer, resumed_schedule_steps
@@ -429,6 +430,9 @@ class Trainer:
             self.collectives_hash = check_same_collectives(
                 self.compiled_train_step().as_text(), jax.process_index(), jax.process_count(), kv_set, kv_get
             )
+        self.faults = fault_hooks(self.run_dir)  # None unless $JAXDIST_FAULT_HOOKS=1 (test-only)
+        if self.faults is not None:
+            self.loop_clock.hook = self.faults.on_phase
         window = MetricsWindow(
             self.metrics,
             self.tokens_per_step,
@@ -459,6 +463,10 @@ class Trainer:
         window.restart()
         try:
             for i in range(start, end):
+                # The processes' agreement on the batch list is a collective: waiting there for a slower peer
+                # is not this rank's own wait for data (that would hide which rank's input is slow).
+                self.loop_clock.enter("agree")
+                prefetch.agree(i)
                 self.loop_clock.enter("data")
                 batch_id, batch = prefetch.get(i)  # data added since the last step joins here
                 self.loop_clock.enter("dispatch")

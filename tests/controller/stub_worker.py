@@ -18,7 +18,7 @@ group to reach that step stops stepping but keeps heartbeating: a deadlock),
 ``JAXDIST_STUB_NONSENSE_AT`` (rank 0 exits with code 2 at that step, as a
 worker does whose run can only produce nonsense, e.g. a NaN loss),
 ``JAXDIST_STUB_DATA_DELAY=RANK:S`` (that rank waits S seconds for each batch:
-a slow input pipeline), ``JAXDIST_STUB_STUCK=RANK:STEP`` (that rank stops
+a slow input pipeline; ``NODE:S``: the rank on that node), ``JAXDIST_STUB_STUCK=RANK:STEP`` (that rank stops
 before that step, still heartbeating, while the others wait: a stuck rank).
 """
 
@@ -65,11 +65,12 @@ def _barrier(d: Path, step: int, rank: int, n: int) -> None:
 
 
 def _rank_value(spec: str | None, rank: int) -> float | None:
-    """``"RANK:VALUE"`` -> VALUE for that rank, else None."""
+    """``"RANK:VALUE"`` -> VALUE for that rank, ``"NODE:VALUE"`` -> VALUE on that node, else None."""
     if not spec:
         return None
-    r, value = spec.split(":")
-    return float(value) if int(r) == rank else None
+    r, value = spec.rsplit(":", 1)
+    mine = int(r) == rank if r.isdigit() else r == os.environ.get("JAXDIST_NODE")
+    return float(value) if mine else None
 
 
 def main(argv: list[str]) -> int:

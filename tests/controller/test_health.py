@@ -14,10 +14,11 @@ from jaxdist.controller.health import (
     Period,
     Thresholds,
     assess,
+    name_probe,
     round_summary,
     stuck_ranks,
 )
-from jaxdist.controller.health_view import format_table, node_table, read_health
+from jaxdist.controller.health_view import format_table, last_probe, node_table, read_health
 from jaxdist.train.efficiency import LoopClock
 
 STEPS = 10
@@ -250,3 +251,132 @@ def test_thresholds_follow_the_config_defaults():
 
     c = load_config(None, []).controller
     assert Thresholds(c.health_z, c.health_min_change, c.health_min_share) == Thresholds()
+
+
+def _probe_record(compute, pair_s, seed=0):
+    """A device probe's record: nodes n0..n3, ``pair_s(a, b)`` seconds per pair, a little noise."""
+    rng = random.Random(seed)
+    nodes = [f"n{i}" for i in range(len(compute))]
+    pairs = [[a, b, pair_s(a, b) * (1 + 0.05 * rng.random()), 1e9] for i, a in enumerate(nodes) for b in nodes[i + 1 :]]
+    return {"nodes": nodes, "compute_s": dict(zip(nodes, compute)), "pairs": pairs}
+
+
+def test_a_probe_names_a_slow_node_a_slow_link_or_a_node_whose_network_is_slow():
+    base = lambda a, b: 0.002  # noqa: E731
+    # compute stands out: the node, even though its pairs are slower too (its sends are late)
+    v = name_probe(_probe_record([0.01, 0.01, 0.03, 0.0101], lambda a, b: 0.004 if "n2" in (a, b) else 0.002))
+    assert (v["kind"], v["node"], v["link"]) == ("compute", "n2", None) and v["words"]["n2"] == "slow compute"
+    # one pair stands out, neither end's compute does: that link
+    v = name_probe(_probe_record([0.01] * 4, lambda a, b: 0.006 if (a, b) == ("n0", "n3") else 0.002))
+    assert (v["kind"], v["node"], v["link"]) == ("link", None, ["n0", "n3"])
+    assert v["words"] == {"n0": "slow link to n3", "n1": "ok", "n2": "ok", "n3": "slow link to n0"}
+    # every pair of n1 is slow (three of six): n1's network
+    v = name_probe(_probe_record([0.01] * 4, lambda a, b: 0.006 if "n1" in (a, b) else 0.002))
+    assert (v["kind"], v["node"]) == ("link", "n1") and v["words"]["n1"] == "slow network"
+    # noise within 5 % and a pair 30 % slower (below PROBE_MIN_EXCESS): nothing
+    for seed in range(50):
+        v = name_probe(_probe_record([0.01, 0.0102, 0.0099, 0.0101], base, seed))
+        assert v["kind"] is None, v
+    v = name_probe(_probe_record([0.01] * 4, lambda a, b: 0.0026 if (a, b) == ("n0", "n1") else 0.002))
+    assert v["kind"] is None
+    # a probe of benchmarks/health.py's job (ms): one delayed link and a noisy pair sharing a node with it
+    ms = {
+        ("n3", "n0"): 527.7,
+        ("n1", "n2"): 1.5,
+        ("n3", "n2"): 2.1,
+        ("n1", "n0"): 4.8,
+        ("n3", "n1"): 2.4,
+        ("n2", "n0"): 1.8,
+    }
+    rec = {
+        "compute_s": {"n3": 1.9e-3, "n1": 1.3e-3, "n2": 1.9e-3, "n0": 1.6e-3},
+        "pairs": [[a, b, t / 1e3] for (a, b), t in ms.items()],
+    }
+    v = name_probe(rec)
+    assert (v["kind"], v["node"], v["link"]) == ("link", None, ["n3", "n0"]) and "also above the others: n1-n0" in v[
+        "why"
+    ]
+
+
+def test_status_shows_the_device_probes_word_per_node(tmp_path, capsys):
+    periods = [period(r, i) for i in range(3) for r in range(4)]
+    write_health(tmp_path, periods, [])
+    v = name_probe(_probe_record([0.01] * 4, lambda a, b: 0.006 if (a, b) == ("n1", "n2") else 0.002))
+    event = {"event": "device_probe", "step": 30, "probe_s": 1.5, "finding": v.pop("kind"), **v}
+    (tmp_path / "controller" / "events.jsonl").write_text(json.dumps(event) + "\n")
+    rows = node_table(*read_health(tmp_path), last_probe(tmp_path))
+    assert [r["probe"] for r in rows] == ["ok", "slow link to n2", "slow link to n1", "ok"]
+    assert main(["status", str(tmp_path)]) == 0
+    assert "device probe at step 30 (1.50 s): n1-n2 takes" in capsys.readouterr().out
+
+
+def test_the_controller_asks_every_member_once_records_the_verdict_and_evicts_only_when_told(tmp_path):
+    from types import SimpleNamespace
+
+    from jaxdist.controller.health_actions import HealthActions
+    from jaxdist.controller.state import EventLog, JobState
+
+    class Fake(HealthActions):
+        def __init__(self, evict):
+            self.state = JobState("j", phase="running", generation=3, members={0: "n0", 1: "n1", 2: "n2", 3: "n3"})
+            self.cc = SimpleNamespace(health_z=5.0, evict_slow=evict)
+            self.dir, self.events, self.sent, self.acted = tmp_path, EventLog(tmp_path / f"ev{evict}.jsonl"), [], []
+            self.endpoint = SimpleNamespace(send=lambda ident, msg: self.sent.append((ident, msg)))
+
+        def _member_worker(self, r):
+            return SimpleNamespace(identity=f"w:n{r}:{100 + r}")
+
+        def _ban(self, node, why):
+            self.acted.append(("ban", node))
+
+        def _fail(self, failures, now):
+            self.acted.append(("fail", [(f.kind, f.node, f.rank) for f in failures]))
+
+    record = _probe_record([0.01, 0.01, 0.01, 0.01], lambda a, b: 0.006 if "n2" in (a, b) else 0.002)
+    for evict in (False, True):
+        c = Fake(evict)
+        c._probe_devices("slow")
+        c._probe_devices("slow again")  # one probe at a time
+        assert [i for i, _ in c.sent] == [f"w:n{r}:{100 + r}" for r in range(4)]
+        assert {m["id"] for _, m in c.sent} == {1} and c.sent[0][1]["nodes"] == ["n0", "n1", "n2", "n3"]
+        c._on_device_probe({"id": 1, "step": 9, "seconds": 1.2, "ring_s": 0.01, "allreduce_s": 0.02, **record})
+        c._on_device_probe({"id": 1, **record})  # resent with the next heartbeat: once
+        (e,) = [e for e in c.events.events if e["event"] == "device_probe"]
+        assert (e["finding"], e["node"], e["step"], len(e["pairs"])) == ("link", "n2", 9, 6)
+        assert c.acted == ([("ban", "n2"), ("fail", [("evicted", "n2", 2)])] if evict else [])
+        (line,) = [json.loads(x) for x in (tmp_path / "health.jsonl").read_text().splitlines()][-1:]
+        assert line["record"] == "probe" and line["words"]["n2"] == "slow network"
+
+
+def test_the_partly_slow_first_rounds_of_a_spell_stay_out_of_the_history():
+    # Normal rounds 0.10 +- 0.01 s (history MAD 0.01: abnormal beyond ~0.174 s), then a spell whose first rounds
+    # are only partly slow (within 5 MADs, beyond min_change): joining the history, they hid the spell (0.2 s).
+    h = HealthHistory(gen=0, ranks=4)
+    steps = [0.1, 0.09, 0.11, 0.1, 0.09, 0.11, 0.1, 0.11, 0.09, 0.16, 0.165, 0.17, 0.2, 0.2, 0.2]
+    found_at = []
+    for i, s in enumerate(steps):
+        for r in range(4):
+            h.add(period(r, i, step_s=s))
+        ((_, _, found, _),) = list(h.complete_rounds())
+        found_at += [i for f in found if f.kind == "slowdown"]
+    assert found_at == [12, 13, 14]
+    assert max(x["step_s"] for x in h.job_history) == pytest.approx(0.11)
+
+
+def test_a_probe_names_a_far_slower_link_over_a_noisy_compute_test():
+    # a probe of benchmarks/health.py's job (ms): one node's compute test 2x the others' on the busy host (a
+    # millisecond more), the delayed link 250x the other pairs (half a second more): the link explains the step
+    ms = {
+        ("n0", "n2"): 1.9,
+        ("n3", "n1"): 2.0,
+        ("n0", "n1"): 1.5,
+        ("n3", "n2"): 2.0,
+        ("n0", "n3"): 522.3,
+        ("n1", "n2"): 2.4,
+    }
+    rec = {"compute_s": {"n0": 0.9e-3, "n3": 2.06e-3, "n1": 0.8e-3, "n2": 1.9e-3}}
+    rec["pairs"] = [[a, b, t / 1e3] for (a, b), t in ms.items()]
+    v = name_probe(rec)
+    assert (v["kind"], v["node"], v["link"]) == ("link", None, ["n0", "n3"])
+    rec["compute_s"]["n3"] = 0.6  # a compute test 600 ms slower: the node
+    assert (name_probe(rec)["kind"], name_probe(rec)["node"]) == ("compute", "n3")

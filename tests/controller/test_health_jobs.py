@@ -62,6 +62,41 @@ def test_a_slow_input_rank_is_named_and_a_stuck_rank_restarts_before_the_progres
     assert "data@" in out.splitlines()[2]  # rank 1's row carries its flags
 
 
+def test_evict_slow_swaps_the_named_node_for_a_standby_and_the_job_ends_exact(tmp_path):
+    steps = 40
+    job = LocalJob(
+        stub_args(
+            "evict",
+            steps,
+            "train.batch_size=24",
+            "train.log_every=1",
+            "controller.min_nodes=3",
+            "controller.max_nodes=3",
+            "controller.standbys=1",
+            "controller.health_every=4",
+            "controller.evict_slow=true",
+        ),
+        nodes=4,
+        cwd=tmp_path,
+        env={"JAXDIST_STUB_DATA_DELAY": "local-1:0.03"},  # the node, whichever rank it holds
+    )
+    try:
+        job.start()
+        assert job.wait(120) == 0, job.summary()
+    finally:
+        job.close()
+    assert final_state(job) == expected_final(steps)  # no batch lost or repeated across the eviction
+    (slow,) = events_of(job, "slow_node")
+    assert (slow["node"], slow["evicted"], slow["gen"]) == ("local-1", True, 0), slow
+    (failure,) = events_of(job, "failure")
+    assert (failure["kinds"], failure["nodes"]) == (["evicted"], ["local-1"]), failure
+    (banned,) = events_of(job, "banned")
+    assert banned["node"] == "local-1"
+    (replacement,) = events_of(job, "replacement")
+    assert "local-1" not in replacement["members"].values() and len(replacement["members"]) == 3, replacement
+    assert not events_of(job, "health")[1:], "the job is healthy once the slow node is out"
+
+
 def test_no_alarm_and_no_lost_node_in_a_fault_free_job_on_a_loaded_host(tmp_path):
     """Two busy processes load both cores for the whole job: no rank is named, no node lost, nothing fails."""
     import subprocess
