@@ -285,6 +285,9 @@ class LoopPosition:
 
 STUCK_PHASES = ("data", "dispatch", "callbacks")  # a rank held here keeps the others waiting in the step
 WAITING_PHASES = ("blocked", "agree")  # waiting for the other ranks: in the step, or agreeing on the batch list
+STUCK_WINDOWS = 2.0  # metric windows (plus the heartbeat timeout) before a rank holding the others up is stuck:
+# the controller learns of a step up to a heartbeat late, so 2 windows keep detection within 3 step times + the
+# heartbeat timeout of the moment the rank stopped
 GROUP_STUCK_FACTOR = 10.0  # a whole group blocked is judged this many windows late: a slow step looks the same
 
 
@@ -296,7 +299,7 @@ def stuck_ranks(
 
     ``window_s``: the seconds of one metrics window (``train.log_every`` steps at the job's step time): a
     host legitimately waits that long for its device at a flush.  A rank is stuck when the group has made
-    no step for ``3 x window_s + heartbeat_timeout`` while at least one other rank waits in the step
+    no step for ``STUCK_WINDOWS x window_s + heartbeat_timeout`` while at least one other rank waits in the step
     (phase ``blocked``) and it has been in its own host-side phase (waiting for data, dispatching, running
     callbacks) for as long.  A rank in a save or an evaluation is not named (those can take long; the
     progress timeout still covers them).  If every rank is blocked, the hang is inside the device
@@ -304,7 +307,7 @@ def stuck_ranks(
     """
     if not positions or window_s <= 0:
         return None
-    limit = 3.0 * window_s + heartbeat_timeout
+    limit = STUCK_WINDOWS * window_s + heartbeat_timeout
     if stalled_s <= limit:
         return None
     blocked = [p for p in positions if p.phase in WAITING_PHASES]
