@@ -150,7 +150,15 @@ def main(argv: list[str] | None = None) -> int:
         quiet = {
             "seconds": time.time() - t_quiet,
             "steps": job.state()["last_step"],
-            "alarms": len(events(job, ("health", "device_probe", "failure"), t_quiet)),
+            "alarms": len(events(job, ("health", "device_probe", "failure", "node_lost"), t_quiet)),
+            "alarm_kinds": sorted(
+                {
+                    e.get("finding") or e["event"]
+                    for e in events(job, ("health", "device_probe", "failure", "node_lost"), t_quiet)
+                }
+            ),
+            "agent_silent": len(events(job, ("agent_silent",), t_quiet)),
+            "agent_stalls": [e["seconds"] for e in events(job, ("agent_stall",), t_quiet)],
         }
         step_s = statistics.median(r["step_s"] for r in rounds(job)[1:])
         nodes = sorted(job.state()["members"].values())
@@ -208,7 +216,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(results: list[dict], quiet: dict, probes: list[dict], step_s: float, hb: float) -> None:
-    print(f"\nfault-free: {quiet['seconds']:.0f} s ({quiet['steps']} steps so far), alarms: {quiet['alarms']}")
+    print(
+        f"\nfault-free: {quiet['seconds']:.0f} s ({quiet['steps']} steps so far), alarms (health, device probe, "
+        f"failure, node lost): {quiet['alarms']} {quiet['alarm_kinds']}; agents silent while their workers trained: "
+        f"{quiet['agent_silent']}, agent loop stalls: {quiet['agent_stalls']} s"
+    )
     print("kind    | n  | detected | periods to flag (median, max) | node/link named | kind named | detect s (median)")
     for kind in ("compute", "data", "link", "stuck"):
         rows = [r for r in results if r["kind"] == kind]
