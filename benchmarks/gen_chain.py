@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gen-chain-"))
     samples = tmp / "p.txt"
     samples.write_text("\n".join(f"sample {i}" for i in range(a.samples)))
-    prof = {
-        f: ModelProfile(f, 100, ca, 0.0, 0.0, 1 / ca, cc, 10.0, 10.0, (), 0.0, 0.0) for f, (ca, cc) in COSTS.items()
-    }
+    prof = {f: ModelProfile.with_contention(f, ca, 0.0, 0.0, cc, 10.0, 10.0) for f, (ca, cc) in COSTS.items()}
     save_profiles(tmp / "prof.json", prof)
 
     def within(streams: list[int]) -> bool:

@@ -58,10 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--streams", default="1,2,4,8")
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--lengths", default="8,16,24,32,40,48", help="output lengths of the logged batches")
-    p.add_argument("--batches", type=int, default=12, help="logged batches per stream count")
+    p.add_argument("--lengths", default="8,16,32,48", help="output lengths of the logged batches")
+    p.add_argument("--rounds", type=int, default=60, help="rounds of one batch per stream count and length")
     p.add_argument("--check-len", type=int, default=28, help="output length of the direct measurement")
-    p.add_argument("--check-reps", type=int, default=5)
     p.add_argument("--log", help="where to write the run log (default: a temporary file)")
     a = p.parse_args(argv)
     streams = [int(x) for x in a.streams.split(",")]
@@ -83,19 +82,24 @@ def main(argv: list[str] | None = None) -> int:
     log_path = Path(a.log or tempfile.mkdtemp(prefix="gen-profile-")) / "runlog.bench.jsonl"
     log = RunLogWriter(log_path, a.preset, worker="bench")
     t_start = time.perf_counter()
+    load0 = os.getloadavg()[0]
     for s in streams:
         batch(s, 2)  # the warm-up: compiles this stream count's programs (prefill and step)
-    for i in range(a.batches):  # stream counts interleaved: a load change on a shared machine hits them all
-        n = lengths[i % len(lengths)]
-        for s in streams:
+    # rounds of every cell once (each logged stream count and length, and each direct stream count), in a new
+    # random order each round: a change of load on a shared machine hits every cell alike (a randomised block)
+    cells = [(s, n, True) for s in streams for n in lengths] + [(s, a.check_len, False) for s in streams]
+    direct: dict[int, list[float]] = {s: [] for s in streams}
+    for _ in range(a.rounds):
+        for i in rng.permutation(len(cells)):
+            s, n, logged = cells[i]
             start = time.time()
             seconds = batch(s, n)
-            for _ in range(s):
-                log.log(s, start, start + seconds, a.prompt_len, n)
-    direct: dict[int, list[float]] = {s: [] for s in streams}
-    for _ in range(a.check_reps):
-        for s in streams:
-            direct[s].append(batch(s, a.check_len))
+            if logged:
+                for _ in range(s):
+                    log.log(s, start, start + seconds, a.prompt_len, n)
+            else:
+                direct[s].append(seconds)
+    load1 = os.getloadavg()[0]
     try:  # fitted without the error limit, so the table shows how far off a refused fit is
         prof = fit_profiles(read_run_logs([log_path]).records, max_error=math.inf)[a.preset]
     except ConfigError as e:
@@ -108,17 +112,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"\nsampler {a.preset} (random weights), 1 {jax.devices()[0].platform} device, prompt {a.prompt_len} "
-        f"tokens; log: {a.batches} batches per stream count, lengths {a.lengths}; direct: {a.check_len} tokens, "
-        f"median of {a.check_reps}; {time.perf_counter() - t_start:.0f} s; JAX {jax.__version__}\n"
+        f"tokens; {a.rounds} rounds of one batch of each logged stream count and output length ({a.lengths}) "
+        f"and of each direct one ({a.check_len} tokens, not logged), in random order; {time.perf_counter() - t_start:.0f} s; load average {load0:.1f} -> {load1:.1f} "
+        f"({os.cpu_count()} cores); JAX {jax.__version__}\n"
     )
-    print("| streams | measured tok/s | fitted tok/s | error |")
-    print("| --- | --- | --- | --- |")
+    print("| streams | measured tok/s (median batch) | fitted tok/s | error | measured tok/s (mean batch) |")
+    print("| --- | --- | --- | --- | --- |")
     worst = 0.0
     for s in streams:
         measured = s * a.check_len / statistics.median(direct[s])
-        fitted = prof.tokens_per_s(s, a.prompt_len, a.check_len)
+        fitted = float(prof.tokens_per_s(s, a.prompt_len, a.check_len))
         worst = max(worst, abs(fitted / measured - 1))
-        print(f"| {s} | {measured:.1f} | {fitted:.1f} | {100 * (fitted / measured - 1):+.1f}% |")
+        mean = s * a.check_len / statistics.fmean(direct[s])
+        print(f"| {s} | {measured:.0f} | {fitted:.0f} | {100 * (fitted / measured - 1):+.1f}% | {mean:.0f} |")
     print(f"\nworst error {100 * worst:.1f}%")
     return 0
 

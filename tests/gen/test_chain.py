@@ -99,7 +99,7 @@ def test_a_chain_runs_with_streams_from_profiles_and_nodes_selected_within_the_b
     fa, fb = "tests.gen.genfns:variants", "tests.gen.genfns:score"
     # the profiles of the two stages (their known cost curves): streams 4 and 3 fit a 0.09 s task
     profiles = {
-        f: ModelProfile(f, 100, a, 0.0, 0.0, 1 / a, c, 10.0, 10.0, (), 0.0, 0.0)
+        f: ModelProfile.with_contention(f, a, 0.0, 0.0, c, 10.0, 10.0)
         for f, (a, c) in [(fa, genfns.VARIANTS_COST), (fb, genfns.SCORE_COST)]
     }
     save_profiles(tmp_path / "prof.json", profiles)

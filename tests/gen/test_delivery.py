@@ -259,7 +259,7 @@ def test_streams_per_task_from_a_model_profile(tmp_path):
     from jaxdist.gen.job import streams_from_profile
     from jaxdist.gen.profile import ModelProfile, save_profiles
 
-    prof = ModelProfile("m:f", 100, 0.05, 0.0, 0.01, 100.0, 0.2, 10.0, 10.0, (), 0.0, 0.0)
+    prof = ModelProfile.with_contention("m:f", 0.05, 0.0, 0.01, 0.2, 10.0, 10.0)
     save_profiles(tmp_path / "p.json", {"m:f": prof})
     (tmp_path / "s.txt").write_text("x" * 10 + "\n")
     base = [f"samples={tmp_path / 's.txt'}", "deliver_to=127.0.0.1:5601", "run=x", "function=m:f", "task_size=0"]
