@@ -10,27 +10,33 @@ make the log fit for a profile, the two the first real logs lacked:
 * **each batch shape is warmed up first**: one untimed batch per stream count
   compiles its programs (the worker marks such requests ``first_use``
   instead, and fits leave them out);
-* **output lengths vary**: each batch stops after a length drawn from
-  ``--lengths`` (all rows of a batch the same), so the per-token and
-  per-request costs separate. The cache is sized for the longest, so there is
-  one program per stream count whatever the length.
+* **output lengths vary**: each batch stops after one of ``--lengths``
+  (all rows of a batch the same), so the per-token and per-request costs
+  separate. The cache is sized for the longest, so there is one program per
+  stream count whatever the length.
 
-``jaxdist gen profile``'s fit (:func:`jaxdist.gen.profile.fit_profiles`, which
-refuses a fit more than 15% from its logs) then predicts the throughput at
-each stream count; the **direct measurement** is separate batches of
-``--check-len`` tokens (not in the log), ``s x tokens / median batch seconds``.
+``jaxdist gen profile``'s fit (:func:`jaxdist.gen.profile.fit_profiles`: the
+step-time model of :mod:`jaxdist.gen.perfmodel`, robust to slowed requests,
+refused more than 15% from its logs) then predicts the throughput at each
+stream count; the **direct measurement** is separate batches of
+``--check-len`` tokens (a length not logged), ``s x tokens / median batch
+seconds`` (the mean is printed beside it).
 
-The table is printed even for a fit ``jaxdist gen profile`` would refuse
-(its error and the verdict are printed above it). On a machine shared with
-other jobs (load far above its cores) batch times of a few milliseconds vary
-tenfold and the fit is refused, as it should be: run it on a quiet machine.
+**Design against a shared machine.** On 2 cores shared with other jobs a
+batch of a few milliseconds is slowed 2-3x, by an amount that drifts over
+seconds. The run is therefore ``--rounds`` randomised blocks: each round runs
+one batch of every logged stream count and length and one of every direct
+stream count, in a new random order, so every cell sees the same load; the
+fit follows the typical (median) request, as the direct measurement does.
+About a minute on a quiet machine, two at load 4-9.
 
-    python benchmarks/gen_profile.py            # about 20 s on a quiet machine
+    python benchmarks/gen_profile.py [--rounds 200] [--log DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -59,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--streams", default="1,2,4,8")
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--lengths", default="8,16,32,48", help="output lengths of the logged batches")
-    p.add_argument("--rounds", type=int, default=60, help="rounds of one batch per stream count and length")
+    p.add_argument("--rounds", type=int, default=200, help="rounds of one batch per stream count and length")
     p.add_argument("--check-len", type=int, default=28, help="output length of the direct measurement")
-    p.add_argument("--log", help="where to write the run log (default: a temporary file)")
+    p.add_argument("--log", help="a folder for the run log and the direct batches' seconds (default: a temporary one)")
     a = p.parse_args(argv)
     streams = [int(x) for x in a.streams.split(",")]
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -100,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 direct[s].append(seconds)
     load1 = os.getloadavg()[0]
+    (log_path.parent / "direct.json").write_text(json.dumps({str(s): v for s, v in direct.items()}))
     try:  # fitted without the error limit, so the table shows how far off a refused fit is
         prof = fit_profiles(read_run_logs([log_path]).records, max_error=math.inf)[a.preset]
     except ConfigError as e:
