@@ -228,7 +228,7 @@ def format_table(profiles: dict[str, ModelProfile], curves: bool = True) -> str:
     if curves:
         rows = [(
             "model", "streams", "requests", "measured tok/s", "fitted tok/s", "latency s", "fitted latency s",
-            "typical error",
+            "fit vs typical",
         )]  # fmt: skip
         for pr in profiles.values():
             for pt in pr.points:
