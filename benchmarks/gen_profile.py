@@ -10,27 +10,33 @@ make the log fit for a profile, the two the first real logs lacked:
 * **each batch shape is warmed up first**: one untimed batch per stream count
   compiles its programs (the worker marks such requests ``first_use``
   instead, and fits leave them out);
-* **output lengths vary**: each batch stops after a length drawn from
-  ``--lengths`` (all rows of a batch the same), so the per-token and
-  per-request costs separate. The cache is sized for the longest, so there is
-  one program per stream count whatever the length.
+* **output lengths vary**: each batch stops after one of ``--lengths``
+  (all rows of a batch the same), so the per-token and per-request costs
+  separate. The cache is sized for the longest, so there is one program per
+  stream count whatever the length.
 
-``jaxdist gen profile``'s fit (:func:`jaxdist.gen.profile.fit_profiles`, which
-refuses a fit more than 15% from its logs) then predicts the throughput at
-each stream count; the **direct measurement** is separate batches of
-``--check-len`` tokens (not in the log), ``s x tokens / median batch seconds``.
+``jaxdist gen profile``'s fit (:func:`jaxdist.gen.profile.fit_profiles`: the
+step-time model of :mod:`jaxdist.gen.perfmodel`, robust to slowed requests,
+refused more than 15% from its logs) then predicts the throughput at each
+stream count; the **direct measurement** is separate batches of
+``--check-len`` tokens (a length not logged), ``s x tokens / median batch
+seconds`` (the mean is printed beside it).
 
-The table is printed even for a fit ``jaxdist gen profile`` would refuse
-(its error and the verdict are printed above it). On a machine shared with
-other jobs (load far above its cores) batch times of a few milliseconds vary
-tenfold and the fit is refused, as it should be: run it on a quiet machine.
+**Design against a shared machine.** On 2 cores shared with other jobs a
+batch of a few milliseconds is slowed 2-3x, by an amount that drifts over
+seconds. The run is therefore ``--rounds`` randomised blocks: each round runs
+one batch of every logged stream count and length and one of every direct
+stream count, in a new random order, so every cell sees the same load; the
+fit follows the typical (median) request, as the direct measurement does.
+About a minute on a quiet machine, two at load 4-9.
 
-    python benchmarks/gen_profile.py            # about 20 s on a quiet machine
+    python benchmarks/gen_profile.py [--rounds 200] [--log DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -58,11 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--streams", default="1,2,4,8")
     p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--lengths", default="8,16,24,32,40,48", help="output lengths of the logged batches")
-    p.add_argument("--batches", type=int, default=12, help="logged batches per stream count")
+    p.add_argument("--lengths", default="8,16,32,48", help="output lengths of the logged batches")
+    p.add_argument("--rounds", type=int, default=200, help="rounds of one batch per stream count and length")
     p.add_argument("--check-len", type=int, default=28, help="output length of the direct measurement")
-    p.add_argument("--check-reps", type=int, default=5)
-    p.add_argument("--log", help="where to write the run log (default: a temporary file)")
+    p.add_argument("--log", help="a folder for the run log and the direct batches' seconds (default: a temporary one)")
     a = p.parse_args(argv)
     streams = [int(x) for x in a.streams.split(",")]
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -83,19 +88,25 @@ def main(argv: list[str] | None = None) -> int:
     log_path = Path(a.log or tempfile.mkdtemp(prefix="gen-profile-")) / "runlog.bench.jsonl"
     log = RunLogWriter(log_path, a.preset, worker="bench")
     t_start = time.perf_counter()
+    load0 = os.getloadavg()[0]
     for s in streams:
         batch(s, 2)  # the warm-up: compiles this stream count's programs (prefill and step)
-    for i in range(a.batches):  # stream counts interleaved: a load change on a shared machine hits them all
-        n = lengths[i % len(lengths)]
-        for s in streams:
+    # rounds of every cell once (each logged stream count and length, and each direct stream count), in a new
+    # random order each round: a change of load on a shared machine hits every cell alike (a randomised block)
+    cells = [(s, n, True) for s in streams for n in lengths] + [(s, a.check_len, False) for s in streams]
+    direct: dict[int, list[float]] = {s: [] for s in streams}
+    for _ in range(a.rounds):
+        for i in rng.permutation(len(cells)):
+            s, n, logged = cells[i]
             start = time.time()
             seconds = batch(s, n)
-            for _ in range(s):
-                log.log(s, start, start + seconds, a.prompt_len, n)
-    direct: dict[int, list[float]] = {s: [] for s in streams}
-    for _ in range(a.check_reps):
-        for s in streams:
-            direct[s].append(batch(s, a.check_len))
+            if logged:
+                for _ in range(s):
+                    log.log(s, start, start + seconds, a.prompt_len, n)
+            else:
+                direct[s].append(seconds)
+    load1 = os.getloadavg()[0]
+    (log_path.parent / "direct.json").write_text(json.dumps({str(s): v for s, v in direct.items()}))
     try:  # fitted without the error limit, so the table shows how far off a refused fit is
         prof = fit_profiles(read_run_logs([log_path]).records, max_error=math.inf)[a.preset]
     except ConfigError as e:
@@ -108,17 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"\nsampler {a.preset} (random weights), 1 {jax.devices()[0].platform} device, prompt {a.prompt_len} "
-        f"tokens; log: {a.batches} batches per stream count, lengths {a.lengths}; direct: {a.check_len} tokens, "
-        f"median of {a.check_reps}; {time.perf_counter() - t_start:.0f} s; JAX {jax.__version__}\n"
+        f"tokens; {a.rounds} rounds of one batch of each logged stream count and output length ({a.lengths}) "
+        f"and of each direct one ({a.check_len} tokens, not logged), in random order; {time.perf_counter() - t_start:.0f} s; load average {load0:.1f} -> {load1:.1f} "
+        f"({os.cpu_count()} cores); JAX {jax.__version__}\n"
     )
-    print("| streams | measured tok/s | fitted tok/s | error |")
-    print("| --- | --- | --- | --- |")
+    print("| streams | measured tok/s (median batch) | fitted tok/s | error | measured tok/s (mean batch) |")
+    print("| --- | --- | --- | --- | --- |")
     worst = 0.0
     for s in streams:
         measured = s * a.check_len / statistics.median(direct[s])
-        fitted = prof.tokens_per_s(s, a.prompt_len, a.check_len)
+        fitted = float(prof.tokens_per_s(s, a.prompt_len, a.check_len))
         worst = max(worst, abs(fitted / measured - 1))
-        print(f"| {s} | {measured:.1f} | {fitted:.1f} | {100 * (fitted / measured - 1):+.1f}% |")
+        mean = s * a.check_len / statistics.fmean(direct[s])
+        print(f"| {s} | {measured:.0f} | {fitted:.0f} | {100 * (fitted / measured - 1):+.1f}% | {mean:.0f} |")
     print(f"\nworst error {100 * worst:.1f}%")
     return 0
 

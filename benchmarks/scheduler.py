@@ -5,7 +5,8 @@ Five tables:
 1. profile accuracy: synthetic run logs from known latency/throughput curves
    (2% log-normal noise, 1,000 requests per stream count at 1, 2, 4, 8
    streams), the worst and median relative error of each fitted parameter over
-   20 seeds;
+   20 seeds, for models whose streams add to the per-request and per-token
+   parts apart and for the first profiles' one-contention-factor family;
 2. strategy: :func:`plan_streams` against :func:`exhaustive_plan` on random
    small chains, and, on a three-model chain, its throughput against every
    fixed "same streams for every model" choice (each with its best node counts);
@@ -48,33 +49,53 @@ def table(rows: list[tuple]) -> str:
     return "\n".join([fmt(rows[0]), "  ".join("-" * x for x in w), *map(fmt, rows[1:])])
 
 
-TRUE = {  # (a, p, b, c): s per request, s per prompt token, s per output token, contention
-    "generator": (0.05, 0.0005, 0.010, 0.15),
-    "scorer": (0.10, 0.0002, 0.002, 0.50),
-    "large": (0.20, 0.0010, 0.030, 0.04),
+MEAN_IN, MEAN_OUT = (1 + 512) / 2, (1 + 256) / 2  # the means of synthetic_records' uniform token counts
+TRUE = {  # (a, p, b, a', p', b'): s per request, per prompt token, per output token; what each extra stream adds
+    "generator": ModelProfile("generator", 0, 0.05, 5e-4, 0.010, 0.004, 1e-4, 0.0012, MEAN_IN, MEAN_OUT),
+    "sampler": ModelProfile("sampler", 0, 0.003, 2e-5, 3e-4, 0.0, 2e-6, 2e-5, MEAN_IN, MEAN_OUT),
+    # the first profiles' family: each stream adds c of the serial latency (a' = c a, p' = c p, b' = c b)
+    "scorer": ModelProfile.with_contention("scorer", 0.10, 2e-4, 0.002, 0.50, MEAN_IN, MEAN_OUT),
+    "large": ModelProfile.with_contention("large", 0.20, 1e-3, 0.030, 0.04, MEAN_IN, MEAN_OUT),
 }
 
 
 def profile_accuracy(seeds: int = 20) -> str:
-    names = ["request_s", "input_token_s", "output_token_s", "serial_tokens_s", "contention", "saturation_streams"]
-    rows = [("model", "true a, p, b, c", *[f"{n} worst / median" for n in names])]
-    for model, (a, p, b, c) in TRUE.items():
-        tin, tout = (1 + 512) / 2, (1 + 256) / 2
-        truth = [a, p, b, tout / (a + p * tin + b * tout), c, 9 * (1 - c) / c]
-        errs = np.array(
-            [
-                [abs(getattr(pr, n) / t - 1) for n, t in zip(names, truth)]
-                for pr in (fit_profile(model, synthetic_records(model, a, p, b, c, seed=s)) for s in range(seeds))
-            ]
-        )
-        rows.append(
-            (model, f"{a}, {p}, {b}, {c}", *[f"{100 * e.max():.1f}% / {100 * np.median(e):.1f}%" for e in errs.T])
-        )
+    names = [
+        "request_s", "input_token_s", "output_token_s", "stream_output_token_s", "serial_tokens_s",
+        "limit_tokens_s", "saturation_streams",
+    ]  # fmt: skip
+    short = {"request_s": "a", "input_token_s": "p", "output_token_s": "b", "stream_output_token_s": "b'",
+             "serial_tokens_s": "r1", "limit_tokens_s": "limit", "saturation_streams": "s_sat"}  # fmt: skip
+    rows = [("model", "true a, p, b / a', p', b' (ms)", *[f"{short[n]} worst / median" for n in names],
+             "+stream D", "a' and p' (share of D)")]  # fmt: skip
+    for model, truth in TRUE.items():
+        fits = [fit_profile(model, synthetic_records(truth, seed=s)) for s in range(seeds)]
+        errs = np.array([[abs(getattr(pr, n) / getattr(truth, n) - 1) for n in names] for pr in fits])
+        d = truth.extra_stream_s()
+        d_err = np.array([abs(pr.extra_stream_s() / d - 1) for pr in fits])
+        parts = np.array([max(abs(pr.stream_request_s - truth.stream_request_s),
+                              abs(pr.stream_input_token_s - truth.stream_input_token_s) * MEAN_IN) / d
+                          for pr in fits])  # fmt: skip
+        ms = lambda *xs: ", ".join(f"{1e3 * x:.3g}" for x in xs)  # noqa: E731
+        rows.append((
+            model,
+            f"{ms(truth.request_s, truth.input_token_s, truth.output_token_s)} / "
+            f"{ms(truth.stream_request_s, truth.stream_input_token_s, truth.stream_output_token_s)}",
+            *[f"{100 * e.max():.1f}% / {100 * np.median(e):.1f}%" for e in errs.T],
+            f"{100 * d_err.max():.1f}% / {100 * np.median(d_err):.1f}%",
+            f"{100 * parts.max():.1f}% / {100 * np.median(parts):.1f}%",
+        ))  # fmt: skip
     return table(rows)
 
 
 def profile(name, a, p, b, c) -> ModelProfile:
-    return ModelProfile(name, 0, a, p, b, 1.0, c, 0.0, 0.0, (), 0.0, 0.0)
+    return ModelProfile.with_contention(name, a, p, b, c)
+
+
+def random_profile(rng, name) -> ModelProfile:
+    a, p, b = rng.uniform(0.01, 0.2), rng.uniform(0, 1e-3), rng.uniform(1e-3, 0.03)
+    extra = rng.uniform(0, 1.5, 3) * (rng.uniform(0, 1, 3) > 0.2)  # what a stream adds, each part apart
+    return ModelProfile(name, 0, a, p, b, *(extra * (a, p, b)), 100.0, 100.0)
 
 
 def strategy(instances: int = 500) -> str:
@@ -84,9 +105,7 @@ def strategy(instances: int = 500) -> str:
         m = int(rng.integers(1, 4))
         profiles, stages = {}, []
         for i in range(m):
-            pr = profile(
-                f"m{i}", rng.uniform(0.01, 0.2), rng.uniform(0, 1e-3), rng.uniform(1e-3, 0.03), rng.uniform(0, 1.5)
-            )
+            pr = random_profile(rng, f"m{i}")
             tin, tout = float(rng.integers(1, 500)), float(rng.integers(1, 300))
             target = pr.serial_latency_s(tin, tout) * rng.uniform(1, 4)
             profiles[pr.model] = pr
@@ -99,7 +118,7 @@ def strategy(instances: int = 500) -> str:
         worst = max(worst, abs(plan.items_s / top - 1))
     out = [f"vs brute force: {same} of {instances} random chains (1-3 models, <= 8 nodes, streams of 1..8) "
            f"the same streams and nodes; largest throughput difference {worst:.1e}"]  # fmt: skip
-    profiles = {m: profile(m, *TRUE[m]) for m in ("generator", "scorer", "large")}
+    profiles = {m: TRUE[m] for m in ("generator", "scorer", "large")}
     stages = [
         Stage("generator", 1, 200, 256, 6.0),  # writes an answer
         Stage("scorer", 4, 450, 1, 0.6),  # scores four candidates of it

@@ -16,6 +16,9 @@ Example::
     # stages = ["sampler", "mypkg.filters:score"]
     # compute_budget = 16            # compute of the tasks running at once, at most (0: no limit)
     # stage_compute = [1.0, 0.25]    # compute one stream of each stage uses (default 1 each)
+    # profile = "gen-profile.json"   # the models' profiles: the plan divides the workers among the stages
+    # nodes = 6                      # ... this many in all (default: workers x stages)
+    # job_logs = ["gen-state/distill/runlog.*.jsonl"]   # an earlier run: requests per stage and their sizes
 
     [gen.sampler]                    # with function = "sampler"
     run = "runs/teacher"             # the checkpointed run whose model generates
@@ -52,8 +55,10 @@ class GenConfig:
     name: str = "gen"
     samples: str = ""
     task_size: int = 8  # samples per task = parallel streams of a worker; 0: chosen from gen.profile
-    profile: str = ""  # `jaxdist gen profile --out` file: with task_size=0, the streams come from it
+    profile: str = ""  # `jaxdist gen profile --out` file: the workers per stage (and with task_size=0 the streams)
     latency_target_s: float = 60.0  # with task_size=0: the most seconds one task may take
+    nodes: int = 0  # with gen.profile: the worker processes the plan divides among the stages (0: workers x stages)
+    job_logs: list[str] = field(default_factory=list)  # with gen.profile: run logs (globs) of an earlier run of the job
     function: str = "sampler"
     workers: int = 2  # worker processes on this machine, or per host with hosts_file
     hosts_file: str = ""  # one host per line: workers start there over SSH (tunnelled to the dispatcher and receiver)
@@ -111,6 +116,11 @@ class GenConfig:
             raise ConfigError(f"gen.latency_target_s={self.latency_target_s} must be positive seconds.")
         if self.workers < 1:
             raise ConfigError(f"gen.workers must be at least 1 (got {self.workers}).")
+        if self.nodes < 0 or ((self.nodes or self.job_logs) and not self.profile):
+            raise ConfigError(
+                f"gen.nodes={self.nodes} and gen.job_logs plan the workers per stage: give a number of at least 0, "
+                "and gen.profile (the models' profiles) with them."
+            )
         if not self.name or any(c in self.name for c in "/:\\") or ".." in self.name:
             raise ConfigError(f"gen.name {self.name!r} must be a plain name (no '/', ':' or '..').")
         for fn in self.functions:

@@ -11,9 +11,10 @@ SIGKILL) takes back the task it held and starts a replacement (at most
 ``gen.max_restarts`` in all). A task whose lease (``gen.lease_s``) expires is
 handed out again too, for workers the dispatcher did not start.
 
-With ``gen.stages`` the job is a chain (:mod:`jaxdist.gen.chain`):
-``gen.workers`` workers per stage, each stage's tasks cut from the previous
-stage's outputs. Tasks go only to the nodes each round's decision tells to
+With ``gen.stages`` the job is a chain (:mod:`jaxdist.gen.chain`), each
+stage's tasks cut from the previous stage's outputs; its workers per stage
+and samples per task are :mod:`jaxdist.gen.job_plan`'s (``gen.workers``
+each, or divided by the models' profiles). Tasks go only to the nodes each round's decision tells to
 process (:mod:`jaxdist.gen.rounds`: importance x work within
 ``gen.compute_budget``); a round runs every ``gen.round_s`` and whenever an
 idle node asks.
@@ -37,17 +38,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from jaxdist.config import ConfigError
 from jaxdist.data.journal import atomic_write
 from jaxdist.controller.launch import read_hosts
 from jaxdist.gen.chain import Chain
 from jaxdist.gen.channel import Client, Server, split_address
 from jaxdist.gen.config import GenConfig
-from jaxdist.gen.profile import load_profiles
+from jaxdist.gen.job_plan import format_job_plan, job_plan, place_workers
 from jaxdist.gen.rounds import NodeReport, RoundDecision, decide_round, format_round
-from jaxdist.gen.schedule import Stage, plan_streams
 from jaxdist.gen.tasks import load_samples
 
 log = logging.getLogger(__name__)
@@ -61,11 +59,16 @@ class Dispatcher:
         self.state.mkdir(parents=True, exist_ok=True)
         samples = load_samples(cfg.samples)
         n_stages = len(cfg.functions)
-        chosen = [
-            (cfg.task_size, "gen.task_size") if cfg.task_size else streams_from_profile(cfg, samples, k)
-            for k in range(n_stages)
-        ]
-        self.streams, self.streams_why = [c[0] for c in chosen], [c[1] for c in chosen]
+        hosts: list[str] = []
+        if cfg.hosts_file:
+            try:
+                hosts = read_hosts(cfg.hosts_file)
+            except ConfigError as e:
+                raise ConfigError(str(e).replace("controller.hosts_file", "gen.hosts_file")) from None
+        self.plan, stages = job_plan(cfg, samples, len(hosts))
+        if cfg.profile:
+            log.info("the job's plan from %s:\n%s", cfg.profile, format_job_plan(self.plan, stages))
+        self.streams, self.streams_why = list(self.plan.streams), list(self.plan.streams_why)
         self.compute = [cfg.compute_per_stream(k) for k in range(n_stages)]
         too_big = [
             k for k in range(n_stages) if cfg.compute_budget and self.streams[k] * self.compute[k] > cfg.compute_budget
@@ -80,20 +83,10 @@ class Dispatcher:
         self.board = self.chain.boards[0]
         self.server = Server(self.token, "dispatcher", cfg.bind, 0, allow_remote=cfg.bind != "127.0.0.1")
         self.procs: dict[str, subprocess.Popen] = {}
-        # worker name -> host (SSH workers), "w<k>" on this machine
-        self.hosts: dict[str, str] = {}
-        if cfg.hosts_file:
-            try:
-                hosts = read_hosts(cfg.hosts_file)
-            except ConfigError as e:
-                raise ConfigError(str(e).replace("controller.hosts_file", "gen.hosts_file")) from None
-            for host in hosts:
-                for k in range(cfg.workers):
-                    self.hosts[f"{host}-w{k}"] = host
-        base = list(self.hosts) or [f"w{k}" for k in range(cfg.workers)]
-        # a chain: gen.workers workers per stage, named s<stage><name>
-        self.stage_of = {(f"s{k}{b}" if n_stages > 1 else b): k for k in range(n_stages) for b in base}
-        self.host_of = {(f"s{k}{b}" if n_stages > 1 else b): self.hosts.get(b) for k in range(n_stages) for b in base}
+        # each worker's stage and host (None: this machine), as many per stage as the plan gives
+        placed = place_workers(self.plan.nodes, hosts)
+        self.stage_of = {name: k for name, k, _ in placed}
+        self.host_of = {name: host for name, _, host in placed}
         self.worker_names = list(self.stage_of)
         self.idle: dict[str, int] = {}  # sender -> stage: asked for work and holds none
         self.go: set[str] = set()  # senders told to process this round
@@ -229,6 +222,10 @@ class Dispatcher:
             "stages": self.cfg.functions,
             "streams": self.streams,
             "streams_why": self.streams_why,
+            "nodes": list(self.plan.nodes),
+            "nodes_why": list(self.plan.nodes_why),
+            "pool": self.plan.pool,
+            "planned_items_s": self.plan.items_s,
             "selected": [n.removeprefix("g:") for n in d.selected] if d else [],
             "importance": list(d.importance) if d else [],
             "compute_used": d.used if d else 0.0,
@@ -300,29 +297,6 @@ class Dispatcher:
             f"({self.tokens / max(1e-9, time.time() - self.t0):,.0f}/s); status in {self.state / 'status.json'}"
         )
         return 0 if c["refused"] == 0 else 1
-
-
-def streams_from_profile(cfg: GenConfig, samples: list[str], stage_index: int = 0) -> tuple[int, str]:
-    """Samples per task (a worker's parallel streams) of a stage from its model's profile, and why: the most
-    throughput whose task latency stays within gen.latency_target_s (jaxdist/gen/schedule.py ``plan_streams``).
-    A later stage's request sizes are not known before it runs: its profile's logged means stand in."""
-    profiles = load_profiles(cfg.profile)
-    model = cfg.model_of(stage_index)
-    if model not in profiles:
-        raise ConfigError(
-            f"{cfg.profile} has no profile of '{model}' (it has {', '.join(sorted(profiles))}): "
-            "profile this model's run logs (jaxdist gen profile)."
-        )
-    if stage_index == 0:
-        tokens_in = float(np.mean([len(s.encode()) for s in samples]))
-        sampler = cfg.functions[0] == "sampler"
-        tokens_out = float(cfg.sampler.max_new_tokens if sampler else tokens_in)
-    else:
-        tokens_in, tokens_out = profiles[model].mean_tokens_in, profiles[model].mean_tokens_out
-    stage = Stage(model, 1.0, tokens_in, tokens_out, cfg.latency_target_s)
-    choice = plan_streams(profiles, [stage], nodes=1, streams=range(1, 65)).choices[0]
-    log.info("streams per worker from %s: %d (%s)", cfg.profile, choice.streams, choice.why_streams)
-    return choice.streams, choice.why_streams
 
 
 def _base(name: str) -> str:

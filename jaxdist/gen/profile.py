@@ -1,42 +1,35 @@
 """A model's performance parameters from its run logs: ``jaxdist gen profile LOGS... [--out FILE]``.
 
-**The model.** A node running ``s`` requests in parallel (``s`` streams) does
-each decoding step for all of them together; the step costs a fixed part (the
-weights are read once) plus a part per stream (its own key/value reads and
-compute). With that linear step cost every request at ``s`` streams is slowed
-by the same factor, so
+The model (:mod:`jaxdist.gen.perfmodel`): a request of ``n_in`` prompt and
+``n_out`` generated tokens among ``s`` parallel streams takes
+``L(s) = a + p n_in + b n_out + (s - 1)(a' + p' n_in + b' n_out)`` seconds:
+a serial latency per request and per token, and what each extra stream adds
+to each (``b + b' (s - 1)`` is a batched decoding step's time). From it: the
+throughput at each stream count, where it saturates and the latency cost of
+a stream.
 
-* serial latency of a request (1 stream): ``L1 = a + p * tokens_in + b * tokens_out`` (s);
-* latency at ``s`` streams: ``L(s) = L1 * (1 + c * (s - 1))``: each extra
-  stream adds ``c`` of the serial latency (``c * b`` seconds per output token);
-* throughput (output tokens/s of a node): ``X(s) = s * r1 / (1 + c * (s - 1))``,
-  rising from the serial ``r1`` towards the limit ``r1 / c``; it **saturates**
-  (reaches 90% of the limit) at ``s_sat = 9 (1 - c) / c`` streams, beyond which
-  ten more percent of throughput would cost as much latency again.
+**The fit.** All six by one non-negative linear regression of every
+request's latency (:func:`scipy.optimize.lsq_linear`) on
+``[1, n_in, n_out, s-1, (s-1) n_in, (s-1) n_out]``, in relative errors, each
+stream count weighing the same in all. Single-stream requests fix the serial
+part, the others the per-stream part; a prompt length that never varies
+cannot be told from the fixed cost (its two columns are left out, folded into
+``a`` and ``a'``). The loss is robust (soft L1 on the relative error, scale
+5%, by iteratively reweighted least squares): a request slowed by something
+else (another job on the machine, a pause) counts like a request 5% off, so a
+few such requests move the fit little, and on noisy logs the fit follows the
+typical (median) request rather than the mean. Requests marked ``first_use``
+(their time includes compiling a batch shape) are left out.
 
-This is the contention term of Gunther's scalability law. It was chosen over a
-roofline ``min(s * r1, X_max)`` because its two parameters follow from the
-same linear step cost as the latency, it is smooth (a least-squares fit on 3-4
-stream counts is well posed; a kink is not), and it gives the latency cost of
-a stream directly. A node whose throughput falls with more streams fits
-``c > 1``.
-
-**The fit.** ``a, p, b`` by non-negative least squares of relative errors on
-the single-stream requests (:func:`scipy.optimize.lsq_linear`); ``r1`` is then
-the serial throughput of the logged mean request. ``c`` by least squares
-(:func:`scipy.optimize.least_squares`) of the log slowdown at each logged
-stream count: the requests' latency over what the serial fit predicts for the
-same requests alone, ``1 + c (s - 1)`` in the model; dividing by the serial
-prediction takes out the differing request sizes of the stream counts, so the
-fit sees the curve and not the sample. The measured throughput at ``s``
-streams (printed beside the fitted one) is ``s`` times the token rate of its
-requests (output tokens / request seconds), i.e. ``s`` streams always running;
-for a sampler batch of ``s`` prompts that is the batch's output tokens over
-its time. A record's ``streams`` must therefore be the requests really running
-together (a last, smaller batch logs its own size).
-
-:func:`synthetic_records` writes what a node following the model would log
-(with noise): the reference of the tests and ``benchmarks/scheduler.py``.
+**The check.** The fit's error is the worst typical (median) relative error
+of the fitted latency over the logged stream counts, each split into its
+shorter and longer half of requests (so a curve that is wrong in streams or in
+length shows); a fit more than ``--max-error`` (15%) from its logs is refused
+with one sentence on what to log. The table prints, per stream count, the
+measured throughput (``s`` times its requests' output tokens over their
+seconds, the whole time including slow requests) beside the fitted one, and
+the typical error there. A record's ``streams`` must be the requests really
+running together (a last, smaller batch logs its own size).
 """
 
 from __future__ import annotations
@@ -46,104 +39,26 @@ import json
 import math
 import sys
 from collections import defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
-from scipy.optimize import least_squares, lsq_linear
+from scipy.optimize import lsq_linear
 
 from jaxdist.errors import ConfigError
+from jaxdist.gen.perfmodel import ModelProfile, StreamPoint, synthetic_records
 from jaxdist.gen.runlog import RunRecord, parse_record, read_run_logs
 
-MAX_FIT_ERROR = 0.15  # a fit further than this from its own logs is refused (relative rms / worst stream count)
-SATURATION = 0.9  # the share of the throughput limit at which a model counts as saturated
-MIN_SERIAL = 3  # single-stream requests a fit needs (three unknowns: a, p, b)
+__all__ = [
+    "ModelProfile", "StreamPoint", "fit_profile", "fit_profiles", "format_table", "load_profiles", "main",
+    "records_from_measurements", "save_profiles", "synthetic_records",
+]  # fmt: skip
 
-
-@dataclass(frozen=True)
-class StreamPoint:
-    """What the logs measured at one stream count: requests, node throughput (output tokens/s), mean latency (s),
-    mean tokens in and out per request, and the slowdown against running them alone."""
-
-    streams: int
-    requests: int
-    tokens_s: float
-    latency_s: float
-    tokens_in: float
-    tokens_out: float
-    slowdown: float  # the requests' latency over what the serial fit predicts for them alone
-
-
-@dataclass(frozen=True)
-class ModelProfile:
-    """A model's performance parameters (see the module docstring); seconds and tokens throughout."""
-
-    model: str
-    requests: int
-    request_s: float  # a: fixed serial latency per request (s)
-    input_token_s: float  # p: serial latency per prompt token (s)
-    output_token_s: float  # b: serial latency per generated token (s)
-    serial_tokens_s: float  # r1: throughput at 1 stream, output tokens/s
-    contention: float  # c: share of the serial latency each extra stream adds
-    mean_tokens_in: float
-    mean_tokens_out: float
-    points: tuple[StreamPoint, ...]
-    serial_rms: float  # relative rms error of the serial latency fit
-    curve_rms: float  # relative rms error of the slowdown (throughput curve) fit
-
-    @property
-    def fit_error(self) -> float:
-        """How far the fit is from its logs: the worst of the serial and curve rms errors and, per stream count,
-        the fitted throughput's relative error against the measured one."""
-        worst = max(
-            (abs(self.tokens_per_s(p.streams, p.tokens_in, p.tokens_out) / p.tokens_s - 1) for p in self.points
-             if p.tokens_s > 0),
-            default=0.0,
-        )  # fmt: skip
-        return max(self.serial_rms, self.curve_rms, worst)
-
-    @property
-    def limit_tokens_s(self) -> float:
-        """The throughput the curve tends to with many streams (output tokens/s; inf when c = 0)."""
-        return self.serial_tokens_s / self.contention if self.contention > 0 else math.inf
-
-    @property
-    def saturation_streams(self) -> float:
-        """Streams at which throughput reaches 90% of its limit (>= 1; inf when c = 0)."""
-        c = self.contention
-        if c <= 0:
-            return math.inf
-        return max(1.0, SATURATION * (1 - c) / ((1 - SATURATION) * c))
-
-    @property
-    def extra_stream_token_s(self) -> float:
-        """Latency each extra stream adds per generated token (s)."""
-        return self.contention * self.output_token_s
-
-    @property
-    def extra_stream_s(self) -> float:
-        """Latency each extra stream adds to a request of the logged mean size (s)."""
-        return self.contention * self.serial_latency_s(self.mean_tokens_in, self.mean_tokens_out)
-
-    def serial_latency_s(self, tokens_in: float, tokens_out: float) -> float:
-        """Latency of one request run alone (s)."""
-        return self.request_s + self.input_token_s * tokens_in + self.output_token_s * tokens_out
-
-    def latency_s(self, streams: int, tokens_in: float, tokens_out: float) -> float:
-        """Latency of a request among ``streams`` parallel streams (s)."""
-        return self.serial_latency_s(tokens_in, tokens_out) * (1 + self.contention * (streams - 1))
-
-    def requests_per_s(self, streams: int, tokens_in: float, tokens_out: float) -> float:
-        """Requests a node finishes per second at ``streams`` streams, all requests of this size."""
-        return streams / self.latency_s(streams, tokens_in, tokens_out)
-
-    def tokens_per_s(self, streams: int, tokens_in: float | None = None, tokens_out: float | None = None) -> float:
-        """The fitted throughput curve X(s) (output tokens/s of a node) for requests of the logged mean size, or
-        of the size given."""
-        if tokens_in is None or tokens_out is None:
-            return streams * self.serial_tokens_s / (1 + self.contention * (streams - 1))
-        return tokens_out * self.requests_per_s(streams, tokens_in, tokens_out)
+MAX_FIT_ERROR = 0.15  # a fit further than this from its own logs is refused (see the module docstring)
+ROBUST_SCALE = 0.05  # relative error beyond which a request counts less than quadratically (soft L1)
+MIN_SERIAL = 3  # single-stream requests a fit needs
+PROFILE_VERSION = 2  # version 1: one contention factor per model (the model before issue 16's real-log table)
 
 
 def records_from_measurements(
@@ -168,88 +83,108 @@ def records_from_measurements(
     return out
 
 
-def _fit_serial(model: str, serial: list[RunRecord]) -> tuple[float, float, float, float]:
-    if len(serial) < MIN_SERIAL:
+def _check(model: str, s: np.ndarray, tin: np.ndarray, tout: np.ndarray, y: np.ndarray) -> None:
+    """One sentence for logs that cannot determine the parameters."""
+    serial = s == 1
+    if serial.sum() < MIN_SERIAL:
         raise ConfigError(
-            f"model '{model}' has {len(serial)} single-stream request(s) in the logs: log at least "
+            f"model '{model}' has {int(serial.sum())} single-stream request(s) in the logs: log at least "
             f"{MIN_SERIAL} requests of it at 1 stream."
         )
-    tin = np.array([r.tokens_in for r in serial], float)
-    tout = np.array([r.tokens_out for r in serial], float)
-    y = np.array([r.seconds for r in serial])
-    if len(np.unique(tout)) < 2:
+    if len(np.unique(tout[serial])) < 2:
         raise ConfigError(
-            f"model '{model}' has single-stream requests of one output length only ({int(tout[0])} tokens): "
+            f"model '{model}' has single-stream requests of one output length only ({int(tout[serial][0])} tokens): "
             f"log them with at least two output lengths to separate per-request from per-token latency."
         )
-    if np.any(y <= 0):
-        raise ConfigError(f"model '{model}' has a single-stream request of zero duration: log real start and end.")
-    cols = [np.ones_like(y), tin, tout]
-    use_in = len(np.unique(tin)) > 1  # a constant prompt length cannot be told from the fixed cost
-    A = np.stack(cols if use_in else [cols[0], cols[2]], axis=1) / y[:, None]  # relative errors
-    sol = lsq_linear(A, np.ones_like(y), bounds=(0, np.inf))
-    a, p, b = (sol.x[0], sol.x[1], sol.x[2]) if use_in else (sol.x[0], 0.0, sol.x[1])
-    rms = float(np.sqrt(np.mean((A @ sol.x - 1) ** 2)))
-    return float(a), float(p), float(b), rms
-
-
-def _fit_contention(model: str, points: list[StreamPoint]) -> tuple[float, float]:
-    s = np.array([p.streams for p in points], float)
-    f = np.array([p.slowdown for p in points])
-    if np.all(s == 1):
+    if serial.all():
         raise ConfigError(
             f"model '{model}' was logged at 1 stream only: add runs of it with several parallel streams "
             f"(2, 4 and 8, say) to measure its throughput curve."
         )
-    if np.any(f <= 0):
-        raise ConfigError(f"model '{model}' has requests of zero duration at some stream count: log real times.")
-    multi = s > 1  # the slowdown at 1 stream does not depend on c
-    c0 = max(float(np.sum((f[multi] - 1) * (s[multi] - 1)) / np.sum((s[multi] - 1) ** 2)), 1e-6)
-    sol = least_squares(lambda c: np.log1p(c[0] * (s[multi] - 1)) - np.log(f[multi]), [c0], bounds=(0.0, np.inf))
-    c = float(sol.x[0])
-    rms = float(np.sqrt(np.mean((1 + c * (s - 1) - f) ** 2 / f**2)))
-    return c, rms
+    if len(np.unique(tout[~serial])) < 2:
+        raise ConfigError(
+            f"model '{model}' has parallel-stream requests of one output length only ({int(tout[~serial][0])} "
+            f"tokens): log them with at least two output lengths to separate what a stream adds per request "
+            f"from what it adds per token."
+        )
+    if np.any(y <= 0):
+        raise ConfigError(f"model '{model}' has a request of zero duration: log real start and end times.")
+
+
+def _robust_fit(X: np.ndarray, y: np.ndarray, w: np.ndarray, iterations: int = 100) -> np.ndarray:
+    """Non-negative theta minimising sum_i w_i soft_l1((X_i theta - y_i) / f_i), f_i = X_i theta (the relative
+    error of the fit), by iteratively reweighted least squares from the plain relative-error solution."""
+    theta = lsq_linear(X * (np.sqrt(w) / y)[:, None], np.sqrt(w), bounds=(0, np.inf), method="bvls").x
+    for _ in range(iterations):
+        f = np.maximum(X @ theta, 1e-12 * y)
+        e = (f - y) / f
+        omega = w / np.sqrt(1 + (e / ROBUST_SCALE) ** 2)  # soft L1: psi(e) / e
+        new = lsq_linear(X * (np.sqrt(omega) / f)[:, None], np.sqrt(omega) * y / f, bounds=(0, np.inf), method="bvls").x
+        change = np.max(np.abs(X @ new - X @ theta) / f)
+        theta = new
+        if change < 1e-9:
+            break
+    return theta
+
+
+def _typical_errors(s: np.ndarray, tout: np.ndarray, rel: np.ndarray) -> tuple[dict[int, float], float]:
+    """Per stream count, the median relative error; and the worst median over each stream count's shorter and
+    longer half of requests (by output length)."""
+    per_s, worst = {}, 0.0
+    for k in np.unique(s):
+        at = s == k
+        per_s[int(k)] = float(np.median(rel[at]))
+        cut = np.median(tout[at])
+        halves = [tout[at] <= cut, tout[at] > cut] if np.any(tout[at] > cut) else [np.ones(at.sum(), bool)]
+        worst = max([worst, *(abs(float(np.median(rel[at][h]))) for h in halves if h.any())])
+    return per_s, worst
 
 
 def fit_profile(model: str, records: list[RunRecord], max_error: float = MAX_FIT_ERROR) -> ModelProfile:
     """The performance parameters of ``model`` from its records; ConfigError if they cannot determine them or
     the fit is further than ``max_error`` (relative) from them. First-use requests (compiles) are left out."""
     records = [r for r in records if r.model == model and not r.first_use]
-    a, p, b, serial_rms = _fit_serial(model, [r for r in records if r.streams == 1])
-    by_s: dict[int, list[RunRecord]] = defaultdict(list)
-    for r in records:
-        by_s[r.streams].append(r)
+    s = np.array([r.streams for r in records], float)
+    tin = np.array([r.tokens_in for r in records], float)
+    tout = np.array([r.tokens_out for r in records], float)
+    y = np.array([r.seconds for r in records])
+    _check(model, s, tin, tout, y)
+    serial, x = s == 1, s - 1
+    cols = {"a": np.ones_like(y), "b": tout, "a'": x, "b'": x * tout}
+    if len(np.unique(tin[serial])) > 1:  # a prompt length that never varies is part of the fixed cost
+        cols["p"] = tin
+    if len(np.unique(tin[~serial])) > 1:
+        cols["p'"] = x * tin
+    counts = {k: n for k, n in zip(*np.unique(s, return_counts=True))}
+    w = np.array([1.0 / counts[k] for k in s])  # every stream count weighs the same
+    w *= len(w) / w.sum()
+    theta = dict(zip(cols, _robust_fit(np.stack(list(cols.values()), 1), y, w)))
+    par = {k: float(theta.get(k, 0.0)) for k in ("a", "p", "b", "a'", "p'", "b'")}
+    fitted = par["a"] + par["p"] * tin + par["b"] * tout + x * (par["a'"] + par["p'"] * tin + par["b'"] * tout)
+    rel = fitted / y - 1
+    per_s, worst = _typical_errors(s, tout, rel)
     points = []
-    for s in sorted(by_s):
-        rs = by_s[s]
-        busy = sum(r.seconds for r in rs)
-        serial = sum(a + p * r.tokens_in + b * r.tokens_out for r in rs)
+    by_s: dict[int, list[int]] = defaultdict(list)
+    for i, k in enumerate(s):
+        by_s[int(k)].append(i)
+    for k in sorted(by_s):
+        idx = np.array(by_s[k])
+        busy = float(y[idx].sum())
         # s streams always running, each at its requests' token rate (a sampler batch: its tokens / its time)
-        tokens_s = s * sum(r.tokens_out for r in rs) / busy if busy > 0 else 0.0
-        mean_in, mean_out = np.mean([r.tokens_in for r in rs]), np.mean([r.tokens_out for r in rs])
-        points.append(StreamPoint(s, len(rs), tokens_s, busy / len(rs), float(mean_in), float(mean_out), busy / serial))
-    c, curve_rms = _fit_contention(model, points)
-    mean_in = float(np.mean([r.tokens_in for r in records]))
-    mean_out = float(np.mean([r.tokens_out for r in records]))
+        tokens_s = k * float(tout[idx].sum()) / busy
+        points.append(
+            StreamPoint(k, len(idx), tokens_s, busy / len(idx), float(tin[idx].mean()), float(tout[idx].mean()),
+                        per_s[k])
+        )  # fmt: skip
     prof = ModelProfile(
-        model=model,
-        requests=len(records),
-        request_s=a,
-        input_token_s=p,
-        output_token_s=b,
-        serial_tokens_s=mean_out / (a + p * mean_in + b * mean_out),
-        contention=c,
-        mean_tokens_in=mean_in,
-        mean_tokens_out=mean_out,
-        points=tuple(points),
-        serial_rms=serial_rms,
-        curve_rms=curve_rms,
-    )
+        model, len(records), par["a"], par["p"], par["b"], par["a'"], par["p'"], par["b'"],
+        float(tin.mean()), float(tout.mean()), tuple(points), worst, float(np.median(np.abs(rel))),
+    )  # fmt: skip
     if not prof.fit_error <= max_error:
         raise ConfigError(
             f"the fit of model '{model}' is {100 * prof.fit_error:.1f}% from its own logs (over the "
             f"{100 * max_error:.0f}% limit): log it after a warm-up of each batch shape (or mark first uses), with "
-            f"varied output lengths at 1 stream and enough requests at each stream count."
+            f"varied output lengths at each stream count and enough requests at each."
         )
     return prof
 
@@ -260,73 +195,48 @@ def fit_profiles(records: list[RunRecord], max_error: float = MAX_FIT_ERROR) -> 
     return {m: fit_profile(m, records, max_error) for m in models}
 
 
-def synthetic_records(
-    model: str,
-    request_s: float,
-    input_token_s: float,
-    output_token_s: float,
-    contention: float,
-    streams: Sequence[int] = (1, 2, 4, 8),
-    requests: int = 1000,
-    noise: float = 0.02,
-    tokens_in: tuple[int, int] = (1, 512),
-    tokens_out: tuple[int, int] = (1, 256),
-    seed: int = 0,
-) -> list[RunRecord]:
-    """Records of a node following the model: ``requests`` per stream count, ``s`` streams run back to back.
-
-    Token counts are uniform in the given ranges; each latency is multiplied by
-    a log-normal factor of ``noise`` standard deviation.
-    """
-    rng = np.random.default_rng(seed)
-    out = []
-    for s in streams:
-        free = np.zeros(s)  # when each stream is next free (s)
-        tin = rng.integers(tokens_in[0], tokens_in[1] + 1, requests)
-        tout = rng.integers(tokens_out[0], tokens_out[1] + 1, requests)
-        lat = (request_s + input_token_s * tin + output_token_s * tout) * (1 + contention * (s - 1))
-        lat = lat * rng.lognormal(0.0, noise, requests)
-        for i in range(requests):
-            k = int(np.argmin(free))
-            out.append(RunRecord(model, s, free[k], free[k] + lat[i], int(tin[i]), int(tout[i]), f"w{s}"))
-            free[k] += lat[i]
-    return out
-
-
 def _ms(x: float) -> str:
     return f"{x * 1e3:.3g}"
 
 
 def format_table(profiles: dict[str, ModelProfile], curves: bool = True) -> str:
-    """The parameters, one row per model; with ``curves`` also measured vs fitted throughput per stream count."""
-    head = (
-        "model", "requests", "req ms", "in-tok ms", "out-tok ms", "1-stream tok/s", "contention",
-        "limit tok/s", "saturates at", "+stream ms/tok", "+stream ms/req", "fit err",
-    )  # fmt: skip
-    rows = [head]
+    """The parameters and what follows from them, one row per model; with ``curves`` also measured vs fitted
+    throughput per stream count. Milliseconds (ms) and output tokens/s."""
+    rows = [(
+        "model", "requests", "req ms", "in-tok ms", "out-tok ms", "+stream req ms", "+stream in-tok ms",
+        "+stream out-tok ms", "fit err", "scatter",
+    )]  # fmt: skip
+    for pr in profiles.values():
+        rows.append((
+            pr.model, str(pr.requests), _ms(pr.request_s), _ms(pr.input_token_s), _ms(pr.output_token_s),
+            _ms(pr.stream_request_s), _ms(pr.stream_input_token_s), _ms(pr.stream_output_token_s),
+            f"{100 * pr.fit_error:.1f}%", f"{100 * pr.scatter:.1f}%",
+        ))  # fmt: skip
+    out = [_grid(rows)]
+    rows = [(
+        "model", "mean in/out tokens", "1-stream ms", "1-stream tok/s", "+stream ms", "contention", "limit tok/s",
+        "saturates at",
+    )]  # fmt: skip
     for pr in profiles.values():
         sat = "never" if math.isinf(pr.saturation_streams) else f"{pr.saturation_streams:.1f} streams"
-        rows.append(
-            (
-                pr.model, str(pr.requests), _ms(pr.request_s), _ms(pr.input_token_s), _ms(pr.output_token_s),
-                f"{pr.serial_tokens_s:.4g}", f"{pr.contention:.3f}", f"{pr.limit_tokens_s:.4g}", sat,
-                _ms(pr.extra_stream_token_s), _ms(pr.extra_stream_s),
-                f"{100 * pr.fit_error:.1f}%",
-            )
-        )  # fmt: skip
-    out = [_grid(rows)]
+        rows.append((
+            pr.model, f"{pr.mean_tokens_in:.4g} / {pr.mean_tokens_out:.4g}", _ms(pr.serial_latency_s()),
+            f"{pr.serial_tokens_s:.4g}", _ms(pr.extra_stream_s()), f"{pr.contention:.3f}", f"{pr.limit_tokens_s:.4g}",
+            sat,
+        ))  # fmt: skip
+    out.append(_grid(rows))
     if curves:
-        rows = [("model", "streams", "requests", "measured tok/s", "fitted tok/s", "latency s", "fitted latency s")]
+        rows = [(
+            "model", "streams", "requests", "measured tok/s", "fitted tok/s", "latency s", "fitted latency s",
+            "fit vs typical",
+        )]  # fmt: skip
         for pr in profiles.values():
             for pt in pr.points:
-                fitted_l = pr.latency_s(pt.streams, pt.tokens_in, pt.tokens_out)
-                fitted_x = pr.tokens_per_s(pt.streams, pt.tokens_in, pt.tokens_out)
-                rows.append(
-                    (
-                        pr.model, str(pt.streams), str(pt.requests), f"{pt.tokens_s:.4g}",
-                        f"{fitted_x:.4g}", f"{pt.latency_s:.4g}", f"{fitted_l:.4g}",
-                    )
-                )  # fmt: skip
+                rows.append((
+                    pr.model, str(pt.streams), str(pt.requests), f"{pt.tokens_s:.4g}",
+                    f"{pr.tokens_per_s(pt.streams, pt.tokens_in, pt.tokens_out):.4g}", f"{pt.latency_s:.4g}",
+                    f"{pr.latency_s(pt.streams, pt.tokens_in, pt.tokens_out):.4g}", f"{100 * pt.error:+.1f}%",
+                ))  # fmt: skip
         out.append(_grid(rows))
     return "\n\n".join(out)
 
@@ -338,8 +248,8 @@ def _grid(rows: list[Sequence[str]]) -> str:
 
 
 def save_profiles(path: str | Path, profiles: dict[str, ModelProfile]) -> None:
-    """Write the profiles as JSON (``{"version": 1, "profiles": [...]}``)."""
-    doc = {"version": 1, "profiles": [asdict(p) for p in profiles.values()]}
+    """Write the profiles as JSON (``{"version": 2, "profiles": [...]}``)."""
+    doc = {"version": PROFILE_VERSION, "profiles": [asdict(p) for p in profiles.values()]}
     try:
         Path(path).write_text(json.dumps(doc, indent=1) + "\n")
     except OSError as e:
@@ -352,10 +262,17 @@ def load_profiles(path: str | Path) -> dict[str, ModelProfile]:
     """The profiles :func:`save_profiles` wrote; ConfigError (one sentence) for a missing or damaged file."""
     try:
         doc = json.loads(Path(path).read_text())
+        if doc.get("version") != PROFILE_VERSION:
+            raise ConfigError(
+                f"the profile file '{path}' is of version {doc.get('version')}, not {PROFILE_VERSION} (the model of "
+                f"jaxdist/gen/perfmodel.py): run jaxdist gen profile on its logs again."
+            )
         out = {}
         for d in doc["profiles"]:
             d = dict(d, points=tuple(StreamPoint(**pt) for pt in d["points"]))
             out[d["model"]] = ModelProfile(**d)
+    except ConfigError:
+        raise
     except OSError:
         raise ConfigError(f"the profile file '{path}' cannot be read: run jaxdist gen profile LOGS --out it.") from None
     except (ValueError, KeyError, TypeError):

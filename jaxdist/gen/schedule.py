@@ -117,7 +117,7 @@ def _rates(profiles: Mapping[str, ModelProfile], stages: Sequence[Stage], stream
         if not st.requests_per_item > 0:
             raise ConfigError(f"model '{st.model}' has {st.requests_per_item} requests per item: give a positive one.")
         p = profiles[st.model]
-        lat = p.serial_latency_s(st.tokens_in, st.tokens_out) * (1 + p.contention * (s - 1))
+        lat = p.latency_s(s, st.tokens_in, st.tokens_out)
         out.append((s / lat / st.requests_per_item, lat))
     return out
 

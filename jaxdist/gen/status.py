@@ -1,7 +1,7 @@
 """``jaxdist gen status``: a generation job's last status (``<state_dir>/status.json``) as text.
 
-Per stage: its function, streams (samples per task) and why, its task
-counts; the last round's selected nodes, the importance per stage and the
+Per stage: its function, workers and why, streams (samples per task) and
+why, its task counts; the planned chain throughput; the last round's selected nodes, the importance per stage and the
 compute used of ``gen.compute_budget``; tokens delivered, workers, and the
 training run's side asked live from its receiver.
 """
@@ -37,15 +37,23 @@ def read_status(cfg: GenConfig) -> dict[str, Any]:
 def format_status(s: dict[str, Any]) -> str:
     streams, why = s.get("streams", []), s.get("streams_why", [])
     stages = s.get("stages") or ["?"] * len(streams)
+    nodes, nodes_why = s.get("nodes") or [None] * len(streams), s.get("nodes_why") or [""] * len(streams)
     lines = [
         f"generation job {s['name']}: {s['tasks']} tasks: {s['pending']} pending, {s['running']} running, "
         f"{s['delivered']} delivered, {s['refused']} refused ({s['reassigned']} handed out again)",
     ]
     for k, (fn, n, w) in enumerate(zip(stages, streams, why)):
         c = s["stages_counts"][k] if "stages_counts" in s else {}
+        workers = f"{nodes[k]} workers ({nodes_why[k]}); " if nodes[k] is not None else ""
         lines.append(
-            f"  stage {k} {fn}: {n} samples per task (parallel streams): {w}"
+            f"  stage {k} {fn}: {workers}{n} samples per task (parallel streams): {w}"
             + (f"; {c['tasks']} tasks, {c['pending']} pending, {c['running']} running" if c else "")
+        )
+    if s.get("pool") and s.get("planned_items_s"):
+        spare = s["pool"] - sum(nodes)
+        lines.append(
+            f"  plan: {s['planned_items_s']:.4g} items/s on {sum(nodes)} of {s['pool']} nodes"
+            + (f" ({spare} not started: more would not raise it)" if spare else "")
         )
     budget = f"{s['compute_budget']:g}" if s.get("compute_budget") else "no limit"
     lines += [

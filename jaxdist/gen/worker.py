@@ -13,7 +13,10 @@ one process per worker. The **generation function** is
 The outputs of a task are joined with newlines into one UTF-8 text shard.
 Each task's samples are logged to ``<state_dir>/runlog.<worker>.jsonl`` (one
 request record per sample: streams, start, end, bytes in and out) for
-``jaxdist gen profile``.
+``jaxdist gen profile``: a request starts when the worker has its task and
+ends when its outputs are delivered (the receiver acknowledged the shard;
+before the last stage, as they go to the dispatcher), so a node's profile
+counts what it spends on a task besides generating.
 A delivery is retried until the receiver answers (``gen.deliver_timeout_s``);
 only then is the task reported to the dispatcher, so a worker killed at any
 point leaves its task unreported and the dispatcher hands it out again.
@@ -37,6 +40,7 @@ from jaxdist.gen.runlog import RunLogWriter
 log = logging.getLogger("jaxdist.gen.worker")
 
 GenFn = Callable[[list[str], int], list[str] | str]
+MIN_WAIT_S, MAX_WAIT_S = 0.02, 0.3  # a worker told to wait asks again after this, doubling up to the most
 
 
 def generation_function(cfg: GenConfig, stage: int = 0) -> GenFn:
@@ -110,6 +114,7 @@ def run_worker(cfg: GenConfig, dispatcher: str, name: str, stage: int = 0) -> in
     # `jaxdist gen profile` (jaxdist/gen/profile.py); counts in bytes, the byte tokenizer's tokens.
     model = cfg.model_of(stage)
     runlog = RunLogWriter(cfg.state_path / f"runlog.{name}.jsonl", model, worker=name, node=socket.gethostname())
+    pause = MIN_WAIT_S
     try:
         while True:
             r = disp.request({"t": "want", "stage": stage}, deadline_s=120.0)
@@ -118,9 +123,11 @@ def run_worker(cfg: GenConfig, dispatcher: str, name: str, stage: int = 0) -> in
                 return 3
             if r["t"] == "exit":
                 return 0
-            if r["t"] == "wait":
-                time.sleep(0.3)
+            if r["t"] == "wait":  # asked again soon, then less often while there is nothing for it
+                time.sleep(pause)
+                pause = min(MAX_WAIT_S, 2 * pause)
                 continue
+            pause = MIN_WAIT_S
             index, key, samples = int(r["task"]), str(r["key"]), list(r["samples"])
             t0, t_start = time.monotonic(), time.time()
             try:
@@ -133,10 +140,12 @@ def run_worker(cfg: GenConfig, dispatcher: str, name: str, stage: int = 0) -> in
                 disp.request({"t": "done", "stage": stage, "task": index, "outcome": "failed", "reason": repr(e)})
                 continue
             gen_s = time.monotonic() - t0
-            _log_requests(runlog, samples, payload, t_start, time.time(), bool(getattr(fn, "first_use", False)))
+            first_use = bool(getattr(fn, "first_use", False))
             if not last:  # the outputs go back to the dispatcher: the next stage's samples
                 outcome = {"t": "done", "stage": stage, "task": index, "outcome": "passed", "seconds": gen_s}
+                end = time.time()  # before the report: once it is in, the dispatcher counts the task finished
                 disp.request({**outcome, "outputs": list(out)})
+                _log_requests(runlog, samples, payload, t_start, end, first_use)
                 continue
             ack = recv.request(
                 {"t": "deliver", "key": key, "sha256": digest(payload), "n_bytes": len(payload)},
@@ -147,6 +156,7 @@ def run_worker(cfg: GenConfig, dispatcher: str, name: str, stage: int = 0) -> in
                 log.warning("worker %s: no acknowledgement for task %d from %s", name, index, cfg.deliver_to)
                 disp.request({"t": "retry", "stage": stage, "task": index})
                 continue
+            _log_requests(runlog, samples, payload, t_start, time.time(), first_use)
             outcome = {
                 "t": "done",
                 "stage": stage,

@@ -19,7 +19,7 @@ from jaxdist.gen.delivery import Ledger, Receiver
 from jaxdist.gen.status import format_status
 from jaxdist.gen.profile import ModelProfile, save_profiles
 from jaxdist.gen.rounds import NodeReport, decide_round
-from jaxdist.gen.runlog import read_run_logs
+from jaxdist.gen.runlog import RunLogWriter, RunRecord, read_run_logs
 from jaxdist.gen.tasks import sample_digest
 
 from . import genfns
@@ -95,14 +95,20 @@ def _max_concurrent_compute(records, compute_of):
     return peak
 
 
-def test_a_chain_runs_with_streams_from_profiles_and_nodes_selected_within_the_budget(tmp_path):
+def test_a_chain_runs_with_streams_and_workers_from_profiles_and_nodes_selected_within_the_budget(tmp_path):
     fa, fb = "tests.gen.genfns:variants", "tests.gen.genfns:score"
-    # the profiles of the two stages (their known cost curves): streams 4 and 3 fit a 0.09 s task
-    profiles = {
-        f: ModelProfile(f, 100, a, 0.0, 0.0, 1 / a, c, 10.0, 10.0, (), 0.0, 0.0)
+    profiles = {  # the profiles of the two stages: their known cost curves
+        f: ModelProfile.with_contention(f, a, 0.0, 0.0, c, 10.0, 10.0)
         for f, (a, c) in [(fa, genfns.VARIANTS_COST), (fb, genfns.SCORE_COST)]
     }
     save_profiles(tmp_path / "prof.json", profiles)
+    # an earlier run's log: two scorer requests per sample (variants makes two of each)
+    RunLogWriter(tmp_path / "runlog.earlier.jsonl", "x").write(
+        [RunRecord(fa, 4, 0.0, 1.0, 8, 8)] * 8 + [RunRecord(fb, 3, 0.0, 1.0, 10, 10)] * 16
+    )
+    # the plan for a 0.09 s target on 4 nodes: the generator at 4 streams makes 4 / 0.0875 s = 45.7 items/s on
+    # 1 node; the scorer needs 2 requests per item: 3 nodes at 2 streams (2 / 0.06 s / 2 = 16.7 items/s each)
+    # keep up with it, 2 nodes at 3 streams (18.75 each) would not
     samples = [f"sample {i}" for i in range(16)]
     (tmp_path / "p.txt").write_text("\n".join(samples))
     run = make_run(tmp_path)
@@ -112,7 +118,8 @@ def test_a_chain_runs_with_streams_from_profiles_and_nodes_selected_within_the_b
     budget, cps = 9.0, [1.0, 1.5]
     args = [f"samples={tmp_path / 'p.txt'}", "task_size=0", f"profile={tmp_path / 'prof.json'}"]
     args += ["latency_target_s=0.09", f"stages={fa},{fb}", "workers=2", f"compute_budget={budget}"]
-    args += ["stage_compute=1,1.5", f"deliver_to={rec.address}", f"run={run}", f"state_dir={tmp_path / 'st'}"]
+    args += [f"job_logs={tmp_path / 'runlog.*.jsonl'}", "stage_compute=1,1.5", f"deliver_to={rec.address}"]
+    args += [f"run={run}", f"state_dir={tmp_path / 'st'}"]
     env = {k: v for k, v in os.environ.items() if k != "JAXDIST_JOB_TOKEN"}
     env.update(PYTHONPATH=str(REPO))
     try:
@@ -130,18 +137,23 @@ def test_a_chain_runs_with_streams_from_profiles_and_nodes_selected_within_the_b
         rec.close()
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     status = json.loads((tmp_path / "st" / "status.json").read_text())
-    assert status["streams"] == [4, 3], status["streams_why"]
-    # the reference chain: 16 samples in tasks of 4 -> 32 variants in task order -> 10 tasks of 3, one of 2
+    assert status["streams"] == [4, 2] and status["nodes"] == [1, 3], (status["streams_why"], status["nodes_why"])
+    assert sorted(status["workers"]) == ["s0w0", "s1w0", "s1w1", "s1w2"]  # the processes started per stage
+    assert status["planned_items_s"] == pytest.approx(4 / 0.0875)
+    # the reference chain: 16 samples in tasks of 4 -> 32 variants in task order -> 16 tasks of 2
     variants = [f"{s} /{v}" for s in samples for v in ("a", "b")]
-    parts = [variants[i : i + 3] for i in range(0, 32, 3)]
-    want = {f"gen:s1:{sample_digest(p)}:3:{j}" for j, p in enumerate(parts)}
+    parts = [variants[i : i + 2] for i in range(0, 32, 2)]
+    want = {f"gen:s1:{sample_digest(p)}:2:{j}" for j, p in enumerate(parts)}
     assert set(Ledger(run / "gen" / "ledger.jsonl").by_key) == want
-    assert [c["delivered"] for c in status["stages_counts"]] == [0, 11] and status["stages_counts"][0]["tasks"] == 4
+    assert [c["delivered"] for c in status["stages_counts"]] == [0, 16] and status["stages_counts"][0]["tasks"] == 4
     # the budget: never exceeded by the tasks that really ran at once (the workers' own logs), and used
     records = read_run_logs(sorted((tmp_path / "st").glob("runlog.*.jsonl"))).records
+    assert {r.worker for r in records if r.model == fa} == {"s0w0"}
+    assert {r.worker for r in records if r.model == fb} <= {"s1w0", "s1w1", "s1w2"}
     peak = _max_concurrent_compute(records, lambda r: cps[0] if r.model == fa else cps[1])
     assert 4.5 < peak <= budget and status["compute_max"] <= budget, (peak, status["compute_max"])
     text = format_status({**status, "run": {}})
-    assert "stage 1 tests.gen.genfns:score: 3 samples per task" in text and f"of {budget:g}" in text
-    assert "last round" in text and "selected s" in text
+    assert "stage 1 tests.gen.genfns:score: 3 workers (" in text and "2 samples per task" in text
+    assert f"of {budget:g}" in text and "last round" in text and "selected s" in text
+    assert "plan: 45.71 items/s on 4 of 4 nodes" in text
     assert math.isclose(status["compute_budget"], budget)

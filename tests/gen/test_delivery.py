@@ -251,26 +251,3 @@ def test_ssh_workers_on_two_hosts_deliver_every_task(tmp_path):
     status = json.loads((tmp_path / "st" / "status.json").read_text())
     assert status["delivered"] == 4 and sorted(status["workers"]) == ["host-a-w0", "host-b-w0"], status
     assert len(Ledger(run / "gen" / "ledger.jsonl").by_key) == 4
-
-
-def test_streams_per_task_from_a_model_profile(tmp_path):
-    """gen.task_size=0: the dispatcher takes the samples per task (parallel streams) from the model's profile,
-    the most throughput within gen.latency_target_s, and says why."""
-    from jaxdist.gen.job import streams_from_profile
-    from jaxdist.gen.profile import ModelProfile, save_profiles
-
-    prof = ModelProfile("m:f", 100, 0.05, 0.0, 0.01, 100.0, 0.2, 10.0, 10.0, (), 0.0, 0.0)
-    save_profiles(tmp_path / "p.json", {"m:f": prof})
-    (tmp_path / "s.txt").write_text("x" * 10 + "\n")
-    base = [f"samples={tmp_path / 's.txt'}", "deliver_to=127.0.0.1:5601", "run=x", "function=m:f", "task_size=0"]
-    with pytest.raises(ConfigError, match="0 with gen.profile set"):
-        load_gen_config(None, base)
-    samples = ["x" * 10]
-    # latency(s) = (0.05 + 0.01 * 10) * (1 + 0.2 (s - 1)) <= target: 12 streams for 0.5 s, 62 for 2 s
-    tight = load_gen_config(None, [*base, f"profile={tmp_path / 'p.json'}", "latency_target_s=0.5"])
-    loose = load_gen_config(None, [*base, f"profile={tmp_path / 'p.json'}", "latency_target_s=2.0"])
-    (s_tight, why), (s_loose, _) = streams_from_profile(tight, samples), streams_from_profile(loose, samples)
-    assert s_tight == 12 and s_loose == 62 and "target" in why, (s_tight, s_loose, why)
-    other = load_gen_config(None, [*base, f"profile={tmp_path / 'p.json'}", "function=n:g"])
-    with pytest.raises(ConfigError, match="has no profile of 'n:g'"):
-        streams_from_profile(other, samples)

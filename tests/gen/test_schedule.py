@@ -35,7 +35,15 @@ def one_sentence(msg: str) -> None:
 
 
 def profile(model, a, p, b, c):
-    return ModelProfile(model, 100, a, p, b, 1.0, c, 100.0, 100.0, (), 0.0, 0.0)
+    return ModelProfile.with_contention(model, a, p, b, c)
+
+
+def random_profile(rng, name):
+    """Serial costs, then what a stream adds to each: the per-request, per-prompt-token and per-output-token parts
+    scale apart (some streams cost nothing extra, some more than a serial request)."""
+    a, p, b = rng.uniform(0.01, 0.2), rng.uniform(0, 1e-3), rng.uniform(1e-3, 0.03)
+    extra = rng.uniform(0, 1.5, 3) * (rng.uniform(0, 1, 3) > 0.2)
+    return ModelProfile(name, 100, a, p, b, *(extra * (a, p, b)), 100.0, 100.0)
 
 
 def random_instance(rng):
@@ -43,9 +51,7 @@ def random_instance(rng):
     profiles, stages = {}, []
     for i in range(m):
         name = f"m{i}"
-        profiles[name] = profile(
-            name, rng.uniform(0.01, 0.2), rng.uniform(0, 1e-3), rng.uniform(1e-3, 0.03), rng.uniform(0, 1.5)
-        )
+        profiles[name] = random_profile(rng, name)
         st = Stage(
             name, float(rng.choice([0.5, 1, 2, 4])), float(rng.integers(1, 500)), float(rng.integers(1, 300)), 1.0
         )
