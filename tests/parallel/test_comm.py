@@ -21,11 +21,14 @@ CPU8 = load_cluster("cpu-8")
 def test_block_bytes_by_hand():
     assert LAYER == 196864
     g = block_grad_bytes(M, {"data": 8})
-    assert g == {"layer": (LAYER * 4, LAYER * 4), "head": (128 * 4, 128 * 4), "embed": (260 * 128 * 4,) * 2}
+    # Tied: the head bucket carries the final norm and the table's head gradient; the embed bucket its lookup's.
+    table = 260 * 128 * 4
+    assert g == {"layer": (LAYER * 4,) * 2, "head": (128 * 4 + table,) * 2, "embed": (table,) * 2}
     # tensor=2 halves everything but the norms; fsdp=2 then halves every weight with an embed dimension.
     g = block_grad_bytes(M, {"data": 2, "fsdp": 2, "tensor": 2})
     assert g["layer"] == ((256 + (LAYER - 256) // 2) * 4, (256 + (LAYER - 256) // 4) * 4)
     assert g["embed"] == (130 * 128 * 4, 130 * 64 * 4)
+    assert g["head"] == (128 * 4 + 130 * 128 * 4, 128 * 4 + 130 * 64 * 4)
     untied = dataclasses.replace(M, tie_embeddings=False)
     assert block_grad_bytes(untied, {"tensor": 2})["head"] == ((128 + 128 * 130) * 4,) * 2
 
@@ -41,7 +44,7 @@ def test_buckets_by_hand():
         "backward of layer 0",
         "backward of embed",
     ]
-    assert [b.bytes for b in p.buckets] == [512, 2 * layer, 2 * layer, 260 * 128 * 4]
+    assert [b.bytes for b in p.buckets] == [512 + 260 * 128 * 4, 2 * layer, 2 * layer, 260 * 128 * 4]
     assert {b.collective for b in p.buckets} == {"all-reduce(data)"}
     # Three layers fit but do not divide four: two per bucket.  Less than one layer: one per bucket.
     assert plan_comm(M, {"data": 8}, CPU8, 3 * layer).layers_per_bucket == 2
@@ -51,6 +54,9 @@ def test_buckets_by_hand():
     fsdp = plan_comm(M, {"data": 2, "fsdp": 4}, CPU8, 1)
     assert fsdp.buckets[1].collective == "reduce-scatter(fsdp) + all-reduce(data)"
     assert fsdp.buckets[1].reduced_bytes == (256 + (LAYER - 256) // 4) * 4
+    # The lookup's gradient: one sum over data x fsdp (as automatic sharding sums it), then the shard's parts.
+    assert fsdp.buckets[-1].collective == "reduce-scatter(data, fsdp) + all-gather(data)"
+    assert plan_comm(M, {"fsdp": 8}, CPU8, 1).buckets[-1].collective == "reduce-scatter(fsdp)"
 
 
 def test_default_threshold_from_the_cluster_file():
