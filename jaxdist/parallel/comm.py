@@ -20,7 +20,10 @@ the same order.  :func:`plan_comm` decides that order, from the model alone (so 
   over ``data`` of the scattered shards.  The embedding's lookup gradient is summed over ``data`` x ``fsdp`` at
   once, as automatic sharding sums a scatter-add (so the sums agree to the bit): a reduce-scatter over both,
   then an all-gather over ``data`` of each fsdp shard's parts (the same bytes on the wire as the pair above).
-* **Issue point**: right after the backward of the bucket's last block (in backward order).
+* **Issue point**: right after the backward of the bucket's last block (in backward order).  With pipeline
+  stages each stage reduces its blocks' gradients, accumulated over the step's microbatches, once, right after
+  its last backward (``k`` then divides the stage's layers); the shared weights' (head, embedding), summed over
+  the stages first, after the tick loop (:mod:`jaxdist.parallel.pipeline_sync`).
 
 Nothing here imports JAX: ``jaxdist comm plan`` prints the table before any device starts.
 """
@@ -83,18 +86,19 @@ class CommPlan:
     def table(self) -> str:
         """The plan as a printable table, one row per bucket, with the threshold and its rule above it."""
         sizes = " ".join(f"{a}={n}" for a, n in self.axis_sizes if n > 1) or "one device"
+        wide = max(len(b.collective) for b in self.buckets)
         lines = [
             f"gradient collectives per step: {len(self.buckets)} buckets, {self.layers_per_bucket} layer(s) per "
             f"layer bucket; mesh {sizes}; {self.reduce_devices} devices per reduction over the {self.link}-node "
             f"link ({self.bandwidth / 1e9:.4g} GB/s, {self.latency * 1e6:.4g} us)",
             f"threshold {_fmt_bytes(self.threshold_bytes)}: {self.threshold_rule}",
-            f"{'#':>3}  {'blocks':<22} {'bytes in':>10} {'bytes out':>10}  {'collective':<45} issued after",
+            f"{'#':>3}  {'blocks':<22} {'bytes in':>10} {'bytes out':>10}  {'collective':<{wide}} issued after",
         ]
         for b in self.buckets:
             names = b.blocks[0] if len(b.blocks) == 1 else f"{b.blocks[0]} .. {b.blocks[-1].split()[-1]}"
             lines.append(
                 f"{b.index:>3}  {names:<22} {_fmt_bytes(b.bytes):>10} {_fmt_bytes(b.reduced_bytes):>10}  "
-                f"{b.collective:<45} {b.issue_after}"
+                f"{b.collective:<{wide}} {b.issue_after}"
             )
         return "\n".join(lines)
 
@@ -173,18 +177,31 @@ def plan_comm(
         )
     grads = block_grad_bytes(m, sizes)
     layer_in, layer_out = grads["layer"]
-    k = max([d for d in range(1, m.n_layers + 1) if m.n_layers % d == 0 and d * layer_in <= threshold], default=1)
+    stages = sizes.get("pipeline", 1)
+    per_stage = m.n_layers // stages if m.n_layers % stages == 0 else m.n_layers  # the config check says why not
+    fits = [d for d in range(1, per_stage + 1) if per_stage % d == 0 and d * layer_in <= threshold]
+    k = max(fits, default=1)
     kind = "all-reduce(data)" if fsdp == 1 else "reduce-scatter(fsdp) + all-reduce(data)"
     buckets: list[Bucket] = []
 
     def add(blocks: tuple[str, ...], nbytes: int, reduced: int, after: str, collective: str = kind) -> None:
         buckets.append(Bucket(len(buckets), blocks, nbytes, reduced, collective, after))
 
-    add(("head",), *grads["head"], "backward of head")
-    for top in range(m.n_layers - 1, -1, -k):
-        blocks = tuple(f"layer {i}" for i in range(top, top - k, -1))
-        add(blocks, k * layer_in, k * layer_out, f"backward of layer {top - k + 1}")
-    add(("embed",), *grads["embed"], "backward of embed", lookup_collective(data, fsdp))
+    def layer_buckets(top_layer: int, bottom_layer: int, after) -> None:
+        for top in range(top_layer, bottom_layer - 1, -k):
+            blocks = tuple(f"layer {i}" for i in range(top, top - k, -1))
+            add(blocks, k * layer_in, k * layer_out, after(top - k + 1))
+
+    lookup = lookup_collective(data, fsdp)
+    if stages == 1:
+        add(("head",), *grads["head"], "backward of head")
+        layer_buckets(m.n_layers - 1, 0, lambda low: f"backward of layer {low}")
+        add(("embed",), *grads["embed"], "backward of embed", lookup)
+    else:  # each stage's buckets after its last backward; the shared weights' after the tick loop
+        for s in range(stages - 1, -1, -1):
+            layer_buckets((s + 1) * per_stage - 1, s * per_stage, lambda low, s=s: f"last backward of stage {s}")
+        add(("head",), *grads["head"], "the tick loop", "all-reduce(pipeline) + " + kind)
+        add(("embed",), *grads["embed"], "the tick loop", "all-reduce(pipeline) + " + lookup)
     return CommPlan(
         tuple(buckets), threshold, rule, k, "inter" if inter else "intra", bw, lat, n, tuple(sorted(sizes.items()))
     )

@@ -36,6 +36,7 @@ from jaxdist.cluster import load_cluster
 from jaxdist.parallel.comm import plan_comm, xla_gpu_options
 from jaxdist.parallel.consistency import check_same_collectives, coordination_store
 from jaxdist.parallel.grad_sync import per_block_grads_fn
+from jaxdist.parallel.pipeline_sync import StageSync
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh, mesh_devices
 from jaxdist.remat.named import remat_policy
@@ -193,7 +194,12 @@ class Trainer:
     def _grads_fn(self):
         """The pipeline executor's gradients, per_block's shard_map (train.grad_sync), or None (the model's own)."""
         c = self.config
-        if c.train.grad_sync == "per_block":
+        per_block = c.train.grad_sync == "per_block"
+        if per_block and self.parallelism.pipeline is not None:  # each stage reduces after its last backward
+            specs = jax.tree.map(lambda s: s.spec, self.param_shardings)
+            sync = StageSync(specs, dict(self.mesh.shape), self.comm_plan.layers_per_bucket, c.model.tie_embeddings)
+            return self.parallelism.pipeline_grads_fn(c, sync)
+        if per_block:
             return per_block_grads_fn(
                 self.graphdef, c.model, self.mesh, self.rules, self.param_shardings, self.comm_plan
             )

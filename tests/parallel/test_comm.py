@@ -59,6 +59,22 @@ def test_buckets_by_hand():
     assert plan_comm(M, {"fsdp": 8}, CPU8, 1).buckets[-1].collective == "reduce-scatter(fsdp)"
 
 
+def test_pipeline_buckets_by_hand():
+    # Two stages of two layers: each stage's buckets (k divides its 2 layers) after its last backward, the
+    # shared weights' after the tick loop, summed over the stages first.
+    layer = LAYER * 4
+    p = plan_comm(M, {"data": 4, "pipeline": 2}, CPU8, 3 * layer)
+    assert p.layers_per_bucket == 2
+    assert [(b.blocks, b.issue_after) for b in p.buckets] == [
+        (("layer 3", "layer 2"), "last backward of stage 1"),
+        (("layer 1", "layer 0"), "last backward of stage 0"),
+        (("head",), "the tick loop"),
+        (("embed",), "the tick loop"),
+    ]
+    assert p.buckets[2].collective == "all-reduce(pipeline) + all-reduce(data)"
+    assert plan_comm(M, {"data": 4, "pipeline": 4}, CPU8, 3 * layer).layers_per_bucket == 1
+
+
 def test_default_threshold_from_the_cluster_file():
     # cpu-8: 10 x 8 devices x 1e-5 s x 1e10 B/s, one node: the intra-node link.
     p = plan_comm(M, {"data": 8}, CPU8)
@@ -83,8 +99,8 @@ def test_cli_prints_the_table(capsys):
 @pytest.mark.parametrize(
     "over,match",
     [
-        (["train.microbatches=2"], "train.microbatches=2"),
-        (["mesh.pipeline=2"], "mesh.pipeline=2"),
+        (["train.microbatches=2"], "without pipeline stages"),
+        (["mesh.context=2"], "mesh.context=2"),
         (["model=moe-tiny"], "dense models only"),
         (["train.grad_bucket_bytes=-1"], "grad_bucket_bytes"),
     ],
