@@ -222,15 +222,17 @@ def plan_for_config(config, cluster: ClusterSpec) -> CommPlan:
 
 
 def xla_gpu_options(plan: CommPlan) -> dict[str, bool | int]:
-    """XLA compiler options for a GPU train step under automatic sharding (``train.grad_sync=end``), from ``plan``.
+    """XLA compiler options for a GPU train step, from ``plan`` (the Trainer sets them under either grad_sync).
 
     * ``xla_gpu_enable_latency_hiding_scheduler``: schedule each asynchronous collective's start as early and
-      its done as late as the data allow, so a block's gradient reduction runs under the backward of the
-      blocks below it (XLA's own form of ``per_block``);
+      its done as late as the data allow, so a bucket's reduction runs under the backward of the blocks below
+      it.  Under ``end`` that is XLA's own form of ``per_block``; under ``per_block`` it is what lets the
+      collectives issued at the plan's points overlap at all (without it a start may sit next to its done);
     * ``xla_gpu_all_reduce_combine_threshold_bytes``, ``..._reduce_scatter_...`` and ``..._all_gather_...``:
-      the combiner passes merge neighbouring collectives up to this size, set to the plan's largest bucket so
-      XLA forms the plan's buckets (one layer bucket per combined collective) rather than its defaults
-      (which may merge the whole backward's reductions into one at the end).
+      the combiner passes merge independent collectives up to this size; the plan's largest bucket.  Under
+      ``end`` XLA then forms buckets of the plan's size rather than its defaults (which may merge the whole
+      backward's reductions into one at the end); under ``per_block`` a bucket's per-weight reduce-scatters
+      merge into one, but two buckets (each up to the threshold) do not.
 
     Options go to ``jax.jit(...).lower(...).compile(compiler_options=...)``: per program, no XLA_FLAGS needed.
     """
@@ -246,5 +248,5 @@ def xla_gpu_options(plan: CommPlan) -> dict[str, bool | int]:
 def describe_xla_options(options: dict) -> str:
     """One line for the console: the XLA options the plan set (or that none were)."""
     if not options:
-        return "XLA collective options: none set (only GPUs under train.grad_sync=end take them)"
+        return "XLA collective options: none set (only GPU train steps of dense models take them)"
     return "XLA collective options from the gradient plan: " + " ".join(f"--{k}={v}" for k, v in options.items())

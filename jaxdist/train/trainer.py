@@ -80,13 +80,13 @@ class Trainer:
         self.run_dir = c.run_dir
 
         # The gradient collectives' buckets and issue points (jaxdist comm plan); per_block applies them, and on
-        # GPUs under automatic sharding the XLA options below follow them.
+        # GPUs the XLA options below follow them (under either train.grad_sync).
         dense = not c.model.moe.experts
         self.comm_plan = (
             plan_comm(c.model, dict(self.mesh.shape), self.cluster, c.train.grad_bucket_bytes) if dense else None
         )
-        gpu_auto = self.devices[0].platform == "gpu" and c.train.grad_sync == "end" and dense
-        self.xla_options = xla_gpu_options(self.comm_plan) if gpu_auto else {}
+        gpu = self.devices[0].platform == "gpu" and dense
+        self.xla_options = xla_gpu_options(self.comm_plan) if gpu else {}
         self._build_model()  # remat policy, abstract sharded model, optimizer, state shardings
         self._build_programs()  # the jitted init, train and eval functions (compiled on first use)
         self._build_data()  # the source, the batch list at its cursor, the eval batches

@@ -9,7 +9,7 @@ import pytest
 from jaxdist.cli import main
 from jaxdist.cluster import load_cluster
 from jaxdist.config import Config, ConfigError, apply_preset
-from jaxdist.parallel.comm import block_grad_bytes, default_threshold, plan_comm
+from jaxdist.parallel.comm import block_grad_bytes, default_threshold, describe_xla_options, plan_comm, xla_gpu_options
 
 # The default model: d=128, 4 heads, 2 kv heads, head_dim 32, d_ff 384, vocab 260, 4 layers, tied, float32.
 M = Config().model
@@ -85,6 +85,21 @@ def test_default_threshold_from_the_cluster_file():
     p = plan_comm(big, {"data": 8, "fsdp": 8}, load_cluster("h100x64"))
     assert (p.link, p.threshold_bytes) == ("inter", 320_000_000)
     assert plan_comm(big, {"fsdp": 8}, load_cluster("h100x64")).link == "intra"
+
+
+def test_xla_gpu_options_follow_the_plan():
+    import jax  # the names are checked by the compiler: an unknown option is refused ("No such compile option")
+
+    p = plan_comm(M, {"data": 2, "fsdp": 4}, CPU8, 2 * LAYER * 4)
+    opts = xla_gpu_options(p)
+    assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
+    largest = 2 * LAYER * 4  # a bucket of two layers, fsdp-gathered (bytes in)
+    assert {v for k, v in opts.items() if k.endswith("_threshold_bytes")} == {largest}
+    assert "--xla_gpu_all_reduce_combine_threshold_bytes=" in describe_xla_options(opts)
+    # These are fields of XLA's DebugOptions in this jaxlib, on any platform (a CPU compile takes them, unused).
+    jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options=opts)
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options={"xla_gpu_no_such_option": 1})
 
 
 def test_cli_prints_the_table(capsys):
