@@ -125,3 +125,5 @@ def test_per_block_refuses_what_it_does_not_cover(over, match):
 
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["train.grad_sync=per_block", *over])
+    # Microbatches as pipeline microbatches are per_block's (jaxdist.parallel.pipeline_sync).
+    load_config(None, ["train.grad_sync=per_block", "mesh.pipeline=2", "train.microbatches=2"])
