@@ -49,7 +49,7 @@ def _axes(entry) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
-def _keep(spec: P, axes: tuple[str, ...]) -> P:
+def keep_axes(spec: P, axes: tuple[str, ...]) -> P:
     """``spec`` with only ``axes`` kept (shard_map's in/out specs name only its own manual axes)."""
 
     def keep(entry):
@@ -91,7 +91,7 @@ class Site(NamedTuple):
     lookup: bool
 
 
-def _on_tensor_shards(fn: Callable, tree: dict, specs: dict, tensor: int) -> dict:
+def on_tensor_shards(fn: Callable, tree: dict, specs: dict, tensor: int) -> dict:
     """``fn(tree)`` run on each device's ``tensor`` shard of every array (a nested shard_map over ``tensor``;
     ``specs``: each array's spec over ``tensor``, the same for ``fn``'s result).  Without it XLA's partitioner
     replicates the tensor-split dimension before a collective over a manual axis (2x its bytes at tensor=2)."""
@@ -100,7 +100,8 @@ def _on_tensor_shards(fn: Callable, tree: dict, specs: dict, tensor: int) -> dic
     return jax.shard_map(fn, in_specs=(specs,), out_specs=specs, axis_names={AUTO}, check_vma=False)(tree)
 
 
-def _gather(w: jax.Array, weight: Weight) -> jax.Array:
+def gather_weight(w: jax.Array, weight: Weight) -> jax.Array:
+    """``w`` all-gathered over ``fsdp`` along ``weight.dim`` (transposed first if ``weight.transposed``)."""
     if weight.dim is None:
         return w
     if weight.transposed:
@@ -130,8 +131,9 @@ def _lookup_reduce(c: jax.Array, dim: int, data: int, fsdp: int) -> jax.Array:
     return jax.lax.all_gather(part, "data", axis=dim, tiled=True)
 
 
-def _reduce(g: dict, dims: dict, site: Site) -> dict:
-    """One bucket's gradients ``g`` (see the module docstring), on this device's tensor shard."""
+def reduce_bucket(g: dict, dims: dict, site: Site) -> dict:
+    """One bucket's gradients ``g`` reduced (see the module docstring), on this device's tensor shard: ``dims``
+    the fsdp dimension of each (None: not sharded over fsdp), ``site`` the mesh sizes and the lookup's rule."""
     if site.lookup:
         return {
             n: jax.lax.psum(c, MANUAL) if dims[n] is None else _lookup_reduce(c, dims[n], site.data, site.fsdp)
@@ -156,16 +158,16 @@ def _bucket(params: dict, before, weights: tuple, site: Site) -> dict:
 
 def _bucket_fwd(params, before, weights, site):
     w = dict(weights)
-    gather = lambda p: {n: _gather(x, w[n]) for n, x in p.items()}  # noqa: E731
-    return _on_tensor_shards(gather, params, {n: x.spec for n, x in w.items()}, site.tensor), before
+    gather = lambda p: {n: gather_weight(x, w[n]) for n, x in p.items()}  # noqa: E731
+    return on_tensor_shards(gather, params, {n: x.spec for n, x in w.items()}, site.tensor), before
 
 
 def _bucket_bwd(weights, site, before, g):
     w = dict(weights)
     dims = {n: x.dim for n, x in w.items()}
     with jax.named_scope(SCOPE):
-        reduce = lambda g: _reduce(g, dims, site)  # noqa: E731
-        out = _on_tensor_shards(reduce, g, {n: x.spec for n, x in w.items()}, site.tensor)
+        reduce = lambda g: reduce_bucket(g, dims, site)  # noqa: E731
+        out = on_tensor_shards(reduce, g, {n: x.spec for n, x in w.items()}, site.tensor)
     if before is None:
         return out, None
     # ``before``'s cotangent: zero, computed from this bucket's reductions so that it waits for them (see
@@ -208,7 +210,7 @@ def bucket_weights(specs: dict, fsdp: int, tied: bool) -> dict[str, dict[str, We
     """:class:`BucketSync`'s ``weights`` from the parameters' full specs (``fsdp``: the mesh's fsdp size)."""
 
     def weight(spec: P, transposed: bool = False) -> Weight:
-        return Weight(_fsdp_dim(spec) if fsdp > 1 else None, _keep(spec, (AUTO,)), transposed)
+        return Weight(_fsdp_dim(spec) if fsdp > 1 else None, keep_axes(spec, (AUTO,)), transposed)
 
     head = {"final_norm": weight(specs["final_norm"])}
     if tied:
@@ -227,7 +229,7 @@ def per_block_grads_fn(graphdef, model, mesh, rules: Rules, param_shardings: dic
     mean next-token cross-entropy of ``tokens`` [B, T+1] and its gradients, reduced at ``plan``'s points.
     Dense models; call under jit."""
     specs = jax.tree.map(lambda s: s.spec, param_shardings)
-    manual = jax.tree.map(lambda s: _keep(s, MANUAL), specs, is_leaf=lambda x: isinstance(x, P))
+    manual = jax.tree.map(lambda s: keep_axes(s, MANUAL), specs, is_leaf=lambda x: isinstance(x, P))
     sizes = dict(mesh.shape)
     sync = BucketSync(bucket_weights(specs, sizes.get("fsdp", 1), model.tie_embeddings), sizes, plan.layers_per_bucket)
     inner_rules = _without(rules, MANUAL)

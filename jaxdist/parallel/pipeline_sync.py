@@ -34,10 +34,10 @@ from jaxdist.parallel.grad_sync import (
     SCOPE,
     Site,
     Weight,
-    _gather,
-    _keep,
-    _on_tensor_shards,
-    _reduce,
+    gather_weight,
+    keep_axes,
+    on_tensor_shards,
+    reduce_bucket,
     bucket_weights,
 )
 
@@ -64,7 +64,7 @@ class StageSync:
 
     def in_specs(self) -> tuple[dict, dict, P]:
         """shard_map specs of (layers, shared weights, microbatched tokens [m, B/m, T+1]) over the manual axes."""
-        keep = lambda s: _keep(s, STAGE_MANUAL)  # noqa: E731
+        keep = lambda s: keep_axes(s, STAGE_MANUAL)  # noqa: E731
         shared = {n: keep(s) for n, s in self.specs.items() if n != "layers"}
         return {n: keep(s) for n, s in self.specs["layers"].items()}, shared, P(None, MANUAL)
 
@@ -74,7 +74,9 @@ class StageSync:
         """The fsdp shards of ``tree``'s weights all-gathered (on each device's tensor shard)."""
         specs = {n: weights[n].spec for n in tree}
         plain = {n: weights[n]._replace(transposed=False) for n in tree}
-        return _on_tensor_shards(lambda t: {n: _gather(x, plain[n]) for n, x in t.items()}, tree, specs, self.tensor)
+        return on_tensor_shards(
+            lambda t: {n: gather_weight(x, plain[n]) for n, x in t.items()}, tree, specs, self.tensor
+        )
 
     def gather_layers(self, layers: dict) -> dict:
         """The stage's blocks [L/p, ...] with their weights whole along fsdp."""
@@ -98,7 +100,7 @@ class StageSync:
         with jax.named_scope(SCOPE):
             for top in range(n_layers - self.k, -1, -self.k):
                 bucket = {n: g[top : top + self.k] for n, g in grads.items()}
-                out.append(_on_tensor_shards(lambda b: _reduce(b, dims, site), bucket, specs, self.tensor))
+                out.append(on_tensor_shards(lambda b: reduce_bucket(b, dims, site), bucket, specs, self.tensor))
         return {n: jnp.concatenate([b[n] for b in reversed(out)]) for n in grads}
 
     def gather_rows(self, dx: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -119,8 +121,8 @@ class StageSync:
         site = Site(self.data, self.fsdp, self.tensor, False)
         with jax.named_scope(SCOPE):
             out = dict(
-                _on_tensor_shards(
-                    lambda h: _reduce(h, {n: hw[n].dim for n in h}, site),
+                on_tensor_shards(
+                    lambda h: reduce_bucket(h, {n: hw[n].dim for n in h}, site),
                     head,
                     {n: hw[n].spec for n in head},
                     self.tensor,
