@@ -8,7 +8,8 @@ Part 1, an event simulation of one backward pass on a cluster of ``meshes/``:
   over the FLOP/s of a large matmul here (this machine's achievable peak);
 * communication: the plan's buckets (jaxdist.parallel.comm.plan_comm), one at a time on the link, each a ring
   reduce-scatter over fsdp ((n-1) latency + (n-1)/n bytes / bandwidth) then a ring all-reduce over data
-  (2 (n-1) latency + 2 (n-1)/n bytes / bandwidth), bandwidth and latency of the link the plan chose;
+  (2 (n-1) latency + 2 (n-1)/n bytes / bandwidth); the embedding's lookup gradient a reduce-scatter over
+  data x fsdp then an all-gather over data; bandwidth and latency of the link the plan chose;
 * ``end``: every bucket starts when the backward ends; ``per_block``: a bucket starts when its last block's
   backward is done and the link is free; exposed = last collective's end - backward's end;
 * lower bound: the embedding's bucket cannot start before the backward ends, and the link cannot carry the
@@ -75,10 +76,13 @@ def _ring(n: int, nbytes: float, lat: float, bw: float, steps: float) -> float:
 
 
 def bucket_time(plan: CommPlan, i: int) -> float:
-    """Seconds on the link of bucket i: reduce-scatter over fsdp then all-reduce over data (rings)."""
+    """Seconds on the link of bucket i (rings): reduce-scatter over fsdp then all-reduce over data; the
+    embedding's lookup gradient, a reduce-scatter over data x fsdp then an all-gather over data."""
     b, sizes = plan.buckets[i], dict(plan.axis_sizes)
-    rs = _ring(sizes.get("fsdp", 1), b.bytes, plan.latency, plan.bandwidth, 1)
-    return rs + _ring(sizes.get("data", 1), b.reduced_bytes, plan.latency, plan.bandwidth, 2)
+    data, fsdp, lat, bw = sizes.get("data", 1), sizes.get("fsdp", 1), plan.latency, plan.bandwidth
+    if b.collective.endswith("reduce-scatter(data, fsdp) + all-gather(data)"):
+        return _ring(data * fsdp, b.bytes, lat, bw, 1) + _ring(data, b.reduced_bytes, lat, bw, 1)
+    return _ring(fsdp, b.bytes, lat, bw, 1) + _ring(data, b.reduced_bytes, lat, bw, 2)
 
 
 def simulate(model, sizes: dict, cluster_name: str, seq: int, seqs: int, eff: float) -> dict:

@@ -100,7 +100,7 @@ def cmd_train(args) -> int:
             chosen = c.train.remat_spec.plan
             if hasattr(chosen, "trials"):  # train.remat=auto closed against the compiler: predicted vs compiled
                 print(chosen.table() + "\n" + chosen.describe(), file=sys.stderr)
-            if trainer.xla_options:  # GPUs under automatic sharding: the options the gradient plan chose
+            if trainer.xla_options:  # GPUs: the options the gradient plan chose
                 print(describe_xla_options(trainer.xla_options), file=sys.stderr)
             if c.train.grad_sync == "per_block":
                 p = trainer.comm_plan

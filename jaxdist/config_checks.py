@@ -509,19 +509,20 @@ def _moe_on_mesh(m: ModelConfig, mesh: MeshConfig, sizes: dict[str, int]) -> Non
 
 def _grad_sync_on_model(cfg: Config, sizes: dict[str, int]) -> None:
     """train.grad_sync=per_block's reach (ConfigError, one sentence): the shard_map form covers dense models
-    with one microbatch on data, fsdp and tensor axes."""
+    on data, fsdp, tensor and pipeline axes, with microbatches only as pipeline microbatches."""
     if cfg.train.grad_sync != "per_block":
         return
     if cfg.model.moe.experts:
         raise ConfigError(
             "train.grad_sync=per_block covers dense models only: set train.grad_sync=end for an MoE model."
         )
-    if cfg.train.microbatches > 1:
+    if cfg.train.microbatches > 1 and sizes["pipeline"] == 1:
         raise ConfigError(
             f"train.grad_sync=per_block reduces each block once per step, which train.microbatches="
-            f"{cfg.train.microbatches} would repeat per microbatch: set train.microbatches=1 or train.grad_sync=end."
+            f"{cfg.train.microbatches} without pipeline stages would repeat per microbatch: set "
+            "train.microbatches=1, mesh.pipeline > 1 or train.grad_sync=end."
         )
-    for axis in ("pipeline", "context", "expert"):
+    for axis in ("context", "expert"):
         if sizes[axis] > 1:
             raise ConfigError(
                 f"train.grad_sync=per_block does not run with mesh.{axis}={sizes[axis]} yet: set mesh.{axis}=1 "

@@ -391,7 +391,7 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 disables).")
     grad_sync: GradSync = _f(
         "end",
-        "When the gradients are reduced over the data axes: end (after the whole backward pass, XLA's automatic sharding) or per_block (each bucket of blocks right after its backward, in a shard_map over data and fsdp, so the reduction overlaps the rest of the backward pass; see `jaxdist comm plan`). per_block needs a dense model, train.microbatches=1 and no pipeline or context axis.",
+        "When the gradients are reduced over the data axes: end (after the whole backward pass, XLA's automatic sharding) or per_block (each bucket of blocks right after its backward, in a shard_map over data and fsdp, so the reduction overlaps the rest of the backward pass; see `jaxdist comm plan`). With pipeline stages each stage reduces its blocks' gradients once per step, right after its last backward. per_block needs a dense model, no context or expert axis, and train.microbatches=1 unless mesh.pipeline > 1.",
     )
     grad_bucket_bytes: int = _f(
         0,

@@ -13,9 +13,10 @@
   runs its experts on the local tokens (``jaxdist.models.moe.local_experts``).
 
 * **gradient sync** ``(params, where) -> params``: an identity the model applies to its weights where they
-  enter the computation (``where``: ``"embed"``, ``"layers"`` once per scan step on that step's group of
-  ``layers_per_step`` blocks, ``"head"``); the parallelism layer's version reduces their gradients in its
-  backward (``parallel/grad_sync.py``).  Without one installed nothing is applied and the scan runs one
+  enter the computation (``where``: ``"embed"`` the table for the lookup, ``"layers"`` once per scan step on
+  that step's group of ``layers_per_step`` blocks, ``"head"`` the final norm and the output projection, a tied
+  table again); the parallelism layer's version reduces their gradients in its backward
+  (``parallel/grad_sync.py``).  Without one installed nothing is applied and the scan runs one
   block per step.
 
 The parallelism layer (``parallel/``) installs them (``activation_sharding``,

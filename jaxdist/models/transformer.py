@@ -413,8 +413,8 @@ class Transformer(nnx.Module):
 
         weights = {"final_norm": self.final_norm, "embed": self.embed, "lm_head": getattr(self, "lm_head", None)}
         hp = {k: v[...] for k, v in head_params(weights, cfg).items()}
-        if sync is not None:  # the tied table went through the sync once, at the embedding
-            hp = {**hp, **sync({k: v for k, v in hp.items() if k != "embed"}, "head"), "embed": table}
+        if sync is not None:  # a tied table passes again: its head gradient is reduced apart from the lookup's
+            hp = sync(hp, "head")
         return head(hp, x, cfg), aux
 
 

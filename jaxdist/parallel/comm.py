@@ -5,8 +5,9 @@ the backward pass leaves the links idle while the devices compute, then the devi
 work; reducing them block by block overlaps the two, but only if every device issues the same collectives in
 the same order.  :func:`plan_comm` decides that order, from the model alone (so it is the same everywhere):
 
-* **Blocks in backward order**: the output head (final norm and ``lm_head``; with tied embeddings the head's
-  gradient lands on the embedding and travels with it), the layers from last to first, the embedding.
+* **Blocks in backward order**: the output head (final norm and ``lm_head``, or with tied embeddings the
+  table's head gradient, reduced apart from its lookup gradient as automatic sharding reduces them), the layers
+  from last to first, the embedding (the lookup's table gradient).
 * **Buckets**: consecutive layers whose gradients together stay within a size threshold travel as one
   collective.  The layers are scanned, so every bucket holds the same number ``k`` of layers (the largest
   divisor of ``n_layers`` whose bucket fits the threshold; at least one).
@@ -16,8 +17,13 @@ the same order.  :func:`plan_comm` decides that order, from the model alone (so 
   tenth of the transfer term, so a bucket pays little for being small while the overlap gains from many.
 * **Collective**: all-reduce over ``data`` (one, of the bucket's weights together); with ``fsdp > 1`` first a
   reduce-scatter over ``fsdp`` per weight (the transpose of the forward's all-gather), then the all-reduce
-  over ``data`` of the scattered shards.
-* **Issue point**: right after the backward of the bucket's last block (in backward order).
+  over ``data`` of the scattered shards.  The embedding's lookup gradient is summed over ``data`` x ``fsdp`` at
+  once, as automatic sharding sums a scatter-add (so the sums agree to the bit): a reduce-scatter over both,
+  then an all-gather over ``data`` of each fsdp shard's parts (the same bytes on the wire as the pair above).
+* **Issue point**: right after the backward of the bucket's last block (in backward order).  With pipeline
+  stages each stage reduces its blocks' gradients, accumulated over the step's microbatches, once, right after
+  its last backward (``k`` then divides the stage's layers); the shared weights' (head, embedding), summed over
+  the stages first, after the tick loop (:mod:`jaxdist.parallel.pipeline_sync`).
 
 Nothing here imports JAX: ``jaxdist comm plan`` prints the table before any device starts.
 """
@@ -80,18 +86,19 @@ class CommPlan:
     def table(self) -> str:
         """The plan as a printable table, one row per bucket, with the threshold and its rule above it."""
         sizes = " ".join(f"{a}={n}" for a, n in self.axis_sizes if n > 1) or "one device"
+        wide = max(len(b.collective) for b in self.buckets)
         lines = [
             f"gradient collectives per step: {len(self.buckets)} buckets, {self.layers_per_bucket} layer(s) per "
             f"layer bucket; mesh {sizes}; {self.reduce_devices} devices per reduction over the {self.link}-node "
             f"link ({self.bandwidth / 1e9:.4g} GB/s, {self.latency * 1e6:.4g} us)",
             f"threshold {_fmt_bytes(self.threshold_bytes)}: {self.threshold_rule}",
-            f"{'#':>3}  {'blocks':<22} {'bytes in':>10} {'bytes out':>10}  {'collective':<36} issued after",
+            f"{'#':>3}  {'blocks':<22} {'bytes in':>10} {'bytes out':>10}  {'collective':<{wide}} issued after",
         ]
         for b in self.buckets:
             names = b.blocks[0] if len(b.blocks) == 1 else f"{b.blocks[0]} .. {b.blocks[-1].split()[-1]}"
             lines.append(
                 f"{b.index:>3}  {names:<22} {_fmt_bytes(b.bytes):>10} {_fmt_bytes(b.reduced_bytes):>10}  "
-                f"{b.collective:<36} {b.issue_after}"
+                f"{b.collective:<{wide}} {b.issue_after}"
             )
         return "\n".join(lines)
 
@@ -119,16 +126,16 @@ def local_elements(shape: tuple[int, ...], names: tuple[str, ...], sizes: Mappin
 
 def block_grad_bytes(m: ModelConfig, sizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
     """Gradient bytes per device (before, after the reduction) of each block kind: ``layer`` (one dense
-    layer), ``head`` (final norm + lm_head; 0 with tied embeddings), ``embed`` (the table)."""
+    layer), ``head`` (final norm + lm_head, or the table's head gradient with tied embeddings), ``embed``
+    (the table's lookup gradient)."""
     if m.moe.experts:
         raise ConfigError("the gradient communication plan covers dense models: set model.moe.experts=0.")
     width = DTYPE_BYTES[m.param_dtype]
     layer = [local_elements(s, n, sizes) for s, n in block_param_specs(m).values()]
     d, v = m.d_model, m.vocab_size
     head = [local_elements((d,), ("norm",), sizes)]
-    if not m.tie_embeddings:
-        head.append(local_elements((d, v), ("embed", "vocab"), sizes))
     embed = local_elements((v, d), ("vocab", "embed"), sizes)
+    head.append(embed if m.tie_embeddings else local_elements((d, v), ("embed", "vocab"), sizes))
     return {
         "layer": (sum(b for b, _ in layer) * width, sum(a for _, a in layer) * width),
         "head": (sum(b for b, _ in head) * width, sum(a for _, a in head) * width),
@@ -170,22 +177,41 @@ def plan_comm(
         )
     grads = block_grad_bytes(m, sizes)
     layer_in, layer_out = grads["layer"]
-    k = max([d for d in range(1, m.n_layers + 1) if m.n_layers % d == 0 and d * layer_in <= threshold], default=1)
+    stages = sizes.get("pipeline", 1)
+    per_stage = m.n_layers // stages if m.n_layers % stages == 0 else m.n_layers  # the config check says why not
+    fits = [d for d in range(1, per_stage + 1) if per_stage % d == 0 and d * layer_in <= threshold]
+    k = max(fits, default=1)
     kind = "all-reduce(data)" if fsdp == 1 else "reduce-scatter(fsdp) + all-reduce(data)"
     buckets: list[Bucket] = []
 
-    def add(blocks: tuple[str, ...], nbytes: int, reduced: int, after: str) -> None:
-        buckets.append(Bucket(len(buckets), blocks, nbytes, reduced, kind, after))
+    def add(blocks: tuple[str, ...], nbytes: int, reduced: int, after: str, collective: str = kind) -> None:
+        buckets.append(Bucket(len(buckets), blocks, nbytes, reduced, collective, after))
 
-    # With tied embeddings the head bucket holds the final norm only: the table's gradient is complete at the end.
-    add(("head",), *grads["head"], "backward of head")
-    for top in range(m.n_layers - 1, -1, -k):
-        blocks = tuple(f"layer {i}" for i in range(top, top - k, -1))
-        add(blocks, k * layer_in, k * layer_out, f"backward of layer {top - k + 1}")
-    add(("embed",), *grads["embed"], "backward of embed")
+    def layer_buckets(top_layer: int, bottom_layer: int, after) -> None:
+        for top in range(top_layer, bottom_layer - 1, -k):
+            blocks = tuple(f"layer {i}" for i in range(top, top - k, -1))
+            add(blocks, k * layer_in, k * layer_out, after(top - k + 1))
+
+    lookup = lookup_collective(data, fsdp)
+    if stages == 1:
+        add(("head",), *grads["head"], "backward of head")
+        layer_buckets(m.n_layers - 1, 0, lambda low: f"backward of layer {low}")
+        add(("embed",), *grads["embed"], "backward of embed", lookup)
+    else:  # each stage's buckets after its last backward; the shared weights' after the tick loop
+        for s in range(stages - 1, -1, -1):
+            layer_buckets((s + 1) * per_stage - 1, s * per_stage, lambda low, s=s: f"last backward of stage {s}")
+        add(("head",), *grads["head"], "the tick loop", "all-reduce(pipeline) + " + kind)
+        add(("embed",), *grads["embed"], "the tick loop", "all-reduce(pipeline) + " + lookup)
     return CommPlan(
         tuple(buckets), threshold, rule, k, "inter" if inter else "intra", bw, lat, n, tuple(sorted(sizes.items()))
     )
+
+
+def lookup_collective(data: int, fsdp: int) -> str:
+    """The collective of the embedding's lookup gradient (see the module docstring)."""
+    if fsdp == 1:
+        return "all-reduce(data)"
+    return "reduce-scatter(fsdp)" if data == 1 else "reduce-scatter(data, fsdp) + all-gather(data)"
 
 
 def plan_for_config(config, cluster: ClusterSpec) -> CommPlan:
@@ -196,15 +222,17 @@ def plan_for_config(config, cluster: ClusterSpec) -> CommPlan:
 
 
 def xla_gpu_options(plan: CommPlan) -> dict[str, bool | int]:
-    """XLA compiler options for a GPU train step under automatic sharding (``train.grad_sync=end``), from ``plan``.
+    """XLA compiler options for a GPU train step, from ``plan`` (the Trainer sets them under either grad_sync).
 
     * ``xla_gpu_enable_latency_hiding_scheduler``: schedule each asynchronous collective's start as early and
-      its done as late as the data allow, so a block's gradient reduction runs under the backward of the
-      blocks below it (XLA's own form of ``per_block``);
+      its done as late as the data allow, so a bucket's reduction runs under the backward of the blocks below
+      it.  Under ``end`` that is XLA's own form of ``per_block``; under ``per_block`` it is what lets the
+      collectives issued at the plan's points overlap at all (without it a start may sit next to its done);
     * ``xla_gpu_all_reduce_combine_threshold_bytes``, ``..._reduce_scatter_...`` and ``..._all_gather_...``:
-      the combiner passes merge neighbouring collectives up to this size, set to the plan's largest bucket so
-      XLA forms the plan's buckets (one layer bucket per combined collective) rather than its defaults
-      (which may merge the whole backward's reductions into one at the end).
+      the combiner passes merge independent collectives up to this size; the plan's largest bucket.  Under
+      ``end`` XLA then forms buckets of the plan's size rather than its defaults (which may merge the whole
+      backward's reductions into one at the end); under ``per_block`` a bucket's per-weight reduce-scatters
+      merge into one, but two buckets (each up to the threshold) do not.
 
     Options go to ``jax.jit(...).lower(...).compile(compiler_options=...)``: per program, no XLA_FLAGS needed.
     """
@@ -220,5 +248,5 @@ def xla_gpu_options(plan: CommPlan) -> dict[str, bool | int]:
 def describe_xla_options(options: dict) -> str:
     """One line for the console: the XLA options the plan set (or that none were)."""
     if not options:
-        return "XLA collective options: none set (only GPUs under train.grad_sync=end take them)"
+        return "XLA collective options: none set (only GPU train steps of dense models take them)"
     return "XLA collective options from the gradient plan: " + " ".join(f"--{k}={v}" for k, v in options.items())

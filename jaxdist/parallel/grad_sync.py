@@ -2,26 +2,33 @@
 
 The step's gradients are computed in ``shard_map`` manual over the data axes (``data`` and ``fsdp``; ``tensor``
 stays automatic): each device differentiates the loss of its own rows, and the model passes its weights through
-:class:`BucketSync` where they enter the computation (:mod:`jaxdist.models.hooks`): the embedding table, each
-scan step's group of ``k`` layers (one bucket of :func:`jaxdist.parallel.comm.plan_comm`), the output head.
+:class:`BucketSync` where they enter the computation (:mod:`jaxdist.models.hooks`): the embedding table at the
+lookup, each scan step's group of ``k`` layers (one bucket of :func:`jaxdist.parallel.comm.plan_comm`), the
+output head (with tied embeddings the table again: its head gradient is reduced there, apart from the lookup's).
 ``BucketSync`` is an identity with a custom VJP:
 
 * forward: the weights' ``fsdp`` shards all-gathered (nothing with ``fsdp=1``);
 * backward: each fsdp-sharded gradient reduce-scattered over ``fsdp``, then one all-reduce over ``data`` of the
-  bucket's scattered gradients together (weights not sharded over fsdp, the norms, over ``data`` and ``fsdp``).
+  bucket's scattered gradients together (weights not sharded over fsdp, the norms, over ``data`` and ``fsdp``);
+* the lookup's table gradient: one sum over ``data`` x ``fsdp`` (a reduce-scatter over both, the table's columns
+  ordered so that each device receives part of its own fsdp shard), then an all-gather over ``data``.
 
 Because the identity sits at the start of the group's forward, its backward runs right after the backward of
 the group's last block: the reduction of bucket i is issued before the backward of the blocks below it, and
 XLA may overlap the two.  Every device traces the same program, so the order is the same everywhere.
 
-``reduce_at="end"`` keeps the fsdp gathers (their transposes reduce-scatter per block, as automatic sharding
-does) and reduces over ``data`` once after the whole backward: the reference the tests compare against.
+The sums are grouped as automatic sharding (``train.grad_sync=end``) groups them on XLA:CPU, so the gradients
+are bit-identical to it: a layer's gradient over fsdp then over data, the final norm's over all devices at once,
+the tied table's lookup and head gradients each reduced on its own and added after (the lookup's in one sum over
+data x fsdp, as the partitioner reduces a scatter-add).  The collectives themselves run on each device's
+``tensor`` shard: inside a nested ``shard_map`` over ``tensor`` (XLA's partitioner would otherwise gather the
+tensor-split dimension before a collective over a manual axis, doubling its bytes at tensor=2).
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,15 +41,19 @@ from jaxdist.parallel.comm import CommPlan
 from jaxdist.parallel.rules import Rules, activation_sharding
 
 MANUAL = ("data", "fsdp")
+AUTO = "tensor"  # the one axis that stays automatic inside per_block's shard_map
 SCOPE = "grad_sync"  # named scope of the bucket collectives (their HLO op_name contains it)
 
 
-def _manual_spec(spec: P) -> P:
-    """``spec`` with only the manual axes kept (shard_map's in/out specs name no automatic axis)."""
+def _axes(entry) -> tuple[str, ...]:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def keep_axes(spec: P, axes: tuple[str, ...]) -> P:
+    """``spec`` with only ``axes`` kept (shard_map's in/out specs name only its own manual axes)."""
 
     def keep(entry):
-        axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-        kept = tuple(a for a in axes if a in MANUAL)
+        kept = tuple(a for a in _axes(entry) if a in axes)
         return None if not kept else kept[0] if len(kept) == 1 else kept
 
     return P(*(keep(e) for e in spec))
@@ -50,81 +61,178 @@ def _manual_spec(spec: P) -> P:
 
 def _fsdp_dim(spec: P) -> int | None:
     for i, entry in enumerate(spec):
-        if entry == "fsdp" or (isinstance(entry, tuple) and "fsdp" in entry):
+        if "fsdp" in _axes(entry):
             return i
     return None
 
 
-def _without_manual(rules: Rules) -> tuple:
-    """The rules with the manual axes removed: inside the shard_map only the automatic axes are constrained."""
-    return tuple((name, tuple(a for a in axes if a not in MANUAL)) for name, axes in rules)
+def _without(rules: Rules, axes: tuple[str, ...]) -> tuple:
+    """The rules with ``axes`` removed: inside the shard_map only the automatic axes are constrained."""
+    return tuple((name, tuple(a for a in mesh_axes if a not in axes)) for name, mesh_axes in rules)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _bucket(params: dict, dims: tuple, reduce: bool) -> dict:
-    return _gather(params, dict(dims))
+class Weight(NamedTuple):
+    """What :class:`BucketSync` needs of one weight: ``dim`` its fsdp-sharded dimension (None: not sharded over
+    fsdp), ``spec`` its spec over ``tensor``, ``transposed``: gathered as its transpose (the tied table at the
+    head, which projects with ``table.T``: the layout automatic sharding gathers, so XLA:CPU picks the same
+    matmul kernel for the head's backward and the sums agree to the bit)."""
+
+    dim: int | None
+    spec: P
+    transposed: bool = False
 
 
-def _gather(params: dict, dims: dict) -> dict:
-    return {
-        n: w if dims[n] is None else jax.lax.all_gather(w, "fsdp", axis=dims[n], tiled=True) for n, w in params.items()
-    }
+class Site(NamedTuple):
+    """The mesh's ``data``, ``fsdp``, ``tensor`` sizes and whether the weights are the lookup's table."""
+
+    data: int
+    fsdp: int
+    tensor: int
+    lookup: bool
 
 
-def _bucket_fwd(params, dims, reduce):
-    return _gather(params, dict(dims)), None
+def on_tensor_shards(fn: Callable, tree: dict, specs: dict, tensor: int) -> dict:
+    """``fn(tree)`` run on each device's ``tensor`` shard of every array (a nested shard_map over ``tensor``;
+    ``specs``: each array's spec over ``tensor``, the same for ``fn``'s result).  Without it XLA's partitioner
+    replicates the tensor-split dimension before a collective over a manual axis (2x its bytes at tensor=2)."""
+    if tensor == 1:
+        return fn(tree)
+    return jax.shard_map(fn, in_specs=(specs,), out_specs=specs, axis_names={AUTO}, check_vma=False)(tree)
 
 
-def _bucket_bwd(dims, reduce, _, g):
-    dims = dict(dims)
-    with jax.named_scope(SCOPE):
-        scattered = {
-            n: jax.lax.psum_scatter(c, "fsdp", scatter_dimension=dims[n], tiled=True)
+def gather_weight(w: jax.Array, weight: Weight) -> jax.Array:
+    """``w`` all-gathered over ``fsdp`` along ``weight.dim`` (transposed first if ``weight.transposed``)."""
+    if weight.dim is None:
+        return w
+    if weight.transposed:
+        assert w.ndim == 2, w.shape
+        return jax.lax.all_gather(w.T, "fsdp", axis=1 - weight.dim, tiled=True).T
+    return jax.lax.all_gather(w, "fsdp", axis=weight.dim, tiled=True)
+
+
+def _lookup_reduce(c: jax.Array, dim: int, data: int, fsdp: int) -> jax.Array:
+    """The lookup's table gradient ``c`` (whole along ``dim``) summed over data x fsdp in one sum (device order,
+    as automatic sharding all-reduces a scatter-add), each device left with its fsdp shard of ``dim``.
+
+    A reduce-scatter over (data, fsdp) of the columns reordered [fsdp, data, n] -> [data, fsdp, n] hands device
+    (i, j) the i-th part of fsdp shard j; an all-gather over data completes the shard.  XLA:CPU sums a
+    reduce-scatter in the same device order as an all-reduce (tests/parallel/test_grad_sync.py checks it)."""
+    if fsdp == 1:
+        return jax.lax.psum(c, MANUAL)
+    if data == 1:
+        return jax.lax.psum_scatter(c, "fsdp", scatter_dimension=dim, tiled=True)
+    n = c.shape[dim]
+    if n % (data * fsdp):  # columns do not split evenly: all-reduce the whole table, keep the own shard
+        whole = jax.lax.psum(c, MANUAL)
+        return jax.lax.dynamic_slice_in_dim(whole, jax.lax.axis_index("fsdp") * (n // fsdp), n // fsdp, dim)
+    parts = c.reshape(*c.shape[:dim], fsdp, data, n // (fsdp * data), *c.shape[dim + 1 :])
+    c = jnp.swapaxes(parts, dim, dim + 1).reshape(c.shape)
+    part = jax.lax.psum_scatter(c, MANUAL, scatter_dimension=dim, tiled=True)
+    return jax.lax.all_gather(part, "data", axis=dim, tiled=True)
+
+
+def reduce_bucket(g: dict, dims: dict, site: Site) -> dict:
+    """One bucket's gradients ``g`` reduced (see the module docstring), on this device's tensor shard: ``dims``
+    the fsdp dimension of each (None: not sharded over fsdp), ``site`` the mesh sizes and the lookup's rule."""
+    if site.lookup:
+        return {
+            n: jax.lax.psum(c, MANUAL) if dims[n] is None else _lookup_reduce(c, dims[n], site.data, site.fsdp)
             for n, c in g.items()
-            if dims[n] is not None
         }
-        if not reduce:  # reduce_at="end": the fsdp transpose only; the data all-reduce comes after the backward
-            return ({n: scattered.get(n, c) for n, c in g.items()},)
-        out = jax.lax.psum(scattered, "data") if scattered else {}
-        whole = {n: c for n, c in g.items() if dims[n] is None}
-        if whole:
-            out = {**out, **jax.lax.psum(whole, MANUAL)}
-    return ({n: out[n] for n in g},)
+    scattered = {
+        n: jax.lax.psum_scatter(c, "fsdp", scatter_dimension=dims[n], tiled=True)
+        for n, c in g.items()
+        if dims[n] is not None
+    }
+    out = jax.lax.psum(scattered, "data") if scattered else {}
+    whole = {n: c for n, c in g.items() if dims[n] is None}
+    if whole:
+        out = {**out, **jax.lax.psum(whole, MANUAL)}
+    return {n: out[n] for n in g}
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _bucket(params: dict, before, weights: tuple, site: Site) -> dict:
+    return _bucket_fwd(params, before, weights, site)[0]
+
+
+def _bucket_fwd(params, before, weights, site):
+    w = dict(weights)
+    gather = lambda p: {n: gather_weight(x, w[n]) for n, x in p.items()}  # noqa: E731
+    return on_tensor_shards(gather, params, {n: x.spec for n, x in w.items()}, site.tensor), before
+
+
+def _bucket_bwd(weights, site, before, g):
+    w = dict(weights)
+    dims = {n: x.dim for n, x in w.items()}
+    with jax.named_scope(SCOPE):
+        reduce = lambda g: reduce_bucket(g, dims, site)  # noqa: E731
+        out = on_tensor_shards(reduce, g, {n: x.spec for n, x in w.items()}, site.tensor)
+    if before is None:
+        return out, None
+    # ``before``'s cotangent: zero, computed from this bucket's reductions so that it waits for them (see
+    # BucketSync; XLA folds a constant zero, never x * 0 of a float: x may be inf or NaN).
+    dep = sum(leaf.reshape(-1)[0] * 0 for leaf in jax.tree.leaves(out))
+    return out, dep.astype(before.dtype)
 
 
 _bucket.defvjp(_bucket_fwd, _bucket_bwd)
 
 
 class BucketSync(GradSync):
-    """The model's gradient sync inside the shard_map (see the module docstring): ``dims[where][name]`` is the
-    fsdp-sharded dimension of each weight (None: not sharded over fsdp), ``layers_per_step`` the plan's k."""
+    """The model's gradient sync inside the shard_map (see the module docstring).
 
-    def __init__(self, dims: dict[str, dict[str, int | None]], layers_per_step: int, reduce: bool):
-        self.dims, self.layers_per_step, self.reduce = dims, layers_per_step, reduce
+    ``weights[where][name]``: the :class:`Weight` of each weight the model passes at ``where`` (``embed``,
+    ``layers``, ``head``); ``sizes``: the mesh's axis sizes; ``layers_per_step``: the plan's k.
+
+    XLA's all-reduce combiner merges all-reduces that do not depend on each other, which would move the head
+    bucket's (issued first) to the embedding's (issued last, outside the layer loop too).  So the head bucket
+    takes one element of the gathered table as an extra input and returns its cotangent, zero, through an
+    optimization barrier with its reductions: the lookup's reduction then depends on the head's, and each
+    stays at its planned point.  Nothing else waits for the head's reductions, so they still overlap the
+    layers' backward.  (The embedding's call comes first in the model's forward, in the same trace.)"""
+
+    def __init__(self, weights: dict[str, dict[str, Weight]], sizes: dict[str, int], layers_per_step: int):
+        self.weights, self.layers_per_step = weights, layers_per_step
+        self.sizes = (sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get(AUTO, 1))
+        self._lookup = None  # one element of the embedding's gathered table, for the head's call
 
     def __call__(self, params: dict, where: str) -> dict:
-        dims = tuple(sorted((n, self.dims[where][n]) for n in params))
-        return _bucket(params, dims, self.reduce)
+        weights = tuple(sorted((n, self.weights[where][n]) for n in params))
+        before, self._lookup = (self._lookup, None) if where == "head" else (None, self._lookup)
+        out = _bucket(params, before, weights, Site(*self.sizes, where == "embed"))
+        if where == "embed":
+            self._lookup = out["embed"].reshape(-1)[0]
+        return out
 
 
-def per_block_grads_fn(
-    graphdef, model, mesh, rules: Rules, param_shardings: dict, plan: CommPlan, reduce_at: str = "per_block"
-) -> Callable:
-    """``fn(params, tokens) -> (loss, {}, grads)`` for jaxdist.train.step.make_train_step's ``grads_fn``: the
-    mean next-token cross-entropy of ``tokens`` [B, T+1] and its gradients, reduced at ``plan``'s points
-    (``reduce_at="per_block"``) or after the whole backward (``"end"``).  Dense models; call under jit."""
-    assert reduce_at in ("per_block", "end"), reduce_at
-    specs = jax.tree.map(lambda s: s.spec, param_shardings)
-    manual = jax.tree.map(_manual_spec, specs, is_leaf=lambda x: isinstance(x, P))
-    fsdp = dict(mesh.shape).get("fsdp", 1)
-    dim = lambda s: _fsdp_dim(s) if fsdp > 1 else None
-    dims = {
-        "layers": {n: dim(s) for n, s in specs["layers"].items()},
-        "embed": {"embed": dim(specs["embed"])},
-        "head": {n: dim(specs[n]) for n in ("final_norm", "lm_head") if n in specs},
+def bucket_weights(specs: dict, fsdp: int, tied: bool) -> dict[str, dict[str, Weight]]:
+    """:class:`BucketSync`'s ``weights`` from the parameters' full specs (``fsdp``: the mesh's fsdp size)."""
+
+    def weight(spec: P, transposed: bool = False) -> Weight:
+        return Weight(_fsdp_dim(spec) if fsdp > 1 else None, keep_axes(spec, (AUTO,)), transposed)
+
+    head = {"final_norm": weight(specs["final_norm"])}
+    if tied:
+        head["embed"] = weight(specs["embed"], transposed=True)
+    else:
+        head["lm_head"] = weight(specs["lm_head"])
+    return {
+        "layers": {n: weight(s) for n, s in specs["layers"].items()},
+        "embed": {"embed": weight(specs["embed"])},
+        "head": head,
     }
-    sync = BucketSync(dims, plan.layers_per_bucket, reduce_at == "per_block")
-    inner_rules = _without_manual(rules)
+
+
+def per_block_grads_fn(graphdef, model, mesh, rules: Rules, param_shardings: dict, plan: CommPlan) -> Callable:
+    """``fn(params, tokens) -> (loss, {}, grads)`` for jaxdist.train.step.make_train_step's ``grads_fn``: the
+    mean next-token cross-entropy of ``tokens`` [B, T+1] and its gradients, reduced at ``plan``'s points.
+    Dense models; call under jit."""
+    specs = jax.tree.map(lambda s: s.spec, param_shardings)
+    manual = jax.tree.map(lambda s: keep_axes(s, MANUAL), specs, is_leaf=lambda x: isinstance(x, P))
+    sizes = dict(mesh.shape)
+    sync = BucketSync(bucket_weights(specs, sizes.get("fsdp", 1), model.tie_embeddings), sizes, plan.layers_per_bucket)
+    inner_rules = _without(rules, MANUAL)
 
     def local(params, tokens, n_tokens):
         def loss_fn(p):
@@ -134,10 +242,6 @@ def per_block_grads_fn(
 
         with activation_sharding(jax.sharding.get_abstract_mesh(), inner_rules), syncing_grads(sync):
             loss, grads = jax.value_and_grad(loss_fn)(params)
-        if reduce_at == "end":
-            with jax.named_scope(SCOPE):
-                sharded = jax.tree.map(lambda s: _fsdp_dim(s) is not None and fsdp > 1, specs)
-                grads = jax.tree.map(lambda g, s: jax.lax.psum(g, "data" if s else MANUAL), grads, sharded)
         return jax.lax.psum(loss, MANUAL), grads
 
     def fn(params, tokens):

@@ -30,6 +30,7 @@ from jaxdist.parallel.context import context_parallelism
 from jaxdist.parallel.mesh import build_mesh, mesh_devices
 from jaxdist.parallel.moe import ExpertLayout, expert_layout, expert_parallelism
 from jaxdist.parallel.pipeline import PipelinePlan, pipeline_grads_fn, pipeline_plan_for
+from jaxdist.parallel.pipeline_sync import StageSync
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, logical_to_spec
 
 
@@ -118,8 +119,9 @@ class Parallelism:
 
         return bound
 
-    def pipeline_grads_fn(self, config) -> Callable | None:
-        """With a pipeline, the executor's ``fn(params, tokens) -> (loss, metrics, grads)``; else None."""
+    def pipeline_grads_fn(self, config, sync: StageSync | None = None) -> Callable | None:
+        """With a pipeline, the executor's ``fn(params, tokens) -> (loss, metrics, grads)`` (``sync``: per_block's
+        reductions, jaxdist.parallel.pipeline_sync); else None."""
         if self.pipeline is None:
             return None
-        return pipeline_grads_fn(config, self.mesh, self.rules, self.pipeline)
+        return pipeline_grads_fn(config, self.mesh, self.rules, self.pipeline, sync)

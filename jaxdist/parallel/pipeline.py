@@ -53,6 +53,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.config import ConfigError, ModelConfig, Remat
 from jaxdist.parallel.chunks import chunk_boundaries, chunk_cost_model
 from jaxdist.parallel.pipeline_stage import AXIS, run_stage, stage_remat_policy
+from jaxdist.parallel.pipeline_sync import STAGE_MANUAL, StageSync
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, constrain
 from jaxdist.parallel.schedule import ExecutorTables, Schedule, build_schedule, executor_tables
 
@@ -107,6 +108,7 @@ def pipeline_loss_and_grads(
     rules: Rules = DEFAULT_RULES,
     with_trace: bool = False,
     tables: tuple[jax.Array, jax.Array] | None = None,
+    sync: StageSync | None = None,
 ):
     """(mean next-token loss, grads) of ``tokens`` [B, T+1], run as a pipeline over ``mesh``'s pipeline axis.
 
@@ -122,6 +124,9 @@ def pipeline_loss_and_grads(
     compiled program (pass them as jit arguments; their buffer sizes must be
     the plan's, see ``ExecutorTables.padded``).  By default the plan's tables
     are constants of the program.
+
+    ``sync``: ``train.grad_sync=per_block``'s :class:`~jaxdist.parallel.pipeline_sync.StageSync`: the stages
+    run manual over ``data`` and ``fsdp`` too and reduce their gradients once, after their last backward.
     """
     sch = plan.schedule
     p, m = sch.stages, sch.microbatches
@@ -133,15 +138,20 @@ def pipeline_loss_and_grads(
     assert b % m == 0 and t1 - 1 == plan.bounds[-1], (tokens.shape, m, plan.bounds)
     mb_tokens = constrain(tokens.reshape(b // m, m, t1).swapaxes(0, 1), (None, "batch", "seq"))
     shared = {k: v for k, v in params.items() if k != "layers"}
-    body = partial(run_stage, model=model, plan=plan, remat=remat, rules=rules, n_tokens=b * (t1 - 1))
     if tables is None:
         tables = (jnp.asarray(plan.tables.stacked()), jnp.asarray(plan.tables.unit_slot, jnp.int32))
+    if sync is None:
+        specs, manual = (P(AXIS), P(), P()), {AXIS}
+    else:  # per_block: data and fsdp manual too (the rules inside name only the automatic axes)
+        specs, manual = sync.in_specs(), set(STAGE_MANUAL)
+        rules = tuple((name, tuple(a for a in axes if a not in manual)) for name, axes in rules)
+    body = partial(run_stage, model=model, plan=plan, remat=remat, rules=rules, n_tokens=b * (t1 - 1), sync=sync)
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P(AXIS), P(), P(), P()),
-        out_specs=(P(), P(AXIS), P(), P(AXIS)),
-        axis_names={AXIS},
+        in_specs=(*specs, P()),
+        out_specs=(P(), specs[0], specs[1], P(AXIS)),
+        axis_names=manual,
         check_vma=False,
     )
     loss, g_layers, g_shared, trace = fn(params["layers"], shared, mb_tokens, tables)
@@ -165,15 +175,17 @@ def pipeline_plan_for(config) -> PipelinePlan:
     return plan
 
 
-def pipeline_grads_fn(config, mesh, rules: Rules = DEFAULT_RULES, plan: PipelinePlan | None = None) -> Callable:
+def pipeline_grads_fn(
+    config, mesh, rules: Rules = DEFAULT_RULES, plan: PipelinePlan | None = None, sync: StageSync | None = None
+) -> Callable:
     """``fn(params, tokens) -> (loss, {}, grads)`` for a whole Config with ``plan`` (default
-    :func:`pipeline_plan_for`); the Trainer uses it when mesh.pipeline > 1."""
+    :func:`pipeline_plan_for`) and per_block's ``sync`` (or None); the Trainer uses it when mesh.pipeline > 1."""
     t = config.train
     plan = plan or pipeline_plan_for(config)
 
     def fn(params, tokens):
         loss, grads = pipeline_loss_and_grads(
-            params, tokens, model=config.model, mesh=mesh, plan=plan, remat=t.remat_spec, rules=rules
+            params, tokens, model=config.model, mesh=mesh, plan=plan, remat=t.remat_spec, rules=rules, sync=sync
         )
         return loss, {}, grads
 

@@ -30,6 +30,7 @@ from jaxdist.models.transformer import (
     rotary_tables,
     token_cross_entropy,
 )
+from jaxdist.parallel.pipeline_sync import STAGE_MANUAL
 from jaxdist.parallel.rules import Rules, activation_sharding
 
 AXIS = "pipeline"
@@ -127,25 +128,31 @@ def run_stage(
     remat: str | Remat,
     rules: Rules,
     n_tokens: int,
+    sync=None,
 ):
-    """One stage's program, inside ``shard_map`` manual over ``pipeline``.
+    """One stage's program, inside ``shard_map`` manual over ``pipeline`` (and ``data``, ``fsdp`` with ``sync``).
 
     ``layers``: this stage's blocks [L/p, ...]; ``shared``: embedding, final norm
     (and lm_head); ``tokens`` [m, B/m, T+1]; ``tables``: (``ExecutorTables.
     stacked()``, ``unit_slot``); ``plan``: a PipelinePlan (static shapes);
     ``n_tokens``: predicted tokens of the global batch (the loss is their mean).
+    ``sync``: a :class:`~jaxdist.parallel.pipeline_sync.StageSync` (``train.grad_sync=per_block``: the
+    weights arrive as fsdp shards and the gradients leave reduced, see that module), or None.
     Returns (loss summed over stages, this stage's layer grads, shared grads
     summed over stages, trace [1, ticks]).
     """
     with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
-        return _StageRun(layers, shared, tokens, tables, model, plan, remat, n_tokens).run()
+        return _StageRun(layers, shared, tokens, tables, model, plan, remat, n_tokens, sync).run()
 
 
 class _StageRun:
     """Traces one stage's tick loop; a class only to share the many static pieces between branches."""
 
-    def __init__(self, layers, shared, tokens, tables, cfg: ModelConfig, plan, remat: str | Remat, n_tokens: int):
-        self.cfg, self.plan, self.n_tokens = cfg, plan, n_tokens
+    def __init__(self, layers, shared, tokens, tables, cfg: ModelConfig, plan, remat: str | Remat, n_tokens: int, sync):
+        self.cfg, self.plan, self.n_tokens, self.sync = cfg, plan, n_tokens, sync
+        self.layer_shards = {k: (v.shape, v.dtype) for k, v in layers.items()}  # what leaves reduced (per_block)
+        if sync is not None:  # per_block: the stage's weights whole along fsdp, once per step
+            layers, shared = sync.gather_layers(layers), sync.gather_shared(shared)
         sch = plan.schedule
         self.p, self.s = sch.stages, sch.chunks
         self.dt = array_dtype(cfg.dtype)
@@ -308,11 +315,20 @@ class _StageRun:
         dy, dw = vjp(jnp.ones((), jnp.float32))
         carry = dict(carry, loss=carry["loss"] + loss)
         for k, g in dw.items():
-            carry["g_" + k] = carry["g_" + k] + g.astype(carry["g_" + k].dtype)
+            key = self._head_key(k)
+            carry[key] = carry[key] + g.astype(carry[key].dtype)
         return carry, dy
 
+    def _head_key(self, name: str) -> str:
+        """The accumulator of the head's gradient of ``name``: per_block keeps the tied table's apart from its
+        lookup gradient (they are reduced apart, jaxdist.parallel.grad_sync)."""
+        return "gh_embed" if name == "embed" and self.sync is not None else "g_" + name
+
     def _embed_grad(self, carry, dx, tok):
-        _, vjp = jax.vjp(lambda table: self._embed(table, tok[:, :-1]), self.shared["embed"])
+        tok = tok[:, :-1]
+        if self.sync is not None:  # per_block: the lookup's gradient from the rows of the whole stage
+            dx, tok = self.sync.gather_rows(dx, tok)
+        _, vjp = jax.vjp(lambda table: self._embed(table, tok), self.shared["embed"])
         return dict(carry, g_embed=carry["g_embed"] + vjp(dx)[0].astype(carry["g_embed"].dtype))
 
     def _idle(self, carry, row, x):
@@ -341,6 +357,10 @@ class _StageRun:
         }
         for k, v in self.shared.items():
             carry["g_" + k] = jnp.zeros_like(v)
+        if self.sync is not None:
+            carry["g_reduced"] = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in self.layer_shards.items()}
+            if self.cfg.tie_embeddings:
+                carry["gh_embed"] = jnp.zeros_like(self.shared["embed"])
         if self.s > 1:
             kv = (self.n_layers, self.batch, self.tmax, cfg.n_kv_heads, cfg.head_dim)
             carry["kv_k"] = carry["kv_v"] = jnp.zeros((tab.slots, *kv), dt)
@@ -356,7 +376,12 @@ class _StageRun:
         # Tokens padded so that a chunk's window [start, start + tmax + 1) never runs off the end.
         tokens = jnp.pad(self.tokens, ((0, 0), (0, 0), (0, tm)))
 
-        def tick(carry, rows):
+        # The tick of this stage's last backward (per_block reduces the stage's gradients right after it).
+        ticks = jnp.arange(self.table.shape[0])
+        last_backward = jnp.max(jnp.where(self.table[:, self.stage, 0] > s, ticks, -1))
+
+        def tick(carry, xs):
+            rows, t = xs
             row = _take(rows, self.stage)
             op, mb, chunk, slot = row[0], row[1], row[2], row[3]
             is_f, is_b = (op >= 1) & (op <= s), op > s
@@ -390,9 +415,24 @@ class _StageRun:
                 self.is_first & is_b, partial(self._embed_grad, tok=tok), lambda carry, dx: carry, carry, out
             )
             carry["out"], carry["op"] = out, op
+            if self.sync is not None:
+                carry = jax.lax.cond(t == last_backward, self._reduce_layers, lambda carry: carry, carry)
             return carry, op
 
-        carry, trace = jax.lax.scan(tick, self._init_carry(), self.table)  # table: [ticks, stages, 7]
+        carry, trace = jax.lax.scan(tick, self._init_carry(), (self.table, ticks))  # table: [ticks, stages, 7]
+        if self.sync is not None:
+            return self._reduced(carry, trace)
         loss = jax.lax.psum(carry["loss"], AXIS)
         g_shared = {k: jax.lax.psum(carry["g_" + k], AXIS).astype(v.dtype) for k, v in self.shared.items()}
         return loss, carry["g_layers"], g_shared, trace[None]
+
+    def _reduce_layers(self, carry):
+        reduced = self.sync.reduce_layers(carry["g_layers"])
+        return dict(carry, g_reduced={k: v.astype(carry["g_reduced"][k].dtype) for k, v in reduced.items()})
+
+    def _reduced(self, carry, trace):
+        """per_block's outputs: the loss over every device, the reduced layer and shared gradients."""
+        loss = jax.lax.psum(carry["loss"], STAGE_MANUAL)
+        head = {k: carry[self._head_key(k)] for k in head_params(self.shared, self.cfg)}
+        g_shared = self.sync.reduce_shared(head, carry["g_embed"])
+        return loss, carry["g_reduced"], g_shared, trace[None]

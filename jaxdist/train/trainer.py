@@ -36,6 +36,7 @@ from jaxdist.cluster import load_cluster
 from jaxdist.parallel.comm import plan_comm, xla_gpu_options
 from jaxdist.parallel.consistency import check_same_collectives, coordination_store
 from jaxdist.parallel.grad_sync import per_block_grads_fn
+from jaxdist.parallel.pipeline_sync import StageSync
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh, mesh_devices
 from jaxdist.remat.named import remat_policy
@@ -79,13 +80,13 @@ class Trainer:
         self.run_dir = c.run_dir
 
         # The gradient collectives' buckets and issue points (jaxdist comm plan); per_block applies them, and on
-        # GPUs under automatic sharding the XLA options below follow them.
+        # GPUs the XLA options below follow them (under either train.grad_sync).
         dense = not c.model.moe.experts
         self.comm_plan = (
             plan_comm(c.model, dict(self.mesh.shape), self.cluster, c.train.grad_bucket_bytes) if dense else None
         )
-        gpu_auto = self.devices[0].platform == "gpu" and c.train.grad_sync == "end" and dense
-        self.xla_options = xla_gpu_options(self.comm_plan) if gpu_auto else {}
+        gpu = self.devices[0].platform == "gpu" and dense
+        self.xla_options = xla_gpu_options(self.comm_plan) if gpu else {}
         self._build_model()  # remat policy, abstract sharded model, optimizer, state shardings
         self._build_programs()  # the jitted init, train and eval functions (compiled on first use)
         self._build_data()  # the source, the batch list at its cursor, the eval batches
@@ -193,7 +194,12 @@ class Trainer:
     def _grads_fn(self):
         """The pipeline executor's gradients, per_block's shard_map (train.grad_sync), or None (the model's own)."""
         c = self.config
-        if c.train.grad_sync == "per_block":
+        per_block = c.train.grad_sync == "per_block"
+        if per_block and self.parallelism.pipeline is not None:  # each stage reduces after its last backward
+            specs = jax.tree.map(lambda s: s.spec, self.param_shardings)
+            sync = StageSync(specs, dict(self.mesh.shape), self.comm_plan.layers_per_bucket, c.model.tie_embeddings)
+            return self.parallelism.pipeline_grads_fn(c, sync)
+        if per_block:
             return per_block_grads_fn(
                 self.graphdef, c.model, self.mesh, self.rules, self.param_shardings, self.comm_plan
             )

@@ -9,7 +9,7 @@ import pytest
 from jaxdist.cli import main
 from jaxdist.cluster import load_cluster
 from jaxdist.config import Config, ConfigError, apply_preset
-from jaxdist.parallel.comm import block_grad_bytes, default_threshold, plan_comm
+from jaxdist.parallel.comm import block_grad_bytes, default_threshold, describe_xla_options, plan_comm, xla_gpu_options
 
 # The default model: d=128, 4 heads, 2 kv heads, head_dim 32, d_ff 384, vocab 260, 4 layers, tied, float32.
 M = Config().model
@@ -21,11 +21,14 @@ CPU8 = load_cluster("cpu-8")
 def test_block_bytes_by_hand():
     assert LAYER == 196864
     g = block_grad_bytes(M, {"data": 8})
-    assert g == {"layer": (LAYER * 4, LAYER * 4), "head": (128 * 4, 128 * 4), "embed": (260 * 128 * 4,) * 2}
+    # Tied: the head bucket carries the final norm and the table's head gradient; the embed bucket its lookup's.
+    table = 260 * 128 * 4
+    assert g == {"layer": (LAYER * 4,) * 2, "head": (128 * 4 + table,) * 2, "embed": (table,) * 2}
     # tensor=2 halves everything but the norms; fsdp=2 then halves every weight with an embed dimension.
     g = block_grad_bytes(M, {"data": 2, "fsdp": 2, "tensor": 2})
     assert g["layer"] == ((256 + (LAYER - 256) // 2) * 4, (256 + (LAYER - 256) // 4) * 4)
     assert g["embed"] == (130 * 128 * 4, 130 * 64 * 4)
+    assert g["head"] == (128 * 4 + 130 * 128 * 4, 128 * 4 + 130 * 64 * 4)
     untied = dataclasses.replace(M, tie_embeddings=False)
     assert block_grad_bytes(untied, {"tensor": 2})["head"] == ((128 + 128 * 130) * 4,) * 2
 
@@ -41,7 +44,7 @@ def test_buckets_by_hand():
         "backward of layer 0",
         "backward of embed",
     ]
-    assert [b.bytes for b in p.buckets] == [512, 2 * layer, 2 * layer, 260 * 128 * 4]
+    assert [b.bytes for b in p.buckets] == [512 + 260 * 128 * 4, 2 * layer, 2 * layer, 260 * 128 * 4]
     assert {b.collective for b in p.buckets} == {"all-reduce(data)"}
     # Three layers fit but do not divide four: two per bucket.  Less than one layer: one per bucket.
     assert plan_comm(M, {"data": 8}, CPU8, 3 * layer).layers_per_bucket == 2
@@ -51,6 +54,25 @@ def test_buckets_by_hand():
     fsdp = plan_comm(M, {"data": 2, "fsdp": 4}, CPU8, 1)
     assert fsdp.buckets[1].collective == "reduce-scatter(fsdp) + all-reduce(data)"
     assert fsdp.buckets[1].reduced_bytes == (256 + (LAYER - 256) // 4) * 4
+    # The lookup's gradient: one sum over data x fsdp (as automatic sharding sums it), then the shard's parts.
+    assert fsdp.buckets[-1].collective == "reduce-scatter(data, fsdp) + all-gather(data)"
+    assert plan_comm(M, {"fsdp": 8}, CPU8, 1).buckets[-1].collective == "reduce-scatter(fsdp)"
+
+
+def test_pipeline_buckets_by_hand():
+    # Two stages of two layers: each stage's buckets (k divides its 2 layers) after its last backward, the
+    # shared weights' after the tick loop, summed over the stages first.
+    layer = LAYER * 4
+    p = plan_comm(M, {"data": 4, "pipeline": 2}, CPU8, 3 * layer)
+    assert p.layers_per_bucket == 2
+    assert [(b.blocks, b.issue_after) for b in p.buckets] == [
+        (("layer 3", "layer 2"), "last backward of stage 1"),
+        (("layer 1", "layer 0"), "last backward of stage 0"),
+        (("head",), "the tick loop"),
+        (("embed",), "the tick loop"),
+    ]
+    assert p.buckets[2].collective == "all-reduce(pipeline) + all-reduce(data)"
+    assert plan_comm(M, {"data": 4, "pipeline": 4}, CPU8, 3 * layer).layers_per_bucket == 1
 
 
 def test_default_threshold_from_the_cluster_file():
@@ -65,6 +87,21 @@ def test_default_threshold_from_the_cluster_file():
     assert plan_comm(big, {"fsdp": 8}, load_cluster("h100x64")).link == "intra"
 
 
+def test_xla_gpu_options_follow_the_plan():
+    import jax  # the names are checked by the compiler: an unknown option is refused ("No such compile option")
+
+    p = plan_comm(M, {"data": 2, "fsdp": 4}, CPU8, 2 * LAYER * 4)
+    opts = xla_gpu_options(p)
+    assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
+    largest = 2 * LAYER * 4  # a bucket of two layers, fsdp-gathered (bytes in)
+    assert {v for k, v in opts.items() if k.endswith("_threshold_bytes")} == {largest}
+    assert "--xla_gpu_all_reduce_combine_threshold_bytes=" in describe_xla_options(opts)
+    # These are fields of XLA's DebugOptions in this jaxlib, on any platform (a CPU compile takes them, unused).
+    jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options=opts)
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda x: x + 1).lower(1.0).compile(compiler_options={"xla_gpu_no_such_option": 1})
+
+
 def test_cli_prints_the_table(capsys):
     assert main(["comm", "plan", "mesh.data=2", "mesh.fsdp=4", f"train.grad_bucket_bytes={LAYER * 4}"]) == 0
     out = capsys.readouterr().out
@@ -77,8 +114,8 @@ def test_cli_prints_the_table(capsys):
 @pytest.mark.parametrize(
     "over,match",
     [
-        (["train.microbatches=2"], "train.microbatches=2"),
-        (["mesh.pipeline=2"], "mesh.pipeline=2"),
+        (["train.microbatches=2"], "without pipeline stages"),
+        (["mesh.context=2"], "mesh.context=2"),
         (["model=moe-tiny"], "dense models only"),
         (["train.grad_bucket_bytes=-1"], "grad_bucket_bytes"),
     ],
@@ -88,3 +125,5 @@ def test_per_block_refuses_what_it_does_not_cover(over, match):
 
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["train.grad_sync=per_block", *over])
+    # Microbatches as pipeline microbatches are per_block's (jaxdist.parallel.pipeline_sync).
+    load_config(None, ["train.grad_sync=per_block", "mesh.pipeline=2", "train.microbatches=2"])
