@@ -84,7 +84,7 @@ def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, le
     mesh uses): the fastest candidate whose compiled train step peaks within ``train.memory_budget_bytes``.
 
     ``compile_peak(config) -> CompiledPeak`` (default :func:`jaxdist.train.aot.compiled_peak` on
-    ``devices``); the working-space ratio the compiles show is stored for the device kind when ``learn``.
+    ``devices``); the working-space ratios the compiles show are stored for the device kind when ``learn``.
     """
     compile_peak = compile_peak or (lambda cfg: compiled_peak(cfg, devices))
     cluster = load_cluster(config.mesh.cluster)
@@ -94,8 +94,9 @@ def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, le
     fixed = b["parameters"] + b["gradients"] + b["optimizer"]
     reference = b["working"] - HEADROOM * b["memory"]  # logits and one block's backward values, no headroom
     kind, key = devices[0].device_kind, setting_key(config, sizes)
-    ratio, _ = load_working(kind, key)
-    model = PeakModel(fixed, reference, ratio)
+    known = load_working(kind, key)
+    ratio = known.ratio
+    model = PeakModel(fixed, reference, ratio, known.low, known.high)
     t = config.train
     budget = memory_budget(t.memory_budget_bytes, cluster.memory_bytes)
     first = budget - fixed - ratio * reference  # the activation budget the prediction leaves
@@ -110,5 +111,5 @@ def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, le
 
     choice = choose(pool, budget, model, compile_candidate, activation_cap=t.remat_budget_bytes or None)
     if learn:
-        record_working(kind, key, choice.learned_ratio)
+        record_working(kind, key, choice.seen_ratios)
     return choice
