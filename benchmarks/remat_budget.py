@@ -63,7 +63,7 @@ class CompileCache:
 
         if key not in self.items:
             got = compile_fn()
-            self.items[key] = dataclasses.asdict(got)
+            self.items[key] = {f.name: getattr(got, f.name) for f in dataclasses.fields(got) if f.name != "runnable"}
             with open(self.path, "a") as f:
                 f.write(json.dumps({"key": key, "peak": self.items[key]}) + "\n")
         return CompiledPeak(**self.items[key])

@@ -104,12 +104,17 @@ def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, le
         plan_remat(profile, t.remat_budget_bytes, slack_share=t.remat_slack)
     pool = candidates(profile, [first, t.remat_budget_bytes], slack_share=t.remat_slack)
 
+    runnable = {}  # candidate -> its program, where compiled as the run will run it (off CPU)
+
     def compile_candidate(c):
         cfg = dataclasses.replace(config, train=config.train.with_remat_plan(c))
         p = compile_peak(cfg)
+        if getattr(p, "runnable", None) is not None:
+            runnable[id(c)] = p.runnable
         return p.peak_bytes, p.flops, p.seconds
 
     choice = choose(pool, budget, model, compile_candidate, activation_cap=t.remat_budget_bytes or None)
+    choice = dataclasses.replace(choice, runnable=runnable.get(id(choice.chosen)))  # the Trainer runs it
     if learn:
         record_working(kind, key, choice.seen_ratios)
     return choice

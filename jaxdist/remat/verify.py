@@ -186,6 +186,9 @@ class VerifiedChoice:
     budget_bytes: float
     model: PeakModel
     seen_ratios: tuple[float, ...]  # the working-space ratio each compile showed (what the store learns)
+    # The chosen candidate's train step compiled as the run will run it (jaxdist.train.aot.RunnableStep: off
+    # CPU), which the Trainer then runs instead of compiling again; None on CPU (compiled at LLVM level 0).
+    runnable: Any = field(default=None, repr=False, compare=False)
 
     @property
     def learned_ratio(self) -> float:
@@ -221,6 +224,17 @@ class VerifiedChoice:
             f"{self.chosen.recompute_flops / 1e9:.3g} GFLOP per step; peak per device predicted "
             f"{format_bytes(t.predicted)}, compiled {format_bytes(t.compiled)} ({err:+.1%}) of a "
             f"{format_bytes(self.budget_bytes)} budget; {len(self.trials)} compile(s) in {self.compile_seconds:.1f} s"
+        )
+
+    def applied(self) -> str:
+        """One line: what ``train.remat=auto`` applies (the chosen candidate, as a ``train.remat`` value when
+        one says it)."""
+        plan = self.plan
+        if plan is None:
+            return f"train.remat=auto applies {self.chosen.name}, the same as train.remat={self.chosen.spec}"
+        same = plan.names_equivalent
+        return f"train.remat=auto applies the selector's plan saving {format_bytes(plan.activation_bytes)}" + (
+            f", the same as train.remat={same}" if same else " (no list of checkpoint names saves the same values)"
         )
 
     def table(self) -> str:
