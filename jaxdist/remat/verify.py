@@ -16,10 +16,10 @@ with the policy, so the answer is closed by compiling:
    values one block's backward pass reads).  The ratios are what compiles teach: they are kept per device
    kind in the calibration cache (:mod:`jaxdist.planner.verify`) and reused by the next selection.
 3. **The loop** (:func:`choose`): compile (an injected function, so this module stays pure) the
-   least-FLOPs candidate predicted to fit, then, once one fits, the candidate with the largest expected
+   least-recompute candidate predicted to fit, then, once one fits, the candidate with the largest expected
    gain: FLOPs below the best fit (predicted: the compiles' base plus predicted recompute) times the share
    of the working-space range at which it would fit.  The range, not one number, is what matters: XLA's
-   working space moves by ~25 % between the policies of one setting (155-204 MiB on the issue's setting),
+   working space moves by ~25 % between the policies of one setting (75-137 MiB on the issue's setting),
    as much as the saved bytes of neighbouring candidates differ, so the fastest fit is often one predicted
    over budget at the middle ratio.  At most ``max_compiles`` compiles in the normal course; if none of
    them fit, leaner candidates are compiled until one does (or none is left: ConfigError with the least
