@@ -6,16 +6,21 @@ policy, every single-name save:, the recipes `jaxdist remat` prints) is compiled
 (compile only, nothing runs); budgets are spread between the full-remat and the no-remat peak; at each,
 :func:`jaxdist.resolve.verified_remat` chooses (its compiles counted and timed; a program compiled before in
 this benchmark is read from a cache keyed by its saved set, so the time column is the compiles the loop
-would spend, the count is its trials).  Columns: budget, chosen, predicted and compiled peak, its FLOPs,
+would spend, the count is its trials).  Every compile is also appended to a cache file (``--cache``, one JSON
+line per program, keyed by setting, mesh and the program's remat), so a rerun resumes where the last stopped
+and ``--compare-only`` compiles only the comparison set (the named policies, once per setting and mesh).  Columns: budget, chosen, predicted and compiled peak, its FLOPs,
 the best named policy that fits and its FLOPs, ok (fits and FLOPs <= 1.01 x the best named).
 
     python benchmarks/remat.py --budget-table                    # the issue's settings (long on 2 cores)
     python benchmarks/remat_budget.py --settings tiny:1 --budgets 4
+    nice -n 10 python benchmarks/remat_budget.py --compare-only    # the comparison set alone, cached
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -39,7 +44,45 @@ def mesh_overrides(mesh: str) -> list[str]:
     return ["mesh.cluster=cpu-8"] + [f"mesh.{a}={sizes.get(a, 1)}" for a in ("data", "fsdp", "tensor", "expert")]
 
 
-def run_setting(name: str, overrides: list[str], mesh: str, n_budgets: int) -> list[bool]:
+class CompileCache:
+    """Compiled peaks by (setting, mesh, program), kept in a JSON-lines file so a rerun resumes."""
+
+    def __init__(self, path: str):
+        self.path, self.items = path, {}
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    try:
+                        row = json.loads(line)
+                    except ValueError:  # a line torn by an interrupted write
+                        continue
+                    self.items[row["key"]] = row["peak"]
+
+    def get(self, key: str, compile_fn):
+        from jaxdist.train.aot import CompiledPeak
+
+        if key not in self.items:
+            got = compile_fn()
+            self.items[key] = {f.name: getattr(got, f.name) for f in dataclasses.fields(got) if f.name != "runnable"}
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"key": key, "peak": self.items[key]}) + "\n")
+        return CompiledPeak(**self.items[key])
+
+
+def program_key(cfg) -> str:
+    """What the compiled program depends on beyond the setting: the remat (a selector plan by its saved set)."""
+    spec = cfg.train.remat_spec
+    c = spec.plan
+    if spec.kind == "selected" and c is not None and getattr(c, "plan", None) is not None:
+        return "saved:" + "".join("1" if s else "0" for s in c.saved)
+    if spec.kind == "selected":  # a named candidate of the loop: the same program as its train.remat value
+        return "value:" + str(c.spec)
+    return "value:" + str(spec)
+
+
+def run_setting(
+    name: str, overrides: list[str], mesh: str, n_budgets: int, cache: CompileCache, compare_only: bool = False
+) -> list[bool]:
     import jax
 
     from jaxdist.config import load_config
@@ -50,18 +93,9 @@ def run_setting(name: str, overrides: list[str], mesh: str, n_budgets: int) -> l
 
     base = load_config(None, overrides + mesh_overrides(mesh) + ["train.remat=auto"])
     devices = jax.devices()[: base.mesh.devices_used(len(jax.devices()))]
-    cache: dict = {}
-
-    def key_of(cfg):
-        spec = cfg.train.remat_spec
-        c = spec.plan
-        return ("saved", c.saved) if c is not None and getattr(c, "saved", ()) else ("value", str(spec))
 
     def compile_cached(cfg):
-        k = key_of(cfg)
-        if k not in cache:
-            cache[k] = compiled_peak(cfg, devices)
-        return cache[k]
+        return cache.get(f"{name}|{mesh}|{program_key(cfg)}", lambda: compiled_peak(cfg, devices))
 
     t0 = time.perf_counter()
     named = {}
@@ -74,6 +108,8 @@ def run_setting(name: str, overrides: list[str], mesh: str, n_budgets: int) -> l
         f"full remat {format_bytes(full)}, no remat {format_bytes(none)} per device",
         flush=True,
     )
+    if compare_only:
+        return []
     print(
         f"{'budget':>11} {'chosen':<28} {'predicted':>11} {'compiled':>11} {'GFLOP':>8} "
         f"{'best named that fits':<24} {'GFLOP':>8} {'trials':>6} {'s':>5}  ok"
@@ -103,6 +139,10 @@ def run_setting(name: str, overrides: list[str], mesh: str, n_budgets: int) -> l
             f"{len(ch.trials):>6} {seconds[0]:>5.0f}  {'yes' if ok else 'NO'}",
             flush=True,
         )
+        if not ok:  # what the loop compiled, for the reader to see where it went
+            print("            compiled: " + "; ".join(
+                f"{t.candidate.name} {format_bytes(t.compiled)} {t.flops / 1e9:.3f} GFLOP" for t in ch.trials
+            ), flush=True)  # fmt: skip
     return oks
 
 
@@ -114,13 +154,20 @@ def main(argv=None) -> int:
         help="NAME:MESH list (mesh axes joined by |)",
     )
     p.add_argument("--budgets", type=int, default=10)
+    p.add_argument(
+        "--cache",
+        default=os.path.join(tempfile.gettempdir(), "jaxdist-remat-budget.jsonl"),
+        help="compiled peaks kept between runs (JSON lines; delete it after changing the model or the compiler)",
+    )
+    p.add_argument("--compare-only", action="store_true", help="compile the named policies only (into --cache)")
     args = p.parse_args(argv)
+    cache = CompileCache(args.cache)
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAXDIST_CALIBRATION_DIR", tempfile.mkdtemp(prefix="jaxdist-remat-budget-"))
     oks = []
     for item in args.settings.split(","):
         name, mesh = item.split(":")
-        oks += run_setting(name, SETTINGS[name][0], mesh.replace("|", ","), args.budgets)
+        oks += run_setting(name, SETTINGS[name][0], mesh.replace("|", ","), args.budgets, cache, args.compare_only)
     print(f"\n{sum(oks)} of {len(oks)} (setting, budget) cases: compiled peak within the budget and FLOPs <= 1.01 x "
           "the best fitting named policy")  # fmt: skip
     return 0 if all(oks) else 1

@@ -99,7 +99,12 @@ def cmd_train(args) -> int:
             c = trainer.config
             chosen = c.train.remat_spec.plan
             if hasattr(chosen, "trials"):  # train.remat=auto closed against the compiler: predicted vs compiled
-                print(chosen.table() + "\n" + chosen.describe(), file=sys.stderr)
+                reuse = (
+                    "the run executes the chosen candidate's compiled program"
+                    if trainer.adopted_step
+                    else "the train step is compiled once more to run (on CPU the loop's compiles are LLVM level 0)"
+                )
+                print(chosen.table() + "\n" + chosen.describe() + f"; {reuse}", file=sys.stderr)
             if trainer.xla_options:  # GPUs: the options the gradient plan chose
                 print(describe_xla_options(trainer.xla_options), file=sys.stderr)
             if c.train.grad_sync == "per_block":
@@ -282,6 +287,7 @@ def _verify_remat(cfg) -> None:
     choice = verified_remat(cfg.replace(**{"train.remat": "auto"}), devices[:used])
     print(choice.table())
     print(choice.describe())
+    print(choice.applied())
 
 
 def cmd_pipeline(args) -> int:

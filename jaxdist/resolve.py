@@ -84,7 +84,7 @@ def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, le
     mesh uses): the fastest candidate whose compiled train step peaks within ``train.memory_budget_bytes``.
 
     ``compile_peak(config) -> CompiledPeak`` (default :func:`jaxdist.train.aot.compiled_peak` on
-    ``devices``); the working-space ratio the compiles show is stored for the device kind when ``learn``.
+    ``devices``); the working-space ratios the compiles show are stored for the device kind when ``learn``.
     """
     compile_peak = compile_peak or (lambda cfg: compiled_peak(cfg, devices))
     cluster = load_cluster(config.mesh.cluster)
@@ -94,8 +94,9 @@ def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, le
     fixed = b["parameters"] + b["gradients"] + b["optimizer"]
     reference = b["working"] - HEADROOM * b["memory"]  # logits and one block's backward values, no headroom
     kind, key = devices[0].device_kind, setting_key(config, sizes)
-    ratio, _ = load_working(kind, key)
-    model = PeakModel(fixed, reference, ratio)
+    known = load_working(kind, key)
+    ratio = known.ratio
+    model = PeakModel(fixed, reference, ratio, known.low, known.high)
     t = config.train
     budget = memory_budget(t.memory_budget_bytes, cluster.memory_bytes)
     first = budget - fixed - ratio * reference  # the activation budget the prediction leaves
@@ -103,12 +104,17 @@ def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, le
         plan_remat(profile, t.remat_budget_bytes, slack_share=t.remat_slack)
     pool = candidates(profile, [first, t.remat_budget_bytes], slack_share=t.remat_slack)
 
+    runnable = {}  # candidate -> its program, where compiled as the run will run it (off CPU)
+
     def compile_candidate(c):
         cfg = dataclasses.replace(config, train=config.train.with_remat_plan(c))
         p = compile_peak(cfg)
+        if getattr(p, "runnable", None) is not None:
+            runnable[id(c)] = p.runnable
         return p.peak_bytes, p.flops, p.seconds
 
     choice = choose(pool, budget, model, compile_candidate, activation_cap=t.remat_budget_bytes or None)
+    choice = dataclasses.replace(choice, runnable=runnable.get(id(choice.chosen)))  # the Trainer runs it
     if learn:
-        record_working(kind, key, choice.learned_ratio)
+        record_working(kind, key, choice.seen_ratios)
     return choice

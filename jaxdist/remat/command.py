@@ -106,10 +106,15 @@ def run_remat(
         ]
     )
     same = plan.names_equivalent
-    print(
-        f"\ntrain.remat=auto{settings} applies this plan"
-        + (f", the same as train.remat={same}" if same else ": no list of checkpoint names saves the same values")
-        + f"; it is {plan.gap_to_optimum()}",
-        file=out,
-    )
+    names = f"the same as train.remat={same}" if same else "no list of checkpoint names saves the same values"
+    if t.remat_verify:  # the closed loop below decides: this plan is one of its candidates, not its answer
+        print(
+            f"\nthe selector's plan for {format_bytes(budget_bytes)} of saved activations ({names}) is "
+            f"{plan.gap_to_optimum()}; train.remat=auto{settings} does not apply it as such: it compiles the "
+            "best candidates against train.memory_budget_bytes (below) and applies the one chosen there "
+            "(train.remat_verify=false would apply this plan)",
+            file=out,
+        )
+    else:
+        print(f"\ntrain.remat=auto{settings} applies this plan ({names}); it is {plan.gap_to_optimum()}", file=out)
     return 0

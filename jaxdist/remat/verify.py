@@ -11,23 +11,24 @@ with the policy, so the answer is closed by compiling:
    ``jaxdist remat`` prints), each with its predicted saved activations and recompute FLOPs; duplicates
    (the same saved set) and points another candidate beats on both are dropped.
 2. **Prediction** (:class:`PeakModel`): peak = parameters + gradients + optimizer state (exact arithmetic)
-   + saved activations (the profile) + working space, the last a learned multiple (``ratio``) of a
-   reference (three float32 logits of a microbatch and twice the values one block's backward pass reads).
-   The ratio is what compiles teach: it is kept per device kind in the calibration cache
-   (:mod:`jaxdist.planner.verify`) and reused by the next selection.
-3. **The loop** (:func:`choose`): take the least-recompute candidate predicted to fit, compile it (an
-   injected function, so this module stays pure), correct the prediction by what the compile showed, and
-   try again: a leaner candidate when it did not fit (predicted with that compile's working space), a faster
-   one once one fits (predicted with the least working space seen, never one leaner than a candidate that
-   overflowed is skipped for it).  At most
-   ``max_compiles`` compiles in the normal course; if none of them fit, leaner candidates are compiled
-   until one does (or none is left: ConfigError with the least peak seen).  The result is a
-   :class:`VerifiedChoice`: the chosen candidate, every trial (predicted vs compiled), the time spent.
+   + saved activations (the profile) + working space, the last a learned multiple (``ratio``, within a
+   learned range ``low``..``high``) of a reference (three float32 logits of a microbatch and twice the
+   values one block's backward pass reads).  The ratios are what compiles teach: they are kept per device
+   kind in the calibration cache (:mod:`jaxdist.planner.verify`) and reused by the next selection.
+3. **The loop** (:func:`choose`): compile (an injected function, so this module stays pure) the
+   least-recompute candidate predicted to fit, then, once one fits, the candidate with the largest expected
+   gain: FLOPs below the best fit (predicted: the compiles' base plus predicted recompute) times the share
+   of the working-space range at which it would fit.  The range, not one number, is what matters: XLA's
+   working space moves by ~25 % between the policies of one setting (75-137 MiB on the issue's setting),
+   as much as the saved bytes of neighbouring candidates differ, so the fastest fit is often one predicted
+   over budget at the middle ratio.  At most ``max_compiles`` compiles in the normal course; if none of
+   them fit, leaner candidates are compiled until one does (or none is left: ConfigError with the least
+   peak seen).  The result is a :class:`VerifiedChoice`: the chosen candidate, every trial (predicted vs
+   compiled), the time spent.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -43,6 +44,14 @@ from jaxdist.remat.profile import BlockProfile
 MAX_COMPILES = 3
 # Selector plans at this many activation budgets spread over the range join the candidates.
 PLAN_BUDGETS = 12
+# A compile is not spent to gain less than this share of the step FLOPs (XLA's count of programs saving
+# nearly the same values moves by about this much).
+FLOP_TOLERANCE = 0.005
+# The working-space range the compiles showed is widened by this share at each end for the candidates not
+# compiled: one setting's policies spread further than the few compiled ones show.
+RANGE_MARGIN = 0.1
+# The working-space range, as shares of the model's ratio, when none is given (jaxdist.planner.verify's).
+DEFAULT_SHARES = (0.5, 2.0)
 
 
 @dataclass(frozen=True)
@@ -124,15 +133,31 @@ def candidates(
 @dataclass(frozen=True)
 class PeakModel:
     """Predicted compiled peak per device: ``fixed`` (parameters, gradients, optimizer state, bytes) + saved
-    activations + ``ratio`` x ``reference`` (working space, bytes)."""
+    activations + ``ratio`` x ``reference`` (working space, bytes); ``low`` and ``high``: the range of ratios
+    the candidates of this setting may show (XLA's working space moves with the policy: ~25 % either way
+    here), default ``DEFAULT_SHARES`` times ``ratio``."""
 
     fixed: float
     reference: float
     ratio: float
+    low: float | None = None
+    high: float | None = None
 
-    def peak(self, activation_bytes: float) -> float:
-        """Predicted peak (bytes per device) of a candidate saving ``activation_bytes``."""
-        return self.fixed + activation_bytes + self.ratio * self.reference
+    @property
+    def ratio_range(self) -> tuple[float, float]:
+        """(least, largest) working-space ratio a candidate not compiled yet may show."""
+        lo = self.low if self.low is not None else DEFAULT_SHARES[0] * self.ratio
+        hi = self.high if self.high is not None else DEFAULT_SHARES[1] * self.ratio
+        return min(lo, hi), max(lo, hi)
+
+    def peak(self, activation_bytes: float, ratio: float | None = None) -> float:
+        """Predicted peak (bytes per device) of a candidate saving ``activation_bytes`` (at ``ratio``, default
+        the model's)."""
+        return self.fixed + activation_bytes + (self.ratio if ratio is None else ratio) * self.reference
+
+    def room(self, activation_bytes: float, budget_bytes: float) -> float:
+        """The largest working-space ratio at which that candidate's peak is within ``budget_bytes``."""
+        return (budget_bytes - self.fixed - activation_bytes) / max(self.reference, 1.0)
 
     def observed_ratio(self, activation_bytes: float, compiled_peak: float) -> float:
         """The working-space ratio a compile of peak ``compiled_peak`` shows for that candidate."""
@@ -160,7 +185,15 @@ class VerifiedChoice:
     trials: tuple[Trial, ...]
     budget_bytes: float
     model: PeakModel
-    learned_ratio: float  # the working-space ratio these compiles show (mean of the trials)
+    seen_ratios: tuple[float, ...]  # the working-space ratio each compile showed (what the store learns)
+    # The chosen candidate's train step compiled as the run will run it (jaxdist.train.aot.RunnableStep: off
+    # CPU), which the Trainer then runs instead of compiling again; None on CPU (compiled at LLVM level 0).
+    runnable: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def learned_ratio(self) -> float:
+        """The working-space ratio these compiles show (their median)."""
+        return float(np.median(self.seen_ratios))
 
     @property
     def plan(self) -> RematPlan | None:
@@ -193,6 +226,17 @@ class VerifiedChoice:
             f"{format_bytes(self.budget_bytes)} budget; {len(self.trials)} compile(s) in {self.compile_seconds:.1f} s"
         )
 
+    def applied(self) -> str:
+        """One line: what ``train.remat=auto`` applies (the chosen candidate, as a ``train.remat`` value when
+        one says it)."""
+        plan = self.plan
+        if plan is None:
+            return f"train.remat=auto applies {self.chosen.name}, the same as train.remat={self.chosen.spec}"
+        same = plan.names_equivalent
+        return f"train.remat=auto applies the selector's plan saving {format_bytes(plan.activation_bytes)}" + (
+            f", the same as train.remat={same}" if same else " (no list of checkpoint names saves the same values)"
+        )
+
     def table(self) -> str:
         """Every compiled trial: candidate, predicted and compiled peak, FLOPs, whether it fits."""
         rows = [f"{'compiled candidate':<36} {'predicted':>11} {'compiled':>11} {'error':>7} {'GFLOP':>8}  fits"]
@@ -213,12 +257,21 @@ def choose(
     max_compiles: int = MAX_COMPILES,
     activation_cap: float | None = None,
 ) -> VerifiedChoice:
-    """The least-recompute candidate of ``pool`` whose compiled peak is at most ``budget_bytes``.
+    """The fewest-FLOPs candidate of ``pool`` found whose compiled peak is at most ``budget_bytes``.
 
-    ``compile_peak(candidate) -> (peak bytes, FLOPs or None, seconds)``.  After each compile the working
-    space is corrected by what it showed (the latest compile's ratio).  ``activation_cap``
-    (``train.remat_budget_bytes``) also bounds the predicted saved activations.  Raises ConfigError when
-    no candidate compiles within the budget.
+    ``compile_peak(candidate) -> (peak bytes, FLOPs or None, seconds)``.  Step FLOPs of a candidate not
+    compiled are predicted as a base (compiled FLOPs less predicted recompute, from the compiles so far)
+    plus its predicted recompute; its peak as ``model`` says, the working-space ratio unknown within a range
+    (:meth:`PeakModel.ratio_range` and every ratio compiled, widened by :data:`RANGE_MARGIN`).
+
+    * No fit yet: compile the least-recompute candidate predicted to fit at the model's ratio (after a
+      compile that overflowed, at the largest ratio seen); none predicted to fit: the leanest not compiled.
+    * A fit: compile the candidate with the largest expected gain, (FLOPs below the best fit's) x (the share
+      of the ratio range at which it fits), counting only gains above :data:`FLOP_TOLERANCE`; stop when none
+      is left or ``max_compiles`` are spent.
+
+    ``activation_cap`` (``train.remat_budget_bytes``) also bounds the predicted saved activations.  Raises
+    ConfigError when no candidate compiles within the budget.
     """
     pool = [c for c in pool if activation_cap is None or c.activation_bytes <= activation_cap]
     if not pool:
@@ -229,43 +282,72 @@ def choose(
         )
     pool = sorted(pool, key=lambda c: (c.recompute_flops, c.activation_bytes))
     trials: list[Trial] = []
-    ratio = model.ratio
-    best: Trial | None = None
-
-    def rank(t: Trial) -> tuple[float, float]:
-        return (t.flops if t.flops is not None else t.candidate.recompute_flops, t.compiled)
-
     while True:
-        m = PeakModel(model.fixed, model.reference, ratio)
-        tried = {id(t.candidate) for t in trials}
-        leanest = min((t.candidate.activation_bytes for t in trials if not t.fits), default=math.inf)
-        todo = [c for c in pool if id(c) not in tried and c.activation_bytes < leanest]
-        if best is not None:  # only what could beat the fitting one
-            todo = [c for c in todo if c.recompute_flops < best.candidate.recompute_flops]
-        if len(trials) >= max_compiles and best is not None:
+        seen = [model.observed_ratio(t.candidate.activation_bytes, t.compiled) for t in trials]
+        counted = [t.flops - t.candidate.recompute_flops for t in trials if t.flops is not None]
+        base = float(np.mean(counted)) if counted else 0.0
+
+        def step(c: Candidate, base: float = base) -> float:
+            return base + c.recompute_flops
+
+        def rank(t: Trial, base: float = base) -> float:
+            return t.flops if t.flops is not None else step(t.candidate, base)
+
+        fitting = [t for t in trials if t.fits]
+        best = min(fitting, key=rank, default=None)
+        if best is not None and len(trials) >= max_compiles:
             break  # beyond the target, compile only to repair a loop that has no fit yet
-        fitting = [c for c in todo if m.peak(c.activation_bytes) <= budget_bytes]
-        nxt = fitting[0] if fitting else None
-        if nxt is None and todo:  # none predicted to fit: the leanest left is the best hope (or, with a fit,
-            nxt = min(todo, key=lambda c: c.activation_bytes)  # the nearest faster one: working space varies)
+        tried = {id(t.candidate) for t in trials}
+        todo = [c for c in pool if id(c) not in tried]
+        if best is None:
+            nxt = _first_fit(todo, budget_bytes, model, max(seen) if seen else model.ratio)
+        else:
+            nxt = _probe(todo, budget_bytes, model, seen, rank(best), step)
         if nxt is None:
             break
         peak, flops, secs = compile_peak(nxt)
-        t = Trial(nxt, m.peak(nxt.activation_bytes), float(peak), flops, secs, peak <= budget_bytes)
-        trials.append(t)
-        if t.fits and (best is None or rank(t) < rank(best)):
-            best = t
-        # Without a fit yet, the latest compile's working space; with one, the least seen: what lies between
-        # the fitting candidate and the leanest that overflowed is worth a compile while compiles are left.
-        seen = [model.observed_ratio(x.candidate.activation_bytes, x.compiled) for x in trials]
-        ratio = min(seen) if best is not None else seen[-1]
-    learned = float(np.mean([model.observed_ratio(t.candidate.activation_bytes, t.compiled) for t in trials]))
+        predicted = model.peak(nxt.activation_bytes, float(np.median(seen)) if seen else None)
+        trials.append(Trial(nxt, predicted, float(peak), flops, secs, peak <= budget_bytes))
+    seen = tuple(model.observed_ratio(t.candidate.activation_bytes, t.compiled) for t in trials)
     if best is None:
         least = min(trials, key=lambda t: t.compiled) if trials else None
-        seen = f"; the least compiled peak was {format_bytes(least.compiled)} ({least.candidate.name})" if least else ""
+        where = (
+            f"; the least compiled peak was {format_bytes(least.compiled)} ({least.candidate.name})" if least else ""
+        )
         raise ConfigError(
             f"no remat choice compiles within train.memory_budget_bytes={int(budget_bytes)} "
-            f"({format_bytes(budget_bytes)} per device){seen}: raise the budget, shard more (mesh.fsdp, "
+            f"({format_bytes(budget_bytes)} per device){where}: raise the budget, shard more (mesh.fsdp, "
             "mesh.tensor), or lower train.batch_size or raise train.microbatches."
         )
-    return VerifiedChoice(best.candidate, best, tuple(trials), float(budget_bytes), model, learned)
+    return VerifiedChoice(best.candidate, best, tuple(trials), float(budget_bytes), model, seen)
+
+
+def _first_fit(todo: Sequence[Candidate], budget_bytes: float, model: PeakModel, ratio: float) -> Candidate | None:
+    """No fit yet: the least-recompute candidate predicted to fit at ``ratio``, else the leanest of ``todo``."""
+    fit = [c for c in todo if model.room(c.activation_bytes, budget_bytes) >= ratio]  # todo: by recompute
+    return fit[0] if fit else min(todo, key=lambda c: c.activation_bytes, default=None)
+
+
+def _probe(
+    todo: Sequence[Candidate],
+    budget_bytes: float,
+    model: PeakModel,
+    seen: Sequence[float],
+    best_flops: float,
+    step: Callable[[Candidate], float],
+) -> Candidate | None:
+    """With a fit of ``best_flops``: the candidate of largest expected gain (FLOPs saved x the share of the
+    working-space range at which it fits), or None when no candidate could gain more than the tolerance."""
+    lo, hi = model.ratio_range
+    lo, hi = min(lo, *seen), max(hi, *seen)
+    lo, hi = lo - RANGE_MARGIN * abs(lo), hi + RANGE_MARGIN * abs(hi)
+    width = max(hi - lo, 1e-9)
+    best, value = None, 0.0
+    for c in todo:
+        gain = best_flops - step(c)
+        if gain <= FLOP_TOLERANCE * abs(best_flops):
+            continue
+        share = min(1.0, max(0.0, (model.room(c.activation_bytes, budget_bytes) - lo) / width))
+        if share * gain > value:
+            best, value = c, share * gain
+    return best

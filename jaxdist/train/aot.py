@@ -11,13 +11,16 @@ The program is the Trainer's own train step (:meth:`Trainer.for_compiling`: mesh
 step, no data), lowered against abstract arguments, so nothing is allocated on the devices and nothing runs.
 On CPU the backend's LLVM optimisation level is 0 (the buffer assignment, hence the peak, is the same).
 The devices only give the compiler its target: on CPU the simulated ones; on GPUs the job's own devices
-(``jaxdist train`` resolves on them), which is the topology the step will run on.
+(``jaxdist train`` resolves on them), which is the topology the step will run on.  Off CPU the program is
+compiled with the Trainer's own options, so it is the one the run executes: ``keep`` (the default there)
+hands it back (:class:`RunnableStep`), and the Trainer built from the resolved config runs it instead of
+compiling again.  On CPU the level-0 program is not kept (it runs 2-3x slower): the Trainer compiles its own.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import jax
@@ -25,6 +28,15 @@ import jax
 from jaxdist.config import Config
 from jaxdist.train.programs import executed_flops
 from jaxdist.train.trainer import Trainer
+
+
+@dataclass(frozen=True)
+class RunnableStep:
+    """A train step compiled as the run will run it: the ``jax.stages.Compiled``, its devices and XLA options."""
+
+    executable: Any
+    devices: tuple
+    options: dict
 
 
 @dataclass(frozen=True)
@@ -38,6 +50,7 @@ class CompiledPeak:
     alias_bytes: int
     flops: float | None  # executed FLOPs per device (loop trips multiplied in), None when XLA gives no count
     seconds: float  # lowering and compiling
+    runnable: RunnableStep | None = field(default=None, repr=False, compare=False)  # kept (``keep``) or None
 
 
 def peak_of(compiled: Any) -> tuple[int, int, int, int, int]:
@@ -52,10 +65,12 @@ def peak_of(compiled: Any) -> tuple[int, int, int, int, int]:
     return arg + out + tmp - alias, tmp, arg, out, alias
 
 
-def compiled_peak(config: Config, devices: Sequence[Any] | None = None) -> CompiledPeak:
+def compiled_peak(config: Config, devices: Sequence[Any] | None = None, keep: bool | None = None) -> CompiledPeak:
     """Compile ``config``'s train step for ``devices`` (default: all JAX sees) and read its peak and FLOPs.
 
     ``config`` must be resolved (``train.remat`` not ``auto``, no ``mesh=auto``): its remat is the one compiled.
+    ``keep`` (default: off CPU) compiles with the Trainer's options and returns the program (``runnable``);
+    otherwise CPU compiles at LLVM level 0.
     """
     t0 = time.perf_counter()
     trainer = Trainer.for_compiling(config, list(devices) if devices is not None else jax.devices())
@@ -66,7 +81,10 @@ def compiled_peak(config: Config, devices: Sequence[Any] | None = None) -> Compi
     # XLA:CPU assigns buffers before LLVM runs, so its optimisation level leaves the peak as it is (checked:
     # the same bytes to the byte) and level 0 compiles 2-3x faster; other backends compile as the job will.
     cpu = trainer.devices[0].platform == "cpu"
-    compiled = lowered.compile(compiler_options={"xla_backend_optimization_level": 0} if cpu else None)
+    keep = not cpu if keep is None else keep
+    options = {"xla_backend_optimization_level": 0} if cpu and not keep else dict(trainer.xla_options)
+    compiled = lowered.compile(compiler_options=options or None)
     peak, tmp, arg, out, alias = peak_of(compiled)
     flops = executed_flops(compiled, 1)
-    return CompiledPeak(peak, tmp, arg, out, alias, flops, time.perf_counter() - t0)
+    runnable = RunnableStep(compiled, tuple(trainer.devices), dict(trainer.xla_options)) if keep else None
+    return CompiledPeak(peak, tmp, arg, out, alias, flops, time.perf_counter() - t0, runnable)

@@ -78,15 +78,7 @@ class Trainer:
         c = config
         self.is_main = jax.process_index() == 0
         self.run_dir = c.run_dir
-
-        # The gradient collectives' buckets and issue points (jaxdist comm plan); per_block applies them, and on
-        # GPUs the XLA options below follow them (under either train.grad_sync).
-        dense = not c.model.moe.experts
-        self.comm_plan = (
-            plan_comm(c.model, dict(self.mesh.shape), self.cluster, c.train.grad_bucket_bytes) if dense else None
-        )
-        gpu = self.devices[0].platform == "gpu" and dense
-        self.xla_options = xla_gpu_options(self.comm_plan) if gpu else {}
+        self._build_comm()  # the gradient collectives' plan and the XLA options that follow it
         self._build_model()  # remat policy, abstract sharded model, optimizer, state shardings
         self._build_programs()  # the jitted init, train and eval functions (compiled on first use)
         self._build_data()  # the source, the batch list at its cursor, the eval batches
@@ -98,7 +90,10 @@ class Trainer:
         self.callbacks: list[Callback] = []  # user hooks and callbacks, run after the metrics and the bar
         self.last_eval: tuple[int, float] | None = None  # (step, eval loss) of the latest evaluation in fit
         self.state: dict | None = None
-        self._compiled_step = None  # compiled_train_step()
+        # compiled_train_step(): train.remat=auto's closed loop may have compiled it already, as this run will
+        # (jaxdist.remat.verify.VerifiedChoice.compiled: off CPU, the same program and options)
+        self._compiled_step = self._adopted_step()
+        self.adopted_step = self._compiled_step is not None  # the loop's compile is run, none of its own
         self._hardware_flops: float | None = None  # hardware_flops_per_step()
         self.collectives_hash: str | None = None  # the step's collectives, checked equal in every process by fit
         self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
@@ -118,9 +113,10 @@ class Trainer:
         close).  For compiling the train step ahead of time (:mod:`jaxdist.train.aot`)."""
         self = cls.__new__(cls)
         self._build_parallelism(config, devices)
+        self._build_comm()
         self._build_model()
         self._build_programs()
-        self._compiled_step = None
+        self._compiled_step = self._adopted_step()
         return self
 
     def _build_parallelism(self, config: Config, devices: list | None) -> None:
@@ -141,6 +137,25 @@ class Trainer:
         self.parallelism = Parallelism.build(c, self.devices)
         self.mesh, self.rules = self.parallelism.mesh, self.parallelism.rules
         self.expert_layout = self.parallelism.expert_layout
+
+    def _build_comm(self) -> None:
+        """The gradient collectives' buckets and issue points (jaxdist comm plan); per_block applies them, and on
+        GPUs the XLA options (``xla_options``) follow them (under either train.grad_sync)."""
+        c = self.config
+        dense = not c.model.moe.experts
+        self.comm_plan = (
+            plan_comm(c.model, dict(self.mesh.shape), self.cluster, c.train.grad_bucket_bytes) if dense else None
+        )
+        gpu = self.devices[0].platform == "gpu" and dense
+        self.xla_options = xla_gpu_options(self.comm_plan) if gpu else {}
+
+    def _adopted_step(self):
+        """The train step ``train.remat=auto``'s closed loop compiled as this run runs it (its chosen candidate,
+        for these devices with these options: jaxdist.train.aot.RunnableStep), or None (compiled on first use)."""
+        step = getattr(self.config.train.remat_spec.plan, "runnable", None)
+        if step is None or step.devices != tuple(self.devices) or step.options != self.xla_options:
+            return None
+        return step.executable
 
     def _build_model(self) -> None:
         """The remat policy (``auto``: the plan resolve() selected), the abstract model, optimizer and shardings."""
