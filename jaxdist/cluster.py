@@ -137,6 +137,11 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
     Raises ConfigError for a missing file, invalid TOML, a missing or unknown
     field, a value of the wrong type or a non-positive number.
     """
+    if str(name_or_path).startswith("slurm:"):
+        raise ConfigError(
+            f"mesh.cluster={name_or_path} names a Slurm partition, which only `jaxdist plan` and `jaxdist launch` "
+            "read (launch turns it into the cluster file of the job's allocation): use a cluster file here."
+        )
     p = cluster_path(name_or_path)
     if not p.is_file():
         raise ConfigError(
