@@ -31,7 +31,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cluster",
         help="cluster: a name in meshes/, a TOML path (same as mesh.cluster=...), live, or slurm:PARTITION[@CLUSTER] "
-        "(the partition's free GPUs, figures from the cluster file CLUSTER; controller.standbys and max_nodes apply)",
+        "(the partition's free GPUs, figures from the cluster file CLUSTER; controller.standbys, min_nodes and max_nodes apply)",
     )
     p.add_argument("--busy", help="devices other jobs hold: an allocation TOML file, or a list like 0:*,1:0-3,17")
     p.add_argument("--calibration", help="calibration JSON from `jaxdist calibrate` (default: the saved one, if any)")
@@ -159,6 +159,7 @@ def _plan_on_partition(cfg, seq_len, calibration, axes, exhaustive):
         seq_len=seq_len,
         standbys=cfg.controller.standbys,
         max_nodes=cfg.controller.max_nodes,
+        min_nodes=cfg.controller.min_nodes,
         **kwargs,
     )
     print(view.table() + "\n")

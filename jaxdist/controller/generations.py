@@ -318,6 +318,11 @@ class GenerationLifecycle:
                     self.events.add("waiting_for_nodes", members=s.members, banned=s.banned)
                 return
             self.waiting_since = None
+            standbys = [v.name for v in self._ready_nodes() if v.name not in failed]  # not a node just blamed
+            grown = policy.grown_plan(self.plan, standbys, self.cc.min_nodes, self.max_nodes, self.valid_sizes)
+            if len(grown) > len(self.plan):  # the restart is also the moment to use the standbys beyond the group
+                self.events.add("grow", gen=s.generation + 1, members=grown, before=len(self.plan))
+                self.plan = grown
             self.events.add(
                 "replacement",
                 gen=s.generation + 1,

@@ -75,6 +75,14 @@ def self_check(work_dir: Path, expected_devices: int, device_kind: str) -> dict[
     return out
 
 
+def worker_environ(env: dict[str, str]) -> dict[str, str]:
+    """The agent's environment as its workers get it: without ``SLURM_*`` variables.  The controller gives each
+    worker its rank, process count and coordinator; left in, Slurm's step variables would make JAX detect a
+    one-task Slurm job and pin the process to one GPU (``SLURM_LOCALID``).  ``CUDA_VISIBLE_DEVICES`` (the
+    step's GPUs) and ``SLURMD_NODENAME`` stay."""
+    return {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+
+
 def _die_with_parent() -> None:
     # A node agent that dies takes its workers along, as a host failure would.
     try:
@@ -120,7 +128,7 @@ class NodeAgent:
         assert w is not None
         argv = [sys.executable if a == "{python}" else a for a in w["argv"]]
         env = {
-            **os.environ,
+            **worker_environ(os.environ),
             **w.get("env", {}),
             "JAXDIST_CONTROLLER": self.controller,
             TOKEN_ENV: self.token,

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxdist.cluster import ClusterSpec
-from jaxdist.config import ConfigError, ModelConfig
+from jaxdist.config import MESH_AXES, ConfigError, ModelConfig
+from jaxdist.planner.candidates import remat_choice
 from jaxdist.planner.plan import Plan, PlanError, plan
 from jaxdist.slurm.shape import ShapeChoice, choose_shape
 from jaxdist.slurm.view import PartitionView, cluster_spec
@@ -37,6 +38,17 @@ class FreePlan:
     view: PartitionView
     choice: ShapeChoice
     plan: Plan
+
+    def overrides(self) -> list[str]:
+        """The plan as config overrides for the job (``mesh.data=-1``: the same mesh on the shape, and a valid
+        one on another node count the controller may form)."""
+        s = self.plan.best.strategy
+        out = ["mesh.auto=false", "mesh.data=-1"]
+        out += [f"mesh.{a}={getattr(s, a)}" for a in MESH_AXES if a != "data"]
+        out += [f"train.microbatches={s.microbatches}", f"train.remat={remat_choice(s.remat).train_remat}"]
+        if s.pipeline > 1:
+            out += [f"pipeline.schedule={s.schedule}", f"pipeline.chunks={max(1, s.chunks)}"]
+        return out
 
     def describe(self) -> str:
         """One line: the request and the plan's predicted step."""
@@ -53,12 +65,13 @@ def plan_free(
     seq_len: int | None = None,
     standbys: int = 0,
     max_nodes: int = 0,
+    min_nodes: int = 1,
     **plan_kwargs: Any,
 ) -> FreePlan:
     """Plan ``model`` on the free GPUs of ``view`` (figures per device from ``figures``).
 
-    ``standbys``: nodes asked for beyond the training ones, with as many free GPUs; ``max_nodes`` (0: any)
-    caps the training nodes; ``plan_kwargs`` go to :func:`jaxdist.planner.plan.plan` (calibration, axes,
+    ``standbys``: nodes asked for beyond the training ones, with as many free GPUs; the training nodes are
+    ``min_nodes`` to ``max_nodes`` (0: any); ``plan_kwargs`` go to :func:`jaxdist.planner.plan.plan` (calibration, axes,
     enumerate_all, memory_fraction, ...).  Raises ConfigError when no shape of the free GPUs fits the model.
     """
     plans: dict[tuple[int, int], Plan] = {}
@@ -78,7 +91,9 @@ def plan_free(
 
     totals = {n.name: n.gpus for n in view.nodes}
     try:
-        choice = choose_shape(view.free(), totals, step_time, standbys=standbys, max_nodes=max_nodes)
+        choice = choose_shape(
+            view.free(), totals, step_time, standbys=standbys, max_nodes=max_nodes, min_nodes=min_nodes
+        )
     except ConfigError as e:
         if refusals:  # say why the largest shape of the free GPUs cannot train it
             raise PlanError(f"{e} On the largest shape: {refusals[max(refusals)]}") from None

@@ -15,7 +15,8 @@ the host has; the GPUs are ``gres.conf`` ``File=`` entries that are symlinks to
 ``/dev/null`` (``AutoDetect=off``), so Slurm counts and assigns them
 (``CUDA_VISIBLE_DEVICES``) without any device; ``munged -F`` runs with its key,
 socket and logs in a private directory of mode 0755; the scheduler starts a
-batch job at once (``batch_sched_delay=0,sched_min_interval=0``) and a requeued
+batch job at once (``batch_sched_delay=0,sched_min_interval=0``), looks at the queue every second
+(``sched_interval=1,bf_interval=1``: a job whose begin time passes starts then) and a requeued
 job may start again 5 s later (``cred_expire=5``; 120 s by default).  Every
 state file lives in a fresh directory per cluster.  Jobs run as root.
 """
@@ -166,7 +167,7 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 GresTypes=gpu
 SlurmdParameters=config_overrides
-SchedulerParameters=batch_sched_delay=0,sched_min_interval=0
+SchedulerParameters=batch_sched_delay=0,sched_min_interval=0,sched_interval=1,bf_interval=1
 ReturnToService=2
 SlurmdTimeout={self.slurmd_timeout}
 InactiveLimit=0

@@ -121,18 +121,20 @@ def choose_shape(
     cost: Callable[[int, int], float | None],
     standbys: int = 0,
     max_nodes: int = 0,
+    min_nodes: int = 1,
 ) -> ShapeChoice:
     """The best shape over the free GPUs (see the module docstring).
 
     ``free``/``totals``: node -> free / all GPUs (in Slurm's node order).  ``cost(n, k)``: the figure to
     minimise for ``n`` training nodes of ``k`` GPUs, None when that shape cannot run the job.  ``standbys``
-    more nodes with ``k`` free GPUs each come with every shape; ``max_nodes`` (0: no limit) caps ``n``.
+    more nodes with ``k`` free GPUs each come with every shape; ``n`` is at least ``min_nodes`` and at most
+    ``max_nodes`` (0: no limit).
     Raises ConfigError when no shape can.
     """
     tried = []
     for k in range(1, max(free.values(), default=0) + 1):
         fit = sum(1 for f in free.values() if f >= k)
-        for n in range(1, min(fit - standbys, max_nodes or fit) + 1):
+        for n in range(max(1, min_nodes), min(fit - standbys, max_nodes or fit) + 1):
             c = cost(n, k)
             if c is None:
                 continue
@@ -142,8 +144,9 @@ def choose_shape(
     if not tried:
         raise ConfigError(
             f"no free GPUs fit the job ({sum(free.values())} free: "
-            f"{', '.join(f'{n}:{f}' for n, f in free.items())}; {standbys} standby node(s) asked for): wait for "
-            "GPUs to free up, lower controller.standbys, or change the model, batch or mesh."
+            f"{', '.join(f'{n}:{f}' for n, f in free.items())}; {standbys} standby node(s) and at least "
+            f"{min_nodes} training node(s) asked for): wait for GPUs to free up, lower controller.standbys or "
+            "controller.min_nodes, or change the model, batch or mesh."
         )
     tried.sort(key=Shape.key)
     return ShapeChoice(tried[0], tuple(tried))

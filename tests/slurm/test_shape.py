@@ -51,7 +51,7 @@ def test_choice_is_the_brute_force_optimum(seed):
     free = {n: rng.choice([0, 2, 4, 5, 8, 8]) for n in nodes}
     if not any(free.values()):
         free[nodes[0]] = 8
-    standbys, max_nodes = rng.randint(0, 1), rng.choice([0, 2])
+    standbys, max_nodes, min_nodes = rng.randint(0, 1), rng.choice([0, 2]), rng.choice([1, 1, 2])
     table = {(n, k): rng.choice([None, rng.uniform(1, 2), 1.0]) for n in range(1, 7) for k in range(1, 9)}
 
     def cost(n, k):
@@ -62,16 +62,16 @@ def test_choice_is_the_brute_force_optimum(seed):
         fit = [n for n in nodes if free[n] >= k]
         for count in range(1 + standbys, len(fit) + 1):
             n = count - standbys
-            if (max_nodes and n > max_nodes) or cost(n, k) is None:
+            if (max_nodes and n > max_nodes) or n < min_nodes or cost(n, k) is None:
                 continue
             for chosen in itertools.combinations(fit, count):
                 after = {x: free[x] - (k if x in chosen else 0) for x in nodes}
                 want.append((cost(n, k), tuple(-x for x in leftover(after, totals)), n * k))
     if not want:
         with pytest.raises(ConfigError, match="no free GPUs fit the job"):
-            choose_shape(free, totals, cost, standbys, max_nodes)
+            choose_shape(free, totals, cost, standbys, max_nodes, min_nodes)
         return
-    got = choose_shape(free, totals, cost, standbys, max_nodes)
+    got = choose_shape(free, totals, cost, standbys, max_nodes, min_nodes)
     best = got.best
     assert best.key() == min(want)
     assert len(best.nodes) == best.training + standbys and all(free[n] >= best.gpus_per_node for n in best.nodes)
