@@ -96,8 +96,7 @@ def sbatch_script(
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job_name}",
-        f"#SBATCH --nodes={request.nodes}",
-        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --nodes={request.nodes}",  # no --ntasks-per-node: it would pin a requeued range to its last size
         f"#SBATCH --time={time_limit}",
         f"#SBATCH --output={log}",
         "#SBATCH --open-mode=append",

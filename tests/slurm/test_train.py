@@ -1,29 +1,40 @@
-"""Real JAX training on the live Slurm cluster: 4 nodes x 2 simulated CPU devices, in both launch forms.
+"""Real JAX training on the live Slurm cluster: both launch forms, a requeue, and two jobs sharing the cluster.
 
-* ``printed``: ``jaxdist launch --print ... controller.launcher=slurm | sbatch``, cancelled with ``scancel``
-  after its first checkpoint and resumed with ``scontrol requeue``;
-* ``allocated``: the in-allocation form, ``salloc -N 4 jaxdist launch ... controller.launcher=slurm``,
-  uninterrupted: the reference.
+* ``allocated``: the in-allocation form, ``salloc -N 4 jaxdist launch ... controller.launcher=slurm``, 4 nodes x
+  2 simulated CPU devices, alone on the cluster and uninterrupted: the reference (and ``printed``'s solo run);
+* ``printed``: the same training as ``jaxdist launch --print ... | sbatch`` on ``mesh.cluster=slurm:gpu@cpu-4x2``:
+  Slurm gives it 2 GPUs on each of the 4 nodes (each stands for one CPU device).  After its first checkpoint it
+  is cancelled (``scancel``) and resumed (``scontrol requeue``);
+* ``shared``: submitted while ``printed`` runs, ``mesh=auto`` on the same partition, one node: planned on the
+  GPUs ``printed`` leaves (6 per node), both train at once; ``solo``: its config alone, ``jaxdist train``.
 
-Both train the same batches: the requeued run's final parameters must equal the reference's bit for bit,
-its per-step losses too, and its generations must have trained each batch exactly once.
+``printed``'s final parameters and every loss must equal ``allocated``'s bit for bit, each batch trained once;
+``shared``'s losses must equal its solo run's.
 """
 
 from __future__ import annotations
 
+import os
+import shlex
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
+from jaxdist.cluster import load_cluster
+from jaxdist.config import load_config
 from jaxdist.controller.generations import last_committed_step
 from jaxdist.controller.policy import lineage
 from jaxdist.controller.slurm_job import SlurmJob
 from jaxdist.controller.timeline import generations_trained
+from jaxdist.planner.shared import plan_free
+from jaxdist.slurm.view import NodeGPUs, PartitionView
+from jaxdist.train.metrics import read_metrics
 
-STEPS, EVERY = 12, 4
+STEPS, EVERY = 8, 4
 COMMON = [
     "model=tiny",
-    "mesh.cluster=cpu-4x2",
-    "mesh.fsdp=2",
     "train.batch_size=16",
     "train.seq_len=32",
     "data.max_bytes=300000",
@@ -35,40 +46,70 @@ COMMON = [
     "train.eval_batches=1",
     "train.runs_dir=runs",
     f"train.steps={STEPS}",
-    "controller.min_nodes=4",
-    "controller.max_nodes=4",
     "controller.standbys=0",
 ]
+GROUP = ["mesh.data=4", "mesh.fsdp=2", "controller.min_nodes=4", "controller.max_nodes=4"]
+SHARED = ["mesh.cluster=slurm:gpu@cpu-4x2", "mesh=auto", "controller.max_nodes=1", "train.name=shared"]
 TIMEOUT = 300
+
+
+def _gpus(job) -> dict[str, frozenset[int]]:
+    return job.record().gpus
 
 
 @pytest.fixture(scope="module")
 def jobs(slurm, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("slurm-train")
-    printed = SlurmJob([*COMMON, "train.name=printed"], cwd=cwd)
-    allocated = SlurmJob([*COMMON, "train.name=allocated"], cwd=cwd)
+    allocated = SlurmJob([*COMMON, *GROUP, "mesh.cluster=cpu-4x2", "train.name=allocated"], cwd=cwd)
+    printed = SlurmJob([*COMMON, *GROUP, "mesh.cluster=slurm:gpu@cpu-4x2", "train.name=printed"], cwd=cwd)
+    shared = SlurmJob([*COMMON, *SHARED], cwd=cwd)
+    out = {"allocated": allocated, "printed": printed, "shared": shared}
     try:
-        printed.submit()
-        printed.wait_until(lambda s: s.get("last_step", 0) > EVERY + 1, TIMEOUT, f"step {EVERY + 2}")
+        allocated.run_in_allocation(4)
+        assert allocated.wait(TIMEOUT) == 0, allocated.summary()
+
+        out["printed_script"] = printed.script()
+        printed.submit(out["printed_script"])
+        printed.wait_state(("RUNNING",), TIMEOUT)
+        out["printed_gpus"] = _gpus(printed)
+        out["shared_script"] = shared.script()  # planned now, on what printed leaves
+        shared.submit(out["shared_script"])
+        shared.wait_state(("RUNNING",), TIMEOUT)
+        out["shared_gpus"] = _gpus(shared)
+
+        printed.wait_until(lambda s: s.get("last_step", 0) > EVERY, TIMEOUT, f"step {EVERY + 1}")
         printed.cancel()
         printed.wait_state(("CANCELLED",), TIMEOUT)
-        kept = last_committed_step(printed.run_dir)
+        out["kept"] = last_committed_step(printed.run_dir)
         printed.requeue()
         printed.wait_state(("RUNNING", "COMPLETED"), TIMEOUT)
         assert printed.wait(TIMEOUT) == 0, printed.summary()
-        allocated.run_in_allocation(4)
-        assert allocated.wait(TIMEOUT) == 0, allocated.summary()
+        assert shared.wait(TIMEOUT) == 0, shared.summary()
+
+        # the shared job's config alone: the arguments its batch script runs, in one `jaxdist train`
+        launch = shlex.split(next(l for l in out["shared_script"].splitlines() if l.startswith("exec ")))
+        args = [a for a in launch[5:] if not a.startswith("controller.")] + ["train.name=solo"]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(("JAX_", "SLURM_J"))}
+        solo = subprocess.run(
+            [sys.executable, "-m", "jaxdist.cli", "train", *args],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        assert solo.returncode == 0, solo.stderr[-3000:]
+        out["solo_dir"] = cwd / "runs" / "solo"
     finally:
-        printed.close()
-        allocated.close()
-    return {"printed": printed, "allocated": allocated, "kept": kept}
+        for job in (allocated, printed, shared):
+            job.close()
+    return out
 
 
 def _params(job):
     import jax
 
     from jaxdist.checkpoint import RunCheckpointer
-    from jaxdist.config import load_config
     from jaxdist.train.trainer import Trainer
 
     cfg = load_config(
@@ -83,20 +124,27 @@ def _params(job):
 
 
 def test_both_forms_train_end_to_end(jobs):
-    for name in ("printed", "allocated"):
+    for name in ("allocated", "printed"):
         job = jobs[name]
         assert job.events_of("done")[0]["step"] == STEPS, name
-        starts = job.events_of("start")
-        assert all(sorted(st["members"].values()) == ["n1", "n2", "n3", "n4"] for st in starts), starts
-    firsts = jobs["printed"].events_of("first_step")
-    print(f"\nsbatch to first step {firsts[0]['time'] - jobs['printed'].submitted_at:.1f} s (real JAX, 4 x 2)")
+        assert all(sorted(st["members"].values()) == ["n1", "n2", "n3", "n4"] for st in job.events_of("start"))
+    assert (
+        "#SBATCH --gpus-per-node=2" in jobs["printed_script"]
+        and "#SBATCH --nodelist=n1,n2,n3,n4" in jobs["printed_script"]
+    )
+    assert {n: len(g) for n, g in jobs["printed_gpus"].items()} == {f"n{i}": 2 for i in range(1, 5)}
+    printed = jobs["printed"]
+    print(
+        f"\nsbatch to first step {printed.events_of('first_step')[0]['time'] - printed.submitted_at:.1f} s "
+        f"(real JAX, 4 x 2, setup cached by the in-allocation job)"
+    )
 
 
 def test_requeued_run_trains_each_batch_once_and_equals_the_uninterrupted_one(jobs):
     printed, allocated, kept = jobs["printed"], jobs["allocated"], jobs["kept"]
     segs = list(generations_trained(printed.run_dir).values())
     ref = list(generations_trained(allocated.run_dir).values())
-    assert len(segs) == 2 and len(ref) == 1 and kept >= EVERY
+    assert len(segs) == 2 and len(ref) == 1 and kept == EVERY
     assert printed.events_of("new_allocation") and segs[1][0][0] == kept + 1  # resumed from the checkpoint
     assert lineage([(g[0][0] - 1, g[-1][0]) for g in segs], STEPS) == list(range(STEPS))
     reference = dict(ref[0])
@@ -110,3 +158,18 @@ def test_requeued_run_trains_each_batch_once_and_equals_the_uninterrupted_one(jo
 
     same = jax.tree.leaves(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got, want))
     assert same and all(same), "final parameters differ from the uninterrupted run"
+
+
+def test_a_second_job_is_planned_on_what_the_first_leaves_and_both_train(jobs):
+    printed_gpus, shared_gpus = jobs["printed_gpus"], jobs["shared_gpus"]
+    [(node, mine)] = shared_gpus.items()
+    assert not mine & printed_gpus[node]  # no GPU of the running job
+    # on the 6 free GPUs per node the fastest plan of one node uses 4; on an empty node it would use 8
+    free = PartitionView("gpu", "", tuple(NodeGPUs(f"n{i}", "idle", 8, frozenset()) for i in range(1, 5)))
+    model = load_config(None, [*COMMON, *SHARED[:2]]).model
+    empty = plan_free(model, free, load_cluster("cpu-4x2"), batch_size=16, seq_len=32, max_nodes=1).choice.best
+    assert len(mine) == 4 < empty.gpus_per_node == 8
+    assert "#SBATCH --gpus-per-node=4" in jobs["shared_script"]
+    shared = [(r["step"], r["loss"]) for r in read_metrics(jobs["shared"].run_dir)]
+    solo = [(r["step"], r["loss"]) for r in read_metrics(jobs["solo_dir"])]
+    assert [s for s, _ in shared] == list(range(1, STEPS + 1)) and shared == solo
