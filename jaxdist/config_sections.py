@@ -618,7 +618,8 @@ class ControllerConfig:
         "After a failure: standby (restart the group from warm processes, a standby in the failed rank) or requeue (every process restarted cold, like a requeued job).",
     )
     warm_spares: int = _f(
-        1, "Warm worker processes (JAX imported, data loaded, waiting for a rank) each node agent keeps ready."
+        1,
+        "Warm worker processes (JAX imported, data loaded, waiting for a rank) each node agent keeps ready; 0: one for the start only, none kept warm while training (less CPU and memory on the hosts; a restart starts its processes cold, as after a Slurm requeue).",
     )
     setup_cache: str = _f(
         "",

@@ -154,11 +154,12 @@ class NodeAgent:
         log.info("%s: started worker pid %d", self.node, p.pid)
         return p.pid
 
-    def replenish(self) -> None:
+    def replenish(self, at_least: int = 0) -> None:
+        """Start warm processes up to the job's ``spares`` (at least ``at_least``: a start or restart needs one)."""
         if self.welcome is None:
             return
         live_spares = [p for p in self.procs.values() if p.role == "spare" and p.exit_code is None and not p.killed]
-        for _ in range(int(self.welcome.get("spares", 1)) - len(live_spares)):
+        for _ in range(max(int(self.welcome.get("spares", 1)), at_least) - len(live_spares)):
             self.spawn()
 
     def kill(self, pids: list[int] | None) -> None:
@@ -228,9 +229,9 @@ class NodeAgent:
                 str(msg.get("device_kind", "cpu")),
             )
             if first and self.checks["ok"]:
-                self.replenish()
+                self.replenish(at_least=1)
         elif t == "replenish":
-            self.replenish()
+            self.replenish(int(msg.get("at_least", 0)))
         elif t == "assigned":
             p = self.procs.get(int(msg["pid"]))
             if p is not None:

@@ -72,10 +72,10 @@ def test_one_job_through_a_crash_a_dead_node_scancel_and_a_requeue_that_grows_it
             "controller.min_nodes=2",
             "controller.max_nodes=4",
             "controller.standbys=1",
-            "controller.start_grace=2",  # the start waits 2 s for more nodes: every allocated node joins
+            "controller.start_grace=1",  # the start waits 1 s for more nodes: every allocated node joins
         ),
         cwd=tmp_path,
-        env=stub_env(JAXDIST_STUB_STEP_S="0.1"),
+        env=stub_env(JAXDIST_STUB_STEP_S="0.05"),
     )
     holder = slurm.run(
         [

@@ -32,7 +32,7 @@ from jaxdist.planner.shared import plan_free
 from jaxdist.slurm.view import NodeGPUs, PartitionView
 from jaxdist.train.metrics import read_metrics
 
-STEPS, EVERY = 8, 4
+STEPS, EVERY = 6, 3
 COMMON = [
     "model=tiny",
     "train.batch_size=16",
@@ -47,6 +47,8 @@ COMMON = [
     "train.runs_dir=runs",
     f"train.steps={STEPS}",
     "controller.standbys=0",
+    "controller.warm_spares=0",  # no process warmed beside the training ones: the restart here is Slurm's requeue
+    "controller.heartbeat_timeout=10",  # no failure is injected here: a step slowed by a loaded host is no hang
 ]
 GROUP = ["mesh.data=4", "mesh.fsdp=2", "controller.min_nodes=4", "controller.max_nodes=4"]
 SHARED = ["mesh.cluster=slurm:gpu@cpu-4x2", "mesh=auto", "controller.max_nodes=1", "train.name=shared"]
@@ -64,6 +66,7 @@ def jobs(slurm, tmp_path_factory):
     printed = SlurmJob([*COMMON, *GROUP, "mesh.cluster=slurm:gpu@cpu-4x2", "train.name=printed"], cwd=cwd)
     shared = SlurmJob([*COMMON, *SHARED], cwd=cwd)
     out = {"allocated": allocated, "printed": printed, "shared": shared}
+    solo = None
     try:
         allocated.run_in_allocation(4)
         assert allocated.wait(TIMEOUT) == 0, allocated.summary()
@@ -76,6 +79,19 @@ def jobs(slurm, tmp_path_factory):
         shared.submit(out["shared_script"])
         shared.wait_state(("RUNNING",), TIMEOUT)
         out["shared_gpus"] = _gpus(shared)
+        # the shared job's config alone: the arguments its batch script runs, in one `jaxdist train` (off the
+        # cluster: it shares nothing with the Slurm jobs, so it may run meanwhile)
+        launch = shlex.split(next(l for l in out["shared_script"].splitlines() if l.startswith("exec ")))
+        args = [a for a in launch[5:] if not a.startswith("controller.")] + ["train.name=solo"]
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(("JAX_", "SLURM_J"))}
+        solo = subprocess.Popen(
+            [sys.executable, "-m", "jaxdist.cli", "train", *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
         printed.wait_until(lambda s: s.get("last_step", 0) > EVERY, TIMEOUT, f"step {EVERY + 1}")
         printed.cancel()
@@ -85,24 +101,15 @@ def jobs(slurm, tmp_path_factory):
         printed.wait_state(("RUNNING", "COMPLETED"), TIMEOUT)
         assert printed.wait(TIMEOUT) == 0, printed.summary()
         assert shared.wait(TIMEOUT) == 0, shared.summary()
-
-        # the shared job's config alone: the arguments its batch script runs, in one `jaxdist train`
-        launch = shlex.split(next(l for l in out["shared_script"].splitlines() if l.startswith("exec ")))
-        args = [a for a in launch[5:] if not a.startswith("controller.")] + ["train.name=solo"]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(("JAX_", "SLURM_J"))}
-        solo = subprocess.run(
-            [sys.executable, "-m", "jaxdist.cli", "train", *args],
-            cwd=cwd,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=TIMEOUT,
-        )
-        assert solo.returncode == 0, solo.stderr[-3000:]
+        log, _ = solo.communicate(timeout=TIMEOUT)
+        assert solo.returncode == 0, log[-3000:]
         out["solo_dir"] = cwd / "runs" / "solo"
     finally:
         for job in (allocated, printed, shared):
             job.close()
+        if solo is not None and solo.poll() is None:
+            solo.kill()
+            solo.wait()
     return out
 
 
