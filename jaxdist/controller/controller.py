@@ -77,6 +77,11 @@ def _write_marks(path: Path, marks: dict[str, int]) -> None:
     os.replace(tmp, path)
 
 
+def _agent_report(msg: dict[str, Any]) -> dict[str, Any]:
+    """What a node agent's heartbeat says of its own silence: connection drops and its longest loop stall."""
+    return {k: msg[k] for k in ("reconnects", "stall") if msg.get(k)}
+
+
 def controller_dir(cfg: Config) -> Path:
     """Where a job's controller keeps its token, endpoint, state, events and worker logs."""
     return (cfg.run_dir / "controller").absolute()
@@ -167,7 +172,14 @@ class Controller(GenerationLifecycle, HealthActions):
             self.events.add("node_registered", node=name)
         if v.lost:
             v.lost = False
-            self.events.add("node_back", node=name)
+            self.events.add("node_back", node=name, silent_s=round(now - v.last_heartbeat, 2))
+        elif v.agent_silent_at is not None:
+            self.events.add("agent_back", node=name, silent_s=round(now - v.agent_silent_at, 2), **_agent_report(msg))
+            v.agent_silent_at = None
+        stall = msg.get("stall")  # resent for a while: one event per stall
+        if stall and stall.get("at") != v.stall_at and float(stall.get("s", 0)) > self.cc.heartbeat_timeout:
+            v.stall_at = stall.get("at")
+            self.events.add("agent_stall", node=name, seconds=stall.get("s"), doing=stall.get("in"))
         v.last_heartbeat, v.host, v.checks = now, str(msg.get("host", "")), dict(msg.get("checks", {}))
         v.probe, v.free_port, v.procs = str(msg.get("probe", "")), int(msg.get("free_port", 0)), list(msg["procs"])
         if not msg.get("welcomed"):
@@ -341,6 +353,14 @@ class Controller(GenerationLifecycle, HealthActions):
 
     # ------------------------------------------------------------------ views
 
+    def _heard_workers(self, node: str, now: float) -> list[int]:
+        """Pids of the live worker processes on ``node`` heard within ``heartbeat_timeout``."""
+        return sorted(
+            w.pid
+            for w in self.workers.values()
+            if w.node == node and w.exit_code is None and now - w.last_heartbeat <= self.cc.heartbeat_timeout
+        )
+
     def _live_nodes(self) -> list[NodeView]:
         return [v for v in self.nodes.values() if not v.lost]
 
@@ -377,9 +397,19 @@ class Controller(GenerationLifecycle, HealthActions):
 
     def tick(self, now: float) -> None:
         for v in self._live_nodes():
-            if now - v.last_heartbeat > 2 * self.cc.heartbeat_timeout:
-                v.lost, v.ready_at, v.link_ok = True, None, False
-                self.events.add("node_lost", node=v.name)
+            silent = now - v.last_heartbeat
+            if silent <= 2 * self.cc.heartbeat_timeout:
+                continue
+            heard = self._heard_workers(v.name, now)
+            if heard:
+                # The host works: its workers' heartbeats arrive. Only the agent's messages do not (a stalled
+                # agent loop, a dropped connection): say so, but do not take a live node for a lost one.
+                if v.agent_silent_at is None:
+                    v.agent_silent_at = v.last_heartbeat
+                    self.events.add("agent_silent", node=v.name, silent_s=round(silent, 2), workers=heard)
+                continue
+            v.lost, v.ready_at, v.link_ok = True, None, False
+            self.events.add("node_lost", node=v.name, silent_s=round(silent, 2))
         if self.attaching:
             if now - self.t0 < 2 * self.cc.heartbeat_timeout + 1.0:
                 return  # collect heartbeats of the running job before judging it

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import ctypes
 import logging
 import os
 import shutil
@@ -31,12 +30,15 @@ from pathlib import Path
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from jaxdist.controller.protocol import TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client, free_port
 
 log = logging.getLogger("jaxdist.controller.node")
 
 PROBE_TIMEOUT_S = 5  # a peer that does not answer a ping within this many seconds is unreachable
+STALL_S = 1.0  # a loop turn longer than this (and than 4 heartbeat intervals) is reported as a stall
+STALL_KEEP_S = 30.0  # the worst recent stall rides on the heartbeats this long (a heartbeat may be lost)
 
 
 @dataclass
@@ -83,12 +85,23 @@ def worker_environ(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith("SLURM_")}
 
 
-def _die_with_parent() -> None:
-    # A node agent that dies takes its workers along, as a host failure would.
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+# A node agent that dies takes its workers along, as a host failure would: each worker is started through this
+# tether, which asks the kernel to SIGKILL it when its parent (the agent) dies, checks the agent is still its
+# parent (it may have died first), then becomes the worker (exec: same pid). Not subprocess's preexec_fn: that
+# runs Python between fork and exec in a process with threads (ZeroMQ's, the probe's), which Python documents as
+# able to deadlock the child -- and the agent's Popen, waiting for the exec, with it.
+TETHER = (
+    "import ctypes,os,signal,sys\n"
+    "try: ctypes.CDLL(None,use_errno=True).prctl(1,signal.SIGKILL)\n"  # PR_SET_PDEATHSIG
+    "except (OSError,AttributeError): pass\n"
+    "if os.getppid()!=int(sys.argv[1]): sys.exit(75)\n"
+    "os.execvp(sys.argv[2],sys.argv[2:])"
+)
+
+
+def tethered(argv: list[str]) -> list[str]:
+    """``argv`` run so that the process dies with this one (see TETHER)."""
+    return [sys.executable, "-I", "-S", "-c", TETHER, str(os.getpid()), *argv]
 
 
 class NodeAgent:
@@ -120,6 +133,12 @@ class NodeAgent:
         self.last_contact = time.monotonic()
         self.probe_result: dict[str, Any] | None = None
         self.running = True
+        # Why an agent falls silent, told by the agent once it speaks again: its loop stalled (in what), or its
+        # connection to the controller dropped (ZeroMQ's own heartbeats timed out) and was made again.
+        self.doing = "start"
+        self.stall: dict[str, Any] | None = None
+        self.reconnects = 0
+        self.monitor = self.peer.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     # ------------------------------------------------------------------ processes
 
@@ -141,12 +160,11 @@ class NodeAgent:
         logs.mkdir(parents=True, exist_ok=True)
         out = open(logs / f"{self.node}.{time.strftime('%H%M%S')}.{len(self.procs)}.log", "w")
         p = subprocess.Popen(
-            argv,
+            tethered(argv),
             cwd=w.get("cwd") or None,
             env=env,
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
             start_new_session=True,
         )
         out.close()
@@ -211,8 +229,12 @@ class NodeAgent:
                 "free_port": free_port(self.host),
                 "procs": procs,
                 "welcomed": self.welcome is not None,
+                "reconnects": self.reconnects,
+                **({"stall": self.stall} if self.stall else {}),
             }
         )
+        if self.stall and time.time() - self.stall["at"] > STALL_KEEP_S:
+            self.stall = None
         if self.probe_result is not None:
             self.peer.send({"t": "probe_result", "node": self.node, **self.probe_result})
             self.probe_result = None
@@ -263,6 +285,26 @@ class NodeAgent:
             s.close(0)
         self.probe_result = {"rtt": rtt}
 
+    def _note_stall(self, turn_s: float) -> None:
+        """Keep (and log) a loop turn of ``turn_s`` seconds that kept the heartbeats from leaving."""
+        if turn_s <= max(STALL_S, 4 * self.interval):
+            return
+        log.warning(
+            "%s: the agent loop stalled %.1f s while %s (no heartbeat left meanwhile)", self.node, turn_s, self.doing
+        )
+        if self.stall is None or turn_s >= self.stall["s"] or time.time() - self.stall["at"] > STALL_KEEP_S:
+            self.stall = {"s": round(turn_s, 2), "in": self.doing, "at": time.time()}
+
+    def _on_monitor(self) -> None:
+        ev = recv_monitor_message(self.monitor)
+        if ev["event"] == zmq.EVENT_DISCONNECTED:
+            self.reconnects += 1
+            log.warning(
+                "%s: the connection to the controller dropped (%d so far); ZeroMQ reconnects",
+                self.node,
+                self.reconnects,
+            )
+
     def answer_probe(self) -> None:
         frames = self.probe_sock.recv_multipart()
         msg = self.probe_verifier.check(frames[1:], peer="probe")
@@ -278,20 +320,30 @@ class NodeAgent:
         poller = zmq.Poller()
         poller.register(self.peer.sock, zmq.POLLIN)
         poller.register(self.probe_sock, zmq.POLLIN)
-        next_beat = 0.0
+        poller.register(self.monitor, zmq.POLLIN)
+        next_beat, turn = 0.0, time.monotonic()
         try:
             while self.running:
                 now = time.monotonic()
+                self._note_stall(now - turn)
+                turn = now
                 if now >= next_beat:
+                    self.doing = "heartbeat"
                     self.heartbeat()
                     next_beat = now + self.interval
+                self.doing = "poll"
                 events = dict(poller.poll(50))
+                if self.monitor in events:
+                    self._on_monitor()
                 if self.peer.sock in events:
                     msg = self.peer.verifier.check(self.peer.sock.recv_multipart(), peer="controller")
                     if msg is not None:
+                        self.doing = f"handling '{msg.get('t')}'"
                         self.handle(msg)
                 if self.probe_sock in events:
+                    self.doing = "answering a probe"
                     self.answer_probe()
+                self.doing = "reaping"
                 self.reap()
                 training = any(p.role == "active" and p.exit_code is None for p in self.procs.values())
                 if not training and time.monotonic() - self.last_contact > self.orphan_timeout:
@@ -308,6 +360,8 @@ class NodeAgent:
             self.heartbeat()
             time.sleep(0.05)
             self.probe_sock.close(0)
+            self.peer.sock.disable_monitor()
+            self.monitor.close(0)
             self.probe_gate.stop()
             self.peer.close()
         return 0

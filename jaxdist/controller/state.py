@@ -158,6 +158,8 @@ class NodeView:
     probing: bool = False
     ready_at: float | None = None
     lost: bool = False
+    agent_silent_at: float | None = None  # the agent fell silent while the node's workers were still heard
+    stall_at: float | None = None  # the agent's last reported loop stall (its wall clock), to report each once
 
 
 @dataclass

@@ -397,3 +397,37 @@ def test_a_worker_that_stops_on_nonsense_ends_the_job_instead_of_restarting_it(t
     assert len(events_of(job, "start")) == 1 and not events_of(job, "failure")
     why = events_of(job, "gave_up")[0]["why"]
     assert "stopped with exit code 2" in why and "resumes from its newest checkpoint" in why, why
+
+
+def test_a_silent_agent_whose_workers_train_is_not_a_lost_node(tmp_path):
+    """Reliability edge 10: a node agent that falls silent (here: SIGSTOPped for 3x the lost-node limit)
+    while its worker trains is not a lost node (the host works: its worker's heartbeats arrive). The
+    controller says ``agent_silent``, then ``agent_back`` with what the agent tells of its silence (its loop
+    stalled, its connection dropped), and the job goes on in its first generation, exactly once."""
+    steps = 120
+    job = LocalJob(
+        stub_args("silent-agent", steps, "controller.min_nodes=4", "controller.max_nodes=4"),
+        nodes=4,
+        cwd=tmp_path,
+        env={"JAXDIST_STUB_STEP_S": "0.1"},
+    )
+    try:
+        job.start()
+        job.wait_until(lambda s: s.get("last_step", 0) >= 10 and s["phase"] == "running", 90, "training")
+        node = job.state()["members"]["2"]
+        agent = job.launcher.procs[node].pid
+        os.kill(agent, signal.SIGSTOP)
+        time.sleep(6 * job.cfg.controller.heartbeat_timeout)
+        os.kill(agent, signal.SIGCONT)
+        job.wait_until(lambda s: events_of(job, "agent_back"), 60, "the agent back", need_state=False)
+        assert job.wait(120) == 0, job.summary()
+    finally:
+        job.close()
+    assert not events_of(job, "node_lost"), events_of(job, "node_lost")
+    (silent,), (back,) = events_of(job, "agent_silent"), events_of(job, "agent_back")
+    assert silent["node"] == back["node"] == node and int(job.state()["pids"]["2"]) in silent["workers"]
+    assert back["silent_s"] >= 4 * job.cfg.controller.heartbeat_timeout
+    (stall,) = [e for e in events_of(job, "agent_stall") if e["node"] == node]
+    assert stall["seconds"] >= 4 * job.cfg.controller.heartbeat_timeout
+    assert {e["gen"] for e in events_of(job, "start")} == {0} and not events_of(job, "failure")
+    assert final_state(job) == expected_final(steps)
