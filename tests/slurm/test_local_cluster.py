@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from jaxdist.slurm.parse import SINFO_FORMAT, parse_jobs, parse_nodes, parse_sinfo
+
 from .conftest import GPUS_PER_NODE, NODES
 
 
@@ -39,6 +41,20 @@ def test_a_batch_job_runs_and_its_gpus_are_accounted(slurm, tmp_path):
         assert "Nodes=n[2-3] CPU_IDs=0 Mem=0 GRES=gpu:3(IDX:0-2)" in detail, detail
         total = slurm.run(["sinfo", "-h", "-N", "-O", "Gres:30"]).split()
         assert total == [f"gpu:{GPUS_PER_NODE}"] * NODES
+        # the parsers on the live text (captured copies: test_parse.py)
+        nodes = {n.name: n for n in parse_nodes(slurm.run(["scontrol", "show", "node", "-d"]))}
+        assert {n: (r.addr, r.gpus, r.gpus_used, r.usable) for n, r in nodes.items()} == {
+            f"n{i}": ("127.0.0.1", GPUS_PER_NODE, 3 if i in (2, 3) else 0, True) for i in range(1, NODES + 1)
+        }
+        (record,) = [j for j in parse_jobs(detail) if j.job_id == job]
+        assert record.nodes == ("n2", "n3") and record.gpus == {"n2": frozenset({0, 1, 2}), "n3": frozenset({0, 1, 2})}
+        rows = parse_sinfo(slurm.run(["sinfo", "-h", "-N", "-O", SINFO_FORMAT]))
+        assert [(r.node, r.state, r.gpus_used) for r in rows] == [
+            ("n1", "idle", 0),
+            ("n2", "mixed", 3),
+            ("n3", "mixed", 3),
+            ("n4", "idle", 0),
+        ]
     finally:
         (tmp_path / "release").touch()
     wait_for(lambda: not slurm.run(["squeue", "-h", "-j", job]).strip(), 60, "the job to end")
