@@ -1,7 +1,9 @@
 """Real JAX training on the live Slurm cluster: both launch forms, a requeue, and two jobs sharing the cluster.
 
-* ``allocated``: the in-allocation form, ``salloc -N 4 jaxdist launch ... controller.launcher=slurm``, 4 nodes x
-  2 simulated CPU devices, alone on the cluster and uninterrupted: the reference (and ``printed``'s solo run);
+* ``allocated``: the in-allocation form, ``salloc -N 4 --gpus-per-node=2 jaxdist launch ...
+  controller.launcher=slurm`` on ``mesh.cluster=slurm:gpu@cpu-4x2`` (the allocation's cluster file: 4 nodes x 2
+  GPUs, each standing for one simulated CPU device), alone on the cluster and uninterrupted: the reference (and
+  ``printed``'s solo run);
 * ``printed``: the same training as ``jaxdist launch --print ... | sbatch`` on ``mesh.cluster=slurm:gpu@cpu-4x2``:
   Slurm gives it 2 GPUs on each of the 4 nodes (each stands for one CPU device).  After its first checkpoint it
   is cancelled (``scancel``) and resumed (``scontrol requeue``);
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -55,6 +58,11 @@ SHARED = ["mesh.cluster=slurm:gpu@cpu-4x2", "mesh=auto", "controller.max_nodes=1
 TIMEOUT = 300
 
 
+def shared_key(job) -> str:
+    """The setup cache key of the job's first generation."""
+    return job.events_of("start")[0]["setup_key"]
+
+
 def _gpus(job) -> dict[str, frozenset[int]]:
     return job.record().gpus
 
@@ -62,13 +70,13 @@ def _gpus(job) -> dict[str, frozenset[int]]:
 @pytest.fixture(scope="module")
 def jobs(slurm, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("slurm-train")
-    allocated = SlurmJob([*COMMON, *GROUP, "mesh.cluster=cpu-4x2", "train.name=allocated"], cwd=cwd)
+    allocated = SlurmJob([*COMMON, *GROUP, "mesh.cluster=slurm:gpu@cpu-4x2", "train.name=allocated"], cwd=cwd)
     printed = SlurmJob([*COMMON, *GROUP, "mesh.cluster=slurm:gpu@cpu-4x2", "train.name=printed"], cwd=cwd)
     shared = SlurmJob([*COMMON, *SHARED], cwd=cwd)
     out = {"allocated": allocated, "printed": printed, "shared": shared}
     solo = None
     try:
-        allocated.run_in_allocation(4)
+        allocated.run_in_allocation(4, "--gpus-per-node=2")
         assert allocated.wait(TIMEOUT) == 0, allocated.summary()
 
         out["printed_script"] = printed.script()
@@ -79,19 +87,10 @@ def jobs(slurm, tmp_path_factory):
         shared.submit(out["shared_script"])
         shared.wait_state(("RUNNING",), TIMEOUT)
         out["shared_gpus"] = _gpus(shared)
-        # the shared job's config alone: the arguments its batch script runs, in one `jaxdist train` (off the
-        # cluster: it shares nothing with the Slurm jobs, so it may run meanwhile)
+        # the shared job's config alone: the arguments its batch script runs, in one `jaxdist train` off the
+        # cluster, once the shared job is done (with its compiled programs: the same executables)
         launch = shlex.split(next(l for l in out["shared_script"].splitlines() if l.startswith("exec ")))
-        args = [a for a in launch[5:] if not a.startswith("controller.")] + ["train.name=solo"]
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(("JAX_", "SLURM_J"))}
-        solo = subprocess.Popen(
-            [sys.executable, "-m", "jaxdist.cli", "train", *args],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        solo_args = [a for a in launch[5:] if not a.startswith("controller.")] + ["train.name=solo"]
 
         printed.wait_until(lambda s: s.get("last_step", 0) > EVERY, TIMEOUT, f"step {EVERY + 1}")
         printed.cancel()
@@ -99,8 +98,25 @@ def jobs(slurm, tmp_path_factory):
         out["kept"] = last_committed_step(printed.run_dir)
         printed.requeue()
         printed.wait_state(("RUNNING", "COMPLETED"), TIMEOUT)
-        assert printed.wait(TIMEOUT) == 0, printed.summary()
         assert shared.wait(TIMEOUT) == 0, shared.summary()
+        entry = json.loads(
+            next((cwd / "runs" / ".setup_cache" / "layout").glob(f"{shared_key(shared)}*/*.json")).read_text()
+        )
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(("JAX_", "SLURM_J"))}
+        env.update(
+            JAX_COMPILATION_CACHE_DIR=entry["compile_cache"],
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
+        solo = subprocess.Popen(
+            [sys.executable, "-m", "jaxdist.cli", "train", *solo_args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        assert printed.wait(TIMEOUT) == 0, printed.summary()
         log, _ = solo.communicate(timeout=TIMEOUT)
         assert solo.returncode == 0, log[-3000:]
         out["solo_dir"] = cwd / "runs" / "solo"
@@ -131,6 +147,8 @@ def _params(job):
 
 
 def test_both_forms_train_end_to_end(jobs):
+    cluster = (jobs["allocated"].dir / "cluster.toml").read_text()  # written inside the allocation
+    assert "nodes = 4\ndevices_per_node = 2\n" in cluster and 'device_kind = "cpu"' in cluster
     for name in ("allocated", "printed"):
         job = jobs[name]
         assert job.events_of("done")[0]["step"] == STEPS, name
