@@ -72,8 +72,8 @@ def job_args(name: str, worker: str) -> list[str]:
     ]
 
 
-def measure(job, submitted_at: float, kill_node, spare: str = "") -> dict[str, float]:
-    """Drive a started job through a SIGKILL and a dead node (a member other than ``spare``); the figures (s)."""
+def measure(job, submitted_at: float, kill_node, spare=lambda: "") -> dict[str, float]:
+    """Drive a started job through a SIGKILL and a dead node (a member other than ``spare()``); the figures (s)."""
     t = TIMEOUT
     job.wait_until(lambda s: s.get("phase") == "running", t, "the first step")
     out = {"submit to first step": job.events_of("first_step")[0]["time"] - submitted_at}
@@ -81,7 +81,8 @@ def measure(job, submitted_at: float, kill_node, spare: str = "") -> dict[str, f
     crash = job.inject(1, signal.SIGKILL)
     s = job.wait_until(lambda s: s["generation"] == 1 and s["phase"] == "running", t, "generation 1")
     job.wait_until(lambda s: len(s.get("warm_nodes", [])) == 4, t, "all warm again")
-    node = next(n for _, n in sorted(s["members"].items()) if n != spare)
+    keep = spare()
+    node = next(n for _, n in sorted(s["members"].items()) if n != keep)
     dead = kill_node(node)
     job.wait_until(lambda s: s["generation"] == 2 and s["phase"] == "running", t, "generation 2")
     fail, first = job.events_of("failure"), job.events_of("first_step")
@@ -106,7 +107,7 @@ def slurm_repeat(root: Path, worker: str, env: dict[str, str]) -> dict[str, floa
             return t
 
         # the batch host runs the controller (in the batch step): another node dies
-        out.update(measure(job, job.submitted_at, kill, spare=job.record().batch_host))
+        out.update(measure(job, job.submitted_at, kill, spare=lambda: job.record().batch_host))
     finally:
         job.close()
         cluster.stop()
