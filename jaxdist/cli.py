@@ -328,7 +328,26 @@ def cmd_comm(args) -> int:
 
 
 def cmd_launch(args) -> int:
-    return launch(args.config, args.overrides, print_only=args.print, image=args.image)
+    return launch(args.config, args.overrides, print_only=args.print, image=args.image, shape_planner=_plan_shape)
+
+
+def _plan_shape(cfg, view, figures):
+    """mesh=auto on a slurm: cluster: the shapes of the partition's free GPUs by predicted step time, and the
+    chosen plan as overrides (the planner imports JAX: only here)."""
+    from jaxdist.planner.shared import plan_free
+
+    cc = cfg.controller
+    fp = plan_free(
+        cfg.model,
+        view,
+        figures,
+        batch_size=cfg.train.batch_size,
+        seq_len=cfg.train.seq_len,
+        standbys=cc.standbys,
+        max_nodes=cc.max_nodes,
+        min_nodes=cc.min_nodes,
+    )
+    return fp.choice, fp.overrides()
 
 
 def cmd_controller(args) -> int:

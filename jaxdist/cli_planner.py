@@ -1,6 +1,7 @@
 """``jaxdist plan`` and ``jaxdist calibrate`` (registered by jaxdist/cli.py; nothing heavy imported here).
 
     jaxdist plan --model llama-70b --cluster meshes/h100x64.toml [--busy alloc.toml] [--out plan.toml]
+    jaxdist plan --model llama-8b --cluster slurm:gpu@h100x8       # the free GPUs of a Slurm partition
                  [--top 8] [--exhaustive] [--calibration FILE] [--config FILE] [KEY=VALUE ...]
     jaxdist calibrate [--cluster cpu-8] [--model small] [--out FILE]
 
@@ -27,7 +28,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="choose mesh, microbatches and remat for a model on a cluster")
     p.add_argument("--config", help="TOML config file (model, batch, cluster)")
     p.add_argument("--model", help="model preset (same as model=NAME)")
-    p.add_argument("--cluster", help="cluster: a name in meshes/, a TOML path (same as mesh.cluster=...), or live")
+    p.add_argument(
+        "--cluster",
+        help="cluster: a name in meshes/, a TOML path (same as mesh.cluster=...), live, or slurm:PARTITION[@CLUSTER] "
+        "(the partition's free GPUs, figures from the cluster file CLUSTER; controller.standbys, min_nodes and max_nodes apply)",
+    )
     p.add_argument("--busy", help="devices other jobs hold: an allocation TOML file, or a list like 0:*,1:0-3,17")
     p.add_argument("--calibration", help="calibration JSON from `jaxdist calibrate` (default: the saved one, if any)")
     p.add_argument("--out", default="plan.toml", help="where to write the chosen plan's config (default plan.toml)")
@@ -71,7 +76,11 @@ def cmd_plan(args) -> int:
 
     from jaxdist.planner.cluster import load_calibration  # the planner imports JAX: not at registration
     from jaxdist.planner.plan import plan
+    from jaxdist.slurm.view import is_slurm_source
 
+    slurm = is_slurm_source(cfg.mesh.cluster)
+    if slurm and args.busy:
+        raise ConfigError("--busy is for cluster files: with a slurm: cluster, Slurm says which GPUs other jobs hold.")
     busy = None
     if args.busy:
         busy = args.busy if Path(args.busy).suffix == ".toml" else [x for x in args.busy.split(",") if x]
@@ -83,21 +92,24 @@ def cmd_plan(args) -> int:
             raise ConfigError(f"--axes names unknown axes {', '.join(bad)}: use some of {', '.join(MESH_AXES)}.")
     calibration = load_calibration(args.calibration) if args.calibration else None
     fraction = 0.9  # the planner's usable share; train.memory_budget_bytes, when set, is the usable bytes
-    if cfg.train.memory_budget_bytes and cfg.mesh.cluster != "live":
-        from jaxdist.cluster import load_cluster
+    if slurm:
+        p = _plan_on_partition(cfg, seq_len, calibration, axes, args.exhaustive)
+    else:
+        if cfg.train.memory_budget_bytes and cfg.mesh.cluster != "live":
+            from jaxdist.cluster import load_cluster
 
-        fraction = cfg.train.memory_budget_bytes / load_cluster(cfg.mesh.cluster).memory_bytes
-    p = plan(
-        cfg.model,
-        cfg.mesh.cluster,
-        batch_size=cfg.train.batch_size,
-        seq_len=seq_len,
-        busy=busy,
-        calibration=calibration,
-        axes=axes,
-        enumerate_all=args.exhaustive,
-        memory_fraction=fraction,
-    )
+            fraction = cfg.train.memory_budget_bytes / load_cluster(cfg.mesh.cluster).memory_bytes
+        p = plan(
+            cfg.model,
+            cfg.mesh.cluster,
+            batch_size=cfg.train.batch_size,
+            seq_len=seq_len,
+            busy=busy,
+            calibration=calibration,
+            axes=axes,
+            enumerate_all=args.exhaustive,
+            memory_fraction=fraction,
+        )
     m = cfg.model
     n_params = param_count(m)
     cal = (
@@ -122,6 +134,39 @@ def cmd_plan(args) -> int:
     out.write_text(p.to_toml(cfg))
     print(f"\nwrote {out}: run it with `jaxdist train --config {out}`")
     return 0
+
+
+def _plan_on_partition(cfg, seq_len, calibration, axes, exhaustive):
+    """The plan on the free GPUs of ``cfg.mesh.cluster`` = slurm:PARTITION[@CLUSTER]; prints the partition and
+    the shapes tried (jaxdist.planner.shared)."""
+    import dataclasses
+
+    from jaxdist.planner.shared import plan_free
+    from jaxdist.slurm.view import figures, parse_source, read_partition
+
+    view = read_partition(parse_source(cfg.mesh.cluster)[0])
+    spec = figures(cfg.mesh.cluster, view)
+    kwargs = dict(calibration=calibration, axes=axes)
+    if cfg.train.memory_budget_bytes:
+        kwargs["memory_fraction"] = cfg.train.memory_budget_bytes / spec.memory_bytes
+    if exhaustive:
+        kwargs["enumerate_all"] = True
+    fp = plan_free(
+        cfg.model,
+        view,
+        spec,
+        batch_size=cfg.train.batch_size,
+        seq_len=seq_len,
+        standbys=cfg.controller.standbys,
+        max_nodes=cfg.controller.max_nodes,
+        min_nodes=cfg.controller.min_nodes,
+        **kwargs,
+    )
+    print(view.table() + "\n")
+    print(f"shapes of the free GPUs ({spec.name}'s figures per device), best first:")
+    print(fp.choice.table() + "\n")
+    print(fp.describe() + "\n")
+    return dataclasses.replace(fp.plan, cluster_source=cfg.mesh.cluster)
 
 
 def _verified(p, cfg):

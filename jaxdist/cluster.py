@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import tomllib
 from dataclasses import dataclass
@@ -137,6 +138,11 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
     Raises ConfigError for a missing file, invalid TOML, a missing or unknown
     field, a value of the wrong type or a non-positive number.
     """
+    if str(name_or_path).startswith("slurm:"):
+        raise ConfigError(
+            f"mesh.cluster={name_or_path} names a Slurm partition, which only `jaxdist plan` and `jaxdist launch` "
+            "read (launch turns it into the cluster file of the job's allocation): use a cluster file here."
+        )
     p = cluster_path(name_or_path)
     if not p.is_file():
         raise ConfigError(
@@ -148,6 +154,15 @@ def load_cluster(name_or_path: str | Path) -> ClusterSpec:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"cluster description '{p}' is not valid TOML ({e}): fix the syntax.") from None
     return cluster_from_dict(data, source=f"cluster description '{p}'")
+
+
+def write_cluster(path: str | Path, spec: ClusterSpec) -> Path:
+    """Write ``spec`` as a cluster description that :func:`load_cluster` reads back equal."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"{f} = {json.dumps(getattr(spec, f)) if f in _STR_FIELDS else getattr(spec, f)}" for f in _FIELDS]
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def preset_for_kind(device_kind: str) -> ClusterSpec | None:

@@ -247,7 +247,10 @@ MESH_AXES = ("data", "fsdp", "context", "tensor", "expert", "pipeline")
 class MeshConfig:
     """Device mesh shape and the cluster it runs on."""
 
-    cluster: str = _f("cpu-8", "Cluster description: a name in meshes/ (cpu-8, h100x8, ...) or a path to a TOML file.")
+    cluster: str = _f(
+        "cpu-8",
+        "Cluster description: a name in meshes/ (cpu-8, h100x8, ...) or a path to a TOML file; for `jaxdist plan` and `jaxdist launch` (controller.launcher=slurm) also slurm:PARTITION[@CLUSTER]: the partition's free GPUs (nodes, GPUs per node, what other jobs hold: sinfo, scontrol) with the per-device figures of the cluster file CLUSTER (default: the preset named by the GPUs' GRES type); launch asks Slurm for the best shape of them and runs the job on its cluster file (<run>/controller/cluster.toml).",
+    )
     data: int = _f(-1, "Data-parallel replicas; -1 takes every device the other axes leave.")
     fsdp: int = _f(1, "Fully sharded data parallel: parameters and optimizer state sharded, gathered per layer.")
     context: int = _f(
@@ -554,20 +557,26 @@ class ControllerConfig:
         False,
         "Allow listening beyond loopback (multi-host without SSH tunnels); every message stays HMAC-authenticated with the job token.",
     )
-    launcher: Launcher = _f("local", "Where `jaxdist launch` starts node agents: local, ssh, slurm or kubernetes.")
+    launcher: Launcher = _f(
+        "local",
+        "Where `jaxdist launch` starts node agents: local, ssh, slurm or kubernetes. slurm: outside an allocation it submits (or with --print writes) a batch script that runs `jaxdist launch` in its allocation; inside one (sbatch, salloc) one srun step per node runs a node agent, the allocation's extra nodes are the standbys; a requeued job resumes from its checkpoint.",
+    )
     hosts_file: str = _f("", "SSH launcher: a file with one host per line.")
     min_nodes: int = _f(
         1,
-        "Training starts once this many nodes are ready (see start_grace), and goes on with no fewer: after failures it continues on a smaller group the mesh and batch allow, down to this.",
+        "Training starts once this many nodes are ready (see start_grace), and goes on with no fewer: after failures it continues on a smaller group the mesh and batch allow, down to this. On Slurm the batch script asks for min_nodes..max_nodes nodes (plus the standbys): a job started small takes the nodes free at its next start.",
     )
     start_grace: float = _f(
         0.0,
         "Seconds the start waits, once min_nodes are ready, for more nodes (up to max_nodes) before it starts on what it has.",
     )
     max_nodes: int = _f(
-        0, "Train on at most this many nodes (0: the cluster description's node count); the others wait as standbys."
+        0,
+        "Train on at most this many nodes (0: the cluster description's node count); the others wait as standbys, and a restart takes the ready standbys beyond the group while it has fewer nodes (the largest group the mesh and batch allow).",
     )
-    standbys: int = _f(1, "Nodes `jaxdist launch` starts beyond max_nodes, as warm standbys.")
+    standbys: int = _f(
+        1, "Nodes `jaxdist launch` starts beyond max_nodes, as warm standbys (on Slurm: nodes of the allocation)."
+    )
     heartbeat_interval: float = _f(0.25, "Seconds between two heartbeats of a worker or node agent.")
     heartbeat_timeout: float = _f(
         1.5, "A training worker or a node agent silent this long (seconds) is declared failed."
@@ -618,7 +627,8 @@ class ControllerConfig:
         "After a failure: standby (restart the group from warm processes, a standby in the failed rank) or requeue (every process restarted cold, like a requeued job).",
     )
     warm_spares: int = _f(
-        1, "Warm worker processes (JAX imported, data loaded, waiting for a rank) each node agent keeps ready."
+        1,
+        "Warm worker processes (JAX imported, data loaded, waiting for a rank) each node agent keeps ready; 0: one for the start only, none kept warm while training (less CPU and memory on the hosts; a restart starts its processes cold, as after a Slurm requeue).",
     )
     setup_cache: str = _f(
         "",

@@ -4,20 +4,33 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
+from jaxdist.cluster import ClusterSpec, write_cluster
 from jaxdist.config import Config, ConfigError, load_config
-from jaxdist.controller.controller import Controller, cluster_shape
-from jaxdist.controller.launch import (
-    LocalLauncher,
-    SSHLauncher,
-    kubernetes_manifest,
-    read_hosts,
+from jaxdist.controller import policy
+from jaxdist.controller.controller import Controller, cluster_shape, controller_dir
+from jaxdist.controller.launch import LocalLauncher, SSHLauncher, kubernetes_manifest, read_hosts
+from jaxdist.controller.slurm import (
+    SlurmLauncher,
+    SlurmRequest,
+    allocation_gpus,
+    allocation_id,
+    allocation_nodes,
+    node_addresses,
+    node_range,
     sbatch_script,
-    srun_command,
 )
+from jaxdist.slurm.shape import ShapeChoice, choose_shape
+from jaxdist.slurm.view import PartitionView, cluster_spec, figures, is_slurm_source, parse_source, read_partition
+
+# For mesh=auto on a slurm: cluster, the CLI hands launch the planner (which imports JAX, so the controller
+# does not): (config, partition, per-device figures) -> the shapes tried and the chosen plan's overrides.
+ShapePlanner = Callable[[Config, PartitionView, ClusterSpec], tuple[ShapeChoice, list[str]]]
 
 
 def config_args(path: str | None, overrides: list[str]) -> list[str]:
@@ -42,37 +55,29 @@ def _node_count(cfg: Config) -> int:
     return (cfg.controller.max_nodes or nodes) + cfg.controller.standbys
 
 
-def launch(path: str | None, overrides: list[str], print_only: bool = False, image: str = "jaxdist:latest") -> int:
-    """Start a job with the configured launcher (see :mod:`jaxdist.controller.launch`)."""
+def launch(
+    path: str | None,
+    overrides: list[str],
+    print_only: bool = False,
+    image: str = "jaxdist:latest",
+    shape_planner: ShapePlanner | None = None,
+) -> int:
+    """Start a job with the configured launcher (see :mod:`jaxdist.controller.launch` and ``.slurm``)."""
     cfg = load_config(path, overrides)
     cc = cfg.controller
     args = config_args(path, overrides)
+    if cc.launcher == "slurm":
+        if print_only or "SLURM_JOB_ID" not in os.environ:
+            return _submit(cfg, args, print_only, shape_planner)
+        return _run_in_allocation(cfg, args)
     _, per_node, kind = cluster_shape(cfg)
     gpus = 0 if kind.lower().startswith("cpu") else per_node
     run_dir = cfg.run_dir.absolute()
     if cc.launcher == "kubernetes":
         print(kubernetes_manifest(args, _node_count(cfg), image, port=cc.port or 7470, gpus_per_node=gpus), end="")
         return 0
-    if cc.launcher == "slurm" and (print_only or "SLURM_JOB_ID" not in os.environ):
-        script = sbatch_script(
-            args, _node_count(cfg), cc.port or 7470, run_dir, gpus_per_node=gpus, python=sys.executable
-        )
-        if print_only:
-            print(script, end="")
-            return 0
-        if shutil.which("sbatch") is None:
-            raise ConfigError(
-                "not inside a Slurm allocation and `sbatch` is not on PATH: run `jaxdist launch "
-                "--print ...` and submit the script on the cluster, or run inside salloc."
-            )
-        return subprocess.run(["sbatch"], input=script, text=True).returncode
     if print_only:
         raise ConfigError(f"--print is for the slurm and kubernetes launchers, not '{cc.launcher}'.")
-    if cc.launcher == "slurm" and not cc.allow_remote:
-        raise ConfigError(
-            "inside a Slurm allocation the nodes must reach the controller over the network: "
-            "set controller.bind=0.0.0.0 controller.allow_remote=true."
-        )
     hosts = read_hosts(cc.hosts_file) if cc.launcher == "ssh" else []
     ctl = Controller(cfg, args, echo=True)
     log_dir = ctl.dir / "logs"
@@ -80,7 +85,7 @@ def launch(path: str | None, overrides: list[str], print_only: bool = False, ima
         launcher = LocalLauncher(ctl.endpoint.address, ctl.token, run_dir, log_dir, cc.heartbeat_interval)
         launcher.start_all(_node_count(cfg))
         procs, stop = list(launcher.procs.values()), launcher.stop
-    elif cc.launcher == "ssh":
+    else:
         ssh = SSHLauncher(
             hosts,
             ctl.endpoint.port,
@@ -92,17 +97,10 @@ def launch(path: str | None, overrides: list[str], print_only: bool = False, ima
         )
         ssh.start_all(log_dir)
         procs, stop = list(ssh.procs.values()), ssh.stop
-    else:  # slurm, inside an allocation
-        env = {
-            **os.environ,
-            "CONTROLLER_HOST": os.environ.get("SLURMD_NODENAME", ctl.endpoint.host),
-            "JAXDIST_JOB_TOKEN": ctl.token,
-        }
-        srun = subprocess.Popen(
-            ["bash", "-c", srun_command(ctl.endpoint.port, run_dir, sys.executable, cc.heartbeat_interval)], env=env
-        )
-        procs, stop = [srun], srun.kill
+    return _serve(ctl, procs, stop, log_dir)
 
+
+def _serve(ctl: Controller, procs: list[subprocess.Popen], stop: Callable[[], None], log_dir: Path) -> int:
     def watch() -> str | None:
         if all(p.poll() is not None for p in procs):
             return f"every node agent exited: see their logs in {log_dir}"
@@ -112,3 +110,118 @@ def launch(path: str | None, overrides: list[str], print_only: bool = False, ima
         return ctl.run(watch)
     finally:
         stop()
+
+
+# --------------------------------------------------------------------------- Slurm
+
+
+def slurm_request(cfg: Config, shape_planner: ShapePlanner | None = None) -> SlurmRequest:
+    """What the batch script of ``cfg`` asks Slurm for.
+
+    A cluster file: ``controller.min_nodes``..``max_nodes`` nodes plus the standbys, with the file's GPUs
+    per node (none for CPU devices).  ``mesh.cluster=slurm:PARTITION[@CLUSTER]``: the shape of the
+    partition's free GPUs that :func:`jaxdist.slurm.shape.choose_shape` prefers -- by the planner's predicted
+    step time with ``mesh=auto`` (``shape_planner``), else by the most GPUs the mesh and batch allow -- on the
+    nodes it chose; the job then runs with the cluster file of that shape (``<run>/controller/cluster.toml``)
+    and, with mesh=auto, the plan.
+    """
+    cc = cfg.controller
+    if not is_slurm_source(cfg.mesh.cluster):
+        nodes, per_node, kind = cluster_shape(cfg)
+        return SlurmRequest(
+            node_range(cc.min_nodes, cc.max_nodes or nodes, cc.standbys),
+            0 if kind.lower().startswith("cpu") else per_node,
+        )
+    view = read_partition(parse_source(cfg.mesh.cluster)[0])
+    spec = figures(cfg.mesh.cluster, view)
+    if cfg.mesh.auto:
+        if shape_planner is None:
+            raise ConfigError("mesh=auto on a slurm: cluster needs the planner: run it through `jaxdist launch`.")
+        choice, plan_args = shape_planner(cfg, view, spec)
+    else:
+
+        def cost(n: int, k: int) -> float | None:  # the most devices the mesh and batch allow
+            return None if policy.group_size_error(cfg, n, k) else 1.0 / (n * k)
+
+        choice = choose_shape(
+            view.free(), {n.name: n.gpus for n in view.nodes}, cost, cc.standbys, cc.max_nodes, cc.min_nodes
+        )
+        plan_args = []
+    best = choice.best
+    path = write_cluster(
+        controller_dir(cfg) / "cluster.toml", cluster_spec(view, spec, best.training, best.gpus_per_node)
+    )
+    why = f"{view.table()}\nshapes tried (cost: {'predicted s/step' if cfg.mesh.auto else '1/GPUs'}):\n"
+    return SlurmRequest(
+        str(len(best.nodes)),
+        best.gpus_per_node,
+        best.nodes,
+        (f"mesh.cluster={path}", *plan_args),
+        why + choice.table() + f"\nasked for: {best.describe()}",
+    )
+
+
+def _submit(cfg: Config, args: list[str], print_only: bool, shape_planner: ShapePlanner | None) -> int:
+    request = slurm_request(cfg, shape_planner)
+    controller_dir(cfg).mkdir(parents=True, exist_ok=True)  # Slurm opens the job's output file there first
+    script = sbatch_script(
+        args, request, cfg.run_dir.absolute(), os.getcwd(), job_name=cfg.train.name, python=sys.executable
+    )
+    if print_only:
+        print(script, end="")
+        return 0
+    if shutil.which("sbatch") is None:
+        raise ConfigError(
+            "not inside a Slurm allocation and `sbatch` is not on PATH: run `jaxdist launch "
+            "--print ...` and submit the script on the cluster, or run inside salloc."
+        )
+    print(request.why, file=sys.stderr)
+    return subprocess.run(["sbatch"], input=script, text=True).returncode
+
+
+def _allocation_cluster(cfg: Config, nodes: list[str]) -> list[str]:
+    """For a slurm: cluster inside an allocation: the cluster file of the allocation's GPUs (overrides)."""
+    if not is_slurm_source(cfg.mesh.cluster):
+        return []
+    view_name = parse_source(cfg.mesh.cluster)[0]
+    held = allocation_gpus(os.environ["SLURM_JOB_ID"])
+    per_node = min((held.get(n, 0) for n in nodes), default=0)
+    if not per_node:
+        raise ConfigError("this allocation holds no GPU on some of its nodes: ask for --gpus-per-node.")
+    view = read_partition(view_name)
+    training = max(1, len(nodes) - cfg.controller.standbys)
+    spec = cluster_spec(view, figures(cfg.mesh.cluster, view), training, per_node)
+    return [f"mesh.cluster={write_cluster(controller_dir(cfg) / 'cluster.toml', spec)}"]
+
+
+def _run_in_allocation(cfg: Config, args: list[str]) -> int:
+    cc = cfg.controller
+    if not cc.allow_remote:
+        raise ConfigError(
+            "inside a Slurm allocation the nodes must reach the controller over the network: "
+            "set controller.bind=0.0.0.0 controller.allow_remote=true."
+        )
+    nodes = allocation_nodes()
+    extra = _allocation_cluster(cfg, nodes)
+    if extra:
+        args = [*args, *extra]
+        cfg = cfg.replace(**{"mesh.cluster": extra[0].split("=", 1)[1]})
+    ctl = Controller(cfg, args, echo=True, allocation=allocation_id())
+    here = os.environ.get("SLURMD_NODENAME")  # the batch step's node; salloc's shell runs off the allocation
+    if cc.bind not in ("0.0.0.0", "::", ""):
+        host = cc.bind
+    elif here:
+        host = node_addresses([here])[here]
+    else:
+        host = socket.getfqdn()
+    addresses = node_addresses(nodes)
+    launcher = SlurmLauncher(
+        f"{host}:{ctl.endpoint.port}",
+        ctl.token,
+        cfg.run_dir.absolute(),
+        ctl.dir / "logs",
+        sys.executable,
+        cc.heartbeat_interval,
+    )
+    launcher.start_all(nodes, addresses)
+    return _serve(ctl, list(launcher.procs.values()), launcher.stop, ctl.dir / "logs")

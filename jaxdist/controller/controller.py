@@ -90,7 +90,7 @@ def controller_dir(cfg: Config) -> Path:
 class Controller(GenerationLifecycle, HealthActions):
     """One job's controller; :meth:`run` until the job is done (0) or cannot continue (1)."""
 
-    def __init__(self, cfg: Config, config_args: list[str], echo: bool = False):
+    def __init__(self, cfg: Config, config_args: list[str], echo: bool = False, allocation: str = ""):
         cc = self.cc = cfg.controller
         self.cfg = cfg
         self.dir = controller_dir(cfg)
@@ -99,19 +99,25 @@ class Controller(GenerationLifecycle, HealthActions):
         prev = JobState.load(self.dir / "state.json")
         if prev is not None and prev.phase in ("done", "failed"):
             prev = None
+        new_allocation = prev is not None and bool(allocation) and prev.allocation != allocation
+        if new_allocation:  # a requeued (or resubmitted) job: none of the old processes is left
+            prev = prev.in_new_allocation()
         port = cc.port
-        if not port and prev is not None and (self.dir / "endpoint").is_file():
+        if not port and prev is not None and not new_allocation and (self.dir / "endpoint").is_file():
             port = int((self.dir / "endpoint").read_text().strip().rsplit(":", 1)[1])  # re-attach where workers look
         self.liveness_s = max(2 * cc.heartbeat_interval, cc.heartbeat_timeout - 2 * cc.heartbeat_interval)
         self.endpoint = Endpoint(self.token, cc.bind, port, cc.allow_remote, cc.heartbeat_interval, self.liveness_s)
         # No replay across a restart: nothing signed before this start, no (sid, seq) seen by the last controller.
         self.endpoint.verifier.not_before = time.time() - NOT_BEFORE_SLACK_S
-        if prev is not None:
+        if prev is not None and not new_allocation:
             self.endpoint.verifier.restore(_read_marks(self.dir / "replay.json"))
         (self.dir / "endpoint").write_text(self.endpoint.address)
         self.attaching = prev is not None and prev.phase != "waiting"
         self.state = prev or JobState(job=uuid.uuid4().hex[:12])
+        self.state.allocation = allocation
         self.events = EventLog(self.dir / "events.jsonl", echo)
+        if new_allocation:
+            self.events.add("new_allocation", allocation=allocation, gen=self.state.generation)
         self.rejected_before = self.state.rejected_messages
         self.nodes: dict[str, NodeView] = {}
         self.workers: dict[str, WorkerInfo] = {}

@@ -237,7 +237,7 @@ class GenerationLifecycle:
         if self.cc.recovery == "requeue":  # nothing warm survives a requeue
             for v in self._live_nodes():
                 self._kill(v.name, [w.pid for w in self.workers.values() if w.node == v.name and w.alive])
-                self.endpoint.send(f"n:{v.name}", {"t": "replenish"})
+                self.endpoint.send(f"n:{v.name}", {"t": "replenish", "at_least": 1})
         self.start_failures = 0 if first_step else self.start_failures + 1
         s.restarts += 1
         if self.start_failures >= START_FAILURES_TO_GIVE_UP:
@@ -318,6 +318,11 @@ class GenerationLifecycle:
                     self.events.add("waiting_for_nodes", members=s.members, banned=s.banned)
                 return
             self.waiting_since = None
+            standbys = [v.name for v in self._ready_nodes() if v.name not in failed]  # not a node just blamed
+            grown = policy.grown_plan(self.plan, standbys, self.cc.min_nodes, self.max_nodes, self.valid_sizes)
+            if len(grown) > len(self.plan):  # the restart is also the moment to use the standbys beyond the group
+                self.events.add("grow", gen=s.generation + 1, members=grown, before=len(self.plan))
+                self.plan = grown
             self.events.add(
                 "replacement",
                 gen=s.generation + 1,
@@ -333,7 +338,7 @@ class GenerationLifecycle:
             self.kill_sent_at = now
             for n in self.plan.values():
                 if self._warm_worker(n) is None:
-                    self.endpoint.send(f"n:{n}", {"t": "replenish"})
+                    self.endpoint.send(f"n:{n}", {"t": "replenish", "at_least": 1})
 
     def _usable_nodes(self, gone: set[str]) -> list[str]:
         """Live, checked, not banned nodes: the current members first (in rank order), then the standbys."""

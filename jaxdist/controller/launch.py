@@ -6,9 +6,8 @@
   controller stays on loopback: each session forwards the remote host's
   loopback port to it (``ssh -R``), and the job token travels on the
   session's stdin, never on a command line.
-* Slurm: :func:`sbatch_script` writes a batch script that runs the controller
-  on the first node of the allocation and one node agent per node with
-  ``srun``; inside an allocation, :func:`srun_command` is that ``srun`` line.
+* Slurm (:mod:`jaxdist.controller.slurm`): a batch script that runs ``jaxdist
+  launch`` in its allocation, which starts one ``srun`` step per node.
 * Kubernetes: :func:`kubernetes_manifest` generates a Service and Pod for the
   controller and an indexed Job of node agents (the token is a Secret).
 
@@ -170,60 +169,6 @@ class SSHLauncher:
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()
-
-
-def srun_command(port: int, run_dir: str | Path, python: str = "python3", interval: float = 0.25) -> str:
-    """Inside an allocation: one node agent per node, reaching the controller on ``$CONTROLLER_HOST``."""
-    agent = (
-        f'exec {python} -m {NODE_MODULE} --controller "$CONTROLLER_HOST:{port}" --node "$(hostname)" '
-        f'--host "$(hostname)" --work-dir {shlex.quote(str(run_dir))} --interval {interval}'
-    )
-    return f"srun --nodes=$SLURM_JOB_NUM_NODES --ntasks-per-node=1 bash -c {shlex.quote(agent)}"
-
-
-def sbatch_script(
-    config_args: list[str],
-    nodes: int,
-    port: int,
-    run_dir: str | Path,
-    job_name: str = "jaxdist",
-    time_limit: str = "24:00:00",
-    python: str = "python3",
-    gpus_per_node: int = 0,
-) -> str:
-    """A Slurm batch script: controller on the batch host, ``nodes`` node agents (training nodes + standbys).
-
-    The controller listens on the batch host's address (``controller.allow_remote=true``, authenticated by
-    the token, which the script creates with mode 0600 and hands to the agents in the environment).
-    """
-    gres = f"#SBATCH --gpus-per-node={gpus_per_node}\n" if gpus_per_node else ""
-    ctl = shlex.join(
-        [
-            python,
-            "-m",
-            "jaxdist.cli",
-            "controller",
-            *config_args,
-            "controller.bind=0.0.0.0",
-            "controller.allow_remote=true",
-            f"controller.port={port}",
-        ]
-    )
-    return f"""#!/bin/bash
-#SBATCH --job-name={job_name}
-#SBATCH --nodes={nodes}
-#SBATCH --ntasks-per-node=1
-#SBATCH --time={time_limit}
-{gres}#SBATCH --output={job_name}-%j.out
-set -euo pipefail
-umask 077
-export {TOKEN_ENV}="$({python} -c 'import secrets; print(secrets.token_hex(32))')"
-export CONTROLLER_HOST="$(hostname)"
-{ctl} &
-CONTROLLER_PID=$!
-{srun_command(port, run_dir, python)} &
-wait $CONTROLLER_PID
-"""
 
 
 def kubernetes_manifest(

@@ -9,26 +9,23 @@
 
 The controller runs as its own process so it can be killed and restarted
 (:meth:`kill_controller`, :meth:`start_controller`): the job keeps training
-meanwhile.  Injections are appended to ``<run>/controller/injections.jsonl``
+meanwhile.  Its state, events and injections are read as any job's
+(:class:`~jaxdist.controller.job_view.JobView`); injections are appended to ``<run>/controller/injections.jsonl``
 (wall-clock ``time``, generation, rank, pid, signal) for timelines and benchmarks.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
 
-from jaxdist.config import load_config
-from jaxdist.controller.controller import controller_dir
+from jaxdist.controller.job_view import JobView
 from jaxdist.controller.launch import LocalLauncher
 from jaxdist.controller.protocol import TOKEN_ENV, new_token
-from jaxdist.controller.state import read_events
 
 
 def write_cpu_cluster(path: str | Path, nodes: int, devices_per_node: int) -> Path:
@@ -45,31 +42,14 @@ def write_cpu_cluster(path: str | Path, nodes: int, devices_per_node: int) -> Pa
     return path
 
 
-def _split(config_args: list[str]) -> tuple[str | None, list[str]]:
-    args, path, i = [], None, 0
-    while i < len(config_args):
-        if config_args[i] == "--config":
-            path, i = config_args[i + 1], i + 2
-        else:
-            args.append(config_args[i])
-            i += 1
-    return path, args
+class LocalJob(JobView):
+    """See the module docstring.  ``cwd``: where relative run paths live; ``env``: extra variables for every process.
 
-
-class LocalJob:
-    """See the module docstring.  ``cwd``: where relative run paths live; ``env``: extra variables for every process."""
+    Its state, events and injections: :class:`~jaxdist.controller.job_view.JobView`."""
 
     def __init__(self, config_args: list[str], nodes: int, cwd: str | Path = ".", env: dict[str, str] | None = None):
-        self.config_args, self.nodes, self.cwd = list(config_args), nodes, Path(cwd).absolute()
-        path, overrides = _split(self.config_args)
-        here = os.getcwd()
-        try:
-            os.chdir(self.cwd)
-            self.cfg = load_config(path, overrides)
-            self.dir = controller_dir(self.cfg)
-        finally:
-            os.chdir(here)
-        self.run_dir = self.dir.parent
+        super().__init__(config_args, cwd)
+        self.nodes = nodes
         self.token = new_token()
         self.env = {**(env or {}), TOKEN_ENV: self.token}
         self.controller: subprocess.Popen | None = None
@@ -134,6 +114,10 @@ class LocalJob:
                 time.sleep(stagger_s)
             self.start_node(f"local-{i}")
 
+    def exit_code(self) -> int | None:
+        """The controller process's exit code once it exited, else None."""
+        return None if self.controller is None else self.controller.poll()
+
     def kill_controller(self) -> None:
         """SIGKILL the controller process (the job must go on without it)."""
         if self.controller is not None and self.controller.poll() is None:
@@ -160,52 +144,6 @@ class LocalJob:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ observing
-
-    def state(self) -> dict[str, Any]:
-        """The controller's persisted state (``{}`` before the first save)."""
-        try:
-            return json.loads((self.dir / "state.json").read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def events(self) -> list[dict[str, Any]]:
-        return read_events(self.dir / "events.jsonl")
-
-    def injections(self) -> list[dict[str, Any]]:
-        return read_events(self.dir / "injections.jsonl")
-
-    def summary(self) -> str:
-        s = self.state()
-        tail = [e["event"] for e in self.events()[-8:]]
-        return (
-            f"phase {s.get('phase')}, generation {s.get('generation')}, step {s.get('last_step')}, last events {tail}"
-        )
-
-    def wait_until(
-        self,
-        pred: Callable[[dict[str, Any]], bool],
-        timeout: float,
-        what: str,
-        need_state: bool = True,
-        poll: float = 0.05,
-    ) -> dict[str, Any]:
-        """Poll the state until ``pred(state)``; raises TimeoutError naming ``what``."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            s = self.state()
-            if (s or not need_state) and pred(s):
-                return s
-            if self.controller is not None and self.controller.poll() is not None and need_state:
-                s = self.state()
-                if pred(s):
-                    return s
-                raise RuntimeError(
-                    f"the controller exited ({self.controller.returncode}) before {what}: {self.summary()}"
-                )
-            time.sleep(poll)
-        raise TimeoutError(f"waited {timeout} s for {what}: {self.summary()}")
-
     def lose_node(self, name: str) -> list[int]:
         """SIGKILL node agent ``name`` and every process under it, as if the machine died; the pids killed."""
         agent = self.launcher.procs[name].pid
@@ -215,34 +153,8 @@ class LocalJob:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        s = self.state()
-        rec = {"time": time.time(), "event": "injection", "gen": s.get("generation"), "node": name}
-        rec.update(signal="node_lost", pids=pids, step=s.get("last_step"))
-        with open(self.dir / "injections.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        self.record_injection(node=name, signal="node_lost", pids=pids)
         return pids
-
-    def member_pid(self, rank: int) -> int:
-        return int(self.state()["pids"][str(rank)])
-
-    def inject(self, rank: int, sig: int = signal.SIGKILL) -> dict[str, Any]:
-        """Send ``sig`` to the process of ``rank`` in the running generation; the injection is logged."""
-        s = self.state()
-        pid = int(s["pids"][str(rank)])
-        rec = {
-            "time": time.time(),
-            "event": "injection",
-            "gen": s["generation"],
-            "rank": rank,
-            "pid": pid,
-            "node": s["members"][str(rank)],
-            "signal": signal.Signals(sig).name,
-            "step": s.get("last_step"),
-        }
-        os.kill(pid, sig)
-        with open(self.dir / "injections.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        return rec
 
 
 def _descendants(pid: int) -> list[int]:

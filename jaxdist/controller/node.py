@@ -77,6 +77,14 @@ def self_check(work_dir: Path, expected_devices: int, device_kind: str) -> dict[
     return out
 
 
+def worker_environ(env: dict[str, str]) -> dict[str, str]:
+    """The agent's environment as its workers get it: without ``SLURM_*`` variables.  The controller gives each
+    worker its rank, process count and coordinator; left in, Slurm's step variables would make JAX detect a
+    one-task Slurm job and pin the process to one GPU (``SLURM_LOCALID``).  ``CUDA_VISIBLE_DEVICES`` (the
+    step's GPUs) and ``SLURMD_NODENAME`` stay."""
+    return {k: v for k, v in env.items() if not k.startswith("SLURM_")}
+
+
 # A node agent that dies takes its workers along, as a host failure would: each worker is started through this
 # tether, which asks the kernel to SIGKILL it when its parent (the agent) dies, checks the agent is still its
 # parent (it may have died first), then becomes the worker (exec: same pid). Not subprocess's preexec_fn: that
@@ -139,7 +147,7 @@ class NodeAgent:
         assert w is not None
         argv = [sys.executable if a == "{python}" else a for a in w["argv"]]
         env = {
-            **os.environ,
+            **worker_environ(os.environ),
             **w.get("env", {}),
             "JAXDIST_CONTROLLER": self.controller,
             TOKEN_ENV: self.token,
@@ -164,11 +172,12 @@ class NodeAgent:
         log.info("%s: started worker pid %d", self.node, p.pid)
         return p.pid
 
-    def replenish(self) -> None:
+    def replenish(self, at_least: int = 0) -> None:
+        """Start warm processes up to the job's ``spares`` (at least ``at_least``: a start or restart needs one)."""
         if self.welcome is None:
             return
         live_spares = [p for p in self.procs.values() if p.role == "spare" and p.exit_code is None and not p.killed]
-        for _ in range(int(self.welcome.get("spares", 1)) - len(live_spares)):
+        for _ in range(max(int(self.welcome.get("spares", 1)), at_least) - len(live_spares)):
             self.spawn()
 
     def kill(self, pids: list[int] | None) -> None:
@@ -242,9 +251,9 @@ class NodeAgent:
                 str(msg.get("device_kind", "cpu")),
             )
             if first and self.checks["ok"]:
-                self.replenish()
+                self.replenish(at_least=1)
         elif t == "replenish":
-            self.replenish()
+            self.replenish(int(msg.get("at_least", 0)))
         elif t == "assigned":
             p = self.procs.get(int(msg["pid"]))
             if p is not None:

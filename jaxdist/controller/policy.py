@@ -4,6 +4,7 @@
   (elastic start: the largest count the mesh and batch allow, up to max_nodes);
 * :func:`find_failures`: which workers are dead, silent or stuck;
 * :func:`plan_replacement`: which node takes each rank of the next generation;
+* :func:`grown_plan`: more ranks for it when more nodes are ready than the group has (up to max_nodes);
 * :func:`slow_nodes`: which node's links are slow (slow steps: :mod:`jaxdist.controller.health`);
 * :func:`lineage`: which batches the final parameters were trained on.
 """
@@ -188,6 +189,20 @@ def plan_replacement(
         plan[r] = pool.pop(0)
         used.add(plan[r])
     return plan
+
+
+def grown_plan(
+    plan: dict[int, str], ready: Sequence[str], min_nodes: int, max_nodes: int, valid: Iterable[int]
+) -> dict[int, str]:
+    """``plan`` with more ranks when ``ready`` nodes outside it (warm standbys, in order) allow a larger group the
+    mesh and batch accept, up to ``max_nodes`` (the elastic start's rule, at a restart); else ``plan``.
+
+    The planned ranks keep their nodes; the new ranks follow them."""
+    extra = [n for n in ready if n not in plan.values()]
+    n = choose_group_size(len(plan) + len(extra), min_nodes, max_nodes, valid)
+    if n is None or n <= len(plan):
+        return plan
+    return {**plan, **{len(plan) + i: node for i, node in enumerate(extra[: n - len(plan)])}}
 
 
 # --------------------------------------------------------------------------- slowness

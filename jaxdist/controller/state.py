@@ -60,8 +60,30 @@ class JobState:
     restarts: int = 0
     rejected_messages: int = 0
     setup_key: str = ""
+    allocation: str = ""  # the scheduler's allocation the job runs in (Slurm: JOBID.RESTARTS), '' if none
     history: list[Generation] = field(default_factory=list)
     updated: float = 0.0
+
+    def in_new_allocation(self) -> "JobState":
+        """This job in a new allocation (a Slurm requeue): no member, node or process of the old one is
+        left; the generation count, history, restarts and step carry on (the run resumes from its checkpoints)."""
+        g = self.current
+        if g is not None and g.ended_at is None:
+            g.ended_at, g.end = time.time(), "failed: the allocation ended"
+        return dataclasses.replace(
+            self,
+            phase="waiting",
+            members={},
+            pids={},
+            coordinator="",
+            failures={},
+            process_failures={},
+            banned=[],
+            last_failed=[],
+            standbys=[],
+            warm_nodes=[],
+            setup_key="",
+        )
 
     def save(self, path: Path) -> None:
         self.updated = time.time()

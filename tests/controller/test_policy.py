@@ -14,6 +14,7 @@ from jaxdist.controller.policy import (
     choose_group_size,
     find_failures,
     group_size_error,
+    grown_plan,
     lineage,
     lost_steps,
     plan_replacement,
@@ -134,6 +135,15 @@ def test_plan_replacement():
     assert plan_replacement(members, set(), ["s1"], set()) == members
     # a member is never doubled
     assert plan_replacement(members, {"a"}, ["b", "s1"], set()) == {0: "s1", 1: "b", 2: "c", 3: "d"}
+
+
+def test_grown_plan_takes_standbys_up_to_the_largest_valid_group():
+    plan = {0: "a", 1: "b"}
+    # sizes 1, 2, 4 fit (batch 16 on 2-device nodes): 3 standbys -> 4 ranks, the new ones after the old
+    assert grown_plan(plan, ["a", "s1", "s2", "s3"], 1, 8, [1, 2, 4]) == {0: "a", 1: "b", 2: "s1", 3: "s2"}
+    assert grown_plan(plan, ["s1"], 1, 8, [1, 2, 4]) == plan  # 3 does not fit: no growth
+    assert grown_plan(plan, ["s1", "s2"], 1, 3, [1, 2, 3, 4]) == {0: "a", 1: "b", 2: "s1"}  # max_nodes=3
+    assert grown_plan(plan, [], 1, 8, [1, 2, 4]) == plan
 
 
 def test_slow_nodes_finds_the_node_in_every_slow_pair():

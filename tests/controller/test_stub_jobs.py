@@ -97,6 +97,38 @@ def test_elastic_start_with_nodes_arriving_one_by_one(tmp_path):
     assert final_state(job) == expected_final(steps)
 
 
+def test_a_group_that_started_small_grows_at_its_next_restart(tmp_path):
+    """controller.max_nodes above the group: the standbys that arrived after the start join at the next restart
+    (the recovery path), each batch still trained once."""
+    steps = 40
+    job = LocalJob(
+        stub_args("grow", steps, "controller.min_nodes=2", "controller.max_nodes=4", "controller.standbys=0"),
+        nodes=4,
+        cwd=tmp_path,
+        env={"JAXDIST_STUB_STEP_S": "0.1"},
+    )
+    try:
+        job.start_controller()
+        job.start_node("local-0")
+        job.start_node("local-1")
+        job.wait_until(lambda s: s.get("phase") == "running" and s["last_step"] >= 3, 90, "2 nodes training")
+        job.start_node("local-2")
+        job.start_node("local-3")
+        job.wait_until(lambda s: len(s["standbys"]) == 2, 90, "2 standbys")
+        job.inject(1, signal.SIGKILL)
+        assert job.wait(90) == 0, job.summary()
+    finally:
+        job.close()
+    starts, grow = events_of(job, "start"), events_of(job, "grow")
+    assert len(starts[0]["members"]) == 2 and len(grow) == 1 and grow[0]["before"] == 2
+    grown = starts[1]["members"]
+    assert {r: grown[r] for r in starts[0]["members"]} == starts[0]["members"]  # the old ranks keep their nodes
+    assert {grown["2"], grown["3"]} == {"local-2", "local-3"}  # the standbys take the new ranks
+    assert final_state(job) == expected_final(steps)
+    gens = trained_steps(job)
+    assert lineage([(g[0] - 1, g[-1]) for g in gens], steps) == list(range(steps))
+
+
 def test_failures_hang_and_controller_restart(tmp_path):
     """SIGKILL of rank 0, SIGSTOP of another rank, a forged message and the controller killed mid-run."""
     steps = 150
