@@ -78,6 +78,12 @@ def rounds(job: LocalJob) -> list[dict]:
     return out
 
 
+def read_fired(run_dir: Path) -> list[dict]:
+    """When the fault hooks' injections took effect (jaxdist/train/faults.py FIRED)."""
+    path = run_dir / "faults.fired.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
 def plan(rng: random.Random, n: int, nodes: list[str], kinds: list[str]) -> list[dict]:
     """``n`` injections: ``kinds`` in turn (random nodes, compute 10-30 % of a step), up to 3 stuck last."""
     with_stuck = "stuck" in kinds
@@ -194,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                 "periods": periods,
                 "detect_s": (t_found - t0) if t_found else None,
             }
+            if inj["kind"] == "stuck" and t_found:  # also from the moment the rank stopped (its next data wait)
+                fired = [r for r in read_fired(job.run_dir) if r["node"] == inj["node"] and r["time"] >= t0]
+                row["detect_from_stop_s"] = t_found - fired[0]["time"] if fired else None
             results.append(row)
             print(json.dumps(row), flush=True)
             if inj["kind"] == "stuck":  # the group restarts: wait for it, its warm-up round and its history
@@ -235,10 +244,13 @@ def report(results: list[dict], quiet: dict, probes: list[dict], step_s: float, 
             f"{100 * sum(r['kind_ok'] for r in rows) / len(rows):9.0f}% | "
             f"{(statistics.median(det) if det else float('nan')):.1f}"
         )
-    stuck = [r["detect_s"] for r in results if r["kind"] == "stuck" and r["detect_s"] is not None]
+    stuck = [r for r in results if r["kind"] == "stuck" and r["detect_s"] is not None]
     if stuck:
+        fmt = lambda xs: ", ".join("-" if x is None else f"{x:.1f}" for x in xs)  # noqa: E731
         print(
-            f"stuck: detected after {', '.join(f'{s:.1f}' for s in stuck)} s; target 3 x {step_s:.3f} s + {hb} s = {3 * step_s + hb:.1f} s"
+            f"stuck: detected {fmt(r['detect_s'] for r in stuck)} s after the injection was written, "
+            f"{fmt(r.get('detect_from_stop_s') for r in stuck)} s after the rank stopped (its next data wait); "
+            f"target 3 x {step_s:.3f} s + {hb} s = {3 * step_s + hb:.1f} s"
         )
     for p in probes:
         pairs = ", ".join(f"{q['a']}-{q['b']} {q['seconds'] * 1e3:.1f} ms" for q in p["pairs"])

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 ENV = "JAXDIST_FAULT_HOOKS"
+FIRED = "faults.fired.jsonl"  # when an injection took effect (a stuck rank stopped)
 FILE = "faults.json"
 
 
@@ -70,7 +71,11 @@ class FaultHooks:
         if delay is None:
             return
         if phase == "data":
-            while any(f.get("kind") == "stuck" and f.get("node") == self.node for f in self.current()):
+            stuck = lambda: any(f.get("kind") == "stuck" and f.get("node") == self.node for f in self.current())  # noqa: E731
+            if stuck():  # the moment the rank stops, for the benchmark's injection-to-detection time
+                with open(self.path.with_name(FIRED), "a") as f:
+                    f.write(json.dumps({"kind": "stuck", "node": self.node, "time": time.time()}) + "\n")
+            while stuck():
                 time.sleep(0.2)
         s = self._delay(delay)
         if s > 0:
