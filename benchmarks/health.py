@@ -129,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--injections", type=int, default=21)
     ap.add_argument("--quiet-s", type=float, default=120.0, help="seconds of fault-free training first")
-    ap.add_argument("--health-every", type=int, default=3)
+    ap.add_argument(
+        "--health-every",
+        type=int,
+        default=10,
+        help="steps per efficiency record (the product default, controller.health_every)",
+    )
     ap.add_argument("--link-frac", type=float, default=1.0, help="the link delay, a fraction of a step")
     ap.add_argument("--timeout-periods", type=int, default=8)
     ap.add_argument("--seed", type=int, default=17)

@@ -285,9 +285,9 @@ class LoopPosition:
 
 STUCK_PHASES = ("data", "dispatch", "callbacks")  # a rank held here keeps the others waiting in the step
 WAITING_PHASES = ("blocked", "agree")  # waiting for the other ranks: in the step, or agreeing on the batch list
-STUCK_WINDOWS = 2.0  # metric windows (plus the heartbeat timeout) before a rank holding the others up is stuck:
-# the controller learns of a step up to a heartbeat late, so 2 windows keep detection within 3 step times + the
-# heartbeat timeout of the moment the rank stopped
+STUCK_WINDOWS = 1.0  # metric windows (plus the heartbeat timeout) before a rank holding the others up is stuck:
+# the controller learns of a step up to a heartbeat late and the rank stops only at its next host-side phase, so
+# 2 windows were found 0.5 s past the target of 3 step times + the heartbeat timeout (benchmarks/health.py)
 GROUP_STUCK_FACTOR = 10.0  # a whole group blocked is judged this many windows late: a slow step looks the same
 
 
