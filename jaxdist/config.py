@@ -23,12 +23,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from jaxdist.config_checks import validate
+from jaxdist.config_controller import CONTROLLER_LAUNCHERS, CONTROLLER_RECOVERY, ControllerConfig  # noqa: F401
 from jaxdist.config_sections import (  # noqa: F401  (re-exported: the sections are imported from here)
     CheckpointConfig,
     ChunkSplit,
-    CONTROLLER_LAUNCHERS,
-    CONTROLLER_RECOVERY,
-    ControllerConfig,
     DataConfig,
     DataSource,
     Dispatch,
