@@ -9,7 +9,9 @@ this benchmark is read from a cache keyed by its saved set, so the time column i
 would spend, the count is its trials).  Every compile is also appended to a cache file (``--cache``, one JSON
 line per program, keyed by setting, mesh and the program's remat), so a rerun resumes where the last stopped
 and ``--compare-only`` compiles only the comparison set (the named policies, once per setting and mesh).  Columns: budget, chosen, predicted and compiled peak, its FLOPs,
-the best named policy that fits and its FLOPs, ok (fits and FLOPs <= 1.01 x the best named).
+the best named policy that fits and its FLOPs, the loop's compiles (trials) and their seconds (s), the seconds
+of the one-block working-space probes it asked for (probe s; a probe is made once per process, so a setting's
+first budget pays most of them), ok (fits and FLOPs <= 1.01 x the best named).
 
     python benchmarks/remat.py --budget-table                    # the settings (long on 2 cores)
     python benchmarks/remat_budget.py --settings tiny:1 --budgets 4
@@ -112,7 +114,7 @@ def run_setting(
         return []
     print(
         f"{'budget':>11} {'chosen':<28} {'predicted':>11} {'compiled':>11} {'GFLOP':>8} "
-        f"{'best named that fits':<24} {'GFLOP':>8} {'trials':>6} {'s':>5}  ok"
+        f"{'best named that fits':<24} {'GFLOP':>8} {'trials':>6} {'s':>5} {'probe s':>7}  ok"
     )
     oks = []
     lo, hi = min(full, none), max(full, none)
@@ -136,7 +138,7 @@ def run_setting(
             f"{format_bytes(budget):>11} {ch.chosen.name[:28]:<28} {format_bytes(ch.trial.predicted):>11} "
             f"{format_bytes(ch.trial.compiled):>11} {flops / 1e9:>8.3f} "
             f"{(best[0] if best else '-')[:24]:<24} {best[1].flops / 1e9 if best else float('nan'):>8.3f} "
-            f"{len(ch.trials):>6} {seconds[0]:>5.0f}  {'yes' if ok else 'NO'}",
+            f"{len(ch.trials):>6} {seconds[0]:>5.0f} {ch.probe_seconds:>7.1f}  {'yes' if ok else 'NO'}",
             flush=True,
         )
         if not ok:  # what the loop compiled, for the reader to see where it went

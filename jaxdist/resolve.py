@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Sequence
 
 from jaxdist.cluster import load_cluster, memory_budget
@@ -32,7 +33,7 @@ from jaxdist.planner.verify import load_working, record_working
 from jaxdist.remat.policy import HEADROOM, memory_breakdown, profile_for_config, resolve_remat_policy
 from jaxdist.remat.plan import plan_remat
 from jaxdist.remat.verify import PeakModel, VerifiedChoice, candidates, choose
-from jaxdist.train.aot import compiled_peak
+from jaxdist.train.aot import block_working, compiled_peak
 
 log = logging.getLogger(__name__)
 
@@ -79,12 +80,30 @@ def setting_key(config: Config, mesh_sizes: dict) -> str:
     )
 
 
-def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, learn: bool = True) -> VerifiedChoice:
+# Probed working space by (setting, devices, saved set): a process choosing for several budgets probes once.
+_PROBED: dict[tuple, float] = {}
+
+
+def _probed(config: Config, devices: Sequence[Any], c: Any, profile: Any, key: tuple) -> float:
+    """Candidate ``c``'s working space per device (jaxdist.train.aot.block_working), remembered per process."""
+    k = (*key, c.saved)
+    if k not in _PROBED:
+        _PROBED[k] = block_working(config, devices, c.policy(), c.activation_bytes / profile.n_layers)
+    return _PROBED[k]
+
+
+def verified_remat(
+    config: Config, devices: Sequence[Any], compile_peak=None, learn: bool = True, probe: bool = True
+) -> VerifiedChoice:
     """``train.remat=auto`` closed against the compiler on ``devices`` (the job's, or the first of them the
     mesh uses): the fastest candidate whose compiled train step peaks within ``train.memory_budget_bytes``.
 
     ``compile_peak(config) -> CompiledPeak`` (default :func:`jaxdist.train.aot.compiled_peak` on
     ``devices``); the working-space ratios the compiles show are stored for the device kind when ``learn``.
+    ``probe``: the loop compiles one block's forward and backward under each candidate it weighs
+    (:func:`jaxdist.train.aot.block_working`) so the prediction follows how XLA's working space moves
+    between them; without it, one learned ratio and its range stand for all.  The probed ratio is stored
+    under its own key (the setting's with ``:probed``).
     """
     compile_peak = compile_peak or (lambda cfg: compiled_peak(cfg, devices))
     cluster = load_cluster(config.mesh.cluster)
@@ -94,15 +113,28 @@ def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, le
     fixed = b["parameters"] + b["gradients"] + b["optimizer"]
     reference = b["working"] - HEADROOM * b["memory"]  # logits and one block's backward values, no headroom
     kind, key = devices[0].device_kind, setting_key(config, sizes)
+    typical = load_working(kind, key).ratio  # the whole working space (x reference), learned without probes
+    if probe:  # the ratio is what the step adds beyond the probed working space: about 0 until learned
+        key += ":probed"
     known = load_working(kind, key)
-    ratio = known.ratio
-    model = PeakModel(fixed, reference, ratio, known.low, known.high)
+    if probe and known.source != "learned for this setting":
+        model = PeakModel(fixed, reference, 0.0)
+    else:
+        model = PeakModel(fixed, reference, known.ratio, known.low, known.high)
     t = config.train
     budget = memory_budget(t.memory_budget_bytes, cluster.memory_bytes)
-    first = budget - fixed - ratio * reference  # the activation budget the prediction leaves
+    first = budget - fixed - typical * reference  # the activation budget the prediction leaves
     if t.remat_budget_bytes:  # its own plan joins; below the block inputs: InfeasibleBudget names the least
         plan_remat(profile, t.remat_budget_bytes, slack_share=t.remat_slack)
-    pool = candidates(profile, [first, t.remat_budget_bytes], slack_share=t.remat_slack)
+    pool = candidates(profile, [first, t.remat_budget_bytes], slack_share=t.remat_slack, prune_beaten=not probe)
+    probe_key = (key, tuple(d.id for d in devices))
+    spent = [0.0]
+
+    def probe_candidate(c):  # its working space from a one-block compile: what moves the step's peak
+        t0 = time.perf_counter()
+        w = _probed(config, devices, c, profile, probe_key)
+        spent[0] += time.perf_counter() - t0
+        return w
 
     runnable = {}  # candidate -> its program, where compiled as the run will run it (off CPU)
 
@@ -113,8 +145,15 @@ def verified_remat(config: Config, devices: Sequence[Any], compile_peak=None, le
             runnable[id(c)] = p.runnable
         return p.peak_bytes, p.flops, p.seconds
 
-    choice = choose(pool, budget, model, compile_candidate, activation_cap=t.remat_budget_bytes or None)
-    choice = dataclasses.replace(choice, runnable=runnable.get(id(choice.chosen)))  # the Trainer runs it
+    choice = choose(
+        pool,
+        budget,
+        model,
+        compile_candidate,
+        activation_cap=t.remat_budget_bytes or None,
+        probe=probe_candidate if probe else None,
+    )
+    choice = dataclasses.replace(choice, runnable=runnable.get(id(choice.chosen)), probe_seconds=spent[0])
     if learn:
         record_working(kind, key, choice.seen_ratios)
     return choice

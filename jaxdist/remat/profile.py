@@ -353,7 +353,7 @@ def abstract_mesh(mesh_shape: Mapping[str, int]) -> AbstractMesh:
     return AbstractMesh(sizes, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
-def _scan_unit(cfg: ModelConfig, layers: dict, names: dict, block_fn: Callable):
+def scan_unit(cfg: ModelConfig, layers: dict, names: dict, block_fn: Callable):
     """(fn(p, x, cos, sin), one scan step's abstract weights, their logical names): what the model scans.
 
     Dense model: one block per step.  MoE model (``model.moe.experts``): a
@@ -403,7 +403,7 @@ def profile_block(
     block_fn = block_fn or block_forward
     mesh = abstract_mesh(mesh_shape or {})
     _, abstract, names = create_abstract(cfg)
-    fn, layer, layer_names = _scan_unit(cfg, abstract["layers"], names["layers"], block_fn)
+    fn, layer, layer_names = scan_unit(cfg, abstract["layers"], names["layers"], block_fn)
     specs = {k: logical_to_spec(layer_names[k], rules, mesh, layer[k].shape) for k in layer}
     dt = jnp.bfloat16 if cfg.dtype == "bfloat16" else jnp.float32
     x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), dt)

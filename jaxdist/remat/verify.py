@@ -11,20 +11,26 @@ with the policy, so the answer is closed by compiling:
    ``jaxdist remat`` prints), each with its predicted saved activations and recompute FLOPs; duplicates
    (the same saved set) and points another candidate beats on both are dropped.
 2. **Prediction** (:class:`PeakModel`): peak = parameters + gradients + optimizer state (exact arithmetic)
-   + saved activations (the profile) + working space, the last a learned multiple (``ratio``, within a
-   learned range ``low``..``high``) of a reference (three float32 logits of a microbatch and twice the
-   values one block's backward pass reads).  The ratios are what compiles teach: they are kept per device
-   kind in the calibration cache (:mod:`jaxdist.planner.verify`) and reused by the next selection.
+   + saved activations (the profile) + working space.  XLA's working space moves by ~25 % between the
+   policies of one setting (75-137 MiB on the issue's setting), as much as the saved bytes of neighbouring
+   candidates differ, and nothing in the profile predicts it; a **probe** does: the temp of a compiled
+   forward and backward of a two-step scan of the block under the candidate's policy, less its residuals
+   (:func:`jaxdist.train.aot.block_working`), follows the whole step's working space to a few per cent
+   (residual 2.6 MiB on the issue's setting).  Probed, the ratio is what the step adds beyond the probe
+   (about 0); unprobed (``probe=None``), a learned multiple (``ratio``, within a learned range
+   ``low``..``high``) of a reference (three float32 logits of a microbatch and twice the values one block's
+   backward pass reads) stands for every candidate.  The ratios are what compiles teach: they are kept per
+   device kind in the calibration cache (:mod:`jaxdist.planner.verify`) and reused by the next selection.
 3. **The loop** (:func:`choose`): compile (an injected function, so this module stays pure) the
    least-recompute candidate predicted to fit, then, once one fits, the candidate with the largest expected
    gain: FLOPs below the best fit (predicted: the compiles' base plus predicted recompute) times the share
-   of the working-space range at which it would fit.  The range, not one number, is what matters: XLA's
-   working space moves by ~25 % between the policies of one setting (75-137 MiB on the issue's setting),
-   as much as the saved bytes of neighbouring candidates differ, so the fastest fit is often one predicted
-   over budget at the middle ratio.  At most ``max_compiles`` compiles in the normal course; if none of
+   of the working-space range at which it would fit (probed: the compiles' own ratios widened by
+   :data:`PROBED_MARGIN`; unprobed: the learned range, which is wide, so the fastest fit is often one
+   predicted over budget at the middle ratio).  A candidate is probed only when the loop weighs it and it
+   could fit at all.  At most ``max_compiles`` compiles in the normal course; if none of
    them fit, leaner candidates are compiled until one does (or none is left: ConfigError with the least
    peak seen).  The result is a :class:`VerifiedChoice`: the chosen candidate, every trial (predicted vs
-   compiled), the time spent.
+   compiled), the probes and the time spent.
 """
 
 from __future__ import annotations
@@ -50,6 +56,11 @@ FLOP_TOLERANCE = 0.005
 # The working-space range the compiles showed is widened by this share at each end for the candidates not
 # compiled: one setting's policies spread further than the few compiled ones show.
 RANGE_MARGIN = 0.1
+# With the candidates' working space probed (Candidate.working, jaxdist.train.aot.block_working), the step's
+# working space follows the probe to a few per cent (residual 2.6 MiB of 75-137 MiB on the issue's setting,
+# 0.02 of 3.3-4.6 MiB on tiny): the uncompiled candidates' range is the compiles' ratios widened by this share
+# of the compiled candidates' probed working space.
+PROBED_MARGIN = 0.05
 # The working-space range, as shares of the model's ratio, when none is given (jaxdist.planner.verify's).
 DEFAULT_SHARES = (0.5, 2.0)
 
@@ -65,6 +76,9 @@ class Candidate:
     recompute_flops: float
     saved: tuple[bool, ...] = field(repr=False, default=())
     plan: RematPlan | None = field(repr=False, default=None)
+    # XLA's working space of one scan step's backward under this candidate (jaxdist.train.aot.block_working),
+    # bytes per device, when probed: how the step's working space moves between candidates.
+    working: float | None = field(repr=False, default=None, compare=False)
 
     def policy(self) -> Any:
         """The jax.checkpoint policy (None: save everything; "full": save nothing)."""
@@ -104,11 +118,16 @@ def _from_plan(plan: RematPlan) -> Candidate:
 
 
 def candidates(
-    profile: BlockProfile, budgets: Sequence[float] = (), n_budgets: int = PLAN_BUDGETS, slack_share: float = 0.0
+    profile: BlockProfile,
+    budgets: Sequence[float] = (),
+    n_budgets: int = PLAN_BUDGETS,
+    slack_share: float = 0.0,
+    prune_beaten: bool = True,
 ) -> list[Candidate]:
     """Selector plans at ``budgets`` and at ``n_budgets`` activation budgets spread over the profile's range,
-    and every named policy (:func:`named_values`); one per saved set (a named one kept before a plan), none
-    that another beats on both bytes and FLOPs; least recompute first."""
+    and every named policy (:func:`named_values`); one per saved set (a named one kept before a plan); with
+    ``prune_beaten``, none that another beats on both bytes and FLOPs; least recompute first (a probed loop
+    keeps them all: a candidate saving more may have the smaller working space)."""
     lo, hi = budget_range(profile)
     spread = [lo + (hi - lo) * f for f in np.linspace(0.0, 1.0, n_budgets)]
     found: dict[tuple[bool, ...], Candidate] = {}
@@ -119,6 +138,8 @@ def candidates(
         c = _from_plan(plan_remat(profile, b, slack_share=slack_share))
         found.setdefault(c.saved, c)
     pool = sorted(found.values(), key=lambda c: (c.recompute_flops, c.activation_bytes))
+    if not prune_beaten:
+        return pool
     kept: list[Candidate] = []
     for c in pool:  # sorted by (FLOPs, bytes): a point is beaten by an earlier one no worse in both, better in one
         if not any(
@@ -189,6 +210,10 @@ class VerifiedChoice:
     # The chosen candidate's train step compiled as the run will run it (jaxdist.train.aot.RunnableStep: off
     # CPU), which the Trainer then runs instead of compiling again; None on CPU (compiled at LLVM level 0).
     runnable: Any = field(default=None, repr=False, compare=False)
+    # One-block probes of the candidates' working space (jaxdist.train.aot.block_working) the loop asked for
+    # and their seconds (0: not probed; a probe made before in this process is not counted again).
+    probes: int = 0
+    probe_seconds: float = 0.0
 
     @property
     def learned_ratio(self) -> float:
@@ -224,6 +249,7 @@ class VerifiedChoice:
             f"{self.chosen.recompute_flops / 1e9:.3g} GFLOP per step; peak per device predicted "
             f"{format_bytes(t.predicted)}, compiled {format_bytes(t.compiled)} ({err:+.1%}) of a "
             f"{format_bytes(self.budget_bytes)} budget; {len(self.trials)} compile(s) in {self.compile_seconds:.1f} s"
+            + (f", {self.probes} one-block probe(s) in {self.probe_seconds:.1f} s" if self.probes else "")
         )
 
     def applied(self) -> str:
@@ -249,6 +275,36 @@ class VerifiedChoice:
         return "\n".join(rows)
 
 
+class _Held:
+    """What the peak model adds for a candidate beside the fixed part and the working-space ratio x reference.
+
+    Unprobed: its saved activations.  Probed (``probe`` given, or every candidate's ``working`` set): saved
+    activations plus its probed working space, probed when first asked for (at most once per candidate), so
+    the ratio is what the whole step adds beyond the probe (about 0: logits and optimizer temps are not live
+    at the peak of the block backward).  :meth:`may_fit` says, without probing, whether a candidate could fit
+    at all: at half the least working space probed so far."""
+
+    def __init__(self, pool: Sequence[Candidate], probe: Callable[[Candidate], float] | None):
+        self.probe = probe
+        self.probed = probe is not None or (bool(pool) and all(c.working is not None for c in pool))
+        self.workings: dict[int, float] = {id(c): c.working for c in pool if c.working is not None}
+
+    def working(self, c: Candidate) -> float:
+        if id(c) not in self.workings:
+            self.workings[id(c)] = c.working if c.working is not None or self.probe is None else self.probe(c)
+        return float(self.workings[id(c)] or 0.0)
+
+    def __call__(self, c: Candidate) -> float:
+        return c.activation_bytes + (self.working(c) if self.probed else 0.0)
+
+    def may_fit(self, c: Candidate, model: PeakModel, budget_bytes: float, seen: Sequence[float]) -> bool:
+        if not self.probed:
+            return True
+        floor = 0.5 * min(self.workings.values(), default=0.0)
+        offset = min(0.0, model.ratio, *seen) * model.reference
+        return model.fixed + c.activation_bytes + floor + offset <= budget_bytes
+
+
 def choose(
     pool: Sequence[Candidate],
     budget_bytes: float,
@@ -256,6 +312,7 @@ def choose(
     compile_peak: Callable[[Candidate], tuple[float, float | None, float]],
     max_compiles: int = MAX_COMPILES,
     activation_cap: float | None = None,
+    probe: Callable[[Candidate], float] | None = None,
 ) -> VerifiedChoice:
     """The fewest-FLOPs candidate of ``pool`` found whose compiled peak is at most ``budget_bytes``.
 
@@ -270,6 +327,12 @@ def choose(
       of the ratio range at which it fits), counting only gains above :data:`FLOP_TOLERANCE`; stop when none
       is left or ``max_compiles`` are spent.
 
+    ``probe(candidate) -> bytes`` (or every candidate's ``working``): its working space, as
+    :func:`jaxdist.train.aot.block_working` measures it, is added to its saved activations, ``model.ratio``
+    is then what the step adds beyond it, and the range of the uncompiled candidates is the compiles' own
+    widened by :data:`PROBED_MARGIN` of the working space; a candidate is probed only when the loop weighs it
+    and it could fit at all (:class:`_Held`).
+
     ``activation_cap`` (``train.remat_budget_bytes``) also bounds the predicted saved activations.  Raises
     ConfigError when no candidate compiles within the budget.
     """
@@ -281,9 +344,10 @@ def choose(
             "train.memory_budget_bytes decide."
         )
     pool = sorted(pool, key=lambda c: (c.recompute_flops, c.activation_bytes))
+    held = _Held(pool, probe)
     trials: list[Trial] = []
     while True:
-        seen = [model.observed_ratio(t.candidate.activation_bytes, t.compiled) for t in trials]
+        seen = [model.observed_ratio(held(t.candidate), t.compiled) for t in trials]
         counted = [t.flops - t.candidate.recompute_flops for t in trials if t.flops is not None]
         base = float(np.mean(counted)) if counted else 0.0
 
@@ -300,15 +364,17 @@ def choose(
         tried = {id(t.candidate) for t in trials}
         todo = [c for c in pool if id(c) not in tried]
         if best is None:
-            nxt = _first_fit(todo, budget_bytes, model, max(seen) if seen else model.ratio)
+            nxt = _first_fit(todo, budget_bytes, model, max(seen) if seen else model.ratio, held, seen)
         else:
-            nxt = _probe(todo, budget_bytes, model, seen, rank(best), step)
+            nxt = _probe(
+                todo, budget_bytes, model, seen, rank(best), step, held, [held.working(t.candidate) for t in trials]
+            )
         if nxt is None:
             break
         peak, flops, secs = compile_peak(nxt)
-        predicted = model.peak(nxt.activation_bytes, float(np.median(seen)) if seen else None)
+        predicted = model.peak(held(nxt), float(np.median(seen)) if seen else None)
         trials.append(Trial(nxt, predicted, float(peak), flops, secs, peak <= budget_bytes))
-    seen = tuple(model.observed_ratio(t.candidate.activation_bytes, t.compiled) for t in trials)
+    seen = tuple(model.observed_ratio(held(t.candidate), t.compiled) for t in trials)
     if best is None:
         least = min(trials, key=lambda t: t.compiled) if trials else None
         where = (
@@ -319,13 +385,24 @@ def choose(
             f"({format_bytes(budget_bytes)} per device){where}: raise the budget, shard more (mesh.fsdp, "
             "mesh.tensor), or lower train.batch_size or raise train.microbatches."
         )
-    return VerifiedChoice(best.candidate, best, tuple(trials), float(budget_bytes), model, seen)
+    probes = len(held.workings) - sum(c.working is not None for c in pool) if held.probe is not None else 0
+    return VerifiedChoice(best.candidate, best, tuple(trials), float(budget_bytes), model, seen, probes=probes)
 
 
-def _first_fit(todo: Sequence[Candidate], budget_bytes: float, model: PeakModel, ratio: float) -> Candidate | None:
+def _first_fit(
+    todo: Sequence[Candidate],
+    budget_bytes: float,
+    model: PeakModel,
+    ratio: float,
+    held: _Held | None = None,
+    seen: Sequence[float] = (),
+) -> Candidate | None:
     """No fit yet: the least-recompute candidate predicted to fit at ``ratio``, else the leanest of ``todo``."""
-    fit = [c for c in todo if model.room(c.activation_bytes, budget_bytes) >= ratio]  # todo: by recompute
-    return fit[0] if fit else min(todo, key=lambda c: c.activation_bytes, default=None)
+    held = held or _Held(todo, None)
+    for c in todo:  # by recompute
+        if held.may_fit(c, model, budget_bytes, seen) and model.room(held(c), budget_bytes) >= ratio:
+            return c
+    return min(todo, key=lambda c: c.activation_bytes, default=None)
 
 
 def _probe(
@@ -335,19 +412,29 @@ def _probe(
     seen: Sequence[float],
     best_flops: float,
     step: Callable[[Candidate], float],
+    held: _Held | None = None,
+    compiled_working: Sequence[float] = (),
 ) -> Candidate | None:
     """With a fit of ``best_flops``: the candidate of largest expected gain (FLOPs saved x the share of the
-    working-space range at which it fits), or None when no candidate could gain more than the tolerance."""
-    lo, hi = model.ratio_range
-    lo, hi = min(lo, *seen), max(hi, *seen)
-    lo, hi = lo - RANGE_MARGIN * abs(lo), hi + RANGE_MARGIN * abs(hi)
+    working-space range at which it fits), or None when no candidate could gain more than the tolerance.
+
+    Probed (``held.probed``): the range is the compiles' own ratios widened by :data:`PROBED_MARGIN` of the
+    compiled candidates' probed working space (``compiled_working``), not the learned range of unprobed ones."""
+    held = held or _Held(todo, None)
+    if held.probed:
+        pad = PROBED_MARGIN * float(np.median(compiled_working)) / max(model.reference, 1.0)
+        lo, hi = min(seen) - pad, max(seen) + pad
+    else:
+        lo, hi = model.ratio_range
+        lo, hi = min(lo, *seen), max(hi, *seen)
+        lo, hi = lo - RANGE_MARGIN * abs(lo), hi + RANGE_MARGIN * abs(hi)
     width = max(hi - lo, 1e-9)
     best, value = None, 0.0
     for c in todo:
         gain = best_flops - step(c)
-        if gain <= FLOP_TOLERANCE * abs(best_flops):
+        if gain <= FLOP_TOLERANCE * abs(best_flops) or not held.may_fit(c, model, budget_bytes, seen):
             continue
-        share = min(1.0, max(0.0, (model.room(c.activation_bytes, budget_bytes) - lo) / width))
+        share = min(1.0, max(0.0, (model.room(held(c), budget_bytes) - lo) / width))
         if share * gain > value:
             best, value = c, share * gain
     return best
