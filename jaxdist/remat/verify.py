@@ -290,9 +290,10 @@ class _Held:
         self.workings: dict[int, float] = {id(c): c.working for c in pool if c.working is not None}
 
     def working(self, c: Candidate) -> float:
+        """``c``'s probed working space (bytes; 0 when nothing probes it), probed on the first call."""
         if id(c) not in self.workings:
-            self.workings[id(c)] = c.working if c.working is not None or self.probe is None else self.probe(c)
-        return float(self.workings[id(c)] or 0.0)
+            self.workings[id(c)] = float(self.probe(c)) if self.probe is not None else 0.0
+        return self.workings[id(c)]
 
     def __call__(self, c: Candidate) -> float:
         return c.activation_bytes + (self.working(c) if self.probed else 0.0)
@@ -394,11 +395,10 @@ def _first_fit(
     budget_bytes: float,
     model: PeakModel,
     ratio: float,
-    held: _Held | None = None,
-    seen: Sequence[float] = (),
+    held: _Held,
+    seen: Sequence[float],
 ) -> Candidate | None:
     """No fit yet: the least-recompute candidate predicted to fit at ``ratio``, else the leanest of ``todo``."""
-    held = held or _Held(todo, None)
     for c in todo:  # by recompute
         if held.may_fit(c, model, budget_bytes, seen) and model.room(held(c), budget_bytes) >= ratio:
             return c
@@ -412,15 +412,14 @@ def _probe(
     seen: Sequence[float],
     best_flops: float,
     step: Callable[[Candidate], float],
-    held: _Held | None = None,
-    compiled_working: Sequence[float] = (),
+    held: _Held,
+    compiled_working: Sequence[float],
 ) -> Candidate | None:
     """With a fit of ``best_flops``: the candidate of largest expected gain (FLOPs saved x the share of the
     working-space range at which it fits), or None when no candidate could gain more than the tolerance.
 
     Probed (``held.probed``): the range is the compiles' own ratios widened by :data:`PROBED_MARGIN` of the
     compiled candidates' probed working space (``compiled_working``), not the learned range of unprobed ones."""
-    held = held or _Held(todo, None)
     if held.probed:
         pad = PROBED_MARGIN * float(np.median(compiled_working)) / max(model.reference, 1.0)
         lo, hi = min(seen) - pad, max(seen) + pad
