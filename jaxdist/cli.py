@@ -393,8 +393,9 @@ def cmd_gen(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from jaxdist.convert_config import import_config, stored_config  # JAX-free: devices are set up first
+    from jaxdist.convert_config import check_destination, import_config, stored_config  # JAX-free: devices later
 
+    check_destination(args.direction, args.src, args.dst, args.force)
     if args.direction == "hf-to-jaxdist":
         cfg = import_config(args.src, args.dst, args.overrides)
     else:
@@ -467,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("dst", help="hf-to-jaxdist: the new run directory; jaxdist-to-hf: the output directory")
     cv.add_argument("--step", type=int, help="jaxdist-to-hf: the checkpoint step (default: newest)")
     cv.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="jaxdist-to-hf: tensor dtype")
+    cv.add_argument(
+        "--force", action="store_true", help="write into a non-empty output directory (never into the input)"
+    )
     cv.set_defaults(fn=cmd_convert)
 
     d = sub.add_parser(

@@ -18,7 +18,7 @@ import sys
 import tomllib
 from pathlib import Path
 
-from jaxdist.cluster import prepare_host_devices
+from jaxdist.cluster import load_cluster, prepare_host_devices
 from jaxdist.config import MESH_AXES, ConfigError, load_config
 from jaxdist.models.arithmetic import param_count
 
@@ -209,6 +209,12 @@ def cmd_calibrate(args) -> int:
     from jaxdist.planner.calibrate import write_calibration
 
     devices = jax.devices()
+    kind = load_cluster(args.cluster).device_kind
+    if devices[0].device_kind.lower() != kind.lower():  # a calibration is read back for its device kind
+        raise ConfigError(
+            f"the devices here are {devices[0].device_kind}, but --cluster {args.cluster} describes {kind}: "
+            f"calibrate on {kind} devices, or name a cluster of these devices (e.g. --cluster cpu-8)."
+        )
     print(f"calibrating on {len(devices)} x {devices[0].device_kind} against {args.cluster} ...", file=sys.stderr)
     cal = calibrate(devices, cluster=args.cluster, model=args.model)
     path = write_calibration(cal, args.out)

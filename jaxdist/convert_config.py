@@ -15,6 +15,50 @@ def _at_run(run_dir: Path) -> list[str]:
     return [f"train.runs_dir={run_dir.parent}", f"train.name={run_dir.name}"]
 
 
+def _is_run(d: Path) -> bool:
+    """A jaxdist run directory: checkpoints, a batch list or a run config (a ``train`` table) in it."""
+    if (d / "checkpoints").is_dir() or (d / "batchlist").is_dir() or (d / "metrics.jsonl").is_file():
+        return True
+    try:
+        return "train" in json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def _is_hf_model(d: Path) -> bool:
+    """A Hugging Face model directory: safetensors files or a config.json with a ``model_type``."""
+    if any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file():
+        return True
+    try:
+        return "model_type" in json.loads((d / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def check_destination(direction: str, src: str | Path, dst: str | Path, force: bool = False) -> None:
+    """Refuse (ConfigError) a conversion that would write into its own input, into a directory of the other
+    kind (a run for a Hugging Face export, a model for an import), or over files it did not make (unless
+    ``force``).  Nothing has been written when it refuses."""
+    s, d = Path(src).resolve(), Path(dst).resolve()
+    if s == d or s in d.parents or d in s.parents:
+        raise ConfigError(
+            f"the output {dst} is {'the input' if s == d else 'inside or around the input'} {src}: "
+            "write the conversion to a new directory."
+        )
+    if not d.exists():
+        return
+    if not d.is_dir():
+        raise ConfigError(f"the output {dst} is a file, not a directory: name a new directory.")
+    if direction == "jaxdist-to-hf" and _is_run(d):
+        raise ConfigError(f"the output {dst} is a jaxdist run directory: export the model to a new directory.")
+    if direction == "hf-to-jaxdist" and _is_hf_model(d):
+        raise ConfigError(f"the output {dst} is a Hugging Face model directory: import into a new run directory.")
+    if any(d.iterdir()) and not force:
+        raise ConfigError(
+            f"the output {dst} is not empty: name a new directory, or pass --force to write over its files."
+        )
+
+
 def import_config(hf_dir: str | Path, run_dir: str | Path, overrides: list[str] = ()) -> Config:
     """The config of a run at ``run_dir`` fine-tuning ``hf_dir`` (model from its config.json; ``overrides``
     as for ``jaxdist train``, which win over the run directory's place)."""

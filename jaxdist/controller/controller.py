@@ -40,6 +40,7 @@ from typing import Any, Callable
 from jaxdist.cluster import load_cluster
 from jaxdist.config import Config, ConfigError
 from jaxdist.controller import policy
+from jaxdist.run_owner import RunLock
 from jaxdist.controller.generations import GenerationLifecycle
 from jaxdist.controller.health import HealthHistory, Period, Thresholds, job_step_s
 from jaxdist.controller.health_actions import HealthActions
@@ -93,6 +94,9 @@ class Controller(GenerationLifecycle, HealthActions):
     def __init__(self, cfg: Config, config_args: list[str], echo: bool = False, allocation: str = ""):
         cc = self.cc = cfg.controller
         self.cfg = cfg
+        # The job's workers write the run under this lock (jaxdist.run_owner); a second job or `jaxdist train`
+        # on the same run is refused, and the lock goes with this process.
+        self.run_lock = RunLock(cfg.run_dir, "the controller of a launched job").acquire()
         self.dir = controller_dir(cfg)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.token = load_or_create_token(self.dir / "token")

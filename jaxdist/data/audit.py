@@ -84,6 +84,47 @@ def trained_batches(run_dir: str | Path) -> list[dict[str, Any]]:
     return [lineage[s] for s in sorted(lineage)]
 
 
+def history_problems(run_dir: str | Path) -> list[str]:
+    """What shows that the training log is not one history: two writers whose records interleave (two
+    processes trained the run at once), a writer that logs a step twice (a duplicated record), or no log at
+    all beside checkpoints past step 0.  Records without a ``writer`` (older runs) are not judged."""
+    run = Path(run_dir)
+    records = [r for r in read_records(run / "metrics.jsonl") if r.get("kind") == "train" and "batch_id" in r]
+    problems: list[str] = []
+    if not records:
+        steps = [int(p.name) for p in (run / "checkpoints").glob("*") if p.name.isdigit() and int(p.name) > 0]
+        if steps:
+            problems.append(
+                f"no training log ({run / 'metrics.jsonl'} is missing or empty) although checkpoints reach step "
+                f"{max(steps)}: which batches were trained cannot be checked"
+            )
+        return problems
+    done: set[str] = set()
+    current, last = None, None
+    interleaved, repeated = [], []
+    for r in records:
+        w, step = r.get("writer"), int(r["step"])
+        if w is None:
+            continue
+        if w != current:
+            if w in done:
+                interleaved.append(step)
+            if current is not None:
+                done.add(current)
+            current, last = w, None
+        elif last is not None and step <= last:
+            repeated.append(step)
+        last = step
+    if interleaved:
+        problems.append(
+            f"two writers' histories: the records of {len(done | {current})} writers interleave "
+            f"({len(interleaved)} times, first at step {interleaved[0]}): two processes trained this run at once"
+        )
+    if repeated:
+        problems.append(f"{len(repeated)} step(s) logged twice by one writer (first: step {repeated[0]})")
+    return problems
+
+
 def check_exactly_once(run_dir: str | Path, version: int | None = None) -> dict[str, Any]:
     """Trained batches (from the log) against the journal's ``version`` (default newest).
 
@@ -173,6 +214,9 @@ def verify(run_dir: str | Path, full: bool = False) -> tuple[bool, list[str]]:
             except BatchListError as e:
                 ok = False
                 lines.append(f"source {s.id}: {e}")
+    for problem in history_problems(run_dir):
+        ok = False
+        lines.append(f"training log: {problem}")
     if good and trained_batches(run_dir):
         r = check_exactly_once(run_dir, max(good))
         ok &= r["ok"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +16,15 @@ from jaxdist.train.tracking import scalars
 class MetricsWriter:
     """Appends one JSON object per record to ``<run>/metrics.jsonl`` and mirrors scalars to TensorBoard.
 
-    Records carry a ``kind`` ("train", "eval", ...) and a ``step``.  Writing is a
-    no-op on processes other than 0 so every process can call it.
+    Records carry a ``kind`` ("train", "eval", ...), a ``step`` and the ``writer``
+    (an id of this writer, new for each Trainer: ``jaxdist data verify`` tells
+    two writers' histories apart from a resumed one by it).  Writing is a no-op
+    on processes other than 0 so every process can call it.
     """
 
     def __init__(self, run_dir: str | Path, enabled: bool = True, tensorboard: bool = True, tracker: Any = None):
         self.enabled = enabled
+        self.writer = uuid.uuid4().hex[:12]
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
         self._tb = None
@@ -40,8 +44,9 @@ class MetricsWriter:
             return
         record = {"kind": kind, "step": int(step)}
         record.update({k: _plain(v) for k, v in values.items()})
+        record["writer"] = self.writer
         self._file.write(json.dumps(record) + "\n")
-        tags = scalars(kind, {k: v for k, v in record.items() if k not in ("kind", "step")})
+        tags = scalars(kind, {k: v for k, v in record.items() if k not in ("kind", "step", "writer")})
         if self._tb is not None:
             for tag, v in tags.items():
                 self._tb.add_scalar(tag, v, int(step))

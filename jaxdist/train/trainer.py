@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -24,6 +25,7 @@ import optax
 from jax.sharding import NamedSharding
 
 from jaxdist.checkpoint import RunCheckpointer
+from jaxdist.checkpoint.compat import layout_change
 from jaxdist.checkpoint.local import LocalTier, resolve_dir
 from jaxdist.config import Config, ConfigError
 from jaxdist.config_checks import is_resolved, validate
@@ -39,6 +41,7 @@ from jaxdist.parallel.grad_sync import per_block_grads_fn
 from jaxdist.parallel.pipeline_sync import StageSync
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh, mesh_devices
+from jaxdist.run_owner import RunLock, set_aside_history, under_job
 from jaxdist.remat.named import remat_policy
 from jaxdist.train.callbacks import (
     Callback,
@@ -75,9 +78,32 @@ class Trainer:
 
     def __init__(self, config: Config, devices: list | None = None):
         self._build_parallelism(config, devices)
-        c = config
         self.is_main = jax.process_index() == 0
-        self.run_dir = c.run_dir
+        self.run_dir = config.run_dir
+        # One writer per run: process 0 holds the run's lock (a launched job's controller holds it for its workers).
+        self._lock = RunLock(self.run_dir, "jaxdist train") if self.is_main and not under_job() else None
+        if self._lock is not None:
+            self._lock.acquire()
+        try:
+            self._build_run()
+        except BaseException:
+            self.close_lock()
+            raise
+
+    def _build_run(self) -> None:
+        """Everything past the mesh, with the run's lock held: a fresh start's history set aside, the model,
+        programs, data, checkpoints and metrics."""
+        c = self.config
+        self.set_aside: Path | None = None  # where checkpoint.resume=false moved the run's earlier history
+        if self.is_main and not c.checkpoint.resume and not under_job():
+            self.set_aside = set_aside_history(self.run_dir)
+            if self.set_aside is not None:
+                log.warning(
+                    "checkpoint.resume=false: the run's earlier history (%s) is set aside in %s; this run starts "
+                    "from step 0",
+                    ", ".join(p.name for p in sorted(self.set_aside.iterdir())),
+                    self.set_aside,
+                )
         self._build_comm()  # the gradient collectives' plan and the XLA options that follow it
         self._build_model()  # remat policy, abstract sharded model, optimizer, state shardings
         self._build_programs()  # the jitted init, train and eval functions (compiled on first use)
@@ -99,6 +125,8 @@ class Trainer:
         self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
         self.skipped_steps: list[int] = []  # steps skipped for a non-finite loss or gradient norm (skip_nonfinite)
         self._build_checkpoints()  # the persistent tier and the node-local one
+        if self.local is not None and not c.checkpoint.resume:  # a fresh start: no older run's local steps
+            self.local.clear()
         tracker = open_tracker(c.train.tracker, self.run_dir, c.train.name, c.to_dict()) if self.is_main else None
         self.metrics = MetricsWriter(
             self.run_dir, enabled=self.is_main, tensorboard=c.train.tensorboard, tracker=tracker
@@ -308,6 +336,12 @@ class Trainer:
             )
         if resume and ck.latest_step() is not None:
             step = ck.latest_step()
+            change = layout_change(ck.directory / str(step), self.abstract_state())
+            if change is not None:
+                raise ConfigError(
+                    f"cannot resume {ck.directory}/{step}: {change}; resume with the run's settings, or start a "
+                    "new run (another train.name, or checkpoint.resume=false to set this history aside)."
+                )
             try:  # the newest checkpoint whose checksums hold; damaged ones are skipped with a warning
                 state, meta = ck.restore(self.abstract_state())
             except (ValueError, KeyError) as e:
@@ -538,12 +572,20 @@ class Trainer:
         )
 
     def close(self) -> None:
-        """Wait for pending checkpoint writes and close files."""
-        if self.local is not None:
-            self.local.close()
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-        self.metrics.close()
+        """Wait for pending checkpoint writes, close files and give the run's lock back."""
+        try:
+            if self.local is not None:
+                self.local.close()
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+            self.metrics.close()
+        finally:
+            self.close_lock()
+
+    def close_lock(self) -> None:
+        """Give the run's lock back (another process may then write the run)."""
+        if getattr(self, "_lock", None) is not None:
+            self._lock.release()
 
     def describe(self) -> str:
         """One paragraph: mesh, model size, batch, where the run lives."""
