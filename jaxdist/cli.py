@@ -580,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"jaxdist: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was committed stays (a run resumes from its newest checkpoint)
+        print(f"jaxdist: {args.command} interrupted (Ctrl-C); what it had finished is kept.", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -189,14 +189,26 @@ def _coerce(key: str, value: Any, typ) -> Any:
                 raise ValueError
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
-            return int(value)
+            n = int(value)
+            if not -(2**63) <= n < 2**63:  # no setting counts that far; a huge one would only hang or overflow later
+                raise ConfigError(f"config key '{key}'={value} does not fit in 64 bits: give a realistic value.")
+            return n
         if typ is float:
             if isinstance(value, bool):
                 raise ValueError
             return float(value)
         if typ is str:
-            return str(value)
-    except (TypeError, ValueError):
+            if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+                raise ValueError  # a TOML list or table is not a name (str() would make the run '['a']')
+            text = str(value)
+            if any(ord(ch) < 32 and ch not in "\t\n" for ch in text):
+                raise ConfigError(
+                    f"config key '{key}' holds a control character ({text!r}): names and paths take printable text."
+                )
+            return text
+    except ConfigError:
+        raise
+    except (TypeError, ValueError, OverflowError):
         pass
     else:
         return value
@@ -284,6 +296,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             ) from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file '{p}' is not valid TOML ({e}): fix the syntax.") from None
+        except RecursionError:
+            raise ConfigError(f"config file '{p}' nests arrays or tables too deeply to read: flatten it.") from None
         for k, v in _ordered(_flatten(data)):
             cfg = _set(cfg, k, v)
             explicit.add(k)

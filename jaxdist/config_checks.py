@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jaxdist.errors import ConfigError
+from jaxdist.config_ranges import check_ranges
 
 # The checkpoint_name tags of a model block, in the order a block computes them (a remat policy saves a subset:
 # ``train.remat=save:NAME[,NAME]``).  Defined here, below the config, so that train.remat is checked when a config
@@ -342,6 +343,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     """
     for section in (cfg.model, cfg.train, cfg.data, cfg.checkpoint, cfg.mesh, cfg.controller, cfg.pipeline):
         section.check()
+    check_ranges(cfg)
     m, t = cfg.model, cfg.train
     if t.seq_len > m.max_seq_len:
         raise ConfigError(

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from typing import Any, Sequence
 
 from jaxdist.cluster import load_cluster, memory_budget
-from jaxdist.config import Config
+from jaxdist.config import Config, ConfigError
 from jaxdist.config_checks import mark_resolved, unused_devices_note, validate, validate_devices
 from jaxdist.data.manifest import settle_tokenizer
+from jaxdist.models.arithmetic import param_count, train_state_bytes
 from jaxdist.models.attention import attention_note, check_attention_platform
 from jaxdist.parallel.mesh import mesh_devices
 from jaxdist.planner.plan import resolve_auto
@@ -55,6 +57,7 @@ def resolve(config: Config, devices: Sequence[Any]) -> Config:
         validate(config)  # a new config: the planner's choices meet every rule
         log.info("planned mesh: %s", " ".join(f"{a}={n}" for a, n in config.mesh.sizes().items()))
     validate_devices(config, len(devices))
+    check_fits(config, devices)
     check_attention_platform(config.model, devices[0].platform)
     log.info("%s", attention_note(config.model, config.train.seq_len, devices[0]))
     if config.train.remat_spec.kind == "auto":  # every process computes the same plan (FLOPs over peak)
@@ -68,6 +71,44 @@ def resolve(config: Config, devices: Sequence[Any]) -> Config:
         log.info("remat plan: %s", plan.describe())
     mark_resolved(config, len(devices))
     return config
+
+
+def device_memory_bytes(config: Config, device: Any) -> tuple[float, str]:
+    """(bytes one device can hold, where that figure comes from): the runtime's limit on accelerators, this
+    host's memory shared by its devices on CPU, else the cluster file's ``memory_bytes``."""
+    local = jax_local_devices(device)
+    device = local[0] if local else device  # memory_stats() answers only for this process's devices
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return float(stats["bytes_limit"]), f"{device.device_kind}'s memory"
+    if device.platform == "cpu":
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            return host / max(len(local), 1), "this host's memory shared by its CPU devices"
+        except (OSError, ValueError):
+            pass
+    return float(load_cluster(config.mesh.cluster).memory_bytes), f"mesh.cluster={config.mesh.cluster}"
+
+
+def jax_local_devices(device: Any) -> list:
+    """The devices of ``device``'s process (its client's addressable devices)."""
+    client = getattr(device, "client", None)
+    return list(client.local_devices()) if client is not None else [device]
+
+
+def check_fits(config: Config, devices: Sequence[Any]) -> None:
+    """Refuse (one sentence) a model whose train state cannot fit the devices even split over all of them:
+    allocating it would fail or page the host for minutes."""
+    n = len(devices)
+    need = train_state_bytes(param_count(config.model) / n, config.model.param_dtype).total
+    have, where = device_memory_bytes(config, devices[0])
+    if need > have:
+        gib = 1 << 30
+        raise ConfigError(
+            f"the train state of this model (parameters, gradients and AdamW moments: {need * n / gib:,.1f} GiB) "
+            f"cannot fit {n} devices of {have / gib:,.1f} GiB ({where}) even split over all of them: make the "
+            "model smaller (model.d_model, model.n_layers, model.vocab_size) or use more devices."
+        )
 
 
 def setting_key(config: Config, mesh_sizes: dict) -> str:

@@ -1,0 +1,57 @@
+"""Values outside their meaning: numbers a field's mathematics cannot use, refused before anything runs.
+
+Each section's own check (``config_checks``) tests what makes a setting
+impossible with the others; these are the ranges of single values that are
+accepted by their type but only fail later, as a ``nan`` loss at step 1 or a
+traceback deep in a library: a beta of 1.5, a learning-rate floor above the
+peak, a negative seed, a rotary base of 0, an odd head size.  One sentence
+each, naming the key and the range.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from jaxdist.errors import ConfigError
+
+SEED_MAX = 2**32 - 1  # jax.random.key and numpy's default_rng both take it; larger ones overflow in JAX
+POSITIONS_MAX = 2**31 - 1  # token positions are int32
+
+
+def _finite(key: str, v: float, low: float, high: float, low_open: bool = False, high_open: bool = False) -> None:
+    ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+    if not ok:
+        lo = f"{'>' if low_open else '>='} {low:g}"
+        hi = "" if math.isinf(high) else f" and {'<' if high_open else '<='} {high:g}"
+        raise ConfigError(f"{key}={v} is outside its range: it must be a finite number {lo}{hi}.")
+
+
+def check_ranges(cfg: Any) -> None:
+    """Raise ConfigError for the first value of ``cfg`` outside its meaning (see the module docstring)."""
+    t, m, d = cfg.train, cfg.model, cfg.data
+    _finite("train.b1", t.b1, 0, 1, high_open=True)  # AdamW's moment decays: 1 never forgets, > 1 diverges
+    _finite("train.b2", t.b2, 0, 1, high_open=True)
+    _finite("train.min_lr_ratio", t.min_lr_ratio, 0, 1)  # the floor of the schedule, a share of the peak
+    _finite("train.learning_rate", t.learning_rate, 0, 1e3)
+    if t.eval_batches < 1:
+        raise ConfigError(
+            f"train.eval_batches={t.eval_batches} must be positive: an evaluation of no batches has no loss "
+            "(set train.eval_every=0 to evaluate only at the end, with at least one batch)."
+        )
+    if t.eval_every < 0:
+        raise ConfigError(f"train.eval_every={t.eval_every} must be 0 (only at the end) or positive.")
+    for key, seed in (("train.seed", t.seed), ("data.seed", d.seed)):
+        if not 0 <= seed <= SEED_MAX:
+            raise ConfigError(f"{key}={seed} is not a seed: use a whole number from 0 to {SEED_MAX}.")
+    _finite("model.rope_theta", m.rope_theta, 0, math.inf, low_open=True, high_open=True)
+    _finite("model.norm_eps", m.norm_eps, 0, 1, low_open=True)
+    if m.head_dim % 2:
+        raise ConfigError(
+            f"model.head_dim={m.head_dim} is odd: rotary embeddings turn pairs of dimensions, so it must be even."
+        )
+    if m.max_seq_len > POSITIONS_MAX:
+        raise ConfigError(
+            f"model.max_seq_len={m.max_seq_len} is beyond the int32 positions a model can address ({POSITIONS_MAX})."
+        )
+    _finite("model.init_std", m.init_std, 0, 10, low_open=True)
