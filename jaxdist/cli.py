@@ -130,12 +130,12 @@ def cmd_train(args) -> int:
             print(f"jaxdist: note: {notice}", file=sys.stderr)
         history = trainer.fit()
         # fit() evaluated at its last step (every process: evaluate() is a collective)
-        eval_loss = trainer.last_eval[1] if history and trainer.last_eval else float("nan")
+        evaluated = f"eval loss {trainer.last_eval[1]:.3f}" if history and trainer.last_eval else "no evaluation"
         if jax.process_index() == 0 and history:
             first, last = history[0], history[-1]
             print(
                 f"steps {first['step']}..{last['step']}: loss {first['loss']:.3f} -> {last['loss']:.3f}, "
-                f"eval loss {eval_loss:.3f}, {last['tokens_per_s']:.0f} tokens/s; "
+                f"{evaluated}, {last['tokens_per_s']:.0f} tokens/s; "
                 f"outputs in {trainer.run_dir}",
                 file=sys.stderr,
             )

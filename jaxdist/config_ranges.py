@@ -10,8 +10,10 @@ each, naming the key and the range.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any
+import typing
+from typing import Any, Literal
 
 from jaxdist.errors import ConfigError
 
@@ -27,18 +29,35 @@ def _finite(key: str, v: float, low: float, high: float, low_open: bool = False,
         raise ConfigError(f"{key}={v} is outside its range: it must be a finite number {lo}{hi}.")
 
 
+def check_choices(section: Any, prefix: str) -> None:
+    """Every Literal-typed field of ``section`` and the sections inside it holds one of its values, whether or
+    not the setting is in use (``model.moe.router=bogus`` on a dense model is a typo all the same)."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value, typ = getattr(section, f.name), hints.get(f.name)
+        if dataclasses.is_dataclass(value):
+            check_choices(value, f"{prefix}{f.name}.")
+        elif typing.get_origin(typ) is Literal and value not in typing.get_args(typ):
+            allowed = [str(a) for a in typing.get_args(typ)]
+            raise ConfigError(
+                f"{prefix}{f.name}='{value}' is not one of its values: use "
+                + (", ".join(allowed[:-1]) + f" or {allowed[-1]}" if len(allowed) > 1 else allowed[0])
+                + "."
+            )
+
+
 def check_ranges(cfg: Any) -> None:
     """Raise ConfigError for the first value of ``cfg`` outside its meaning (see the module docstring)."""
+    for f in dataclasses.fields(cfg):
+        if dataclasses.is_dataclass(getattr(cfg, f.name)):
+            check_choices(getattr(cfg, f.name), f"{f.name}.")
     t, m, d = cfg.train, cfg.model, cfg.data
     _finite("train.b1", t.b1, 0, 1, high_open=True)  # AdamW's moment decays: 1 never forgets, > 1 diverges
     _finite("train.b2", t.b2, 0, 1, high_open=True)
     _finite("train.min_lr_ratio", t.min_lr_ratio, 0, 1)  # the floor of the schedule, a share of the peak
     _finite("train.learning_rate", t.learning_rate, 0, 1e3)
-    if t.eval_batches < 1:
-        raise ConfigError(
-            f"train.eval_batches={t.eval_batches} must be positive: an evaluation of no batches has no loss "
-            "(set train.eval_every=0 to evaluate only at the end, with at least one batch)."
-        )
+    if t.eval_batches < 0:
+        raise ConfigError(f"train.eval_batches={t.eval_batches} must be 0 (no evaluation) or positive.")
     if t.eval_every < 0:
         raise ConfigError(f"train.eval_every={t.eval_every} must be 0 (only at the end) or positive.")
     for key, seed in (("train.seed", t.seed), ("data.seed", d.seed)):
@@ -55,3 +74,12 @@ def check_ranges(cfg: Any) -> None:
             f"model.max_seq_len={m.max_seq_len} is beyond the int32 positions a model can address ({POSITIONS_MAX})."
         )
     _finite("model.init_std", m.init_std, 0, 10, low_open=True)
+    if m.moe.every <= 0:
+        raise ConfigError(f"model.moe.every={m.moe.every} must be positive: every k-th block is an MoE block.")
+    if d.max_bytes < 0:
+        raise ConfigError(f"data.max_bytes={d.max_bytes} must be 0 (all the text) or positive.")
+    c = cfg.checkpoint
+    if c.local_every <= 0 or c.local_keep <= 0:
+        raise ConfigError(
+            f"checkpoint.local_every={c.local_every} and checkpoint.local_keep={c.local_keep} must be positive."
+        )

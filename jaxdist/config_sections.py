@@ -320,6 +320,17 @@ class MeshConfig:
 # --------------------------------------------------------------------------- remat
 
 
+# jax.checkpoint_policies that take no arguments (train.remat=NAME); listed here to keep the config free of JAX.
+JAX_POLICIES = (
+    "nothing_saveable",
+    "dots_saveable",
+    "dots_with_no_batch_dims_saveable",
+    "everything_saveable",
+    "checkpoint_dots",
+    "checkpoint_dots_with_no_batch_dims",
+)
+
+
 @dataclass(frozen=True)
 class Remat:
     """``train.remat`` parsed once: what each scanned block saves for its backward pass.
@@ -354,7 +365,7 @@ class Remat:
                 )
             check_checkpoint_names(value, names)
             return cls("names", names=names)
-        if not value.isidentifier() or value.startswith("save_"):
+        if value not in JAX_POLICIES:
             raise ConfigError(
                 f"train.remat='{value}' is unknown: use none, full, auto, save:NAME[,NAME] or one of "
                 "nothing_saveable, dots_saveable, dots_with_no_batch_dims_saveable, everything_saveable."
@@ -426,7 +437,7 @@ class TrainConfig:
     )
     log_every: int = _f(10, "Write metrics every N steps (console, JSONL, TensorBoard).")
     eval_every: int = _f(100, "Evaluate on the held-out split every N steps (0: only at the end).")
-    eval_batches: int = _f(4, "Held-out batches per evaluation.")
+    eval_batches: int = _f(4, "Held-out batches per evaluation (0: no evaluation at all).")
     progress: bool = _f(True, "Show a progress bar on the console (process 0 only).")
     tensorboard: bool = _f(True, "Write TensorBoard event files under <run>/tb/.")
     profile_steps: tuple[int, ...] = _f(

@@ -296,6 +296,7 @@ class Endpoint:
         self._fd_ident: dict[int, str] = {}
         self.connected: dict[str, bool] = {}
         self._disconnects: list[tuple[str, float]] = []
+        host = host.strip("[]")  # controller.bind=[::1] is written as in a URL: the brackets are added below
         host_part = f"[{host}]" if ":" in host else host
         if ":" in host:
             self.sock.setsockopt(zmq.IPV6, 1)

@@ -463,6 +463,8 @@ class Trainer:
 
     def evaluate(self, params: dict | None = None) -> float:
         """Mean held-out loss (nats/token) over ``train.eval_batches`` fixed batches."""
+        if not self.config.train.eval_batches:
+            raise ConfigError("train.eval_batches=0 leaves no held-out batches to evaluate: set it to 1 or more.")
         params = self.state["params"] if params is None else params
         losses = []
         for i in range(self.config.train.eval_batches):
@@ -504,7 +506,7 @@ class Trainer:
             [LogMetrics(c.train.log_every)]
             + ([bar] if bar else [])
             + self.callbacks
-            + [Evaluate(c.train.eval_every)]
+            + ([Evaluate(c.train.eval_every)] if c.train.eval_batches else [])  # eval_batches=0: no evaluation
             + ([SaveLocal(c.checkpoint.local_every)] if self.local is not None else [])  # before the persistent
             + ([saving] if saving else [])
         )
