@@ -160,7 +160,8 @@ def rewrite_marker(step_dir, change):
     path = step_dir / integrity.COMMIT_FILE
     marker = json.loads(path.read_text())
     change(marker)
-    marker["marker_crc32"] = integrity.marker_crc32(marker)
+    body = {k: v for k, v in marker.items() if k != "marker_crc32"}  # the CRC-32 of the rest, canonical JSON
+    marker["marker_crc32"] = f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
     path.write_text(json.dumps(marker))
 
 

@@ -218,11 +218,6 @@ def test_failures_hang_and_controller_restart(tmp_path):
     assert set(starts[0]["members"].values()) != set(events_of(job, "start")[0]["members"].values())  # swapped
     assert events_of(job, "attached")[0]["gen"] == 2
     assert state["rejected_messages"] >= 1 and state["phase"] == "done"
-    print(
-        f"rejected {state['rejected_messages']}, stale (the agents' own, queued across the restart) "
-        f"{state['stale_messages']}"
-    )
-    assert state["stale_messages"] >= 1  # issue 35 item 6: the agents' queued heartbeats, not counted as attacks
     log = (job.dir / "controller.1.log").read_text()
     assert "refused a connection: its handshake failed (no CURVE, or keys not from the job token)" in log
     restarted = (job.dir / "controller.2.log").read_text()
@@ -230,6 +225,7 @@ def test_failures_hang_and_controller_restart(tmp_path):
     assert "rejected a message from n:replayer" in restarted and "before this process started" in restarted
     rejected = [line for line in restarted.splitlines() if "rejected a message from" in line]
     assert all("from n:replayer" in line for line in rejected), rejected  # none of the job's own agents
+    assert state.get("stale_messages", 0) >= 1  # issue 35 item 6: the agents' queued heartbeats, set apart
     assert ports and all(a.startswith("127.0.0.1:") for a in ports), ports
 
 
