@@ -37,7 +37,7 @@ class ControllerConfig:
     hosts_file: str = _f("", "SSH launcher: a file with one host per line.")
     min_nodes: int = _f(
         1,
-        "Training starts once this many nodes are ready (see start_grace), and goes on with no fewer: after failures it continues on a smaller group the mesh and batch allow, down to this. On Slurm the batch script asks for min_nodes..max_nodes nodes (plus the standbys): a job started small takes the nodes free at its next start.",
+        "Training starts once this many nodes are ready (see start_grace), and goes on with no fewer: after failures it continues on a smaller group the mesh and batch allow, down to this. On Slurm the batch script asks for --nodes=min_nodes-(max_nodes + standbys): the standbys never keep a job from starting, and a job started small takes the nodes free at its next start.",
     )
     start_grace: float = _f(
         0.0,
@@ -48,7 +48,8 @@ class ControllerConfig:
         "Train on at most this many nodes (0: the cluster description's node count); the others wait as standbys, and a restart takes the ready standbys beyond the group while it has fewer nodes (the largest group the mesh and batch allow).",
     )
     standbys: int = _f(
-        1, "Nodes `jaxdist launch` starts beyond max_nodes, as warm standbys (on Slurm: nodes of the allocation)."
+        1,
+        "Nodes `jaxdist launch` starts beyond max_nodes, as warm standbys (on Slurm: the most the allocation may hold beyond max_nodes; Slurm may give fewer, never keeping the job from starting).",
     )
     heartbeat_interval: float = _f(0.25, "Seconds between two heartbeats of a worker or node agent.")
     heartbeat_timeout: float = _f(

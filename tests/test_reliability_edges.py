@@ -106,6 +106,25 @@ def test_item1_all_checkpoints_damaged_keeps_refusing(base, tmp_path, capsys):
         assert int(t.init_state()["step"]) == 0  # the user said otherwise: start over
 
 
+def test_item1_a_flipped_byte_in_every_commit_marker_is_refused_not_a_restart(base, tmp_path, capsys):
+    # Issue 35 item 5: a marker that exists but does not parse is damage, never an unfinished save.
+    ckdir = copy_run(base, tmp_path, "m") / "checkpoints"
+    for step in ("2", "4"):
+        marker = ckdir / step / integrity.COMMIT_FILE
+        data = bytearray(marker.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        marker.write_bytes(bytes(data))
+    assert cli.main(["ckpt", "verify", str(ckdir.parent)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("DAMAGED") == 2 and out.count("does not parse") == 2, out
+    run = ["train", *args(tmp_path, "m", "train.steps=6")]
+    for _ in range(2):  # and the same command again
+        assert cli.main(run) == 2
+        err = capsys.readouterr().err.splitlines()[-1]
+        assert err.startswith("jaxdist: every checkpoint") and "steps 2, 4" in err, err
+    assert sorted(p.name for p in ckdir.iterdir()) == ["2.damaged", "4.damaged"]  # nothing trained, no .incomplete
+
+
 # --------------------------------------------------------------------------- 2
 
 

@@ -6,7 +6,10 @@ process records the size and CRC-32 of the files it wrote in
 ``jaxdist_checksums/process_<i>.json``; once every process has done so,
 process 0 merges them into ``jaxdist_commit.json``, written atomically
 (temporary file, fsync, rename).  Only a step folder with that marker is a
-checkpoint; a folder without it is an incomplete save and is ignored.
+checkpoint; a folder without it is an incomplete save and is ignored.  A
+marker that exists but does not parse, or does not match what it describes
+(its own CRC-32, its step, its byte counts), is damage, not an unfinished
+save: :func:`marker_problem` names it and the folder is a "bad-marker" one.
 
 Which process wrote a file follows orbax's layout: ``state/ocdbt.process_<i>/``
 and ``*/array_metadatas/process_<i>`` are process i's, the rest process 0's.
@@ -24,7 +27,8 @@ from typing import Any, Iterable
 
 COMMIT_FILE = "jaxdist_commit.json"
 CHECKSUM_DIR = "jaxdist_checksums"
-FORMAT = "jaxdist-checkpoint-v1"
+FORMAT = "jaxdist-checkpoint-v2"  # v2: the marker records its own CRC-32 (``marker_crc32``)
+FORMATS = ("jaxdist-checkpoint-v1", FORMAT)  # v1 markers (no CRC-32 of their own) are still read
 _CHUNK = 4 * 2**20  # bytes read at a time while checksumming
 _PROCESS_PART = re.compile(r"(?:^|/)(?:ocdbt\.process_|array_metadatas/process_)(\d+)(?:/|$)")
 
@@ -116,17 +120,68 @@ def commit(step_dir: Path, num_processes: int, info: dict[str, Any]) -> dict[str
         "files": files,
         **info,
     }
+    marker["marker_crc32"] = marker_crc32(marker)
     write_json_atomic(step_dir / COMMIT_FILE, marker)
     return marker
 
 
-def read_commit(step_dir: Path) -> dict[str, Any] | None:
-    """The commit marker of ``step_dir``, or None if the save never completed (or the marker is unreadable)."""
+def marker_crc32(marker: dict[str, Any]) -> str:
+    """CRC-32 (8 hex digits) of a marker's canonical JSON without its ``marker_crc32`` field."""
+    body = {k: v for k, v in marker.items() if k != "marker_crc32"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
+
+
+def marker_problem(step_dir: Path, marker: Any) -> str | None:
+    """Why a parsed commit marker of ``step_dir`` does not describe it (one phrase), or None if it does.
+
+    Checks what needs no data read: the format, the marker's own CRC-32 (v2), the step against the folder's
+    name, the files' entries and the bytes per process against them.
+    """
+    if not isinstance(marker, dict):
+        return f"the commit marker is a JSON {type(marker).__name__}, not an object"
+    if marker.get("format") not in FORMATS:
+        return f"the commit marker has format {str(marker.get('format'))[:40]!r}, not one of {', '.join(FORMATS)}"
+    if marker["format"] == FORMAT and marker.get("marker_crc32") != marker_crc32(marker):
+        return (
+            f"the commit marker's CRC-32 is {marker_crc32(marker)}, {str(marker.get('marker_crc32'))[:12]} was written"
+        )
+    files, procs, written = marker.get("files"), marker.get("num_processes"), marker.get("bytes_written_per_process")
+    if not isinstance(files, dict) or not isinstance(procs, int) or not isinstance(written, list):
+        return "the commit marker lacks its files, num_processes or bytes_written_per_process"
+    if str(marker.get("step")) != Path(step_dir).name:
+        return f"the commit marker is of step {str(marker.get('step'))[:20]}, not {Path(step_dir).name}"
+    per_process = [0] * max(procs, 0)
+    for rel, f in files.items():
+        ok = isinstance(f, dict) and all(isinstance(f.get(k), t) for k, t in (("size", int), ("crc32", str)))
+        if not ok or not isinstance(f.get("process"), int) or not 0 <= f["process"] < procs:
+            return f"the commit marker's entry of {str(rel)[:80]} is malformed"
+        per_process[f["process"]] += f["size"]
+    if per_process != written:
+        return f"the commit marker records {written} bytes per process, its files sum to {per_process}"
+    return None
+
+
+def read_marker(step_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(marker, None) for a good commit marker of ``step_dir``; (None, None) if there is none (an unfinished
+    save); (None, problem) if one exists but does not parse or does not match (damage)."""
+    path = Path(step_dir) / COMMIT_FILE
     try:
-        marker = json.loads((Path(step_dir) / COMMIT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    return marker if isinstance(marker, dict) and marker.get("format") == FORMAT else None
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None, None
+    except OSError as e:
+        return None, f"the commit marker cannot be read ({e.strerror})"
+    try:
+        marker = json.loads(raw.decode())
+    except ValueError as e:  # also UnicodeDecodeError
+        return None, f"the commit marker {COMMIT_FILE} does not parse ({str(e)[:80]})"
+    problem = marker_problem(step_dir, marker)
+    return (None, problem) if problem else (marker, None)
+
+
+def read_commit(step_dir: Path) -> dict[str, Any] | None:
+    """The commit marker of ``step_dir``, or None if there is none or it is damaged (see :func:`read_marker`)."""
+    return read_marker(step_dir)[0]
 
 
 def verify_files(step_dir: Path, files: dict[str, dict[str, Any]], names: Iterable[str] | None = None) -> list[str]:
@@ -154,7 +209,9 @@ class StepFolder:
     """A folder of the checkpoint directory: ``step``, ``path``, ``state`` and the marker if committed.
 
     ``state``: "committed", "incomplete" (no marker: a save that did not
-    finish, or one written before jaxdist recorded checksums), "abandoned"
+    finish, or one written before jaxdist recorded checksums), "bad-marker"
+    (a marker that does not parse or does not match: damage, ``problem`` says
+    which), "abandoned"
     (an incomplete one set aside as ``<step>.incomplete``), "damaged" (set
     aside after a failed verification: ``<step>.damaged``) or "temporary"
     (orbax's unfinished ``<step>.orbax-checkpoint-tmp*``).
@@ -164,6 +221,7 @@ class StepFolder:
     path: Path
     state: str
     marker: dict[str, Any] | None = None
+    problem: str | None = None
 
 
 _ASIDE = re.compile(r"^(\d+)\.(damaged|incomplete)(?:-\d+)?$")
@@ -179,8 +237,9 @@ def scan(directory: Path) -> list[StepFolder]:
         if not p.is_dir():
             continue
         if p.name.isdigit():
-            marker = read_commit(p)
-            out.append(StepFolder(int(p.name), p, "committed" if marker else "incomplete", marker))
+            marker, problem = read_marker(p)
+            state = "committed" if marker else "bad-marker" if problem else "incomplete"
+            out.append(StepFolder(int(p.name), p, state, marker, problem))
         elif m := _ASIDE.match(p.name):
             out.append(StepFolder(int(m.group(1)), p, "damaged" if m.group(2) == "damaged" else "abandoned"))
         elif m := _TMP.match(p.name):

@@ -316,11 +316,16 @@ class LocalTier:
         wanted = {self.rank, self.source}
         for marker in self.directory.glob("*/r*.w*.json"):
             try:
-                m = json.loads(marker.read_text())
-                step, rank = int(m["step"]), int(m["rank"])
+                m = json.loads(marker.read_bytes().decode())
+                step, rank, writer = int(m["step"]), int(m["rank"]), int(m["writer"])
+                good = m["format"] == FORMAT and marker.name == f"r{rank}.w{writer}.json"
+                good &= marker.parent.name == str(step)
             except (OSError, ValueError, KeyError, TypeError):
+                good = False
+            if not good:  # damage, not a save in progress (the marker is written last, atomically)
+                log.warning("local checkpoint marker %s does not parse or match its file; not using it", marker)
                 continue
-            if m.get("format") != FORMAT or m.get("signature") != sig or rank not in wanted:
+            if m.get("signature") != sig or rank not in wanted:
                 continue
             data = marker.with_name(marker.name[: -len(".json")] + ".bin")
             try:

@@ -13,7 +13,8 @@ step, data position, config).  :class:`RunCheckpointer`
   :attr:`~RunCheckpointer.stats`), never queued behind it;
 * counts a step only once ``jaxdist_commit.json`` exists (see
   :mod:`~jaxdist.checkpoint.integrity`), sets the leftovers of interrupted
-  saves aside when it starts (``<step>.incomplete``; orbax's temporary
+  saves aside when it starts (``<step>.incomplete``; a marker that does not
+  parse or does not match is damage: ``<step>.damaged``; orbax's temporary
   folders, and unfinished folders older than the newest committed step, are
   removed), and keeps the newest ``keep`` committed steps (older
   ones are deleted only after a newer one committed);
@@ -123,6 +124,9 @@ class RunCheckpointer:
                 # (_collect_garbage removes the marker first); no save of a step this old can still be running.
                 log.warning("removing %s: an unfinished checkpoint older than the committed step %d", f.path, newest)
                 shutil.rmtree(f.path, ignore_errors=True)
+            elif f.state == "bad-marker":  # damage, never an unfinished save: the restore uses the step before
+                aside = integrity.set_aside(f.path, "damaged")
+                log.warning("checkpoint %s is damaged: %s; moved to %s", f.path, f.problem, aside.name)
             elif f.state == "incomplete":  # kept: it may also be a checkpoint of an older jaxdist
                 aside = integrity.set_aside(f.path, "incomplete")
                 log.warning(

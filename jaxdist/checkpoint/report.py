@@ -95,10 +95,14 @@ def inspect_text(ckdir: Path, step: int | None = None) -> str:
 def verify_text(ckdir: Path, step: int | None = None) -> tuple[bool, str]:
     """Check the checksums of every committed step (or one); (all good, report)."""
     folders = [f for f in integrity.scan(ckdir) if step is None or f.step == step]
-    if step is not None and not any(f.state == "committed" for f in folders):
+    if step is not None and not any(f.state in ("committed", "bad-marker") for f in folders):
         raise FileNotFoundError(f"{ckdir} has no committed checkpoint of step {step}: see `jaxdist ckpt list`.")
     ok, lines = True, []
     for f in folders:
+        if f.state == "bad-marker":  # a marker that does not parse or match: damage, not an unfinished save
+            ok = False
+            lines += [f"step {f.step}: DAMAGED ({f.path})", f"  {f.problem}"]
+            continue
         if f.state != "committed":
             lines.append(f"step {f.step}: {f.state} ({f.path.name}), not a checkpoint")
             continue

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from jaxdist.controller.protocol import TOKEN_ENV, Peer
+from jaxdist.controller.protocol import START_ENV, TOKEN_ENV, Peer
 from jaxdist.controller.setup_cache import library_versions
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class WorkerAgent:
     def __init__(self, controller: str, token: str, node: str, interval: float = 0.25, liveness: float = 1.0):
         self.node, self.pid, self.interval = node, os.getpid(), interval
         self.identity = f"w:{node}:{self.pid}"
-        self._peer = Peer(token, controller, self.identity, interval, liveness)
+        self._peer = Peer(token, controller, self.identity, interval, liveness, os.environ.get(START_ENV, ""))
         self._lock = threading.Lock()
         self._info: dict[str, Any] = {
             "state": "warming",

@@ -21,6 +21,7 @@ from jaxdist.controller.slurm import (
     allocation_gpus,
     allocation_id,
     allocation_nodes,
+    check_partition,
     node_addresses,
     node_range,
     sbatch_script,
@@ -175,6 +176,11 @@ def _submit(cfg: Config, args: list[str], print_only: bool, shape_planner: Shape
             "not inside a Slurm allocation and `sbatch` is not on PATH: run `jaxdist launch "
             "--print ...` and submit the script on the cluster, or run inside salloc."
         )
+    if shutil.which("sinfo") is not None:  # a request the partition can never meet would pend for ever
+        partition = os.environ.get("SBATCH_PARTITION", "")
+        sinfo = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %P"], capture_output=True, text=True, timeout=60)
+        if sinfo.returncode == 0:
+            check_partition(request.nodes, sinfo.stdout, partition)
     print(request.why, file=sys.stderr)
     return subprocess.run(["sbatch"], input=script, text=True).returncode
 
@@ -189,7 +195,8 @@ def _allocation_cluster(cfg: Config, nodes: list[str]) -> list[str]:
     if not per_node:
         raise ConfigError("this allocation holds no GPU on some of its nodes: ask for --gpus-per-node.")
     view = read_partition(view_name)
-    training = max(1, len(nodes) - cfg.controller.standbys)
+    cc = cfg.controller  # the nodes Slurm gave: up to max_nodes train, at least min_nodes, the rest are standbys
+    training = min(len(nodes), max(cc.min_nodes, len(nodes) - cc.standbys, 1), cc.max_nodes or len(nodes))
     spec = cluster_spec(view, figures(cfg.mesh.cluster, view), training, per_node)
     return [f"mesh.cluster={write_cluster(controller_dir(cfg) / 'cluster.toml', spec)}"]
 

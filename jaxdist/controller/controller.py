@@ -62,6 +62,7 @@ def cluster_shape(cfg: Config) -> tuple[int, int, str]:
     return spec.nodes, spec.devices_per_node, spec.device_kind
 
 
+KEEP_STARTS = 4  # earlier starts whose agents' queued messages count as stale, not as attacks
 NOT_BEFORE_SLACK_S = 1.0  # clock skew allowed between hosts for "signed before this controller started"
 
 
@@ -115,14 +116,17 @@ class Controller(GenerationLifecycle, HealthActions):
         self.endpoint.verifier.not_before = time.time() - NOT_BEFORE_SLACK_S
         if prev is not None and not new_allocation:
             self.endpoint.verifier.restore(_read_marks(self.dir / "replay.json"))
+            # what its agents queued for those starts is not an attack: counted apart (stale), never accepted
+            self.endpoint.verifier.previous_starts = frozenset(prev.controller_starts)
         (self.dir / "endpoint").write_text(self.endpoint.address)
         self.attaching = prev is not None and prev.phase != "waiting"
         self.state = prev or JobState(job=uuid.uuid4().hex[:12])
         self.state.allocation = allocation
+        self.state.controller_starts = [*self.state.controller_starts, self.endpoint.signer.sid][-KEEP_STARTS:]
         self.events = EventLog(self.dir / "events.jsonl", echo)
         if new_allocation:
             self.events.add("new_allocation", allocation=allocation, gen=self.state.generation)
-        self.rejected_before = self.state.rejected_messages
+        self.rejected_before, self.stale_before = self.state.rejected_messages, self.state.stale_messages
         self.nodes: dict[str, NodeView] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.cluster_nodes, self.per_node, self.device_kind = cluster_shape(cfg)
@@ -441,6 +445,7 @@ class Controller(GenerationLifecycle, HealthActions):
         if force or now - self.last_save > 0.25:
             ep = self.endpoint
             self.state.rejected_messages = self.rejected_before + ep.verifier.rejected + ep.gate.refused
+            self.state.stale_messages = self.stale_before + ep.verifier.stale
             _write_marks(self.dir / "replay.json", ep.verifier.marks())
             members = set(self.state.members.values())
             self.state.standbys = [v.name for v in self._ready_nodes() if v.name not in members]

@@ -32,7 +32,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from jaxdist.controller.protocol import TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client, free_port
+from jaxdist.controller.protocol import START_ENV, TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client, free_port
 
 log = logging.getLogger("jaxdist.controller.node")
 
@@ -151,6 +151,7 @@ class NodeAgent:
             **w.get("env", {}),
             "JAXDIST_CONTROLLER": self.controller,
             TOKEN_ENV: self.token,
+            START_ENV: self.peer.verifier.last_sid,
             "JAXDIST_NODE": self.node,
             "JAXDIST_HEARTBEAT_INTERVAL": str(self.interval),
             "JAXDIST_LIVENESS_TIMEOUT": str(w.get("liveness_s", 1.0)),

@@ -22,7 +22,14 @@ logged (the first few one by one, then a summary line at most every
 ``LOG_EVERY_S`` seconds, so a flood cannot fill the disk). A restarted
 controller keeps refusing replays: the highest ``seq`` per ``sid`` is saved
 with its state and restored (:meth:`Verifier.marks`), and messages signed
-before it started are refused (``not_before``).  Nothing here listens beyond loopback unless the caller says so
+before it started are refused (``not_before``).  Its own agents' messages
+queued while it was away are refused too, but not counted as attacks: an
+agent's message names the controller start it last heard from (``ctl``: that
+start's ``sid``; a worker that has not heard from it yet, the one its node
+agent last heard from, ``$JAXDIST_CONTROLLER_START``), and a message signed before this start (or too old) that
+names an earlier start of the same job (``previous_starts``) and carries a
+``seq`` never seen is dropped silently into :attr:`Verifier.stale`.  Sent
+again, it is a replay and counted.  Nothing here listens beyond loopback unless the caller says so
 (:func:`check_bind`).
 """
 
@@ -53,6 +60,7 @@ log = logging.getLogger(__name__)
 # Seconds a signed message stays acceptable (clock skew between hosts plus queueing).
 MAX_AGE_S = 60.0
 TOKEN_ENV = "JAXDIST_JOB_TOKEN"
+START_ENV = "JAXDIST_CONTROLLER_START"  # a worker's first ``ctl``: the start its node agent last heard from
 ZAP_DOMAIN = "jaxdist"
 LOG_FIRST, LOG_EVERY_S = 5, 10.0  # rejections logged one by one, then one summary line per LOG_EVERY_S
 
@@ -198,23 +206,32 @@ class Signer:
         return [body, _mac(self.token, body)]
 
 
+_STALE = "stale"  # _reason's answer for a message of our own from before this start (dropped, not logged)
+
+
 @dataclass
 class Verifier:
     """Checks [body, mac] frames; remembers the highest ``seq`` per ``sid`` to refuse replays.
 
     ``not_before``: messages signed (``ts``) before this time are refused: a restarted controller sets it to
     its start, so nothing captured before the restart is accepted after it. ``marks``: the highest ``seq`` per
-    ``sid`` seen so far (what a restarted process restores with :meth:`restore`).
+    ``sid`` seen so far (what a restarted process restores with :meth:`restore`). ``previous_starts``: the
+    ``sid`` of earlier starts of this controller; ``stale``: messages of its own agents to those, dropped
+    uncounted by :attr:`rejected` (see the module docstring); ``last_sid``: of the last message accepted.
     """
 
     token: str
     max_age_s: float = MAX_AGE_S
     not_before: float = 0.0
+    previous_starts: frozenset[str] = frozenset()
+    stale: int = 0
+    last_sid: str = ""
     _last_seq: dict[str, int] = field(default_factory=dict)
     _log: _RateLimitedLog = field(default_factory=lambda: _RateLimitedLog("rejected a message from"))
 
     @property
     def rejected(self) -> int:
+        """Messages refused as attacks or faults (wrong MAC, malformed, replayed, too old and not ours)."""
         return self._log.count
 
     def marks(self) -> dict[str, int]:
@@ -228,9 +245,20 @@ class Verifier:
         """The message, or None (logged, rate-limited) when it is not authentic, too old or replayed."""
         reason = self._reason(frames)
         if isinstance(reason, dict):
+            self.last_sid = str(reason["sid"])
             return reason
-        self._log(f"{peer}: {reason}")
+        if reason is not _STALE:
+            self._log(f"{peer}: {reason}")
         return None
+
+    def _ours_from_before(self, msg: dict[str, Any], sid: str, seq: int) -> bool:
+        """An authentic message an agent signed for an earlier start of this controller, never delivered:
+        counted in ``stale`` and remembered, so the same message sent again is a replay."""
+        if msg.get("ctl") not in self.previous_starts:
+            return False
+        self._last_seq[sid] = seq
+        self.stale += 1
+        return True
 
     def _reason(self, frames: list[bytes]) -> dict[str, Any] | str:
         if len(frames) != 2:
@@ -243,12 +271,15 @@ class Verifier:
             sid, seq, ts = str(msg["sid"]), int(msg["seq"]), float(msg["ts"])
         except (ValueError, KeyError, TypeError):
             return "malformed body"
-        if abs(time.time() - ts) > self.max_age_s:
-            return f"stale message ({time.time() - ts:.0f} s old)"
-        if ts < self.not_before:
-            return f"signed {self.not_before - ts:.1f} s before this process started (a replay?)"
         if seq <= self._last_seq.get(sid, 0):
             return f"replayed message (seq {seq} from {sid})"
+        too_old, before = abs(time.time() - ts) > self.max_age_s, ts < self.not_before
+        if (too_old or before) and self._ours_from_before(msg, sid, seq):
+            return _STALE
+        if too_old:
+            return f"stale message ({time.time() - ts:.0f} s old)"
+        if before:
+            return f"signed {self.not_before - ts:.1f} s before this process started (a replay?)"
         self._last_seq[sid] = seq
         return msg
 
@@ -372,7 +403,15 @@ class Peer:
     are only worth their newest value).
     """
 
-    def __init__(self, token: str, controller: str, identity: str, interval_s: float = 0.25, liveness_s: float = 1.0):
+    def __init__(
+        self,
+        token: str,
+        controller: str,
+        identity: str,
+        interval_s: float = 0.25,
+        liveness_s: float = 1.0,
+        start: str = "",
+    ):
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
@@ -388,9 +427,12 @@ class Peer:
         self.sock.connect(f"tcp://{controller}")
         self.identity = identity
         self.signer = Signer(token, identity)
-        self.verifier = Verifier(token)
+        self.verifier = Verifier(token, last_sid=start)  # ``start``: the controller start to name until one answers
 
     def send(self, msg: dict[str, Any]) -> bool:
+        """Queue ``msg``, naming the controller start last heard from (``ctl``); False if the queue is full."""
+        if self.verifier.last_sid:
+            msg = {**msg, "ctl": self.verifier.last_sid}
         try:
             self.sock.send_multipart(self.signer.frames(msg), zmq.NOBLOCK)
             return True

@@ -23,9 +23,11 @@ What Slurm itself does to the job:
 * ``--requeue`` (``scontrol requeue``): the script runs again in a new
   allocation (``$SLURM_RESTART_COUNT`` counts them); the controller sees a new
   allocation id and forms the group afresh from the nodes it now has, the
-  generation count and the run's checkpoints carried on.  With
-  ``--nodes=MIN-MAX`` (``controller.min_nodes`` below the most nodes the job
-  may use) Slurm gives as many nodes as are free at that start: a job started
+  generation count and the run's checkpoints carried on.  The script asks
+  for ``--nodes=MIN-MAX``: ``controller.min_nodes`` up to ``max_nodes`` plus
+  the standbys; Slurm gives as many nodes as are free at that start, the
+  controller trains on up to ``max_nodes`` of them and keeps the rest as
+  standbys.  So standbys never stop a job from starting, and a job started
   small grows at its next start.
 
 The workers get no ``SLURM_*`` variables (see :mod:`jaxdist.controller.node`):
@@ -66,10 +68,41 @@ class SlurmRequest:
 
 
 def node_range(min_nodes: int, max_nodes: int, standbys: int) -> str:
-    """The ``--nodes`` of a job training on ``min_nodes``..``max_nodes`` nodes with ``standbys`` more:
-    ``MIN-MAX`` when the job may start smaller, else one count."""
-    lo, hi = min(min_nodes, max_nodes) + standbys, max_nodes + standbys
+    """The ``--nodes`` of a job training on ``min_nodes``..``max_nodes`` nodes with up to ``standbys`` more:
+    ``MIN-MAX`` (MIN: the training nodes it needs, MAX: every node it can use, standbys included) when the job
+    may start on fewer than MAX, else one count.  The standbys are never part of MIN: a partition with
+    exactly ``min_nodes`` nodes starts the job (Slurm gives as many nodes of the range as are free)."""
+    lo, hi = min(min_nodes, max_nodes), max_nodes + standbys
     return f"{lo}-{hi}" if lo < hi else str(hi)
+
+
+def partition_nodes(sinfo_text: str, partition: str = "") -> int | None:
+    """Nodes of ``partition`` (''/default: the one ``sinfo`` marks with ``*``) from ``sinfo -h -N -o '%N %P'``
+    text; None when that partition is not listed."""
+    nodes: dict[str, set[str]] = {}
+    default = ""
+    for line in sinfo_text.splitlines():
+        f = line.split()
+        if len(f) < 2:
+            continue
+        name = f[1].rstrip("*")
+        default = default or (name if f[1].endswith("*") else "")
+        nodes.setdefault(name, set()).add(f[0])
+    want = partition or default
+    return len(nodes[want]) if want in nodes else None
+
+
+def check_partition(nodes: str, sinfo_text: str, partition: str = "") -> None:
+    """ConfigError (one sentence) when the partition has fewer nodes than the request's minimum ``nodes``."""
+    need = int(nodes.split("-")[0])
+    have = partition_nodes(sinfo_text, partition)
+    if have is not None and have < need:
+        where = f"partition '{partition}'" if partition else "the default Slurm partition"
+        raise ConfigError(
+            f"{where} has {have} node{'s' if have != 1 else ''}, the job needs at least {need} "
+            "(controller.min_nodes, or the mesh's "
+            f"nodes): lower controller.min_nodes or submit to a larger partition (SBATCH_PARTITION)."
+        )
 
 
 def allocation_id(env: dict[str, str] | None = None) -> str:

@@ -58,7 +58,9 @@ class JobState:
     last_step: int = 0
     last_good_step: int = 0
     restarts: int = 0
-    rejected_messages: int = 0
+    rejected_messages: int = 0  # refused: forged, malformed, replayed, a connection without the token
+    stale_messages: int = 0  # the job's own agents' messages to an earlier controller start, dropped
+    controller_starts: list[str] = field(default_factory=list)  # the controller's sid at its latest starts
     setup_key: str = ""
     allocation: str = ""  # the scheduler's allocation the job runs in (Slurm: JOBID.RESTARTS), '' if none
     history: list[Generation] = field(default_factory=list)
@@ -83,6 +85,7 @@ class JobState:
             standbys=[],
             warm_nodes=[],
             setup_key="",
+            controller_starts=[],
         )
 
     def save(self, path: Path) -> None:

@@ -14,8 +14,8 @@ shape the free GPUs allow and keeps, in this order of importance:
    free, then the free GPUs in all;
 3. the fewer GPUs.
 
-For one shape, :func:`place` picks the nodes: every set of ``n + standbys``
-nodes with ``k`` free GPUs is scored by :func:`leftover` when there are at most
+For one shape, :func:`place` picks the nodes: every set of ``n`` plus up to
+``standbys`` nodes (as many as are left) with ``k`` free GPUs is scored by :func:`leftover` when there are at most
 :data:`EXACT_PLACEMENTS` of them, else the nodes with the fewest free GPUs
 that fit go first (best fit: partly used nodes fill up, whole ones stay whole).
 """
@@ -126,27 +126,26 @@ def choose_shape(
     """The best shape over the free GPUs (see the module docstring).
 
     ``free``/``totals``: node -> free / all GPUs (in Slurm's node order).  ``cost(n, k)``: the figure to
-    minimise for ``n`` training nodes of ``k`` GPUs, None when that shape cannot run the job.  ``standbys``
-    more nodes with ``k`` free GPUs each come with every shape; ``n`` is at least ``min_nodes`` and at most
-    ``max_nodes`` (0: no limit).
+    minimise for ``n`` training nodes of ``k`` GPUs, None when that shape cannot run the job.  Up to
+    ``standbys`` more nodes with ``k`` free GPUs each come with every shape, as many as are left (a standby
+    never keeps a shape from running); ``n`` is at least ``min_nodes`` and at most ``max_nodes`` (0: no limit).
     Raises ConfigError when no shape can.
     """
     tried = []
     for k in range(1, max(free.values(), default=0) + 1):
         fit = sum(1 for f in free.values() if f >= k)
-        for n in range(max(1, min_nodes), min(fit - standbys, max_nodes or fit) + 1):
+        for n in range(max(1, min_nodes), min(fit, max_nodes or fit) + 1):
             c = cost(n, k)
             if c is None:
                 continue
-            nodes = place(free, totals, n + standbys, k)
+            nodes = place(free, totals, n + min(standbys, fit - n), k)  # standbys only where nodes are left
             assert nodes is not None
             tried.append(Shape(n, k, nodes, float(c), leftover(_after(free, nodes, k), totals)))
     if not tried:
         raise ConfigError(
             f"no free GPUs fit the job ({sum(free.values())} free: "
-            f"{', '.join(f'{n}:{f}' for n, f in free.items())}; {standbys} standby node(s) and at least "
-            f"{min_nodes} training node(s) asked for): wait for GPUs to free up, lower controller.standbys or "
-            "controller.min_nodes, or change the model, batch or mesh."
+            f"{', '.join(f'{n}:{f}' for n, f in free.items())}; at least {min_nodes} training node(s) asked for): "
+            "wait for GPUs to free up, lower controller.min_nodes, or change the model, batch or mesh."
         )
     tried.sort(key=Shape.key)
     return ShapeChoice(tried[0], tuple(tried))

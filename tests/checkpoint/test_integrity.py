@@ -153,3 +153,53 @@ def test_synchronous_save_is_committed_when_save_returns(tmp_path):
     assert ck.all_steps() == [1] and ck.stats[0].written_bytes is not None
     assert same(ck.restore(abstract_like(state(0)))[0], state(1))
     ck.close()
+
+
+def rewrite_marker(step_dir, change):
+    """Rewrite ``step_dir``'s commit marker with ``change`` applied and its own CRC-32 made to hold again."""
+    path = step_dir / integrity.COMMIT_FILE
+    marker = json.loads(path.read_text())
+    change(marker)
+    body = {k: v for k, v in marker.items() if k != "marker_crc32"}  # the CRC-32 of the rest, canonical JSON
+    marker["marker_crc32"] = f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
+    path.write_text(json.dumps(marker))
+
+
+def flip_in_time(step_dir):
+    """Flip the last digit of the marker's ``time``: it still parses, only its own CRC-32 tells."""
+    path = step_dir / integrity.COMMIT_FILE
+    text = path.read_text()
+    at = text.index('"time": ') + len('"time": ') + 3  # a digit of the seconds
+    path.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1 :])
+
+
+MARKER_DAMAGE = {
+    "unparsable": (lambda d: (d / integrity.COMMIT_FILE).write_bytes(b'{"format": "jaxd'), "does not parse"),
+    "flipped byte": (flip_in_time, "the commit marker's CRC-32 is"),
+    "other step": (lambda d: rewrite_marker(d, lambda m: m.update(step=7)), "is of step 7, not 3"),
+    "unknown format": (lambda d: rewrite_marker(d, lambda m: m.update(format="jaxdist-checkpoint-v9")), "format"),
+    "byte counts": (
+        lambda d: rewrite_marker(d, lambda m: m.update(bytes_written_per_process=[1])),
+        "records [1] bytes per process",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(MARKER_DAMAGE))
+def test_a_marker_that_does_not_parse_or_match_is_damage_not_an_unfinished_save(tmp_path, caplog, kind):
+    ck = saved(tmp_path)
+    ck.close()
+    damage, why = MARKER_DAMAGE[kind]
+    damage(tmp_path / "ck" / "3")
+    assert {f.path.name: f.state for f in integrity.scan(tmp_path / "ck")}["3"] == "bad-marker"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxdist.checkpoint.manager"):
+        ck = RunCheckpointer(tmp_path / "ck")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint {tmp_path / 'ck' / '3'} is damaged: "), lines
+    assert why in lines[0] and lines[0].endswith("moved to 3.damaged"), lines
+    assert sorted(os.listdir(tmp_path / "ck")) == ["1", "2", "3.damaged"]  # never 3.incomplete
+    assert ck.all_steps() == [1, 2] and ck.damaged_steps() == [3]
+    got, meta = ck.restore(abstract_like(state(0)))
+    assert meta["step"] == 2 and same(got, state(2))  # the previous good step
+    ck.close()

@@ -7,6 +7,7 @@ from its peer) is in test_local_multiprocess.py.
 from __future__ import annotations
 
 import json
+import logging
 
 import jax
 import numpy as np
@@ -114,6 +115,26 @@ def test_damaged_or_foreign_local_files_fall_back(tmp_path, reference):
         t3.init_state()
         assert t3.resumed_from == ("persistent", 4)
         assert t3.local._own_steps() == set()  # local step 5 came after the step resumed from: deleted
+
+
+def test_a_local_marker_that_does_not_parse_or_match_is_named_and_not_used(tmp_path, caplog):
+    cfg = config(tmp_path, "marker")
+    t = run_until_crash(cfg, 7)  # local 5 and 6 on disk, persistent 4
+    six, five = t.local.directory / "6" / "r0.w0.json", t.local.directory / "5" / "r0.w0.json"
+    data = bytearray(six.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # no longer UTF-8: does not parse
+    six.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="jaxdist.checkpoint.local"), Trainer(cfg) as t2:
+        t2.init_state()
+        assert t2.resumed_from == ("local", 5)
+    assert f"local checkpoint marker {six} does not parse or match its file" in caplog.text
+    caplog.clear()
+    marker = json.loads(five.read_text())
+    five.write_text(json.dumps({**marker, "step": 6}))  # parses, but is not the marker of the file beside it
+    with caplog.at_level(logging.WARNING, logger="jaxdist.checkpoint.local"), Trainer(cfg) as t3:
+        t3.init_state()
+        assert t3.resumed_from == ("persistent", 4)
+    assert f"local checkpoint marker {five} does not parse or match its file" in caplog.text
 
 
 def test_a_fresh_start_clears_the_local_tier(tmp_path):

@@ -64,7 +64,7 @@ def _cli(*args, cwd):
 
 def test_cli_prints_slurm_script_and_refuses_print_for_local(tmp_path):
     out = _cli("launch", "--print", "controller.launcher=slurm", "mesh.cluster=cpu-4x2", "model=tiny", cwd=tmp_path)
-    assert out.returncode == 0 and "#SBATCH --nodes=2-5" in out.stdout  # 1 to 4 nodes + 1 standby
+    assert out.returncode == 0 and "#SBATCH --nodes=1-5" in out.stdout  # 1 to 4 nodes + up to 1 standby
     out = _cli("launch", "--print", "mesh.cluster=cpu-4x2", cwd=tmp_path)
     assert out.returncode == 2 and "--print is for the slurm and kubernetes launchers, not 'local'" in out.stderr
     out = _cli("launch", "controller.launcher=ssh", "controller.hosts_file=nope", cwd=tmp_path)

@@ -177,3 +177,67 @@ def test_loopback_is_an_address_check_not_a_prefix():
     assert not is_loopback("10.0.0.5") and not is_loopback("0.0.0.0")
     with pytest.raises(ConfigError, match="not a loopback address"):
         load_config(None, ["controller.bind=127.0.0.1.example.com"])
+
+
+def test_own_agents_messages_from_before_a_restart_are_stale_not_attacks(caplog):
+    """Issue 35 item 6: what the job's agents queued for the previous controller start is dropped into
+    ``stale``; a replay, a message naming no start of ours and a forgery are still rejected and counted."""
+    caplog.set_level(logging.WARNING, logger="jaxdist.controller.protocol")
+    agent, stranger = Signer("tok", "n:a"), Signer("tok", "n:b")
+    old = Verifier("tok")
+    delivered = agent.frames({"t": "node_hb", "ctl": "start1"})
+    assert old.check(delivered) is not None
+    queued = [agent.frames({"t": "node_hb", "ctl": "start1"}) for _ in range(3)]  # never delivered
+    unnamed = stranger.frames({"t": "node_hb"})  # signed with the token, for no start of ours
+    elsewhere = stranger.frames({"t": "node_hb", "ctl": "start9"})
+    time.sleep(0.05)
+    new = Verifier("tok", not_before=time.time(), previous_starts=frozenset({"start1"}))
+    new.restore(old.marks())
+    assert [new.check(f) for f in queued] == [None] * 3
+    assert (new.stale, new.rejected) == (3, 0) and "rejected" not in caplog.text
+    assert new.check(queued[1]) is None and new.check(delivered) is None  # sent again: replays
+    assert new.check(unnamed) is None and new.check(elsewhere) is None
+    forged = json.loads(queued[0][0])
+    forged["seq"] = 99
+    body = json.dumps(forged).encode()
+    assert new.check([body, _mac("not-the-token", body)]) is None
+    assert (new.stale, new.rejected) == (3, 5)
+    assert "replayed message" in caplog.text and "before this process started" in caplog.text
+    assert new.check(agent.frames({"t": "node_hb", "ctl": "start1"})) is not None  # signed after the start
+
+
+def test_a_restarted_endpoint_counts_its_agents_queued_heartbeats_as_stale():
+    """The same through real sockets: an agent learns the controller start from its messages and names it;
+    heartbeats queued while the controller was away reach the restarted one and are dropped, uncounted."""
+    ep = Endpoint("tok", "127.0.0.1", 0)
+    port = ep.port
+    peer = Peer("tok", ep.address, "n:a")
+    try:
+        peer.send({"t": "node_hb"})
+        deadline = time.monotonic() + 10
+        got = None
+        while got is None and time.monotonic() < deadline:
+            got = ep.recv(0.1)
+        ep.send("n:a", {"t": "welcome"})
+        assert peer.recv(5.0)["t"] == "welcome" and peer.verifier.last_sid == ep.signer.sid
+        marks, first = ep.verifier.marks(), ep.signer.sid
+        ep.close()
+        for _ in range(5):  # heartbeats while the controller is away: queued by ZeroMQ
+            peer.send({"t": "node_hb"})
+        time.sleep(0.05)
+        ep = Endpoint("tok", "127.0.0.1", port)
+        ep.verifier.not_before = time.time()
+        ep.verifier.previous_starts = frozenset({first})
+        ep.verifier.restore(marks)
+        deadline = time.monotonic() + 10
+        while ep.verifier.stale < 5 and time.monotonic() < deadline:
+            assert ep.recv(0.1) is None
+        assert (ep.verifier.stale, ep.verifier.rejected) == (5, 0)
+        peer.send({"t": "node_hb", "after": True})
+        got = None
+        while got is None and time.monotonic() < deadline:
+            got = ep.recv(0.1)
+        assert got[1].get("after") and got[1]["ctl"] == first  # it has not heard from the new start yet
+    finally:
+        peer.close()
+        ep.close()

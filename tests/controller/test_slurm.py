@@ -7,14 +7,47 @@ import shlex
 import subprocess
 
 from jaxdist.controller.node import worker_environ
-from jaxdist.controller.slurm import SlurmLauncher, SlurmRequest, allocation_id, node_range, sbatch_script
+import pytest
+
+from jaxdist.cli import main
+from jaxdist.config import ConfigError
+from jaxdist.controller.slurm import (
+    SlurmLauncher,
+    SlurmRequest,
+    allocation_id,
+    check_partition,
+    node_range,
+    partition_nodes,
+    sbatch_script,
+)
 
 
 def test_node_range():
-    assert node_range(4, 4, 1) == "5"  # exactly the group and its standby
+    assert node_range(4, 4, 1) == "4-5"  # the group; its standby only if Slurm has the node
+    assert node_range(4, 4, 0) == "4"
     assert node_range(2, 4, 0) == "2-4"  # may start smaller: Slurm gives what is free, up to 4
-    assert node_range(1, 4, 1) == "2-5"
+    assert node_range(1, 4, 1) == "1-5"
     assert node_range(6, 4, 0) == "4"
+
+
+def test_printed_script_of_min_nodes_4_asks_for_4_to_5_nodes(tmp_path, capsys, monkeypatch):
+    """Issue 35 item 7: min_nodes=4 on a 4-node cluster description with the default standby asked for 5
+    nodes, which a 4-node partition never gives (PartitionNodeLimit)."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["launch", "--print", "mesh.cluster=cpu-4x2", "controller.min_nodes=4", "controller.launcher=slurm"]
+    assert main(argv) == 0
+    nodes = [l for l in capsys.readouterr().out.splitlines() if l.startswith("#SBATCH --nodes=")]
+    assert nodes == ["#SBATCH --nodes=4-5"]
+
+
+def test_a_partition_smaller_than_the_minimum_is_refused_in_one_sentence():
+    sinfo = "n1 gpu*\nn2 gpu*\nn3 gpu*\nn4 gpu*\nn1 debug\nbig1 big\n"
+    assert partition_nodes(sinfo) == 4 and partition_nodes(sinfo, "debug") == 1 and partition_nodes(sinfo, "x") is None
+    check_partition("4-5", sinfo)  # 4 nodes: the job can start (its standby only if Slurm has one)
+    with pytest.raises(ConfigError, match=r"^the default Slurm partition has 4 nodes, the job needs at least 5 "):
+        check_partition("5", sinfo)
+    with pytest.raises(ConfigError, match=r"^partition 'debug' has 1 node, the job needs at least 2 .*\.$"):
+        check_partition("2-3", sinfo, "debug")
 
 
 def test_batch_script_runs_launch_in_its_allocation(tmp_path):

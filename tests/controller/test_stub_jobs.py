@@ -223,6 +223,9 @@ def test_failures_hang_and_controller_restart(tmp_path):
     restarted = (job.dir / "controller.2.log").read_text()
     assert "refused a connection" in restarted  # the squatters, still trying
     assert "rejected a message from n:replayer" in restarted and "before this process started" in restarted
+    rejected = [line for line in restarted.splitlines() if "rejected a message from" in line]
+    assert all("from n:replayer" in line for line in rejected), rejected  # none of the job's own agents
+    assert state.get("stale_messages", 0) >= 1  # issue 35 item 6: the agents' queued heartbeats, set apart
     assert ports and all(a.startswith("127.0.0.1:") for a in ports), ports
 
 

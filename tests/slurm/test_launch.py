@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 from jaxdist.controller.generations import last_committed_step
@@ -60,7 +61,7 @@ def alive(pid: int) -> bool:
 
 
 def test_one_job_through_a_crash_a_dead_node_scancel_and_a_requeue_that_grows_it(slurm, tmp_path):
-    """`jaxdist launch --print ... | sbatch` of a job that trains on 2 to 4 nodes with 1 standby (--nodes=3-5).
+    """`jaxdist launch --print ... | sbatch` of a job that trains on 2 to 4 nodes with 1 standby (--nodes=2-5).
 
     Another job holds n4: Slurm gives 3 nodes, the controller trains on 2 (3 does not suit a batch of 16 on
     2-device nodes) and keeps one as the standby.  At the requeue all 4 nodes are free: it trains on 4."""
@@ -95,7 +96,7 @@ def test_one_job_through_a_crash_a_dead_node_scancel_and_a_requeue_that_grows_it
     ).strip()
     try:
         script = job.script()
-        assert "#SBATCH --nodes=3-5" in script and "#SBATCH --no-kill" in script and "#SBATCH --requeue" in script
+        assert "#SBATCH --nodes=2-5" in script and "#SBATCH --no-kill" in script and "#SBATCH --requeue" in script
         job.submit(script)
         s = job.wait_until(lambda s: s.get("phase") == "running" and s["last_step"] >= 3, TIMEOUT, "step 3")
         batch_host = job.record().batch_host
@@ -155,3 +156,32 @@ def test_one_job_through_a_crash_a_dead_node_scancel_and_a_requeue_that_grows_it
         f"(SIGKILL), {detect[1]:.2f} s (node); failure to first step {recover[0]:.2f} s, {recover[1]:.2f} s; "
         f"requeue resumed at step {kept}"
     )
+
+
+def test_min_nodes_equal_to_the_partition_starts_with_its_standby_left_out(slurm, tmp_path):
+    """Issue 35 item 7: `controller.min_nodes=4` on the 4-node partition, the default standby: the script asks
+    for --nodes=4-5 (it asked for 5: pending for ever with PartitionNodeLimit); Slurm gives 4, all 4 train."""
+    steps = 12
+    job = SlurmJob(stub_args("four", steps, "controller.min_nodes=4"), cwd=tmp_path, env=stub_env())
+    try:
+        script = job.script()
+        assert "#SBATCH --nodes=4-5" in script.splitlines()
+        job.submit(script)
+        assert job.wait(TIMEOUT) == 0, job.summary()
+    finally:
+        job.close()
+    assert final_state(job) == stub_worker.expected_final(steps)  # every batch once, in order
+    starts = job.events_of("start")
+    assert len(starts) == 1 and sorted(starts[0]["members"].values()) == ["n1", "n2", "n3", "n4"]
+
+
+def test_launch_refuses_a_minimum_the_partition_cannot_meet(slurm, tmp_path):
+    """`jaxdist launch` (submitting) checks the partition's node count with sinfo: one sentence, exit 2."""
+    cluster = tmp_path / "six.toml"
+    cluster.write_text(
+        (Path(__file__).parents[2] / "meshes" / "cpu-4x2.toml").read_text().replace("nodes = 4", "nodes = 6")
+    )
+    job = SlurmJob(stub_args("six", 4, f"mesh.cluster={cluster}", "controller.min_nodes=5"), cwd=tmp_path)
+    out = subprocess.run(job.launch_command(), cwd=tmp_path, env=job._env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "has 4 nodes, the job needs at least 5" in out.stderr, out.stderr

@@ -60,8 +60,8 @@ def test_choice_is_the_brute_force_optimum(seed):
     want = []
     for k in range(1, 9):
         fit = [n for n in nodes if free[n] >= k]
-        for count in range(1 + standbys, len(fit) + 1):
-            n = count - standbys
+        for n in range(1, len(fit) + 1):
+            count = n + min(standbys, len(fit) - n)  # the standbys that are left
             if (max_nodes and n > max_nodes) or n < min_nodes or cost(n, k) is None:
                 continue
             for chosen in itertools.combinations(fit, count):
@@ -74,5 +74,17 @@ def test_choice_is_the_brute_force_optimum(seed):
     got = choose_shape(free, totals, cost, standbys, max_nodes, min_nodes)
     best = got.best
     assert best.key() == min(want)
-    assert len(best.nodes) == best.training + standbys and all(free[n] >= best.gpus_per_node for n in best.nodes)
+    fit = sum(1 for n in nodes if free[n] >= best.gpus_per_node)
+    assert len(best.nodes) == best.training + min(standbys, fit - best.training) and all(
+        free[n] >= best.gpus_per_node for n in best.nodes
+    )
     assert [s.key() for s in got.tried] == sorted(s.key() for s in got.tried)
+
+
+def test_standbys_never_keep_a_shape_from_running():
+    """Issue 35 item 7: 4 free nodes, min_nodes=4 and a standby asked for: 4 nodes train, no standby."""
+    free = totals = {f"n{i}": 8 for i in range(1, 5)}
+    best = choose_shape(free, totals, lambda n, k: 1.0 / (n * k), standbys=1, min_nodes=4).best
+    assert (best.training, best.gpus_per_node, len(best.nodes)) == (4, 8, 4)
+    best = choose_shape(free, totals, lambda n, k: 1.0 / (n * k), standbys=1, max_nodes=3).best
+    assert (best.training, len(best.nodes)) == (3, 4)  # a node is left: it is the standby
