@@ -201,7 +201,7 @@ def _coerce(key: str, value: Any, typ) -> Any:
             if not isinstance(value, (str, int, float)) or isinstance(value, bool):
                 raise ValueError  # a TOML list or table is not a name (str() would make the run '['a']')
             text = str(value)
-            if any(ord(ch) < 32 and ch not in "\t\n" for ch in text):
+            if any(ord(ch) < 32 and ch != "\t" or ord(ch) == 127 for ch in text):
                 raise ConfigError(
                     f"config key '{key}' holds a control character ({text!r}): names and paths take printable text."
                 )
