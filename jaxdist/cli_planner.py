@@ -14,6 +14,7 @@ and writes it as a config that ``jaxdist train --config`` runs.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tomllib
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 from jaxdist.cluster import load_cluster, prepare_host_devices
 from jaxdist.config import MESH_AXES, ConfigError, load_config
 from jaxdist.models.arithmetic import param_count
+from jaxdist.run_owner import check_overwrite
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +38,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--busy", help="devices other jobs hold: an allocation TOML file, or a list like 0:*,1:0-3,17")
     p.add_argument("--calibration", help="calibration JSON from `jaxdist calibrate` (default: the saved one, if any)")
     p.add_argument("--out", default="plan.toml", help="where to write the chosen plan's config (default plan.toml)")
+    p.add_argument("--force", action="store_true", help="replace an --out file that is not an earlier plan")
     p.add_argument("--top", type=int, default=8, help="plans to show (default 8)")
     p.add_argument("--exhaustive", action="store_true", help="evaluate every candidate instead of searching")
     p.add_argument("--axes", help="mesh axes the plan may use, e.g. data,fsdp,tensor (default: what train runs)")
@@ -51,6 +54,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--cluster", default="cpu-8", help="cluster file whose peak FLOP/s the efficiency refers to")
     c.add_argument("--model", default="small", help="reference model preset timed on a data-parallel mesh")
     c.add_argument("--out", help="calibration JSON to write (default: the planner's per-device-kind file)")
+    c.add_argument("--force", action="store_true", help="replace an --out file that is not an earlier calibration")
     c.set_defaults(fn=cmd_calibrate)
 
 
@@ -68,6 +72,7 @@ def _explicit_seq_len(args) -> bool:
 def cmd_plan(args) -> int:
     """``jaxdist plan``: print the best plans and write the chosen one as a train config."""
     extra = ([f"model={args.model}"] if args.model else []) + ([f"mesh.cluster={args.cluster}"] if args.cluster else [])
+    check_overwrite(args.out, lambda text: text.startswith("# jaxdist plan:"), args.force, (args.config, args.busy))
     cfg = load_config(args.config, extra + list(args.overrides))
     seq_len = cfg.train.seq_len if _explicit_seq_len(args) else cfg.model.max_seq_len
     cfg = cfg.replace(**{"train.seq_len": seq_len})
@@ -202,6 +207,8 @@ def _verified(p, cfg):
 def cmd_calibrate(args) -> int:
     """``jaxdist calibrate``: measure efficiency and links on the devices present and save them."""
     cfg = load_config(None, [f"mesh.cluster={args.cluster}"] + list(args.overrides))
+    if args.out:
+        check_overwrite(args.out, lambda text: "efficiency" in json.loads(text), args.force)
     prepare_host_devices(cfg)
     import jax
 

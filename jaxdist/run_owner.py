@@ -151,3 +151,25 @@ def set_aside_history(run_dir: str | Path) -> Path | None:
     for name in names:
         os.replace(run / name, dest / name)
     return dest
+
+
+def check_overwrite(path: str | Path, written_by_us, force: bool, inputs: tuple = ()) -> None:
+    """Refuse (ConfigError) to write ``path`` when it is one of the command's ``inputs``, not a file, or a file
+    that ``written_by_us(text)`` does not recognise as this command's own output, unless ``force``."""
+    p = Path(path)
+    for i in inputs:
+        if i and p.resolve() == Path(i).resolve():
+            raise ConfigError(f"--out {path} is this command's input: write the result to another file.")
+    if not p.exists():
+        return
+    if not p.is_file():
+        raise ConfigError(f"--out {path} is not a file: name a file to write.")
+    try:
+        ours = written_by_us(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        ours = False
+    if not ours and not force:
+        raise ConfigError(
+            f"--out {path} exists and is not this command's earlier output: name another file, or pass --force to "
+            "replace it."
+        )

@@ -162,6 +162,10 @@ ROWS: list[tuple[str, int, str, dict[str, str]]] = [
     ("pipeline --stages 2 --microbatches 0", 2, "microbatches=0 must be a positive integer", {}),
     ("pipeline --stages 2 --microbatches 4 --chunks 0", 2, "chunks=0 must be a positive integer", {}),
     ("comm plan mesh.data=0", 2, "mesh.data=0 is not a valid axis size", {}),
+    ("plan --model tiny --out {tmp}/mine.toml", 2, "--force", {"mine.toml": "[train]\nsteps = 3\n"}),
+    ("plan --config {tmp}/c.toml --out {tmp}/c.toml", 2, "is this command's input", {"c.toml": "# jaxdist plan: x\n"}),
+    ("plan --model tiny --out {tmp}", 2, "is not a file", {}),
+    ("calibrate --out {tmp}/mine.json", 2, "--force", {"mine.json": "{}"}),
     ("calibrate --cluster nonexistent", 2, "cluster description 'nonexistent' not found", {}),
     ("calibrate --cluster h100x8", 2, "describes NVIDIA H100", {}),
     # ------------------------------------------------------------------ launch, status, gen, convert

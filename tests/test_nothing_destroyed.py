@@ -214,3 +214,18 @@ def test_a_resumed_run_is_one_history(base, tmp_path):
     assert len(set(writers)) == 2
     ok, lines = verify(run)
     assert ok, lines
+
+
+def test_plan_replaces_only_its_own_earlier_plan(tmp_path, capsys):
+    out = tmp_path / "plan.toml"
+    argv = ["plan", "--model", "tiny", "--cluster", "cpu-8", "--out", str(out)]
+    assert cli.main(argv) == 0
+    first = out.read_text()
+    assert first.startswith("# jaxdist plan:")
+    assert cli.main(argv) == 0  # its own earlier output: replaced
+    mine = tmp_path / "mine.toml"
+    mine.write_text("# my notes\n")
+    assert cli.main([*argv[:-1], str(mine)]) == 2
+    assert "--force" in capsys.readouterr().err and mine.read_text() == "# my notes\n"
+    assert cli.main([*argv[:-1], str(mine), "--force"]) == 0
+    assert mine.read_text().startswith("# jaxdist plan:")
