@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxdist.checkpoint import CheckpointDamaged, RunCheckpointer, abstract_like, integrity
+from tests.trees import leaf_pairs
 
 
 def mesh():
@@ -43,7 +44,7 @@ def biggest_data_file(step_dir):
 
 
 def same(a, b):
-    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in leaf_pairs(a, b))
 
 
 def test_commit_marker_records_every_file_with_its_size_and_crc(tmp_path):

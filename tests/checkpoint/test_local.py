@@ -16,6 +16,7 @@ import pytest
 from jaxdist.config import ConfigError, load_config
 from jaxdist.train.metrics import read_metrics
 from jaxdist.train.trainer import Trainer
+from tests.trees import leaf_pairs
 
 STEPS = 10
 
@@ -91,7 +92,7 @@ def test_resume_from_local_tier_is_bit_identical(tmp_path, reference):
         assert int(t2.state["step"]) == 7 and t2.resumed_from == ("local", 7)
         t2.fit()
         resumed = jax.device_get(t2.state)
-    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+    for a, b in leaf_pairs(full, resumed):
         np.testing.assert_array_equal(a, b)
     logged = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "crash")]
     assert sorted(set(logged)) == losses  # the same loss at every step, step 8 (lost in the crash) twice

@@ -50,6 +50,7 @@ from jaxdist.train.compile_cache import configure_compile_cache  # noqa: E402
 if os.environ.get("JAXDIST_TEST_COMPILE_CACHE"):  # the test session's shared cache (tests/conftest.py)
     configure_compile_cache(os.environ["JAXDIST_TEST_COMPILE_CACHE"])
 from jaxdist.checkpoint.writer import named_leaves  # noqa: E402
+from tests.trees import leaf_pairs  # noqa: E402
 
 
 _T0 = time.perf_counter()
@@ -178,7 +179,7 @@ def mode_restore(spec) -> None:
         with trainer_for(job["overrides"]) as t:
             target = t.abstract_state()
             state, meta = RunCheckpointer(job["ckpt"]).restore(target)
-            on_target = all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(target)))
+            on_target = all(a.sharding == b.sharding for a, b in leaf_pairs(state, target))
             result(
                 {
                     "ckpt": job["ckpt"],
@@ -289,7 +290,7 @@ def mode_tiers(spec) -> None:
         out["local_restore_s"] = time.perf_counter() - t0
         assert meta["step"] == 99 + n and all(
             np.array_equal(np.asarray(a.addressable_shards[0].data), np.asarray(b.addressable_shards[0].data))
-            for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state))
+            for a, b in leaf_pairs(restored, state)
         )
         t0 = time.perf_counter()
         restored, meta = ck.restore(abstract)

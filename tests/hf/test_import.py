@@ -18,6 +18,7 @@ from jaxdist.hf.load import load_params
 from jaxdist.models.arithmetic import param_count
 from tests.hf.helpers import config_for, logits, sharded_abstract
 from tests.hf.reference import LLAMA, MIXTRAL, QWEN2, forward, hf_tensors, write_checkpoint
+from tests.trees import leaf_pairs
 
 REL_TOL = 1e-4
 CASES = {"llama": LLAMA, "qwen2": QWEN2, "mixtral": MIXTRAL}
@@ -48,7 +49,7 @@ def test_logits_match_reference(tmp_path, arch, mesh):
     want = forward(c, tensors, tokens)
     assert _rel_err(got, want) < REL_TOL
     assert param_count(cfg.model) == sum(t.size for t in tensors.values())  # the biases counted too
-    for leaf, target in zip(jax.tree.leaves(params), jax.tree.leaves(abstract)):
+    for leaf, target in leaf_pairs(params, abstract):
         assert leaf.sharding == target.sharding
         for shard in leaf.addressable_shards:  # each device holds exactly its slice, nothing more
             assert shard.data.shape == target.sharding.shard_shape(target.shape)

@@ -21,6 +21,7 @@ from jaxdist.resolve import resolve
 from jaxdist.train.trainer import Trainer
 from tests.hf.helpers import config_for, sharded_abstract
 from tests.hf.reference import LLAMA, MIXTRAL, QWEN2, hf_tensors, write_checkpoint
+from tests.trees import leaf_pairs
 
 
 def _read_all(hf_dir) -> dict[str, np.ndarray]:
@@ -91,7 +92,7 @@ def test_train_export_import_gives_same_params(tmp_path):
     _, _, abstract = sharded_abstract(cfg2, jax.devices())
     again = jax.tree.map(np.asarray, load_params(tmp_path / "out", cfg2.model, abstract))
     assert jax.tree.structure(again) == jax.tree.structure(trained)
-    for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(trained)):
+    for a, b in leaf_pairs(again, trained):
         assert a.tobytes() == b.tobytes()
 
 

@@ -15,6 +15,7 @@ from jaxdist.models import moe as M
 from jaxdist.models.transformer import block_forward, rms_norm, rotary_tables
 from jaxdist.parallel.moe import run_experts
 from jaxdist.models.arithmetic import param_count
+from tests.trees import leaf_pairs
 
 
 def rel_err(a, b):
@@ -100,7 +101,7 @@ def test_dropless_equals_reference_values_and_grads(overrides):
     (l0, y0), g0 = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x, ref)
     (l1, y1), g1 = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(p, x, got)
     assert rel_err(y1, y0) < 1e-5
-    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    for a, b in leaf_pairs(g1, g0):
         assert rel_err(a, b) < 1e-5
 
 

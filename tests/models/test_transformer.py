@@ -122,3 +122,18 @@ def test_bf16_compute_with_fp32_master_weights():
     f32 = load_config(None, ["model=tiny"]).model
     ref = apply(create_abstract(f32)[0], params, jnp.zeros((1, 8), jnp.int32))
     np.testing.assert_allclose(logits, ref, rtol=0.1, atol=0.1)
+    # Closeness to fp32 cannot tell bf16 compute from fp32 compute: the program's matmuls must take bf16 operands.
+    assert _dot_operand_types(cfg) == {"bf16"}
+    assert _dot_operand_types(f32) == {"f32"}
+
+
+def _dot_operand_types(cfg) -> set[str]:
+    """The element types of every matmul operand in the lowered (pre-optimisation) forward program."""
+    graphdef, abstract, _ = create_abstract(cfg)
+    text = (
+        jax.jit(lambda p, t: apply(graphdef, p, t)).lower(abstract, jax.ShapeDtypeStruct((1, 8), jnp.int32)).as_text()
+    )
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) >= cfg.n_layers  # the scanned block's matmuls and the output projection
+    operands = [line.rsplit(" : (", 1)[1].split(") ->")[0] for line in dots]
+    return {t.rsplit("x", 1)[-1].rstrip(">") for ops in operands for t in ops.split(", ")}

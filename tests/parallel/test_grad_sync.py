@@ -15,6 +15,7 @@ from jaxdist.parallel.grad_sync import SCOPE, per_block_grads_fn
 from jaxdist.parallel.hlo import parse_collectives
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.train.step import loss_metrics_and_grads
+from tests.trees import leaf_pairs
 
 MESHES = {
     "data8": ["mesh.data=8"],
@@ -111,5 +112,5 @@ def test_per_block_is_bit_identical_to_end_and_holds_the_planned_collectives(mes
     loss_end, _, grads_end = jax.device_get(end(params, tokens))
     assert loss == loss_end
     assert jax.tree.structure(grads) == jax.tree.structure(grads_end)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_end)):
+    for a, b in leaf_pairs(grads, grads_end):
         np.testing.assert_array_equal(a, b)

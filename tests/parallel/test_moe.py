@@ -16,6 +16,7 @@ from jaxdist.models.hooks import dispatching_experts
 from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import DEFAULT_RULES, activation_sharding
 from jaxdist.train.step import loss_and_grads
+from tests.trees import leaf_pairs
 
 # (id, mesh overrides, mesh.expert_tensor).  The last runs attention 4-way tensor-parallel
 # and the experts 4-way expert-parallel x 2-way tensor-parallel on the same 8 devices.
@@ -93,7 +94,7 @@ def test_dropless_dispatch_equals_dense_reference(dropless_reference, mesh_overr
     assert layout.size(layout.token_axes) * layout.etp_size == 8  # every device busy, no token twice
     assert bool(jnp.all(keep))
     assert rel_err(y, y_ref) < 1e-5
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref)):
+    for a, b in leaf_pairs(grads, g_ref):
         assert rel_err(a, b) < 1e-5
 
 
@@ -294,5 +295,5 @@ def test_moe_trains_balanced_and_resumes_bit_identical(tmp_path):
         assert int(t.state["step"]) == 12
         t.fit()
         resumed = jax.device_get(t.state)
-    for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(full)):
+    for a, b in leaf_pairs(resumed, full):
         np.testing.assert_array_equal(a, b)

@@ -20,6 +20,7 @@ from jaxdist.remat import (
 )
 from jaxdist.measure.remat import dominated_by, measure_policies
 from jaxdist.models.arithmetic import param_count
+from tests.trees import leaf_pairs
 
 # The XLA checks: a tiny model with 16 scanned layers on one device, batch 16 x 64 tokens.
 XLA_MODEL = ["model=tiny", "model.n_layers=16", "mesh.data=1"]
@@ -132,7 +133,7 @@ def test_gradients_equal_no_remat_gradients():
     ref = grads(None)
     for f in (0.1, 0.5, 0.9):
         got = grads(plan_remat(profile, lo + f * (hi - lo)).policy())
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        for a, b in leaf_pairs(got, ref):
             assert float(jnp.max(jnp.abs(a - b))) <= 1e-6 * float(jnp.max(jnp.abs(b)))
 
 

@@ -28,6 +28,8 @@ def slurm(tmp_path_factory):
         cluster.start()
     except SlurmUnavailable as e:
         shutil.rmtree(root, ignore_errors=True)
+        if os.environ.get("JAXDIST_REQUIRE_SLURM") == "1":  # .ci/run installed Slurm: a cluster that won't start fails
+            pytest.fail(f"Slurm is installed but the local cluster did not start: {e}")
         pytest.skip(f"no local Slurm cluster: {e}")
     except BaseException:
         shutil.rmtree(root, ignore_errors=True)

@@ -6,6 +6,7 @@ import numpy as np
 from jaxdist.config import load_config
 from jaxdist.train.metrics import read_metrics
 from jaxdist.train.trainer import Trainer
+from tests.trees import leaf_pairs
 
 
 def small_config(tmp_path, name, steps, extra=()):
@@ -55,7 +56,7 @@ def test_resume_is_bit_identical(tmp_path):
         t.fit()
         resumed = jax.device_get(t.state)
 
-    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed)):
+    for a, b in leaf_pairs(full, resumed):
         np.testing.assert_array_equal(a, b)
     losses_full = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "full")]
     losses_split = [(r["step"], r["loss"]) for r in read_metrics(tmp_path / "split")]

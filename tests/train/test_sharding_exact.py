@@ -10,6 +10,7 @@ from jaxdist.models import create_abstract, init_params
 from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import DEFAULT_RULES, activation_sharding, logical_to_spec
 from jaxdist.train.step import loss_and_grads
+from tests.trees import leaf_pairs
 
 BATCH, SEQ = 8, 32
 
@@ -78,5 +79,5 @@ def test_gradient_accumulation_equals_full_batch(reference):
         cfg, graphdef, names, params, tokens, ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"], microbatches=2
     )
     assert rel_err(loss, loss_ref) < 1e-5
-    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+    for g, r in leaf_pairs(grads, grads_ref):
         assert rel_err(g, r) < 1e-5

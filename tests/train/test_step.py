@@ -10,6 +10,7 @@ from jaxdist.models.arithmetic import train_flops_per_token
 from jaxdist.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 from jaxdist.train.step import init_state, loss_and_grads, make_train_step
 from jaxdist.models.arithmetic import param_count
+from tests.trees import leaf_pairs
 
 
 def test_step_equals_optax_clip_then_adamw():
@@ -31,7 +32,7 @@ def test_step_equals_optax_clip_then_adamw():
         loss, g = loss_and_grads(graphdef, p, tokens)
         u, s = ref_opt.update(g, s, p)
         p = optax.apply_updates(p, u)
-    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(p)):
+    for a, b in leaf_pairs(state["params"], p):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     assert m1["grad_norm"] > 0.05  # clipping was active
     assert int(state["step"]) == 2 and float(m2["lr"]) == float(sched(1))
@@ -49,7 +50,7 @@ def test_clipping_scales_gradients_like_optax():
     _, g = loss_and_grads(graphdef, params, tokens)
     ref = optax.chain(optax.clip_by_global_norm(0.01), optax.sgd(1.0))
     u, _ = ref.update(g, ref.init(params), params)
-    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(optax.apply_updates(params, u))):
+    for a, b in leaf_pairs(state["params"], optax.apply_updates(params, u)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
     assert abs(float(m["grad_norm"]) - float(optax.global_norm(g))) < 1e-5 * float(m["grad_norm"])
 
