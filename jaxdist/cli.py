@@ -227,7 +227,7 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from jaxdist.gen.sample_config import check_request, check_texts, run_config  # JAX-free: before JAX
+    from jaxdist.gen.sample_config import check_request, check_texts, clamp_new_tokens, run_config  # no JAX
 
     prepare_host_devices(run_config(args.run_dir, args.overrides))  # the run's cluster: its simulated devices
     check_request(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
@@ -237,7 +237,8 @@ def cmd_sample(args) -> int:
 
     sampler = Sampler.from_run(args.run_dir, args.step, args.overrides)
     print(describe(sampler), file=sys.stderr)
-    max_new_tokens, notice = sampler.new_tokens_that_fit(prompts, args.max_new_tokens)
+    longest = max(len(ids) for ids in sampler.prompt_ids(prompts))
+    max_new_tokens, notice = clamp_new_tokens(args.max_new_tokens, longest, sampler.model.max_seq_len)
     if notice:
         print(f"jaxdist: {notice}", file=sys.stderr)
     # One prompt: its text printed as it comes; several: each printed whole at the end.

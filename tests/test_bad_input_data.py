@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from jaxdist import cli
+from jaxdist.config import ConfigError
 from jaxdist.data import write_token_file
 from jaxdist.data.prepare import prepare
 from jaxdist.data.tokenizer import EOS
@@ -439,9 +440,13 @@ def test_bad_input_row(name, env, request):
 
 def test_clamped_new_tokens_are_the_room_left(env, sampler):
     """The clamp of ``sample_max_new_past_max_seq_len``: max_seq_len less the longest prompt's tokens."""
-    assert sampler.model.max_seq_len == 128
-    assert sampler.new_tokens_that_fit(["ab", "abcd"], 10**9)[0] == 128 - 4
-    assert sampler.new_tokens_that_fit(["ab"], 7) == (7, None)
+    from jaxdist.gen.sample_config import clamp_new_tokens
+
+    assert sampler.model.max_seq_len == 128 and [len(i) for i in sampler.prompt_ids(["ab", "abcd", ""])] == [2, 4, 1]
+    assert clamp_new_tokens(10**9, 4, 128)[0] == 124
+    assert clamp_new_tokens(124, 4, 128) == (124, None)
+    with pytest.raises(ConfigError, match="leaves no room"):
+        clamp_new_tokens(1, 128, 128)
 
 
 def test_table_covers_the_issue(env):
@@ -476,7 +481,7 @@ def test_fuzz_token_file_manifest_and_batch_list(env, tmp_path):
     """200 damaged inputs: a prepared token file, its manifest (read as train reads them: settle_tokenizer and
     load_source), and a run's batch-list file (``data verify``).  Each works or is one sentence (exit 2, or the
     PROBLEMS report with exit 1); never a traceback.  No hang is possible here (regular files), so in-process."""
-    from jaxdist.config import ConfigError, load_config
+    from jaxdist.config import load_config
     from jaxdist.data.manifest import settle_tokenizer
     from jaxdist.data.sources import check_vocab, load_source
 

@@ -75,3 +75,21 @@ def check_request(max_new_tokens: int, temperature: float, top_k: int, top_p: fl
         raise ConfigError(f"top_k={top_k} is negative: use 0 (no top-k cut) or a positive number of tokens.")
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p={top_p} is outside (0, 1]: use 1 (no nucleus cut) or a share like 0.9.")
+
+
+def clamp_new_tokens(max_new_tokens: int, longest_prompt: int, max_seq_len: int) -> tuple[int, str | None]:
+    """(tokens to generate, a notice or None): ``max_new_tokens`` clamped so the longest prompt (tokens) and its
+    continuation fit ``max_seq_len`` (past it the sampler's cache is a sliding window over positions the model
+    never trained on).  ConfigError (one sentence) when a prompt leaves no room at all."""
+    room = max_seq_len - longest_prompt
+    if room < 1:
+        raise ConfigError(
+            f"a prompt has {longest_prompt} tokens, which leaves no room in model.max_seq_len={max_seq_len} "
+            "for new tokens: shorten it."
+        )
+    if max_new_tokens <= room:
+        return max_new_tokens, None
+    return room, (
+        f"--max-new-tokens={max_new_tokens} does not fit model.max_seq_len={max_seq_len} after the longest "
+        f"prompt's {longest_prompt} tokens: generating at most {room} tokens (clamped)."
+    )

@@ -315,25 +315,6 @@ class Sampler:
         start = [tok.bos_id] if tok.add_bos else []
         return [tok.encode(t, bos=tok.add_bos) if t else np.array([tok.eos_id, *start]) for t in texts]
 
-    def new_tokens_that_fit(self, texts: Sequence[str], max_new_tokens: int) -> tuple[int, str | None]:
-        """(tokens to generate, a notice or None): ``max_new_tokens`` clamped so the longest prompt and its
-        continuation fit ``model.max_seq_len`` (past it the cache is a sliding window over positions the model
-        never trained on).  ConfigError (one sentence) when a prompt leaves no room at all."""
-        check_texts(texts)
-        longest = max((len(ids) for ids in self.prompt_ids(texts)), default=0)
-        room = self.model.max_seq_len - longest
-        if room < 1:
-            raise ConfigError(
-                f"a prompt has {longest} tokens, which leaves no room in model.max_seq_len={self.model.max_seq_len} "
-                "for new tokens: shorten it."
-            )
-        if max_new_tokens <= room:
-            return max_new_tokens, None
-        return room, (
-            f"--max-new-tokens={max_new_tokens} does not fit model.max_seq_len={self.model.max_seq_len} after "
-            f"the longest prompt's {longest} tokens: generating at most {room} tokens (clamped)."
-        )
-
     def generate(
         self,
         prompts: str | Sequence[str],
