@@ -192,6 +192,10 @@ def cmd_data(args) -> int:
         print(describe(run, args.version, args.head))
         return 0
     if args.action == "verify":
+        if not (run / "config.json").is_file() and not (run / "batchlist").is_dir():
+            raise ConfigError(
+                f"'{run}' is not a run directory (no config.json, no batchlist/): pass runs/<train.name>."
+            )
         ok, lines = verify(run, full=args.full)
         print("\n".join(lines))
         print("batch list: ok" if ok else "batch list: PROBLEMS FOUND (see above)")
@@ -207,12 +211,13 @@ def cmd_data(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from jaxdist.data.prepare import prepare  # JAX-free; tokenizers and pyarrow are loaded when used
+    from jaxdist.data.prepare import piece_bytes_of, prepare  # JAX-free; tokenizers and pyarrow are loaded when used
 
     if len(args.paths) != 1:
         raise ConfigError("jaxdist data prepare takes SRC OUT: the corpus and the output directory.")
     out = Path(args.paths[0])
-    m = prepare(args.run_dir, out, args.tokenizer, args.workers, args.text_field, int(args.piece_mb * (1 << 20)))
+    piece_bytes = piece_bytes_of(args.piece_mb)
+    m = prepare(args.run_dir, out, args.tokenizer, args.workers, args.text_field, piece_bytes, force=args.force)
     print(
         f"{m['n_tokens']:,} tokens ({m['token_dtype']}) of {m['n_documents']:,} documents from "
         f"{len(m['sources'])} file(s) in {out / 'tokens.bin'}; train with data.source=tokens "
@@ -222,21 +227,26 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from jaxdist.gen.sample_config import check_request, run_config  # JAX-free: XLA_FLAGS are set before JAX
+    from jaxdist.gen.sample_config import check_request, check_texts, clamp_new_tokens, run_config  # no JAX
 
     prepare_host_devices(run_config(args.run_dir, args.overrides))  # the run's cluster: its simulated devices
     check_request(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
+    prompts = args.prompt or [""]
+    check_texts(prompts, args.stop or ())
     from jaxdist.gen.sampler import Sampler, TextStream, describe  # JAX
 
     sampler = Sampler.from_run(args.run_dir, args.step, args.overrides)
     print(describe(sampler), file=sys.stderr)
-    prompts = args.prompt or [""]
+    longest = max(len(ids) for ids in sampler.prompt_ids(prompts))
+    max_new_tokens, notice = clamp_new_tokens(args.max_new_tokens, longest, sampler.model.max_seq_len)
+    if notice:
+        print(f"jaxdist: {notice}", file=sys.stderr)
     # One prompt: its text printed as it comes; several: each printed whole at the end.
     stream = TextStream(sampler.tokenizer, sys.stdout, args.stop) if len(prompts) == 1 else None
     if stream is not None:
         print(prompts[0], end="", flush=True)
     results = sampler.generate(
-        prompts, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.stop, on_token=stream
+        prompts, max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.stop, on_token=stream
     )
     for i, g in enumerate(results):
         if stream is not None:
@@ -498,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--version", type=int, help="show: this version (default: newest)")
     d.add_argument("--head", type=int, default=5, help="show: how many upcoming batch ids to list")
     d.add_argument("--full", action="store_true", help="verify: also re-hash every added source (reads all of it)")
+    d.add_argument("--force", action="store_true", help="prepare: write into an output directory holding other files")
     d.set_defaults(fn=cmd_data)
 
     sa = sub.add_parser("sample", help="continue prompts with a run's checkpoint, on the run's mesh axes")

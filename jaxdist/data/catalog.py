@@ -86,21 +86,40 @@ def _token_file(p: Path, token_dtype: str) -> np.ndarray:
             f"token file '{p}' has {size} bytes, not a positive multiple of {itemsize} "
             f"({token_dtype}): pass the dtype it was written with."
         )
-    return np.memmap(p, dtype=token_dtype, mode="r")
+    tokens = np.memmap(p, dtype=token_dtype, mode="r")
+    _sources.check_token_layout(tokens, f"token file '{p}'", "pass --token-dtype uint32")
+    return tokens
 
 
 def read_path(path: str | Path, kind: str = "auto", token_dtype: str = "uint16") -> tuple[str, np.ndarray]:
     """(kind, tokens) of one path to add: text_dir, tokens or text (see the module docstring)."""
     p = Path(path)
     if not p.exists():
+        if p.is_symlink():
+            raise ConfigError(
+                f"data path '{path}' is a symbolic link to '{p.readlink()}', which does not exist: fix the link."
+            )
         raise ConfigError(f"data path '{path}' does not exist: check the path and add it again.")
     if kind not in ("auto", "text", "tokens"):
         raise ConfigError(f"kind '{kind}' is unknown: use auto, text or tokens.")
+    if not p.is_dir() and not p.is_file():  # a FIFO would block the read forever, a device never ends
+        raise ConfigError(
+            f"data path '{path}' is not a regular file or a directory: copy its data into a file and add that."
+        )
+    try:
+        return _read_path(p, kind, token_dtype)
+    except OSError as e:
+        raise ConfigError(
+            f"data path '{path}' cannot be read ({e.strerror}): check its permissions and add it again."
+        ) from None
+
+
+def _read_path(p: Path, kind: str, token_dtype: str) -> tuple[str, np.ndarray]:
     if p.is_dir():
         root = str(p.resolve())
         entries = _sources.scan_files(root)
         if not entries:
-            raise ConfigError(f"directory '{path}' contains no files: put text files in it first.")
+            raise ConfigError(f"directory '{p}' contains no files: put text files in it first.")
         return "text_dir", _sources.concat_files(root, list(entries))
     if kind == "tokens" or (kind == "auto" and p.suffix in TOKEN_SUFFIXES):
         return "tokens", _token_file(p, token_dtype)

@@ -86,10 +86,15 @@ def scan_corpus(src: str | Path, piece_bytes: int = 8 << 20) -> Corpus:
         kind, rels = ("jsonl", jsonl) if jsonl else ("parquet", parquet) if parquet else ("text", entries)
         if not rels:
             raise ConfigError(f"corpus directory '{src}' contains no files: put JSONL, Parquet or text files in it.")
-    files = tuple(
-        CorpusFile(os.path.join(root, r), r, os.path.getsize(os.path.join(root, r)), file_sha256(os.path.join(root, r)))
-        for r in rels
-    )
+    try:
+        files = tuple(
+            CorpusFile(
+                os.path.join(root, r), r, os.path.getsize(os.path.join(root, r)), file_sha256(os.path.join(root, r))
+            )
+            for r in rels
+        )
+    except OSError as e:
+        raise ConfigError(f"corpus file '{e.filename}' cannot be read ({e.strerror}): check its permissions.") from None
     return Corpus(root, kind, files, tuple(_pieces(kind, files, max(1, piece_bytes))))
 
 
@@ -127,8 +132,22 @@ def _pyarrow_parquet():
     return pq
 
 
+def _parquet_file(path: str):
+    """The opened Parquet file; ConfigError (one sentence) when it is not one (no footer, damaged metadata)."""
+    pq = _pyarrow_parquet()
+    import pyarrow as pa  # pyarrow.parquet imported it already
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(
+            f"'{path}' is not a readable Parquet file ({str(e).splitlines()[0]}): remove it from the corpus or "
+            "write it again."
+        ) from None
+
+
 def _row_group_bytes(path: str) -> list[int]:
-    meta = _pyarrow_parquet().ParquetFile(path).metadata
+    meta = _parquet_file(path).metadata
     return [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
 
 
@@ -137,10 +156,16 @@ def check_text_field(corpus: Corpus, text_field: str) -> None:
     text field: caught before any worker starts."""
     for f in corpus.files:
         if corpus.kind == "parquet":
-            names = _pyarrow_parquet().ParquetFile(f.path).schema_arrow.names
-            if text_field not in names:
+            schema = _parquet_file(f.path).schema_arrow
+            if text_field not in schema.names:
                 raise ConfigError(
-                    f"Parquet file '{f.rel}' has no column '{text_field}' (it has {', '.join(names[:8])}): "
+                    f"Parquet file '{f.rel}' has no column '{text_field}' (it has {', '.join(schema.names[:8])}): "
+                    "pass --text-field with the column that holds the text."
+                )
+            kind = schema.field(text_field).type
+            if not (_pa_types().is_string(kind) or _pa_types().is_large_string(kind)):
+                raise ConfigError(
+                    f"column '{text_field}' of Parquet file '{f.rel}' holds {kind}, not text: "
                     "pass --text-field with the column that holds the text."
                 )
         elif corpus.kind == "jsonl":
@@ -151,6 +176,13 @@ def check_text_field(corpus: Corpus, text_field: str) -> None:
                         break
 
 
+def _pa_types():
+    """``pyarrow.types`` (loaded with pyarrow.parquet)."""
+    import pyarrow.types  # pyarrow.parquet imported it already
+
+    return pyarrow.types
+
+
 def _text_of(line: bytes, text_field: str, where: str) -> str:
     """The text of one JSONL line; ``where`` names the line in messages (e.g. "line 1 of 'a.jsonl'")."""
     try:
@@ -158,6 +190,11 @@ def _text_of(line: bytes, text_field: str, where: str) -> str:
     except ValueError as e:
         raise ConfigError(f"{where} is not JSON ({e}): fix it or remove it from the corpus.") from None
     value = record.get(text_field) if isinstance(record, dict) else None
+    if isinstance(record, dict) and text_field in record and not isinstance(value, str):
+        raise ConfigError(
+            f"{where} holds {json.dumps(value)[:40]} in field '{text_field}', not text: "
+            "pass --text-field with the field that holds the text, or fix the line."
+        )
     if not isinstance(value, str):
         fields = ", ".join(list(record)[:8]) if isinstance(record, dict) else "none"
         raise ConfigError(
@@ -180,7 +217,15 @@ def read_documents(corpus: Corpus, piece: Piece, text_field: str) -> tuple[list[
         return texts, owners
     f = corpus.files[piece.first]
     if corpus.kind == "parquet":
-        table = _pyarrow_parquet().ParquetFile(f.path).read_row_group(piece.start, columns=[text_field])
+        import pyarrow as pa  # pyarrow.parquet imported it already
+
+        try:
+            table = _parquet_file(f.path).read_row_group(piece.start, columns=[text_field])
+        except (pa.ArrowException, OSError) as e:
+            raise ConfigError(
+                f"row group {piece.start} of Parquet file '{f.rel}' is not readable ({str(e).splitlines()[0]}): "
+                "remove the file from the corpus or write it again."
+            ) from None
         texts = [t for t in table.column(text_field).to_pylist() if t]
         return texts, [piece.first] * len(texts)
     with open(f.path, "rb") as fh:

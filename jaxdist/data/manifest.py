@@ -92,6 +92,32 @@ def manifest_for(token_file: str | Path) -> dict[str, Any] | None:
     return m if m.get("tokens_file") == p.name else None
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_manifest(m: dict[str, Any], token_file: str) -> None:
+    """ConfigError (one sentence) if the manifest's fields that training reads are not what prepare writes, or
+    its EOS or BOS id is not an id of its own vocabulary (documents would be separated by a token the model
+    cannot embed): a manifest damaged or edited by hand."""
+    again = "prepare the corpus again with `jaxdist data prepare`"
+    t, vocab = m.get("tokenizer"), m.get("vocab_size")
+    if not isinstance(t, dict) or m.get("token_dtype") not in ("uint16", "uint32") or not _is_count(m.get("n_tokens")):
+        raise ConfigError(f"manifest of '{token_file}' lacks its tokenizer, token_dtype or n_tokens: {again}.")
+    if not _is_count(vocab) or vocab < 1:
+        raise ConfigError(
+            f"manifest of '{token_file}' records vocab_size={vocab!r}, not a positive number of tokens: {again}."
+        )
+    for key, value in (("eos_id", m.get("eos_id")), ("eos_id", t.get("eos_id")), ("bos_id", t.get("bos_id"))):
+        if value is None and key == "bos_id":
+            continue
+        if not _is_count(value) or value >= vocab:
+            raise ConfigError(
+                f"manifest of '{token_file}' records {key}={value!r}, outside its vocabulary of {vocab} tokens "
+                f"(ids 0..{vocab - 1}): {again}."
+            )
+
+
 def _preset_vocab(model: ModelConfig) -> int:
     return MODEL_PRESETS.get(model.preset, {}).get("vocab_size", ModelConfig().vocab_size)
 
@@ -111,12 +137,13 @@ def settle_tokenizer(cfg: Config) -> Config:
                 f"model.vocab_size={v}: set model.vocab_size to at least {tok.vocab_size}, or leave it unset "
                 "to follow the tokenizer."
             )
-    if d.source != "tokens" or not d.path:
+    if d.source != "tokens" or not d.path or not Path(d.path).is_file():  # load_source names a missing file
         return cfg
     m = manifest_for(d.path)
     if m is None:
         return cfg
-    t = m.get("tokenizer", {})
+    _check_manifest(m, d.path)
+    t = m["tokenizer"]
     fingerprint = tok.fingerprint if tok is not None else tokenizer_fingerprint(d.tokenizer)
     if t.get("sha256") != fingerprint:
         raise ConfigError(

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import shutil
@@ -44,6 +45,41 @@ from jaxdist.errors import ConfigError
 
 WORK = ".prepare"
 _worker: dict[str, Any] = {}  # per worker process: the tokenizer, loaded once by _init_worker
+
+
+def piece_bytes_of(piece_mb: float) -> int:
+    """``--piece-mb`` in bytes; ConfigError (one sentence) unless it is a finite positive number of MiB that makes
+    at least one byte."""
+    if not math.isfinite(piece_mb) or piece_mb <= 0 or piece_mb * (1 << 20) < 1 or piece_mb > 1 << 20:
+        raise ConfigError(
+            f"--piece-mb={piece_mb} is not a size of input per piece of work: pass a number of MiB such as 8 "
+            "(more than 0, at most 1048576)."
+        )
+    return int(piece_mb * (1 << 20))
+
+
+def check_output(src: str | Path, out: Path, force: bool) -> None:
+    """ConfigError (one sentence) if the output directory ``out`` is the corpus ``src`` or inside it (a rerun
+    would read its own tokens), or holds files that prepare did not write and ``force`` is not given."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"output '{out}' is a file: pass a directory (it gets tokens.bin and manifest.json).")
+    source, target = Path(src).resolve(), out.resolve()
+    if source.is_dir() and (target == source or source in target.parents):
+        raise ConfigError(
+            f"output '{out}' is inside the corpus '{src}': the next prepare would read its tokens as text; "
+            "choose an output directory outside the corpus."
+        )
+    if not out.is_dir():
+        return
+    names = {e.name for e in out.iterdir()}
+    ours = {WORK, f".{TOKENS}.tmp"} | ({TOKENS, MANIFEST} if names & {WORK, MANIFEST} else set())
+    foreign = sorted(names - ours)
+    if foreign and not force:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ConfigError(
+            f"output '{out}' holds files that data prepare did not write ({shown}): choose a new or empty "
+            "directory, or pass --force to write tokens.bin and manifest.json beside them."
+        )
 
 
 def token_dtype_for(vocab_size: int) -> str:
@@ -114,12 +150,16 @@ def prepare(
     text_field: str = "text",
     piece_bytes: int = 8 << 20,
     progress: bool = True,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Tokenize the corpus ``src`` into ``out/tokens.bin`` + ``out/manifest.json`` (see the module docstring);
     returns the manifest.  Resumes an interrupted prepare of the same inputs; a finished one is not redone.
-    ConfigError (one sentence) for a bad corpus, tokenizer or output directory."""
+    ConfigError (one sentence) for a bad corpus, tokenizer or output directory (see :func:`check_output`;
+    ``force`` writes beside files it did not write)."""
     if workers < 1:
         raise ConfigError(f"--workers={workers} must be at least 1.")
+    out = Path(out)
+    check_output(src, out, force)
     tok = load_tokenizer(tokenizer)
     if tok.eos_id is None:
         raise ConfigError(
@@ -129,9 +169,6 @@ def prepare(
     corpus = scan_corpus(src, piece_bytes)
     check_text_field(corpus, text_field)
     dtype = token_dtype_for(tok.vocab_size)
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output '{out}' is a file: pass a directory (it gets tokens.bin and manifest.json).")
     plan = {
         "sources": [[f.rel, f.size, f.sha256] for f in corpus.files],
         "kind": corpus.kind,

@@ -34,6 +34,8 @@ _BUCKETS = 10_000
 _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "__pycache__"})
 TOKEN_DTYPES = ("uint16", "uint32")
 _ID_CHUNK = 1 << 24  # tokens read at a time when looking for the largest id
+_LAYOUT_SAMPLE = 1 << 20  # uint16 items looked at for the layout of uint32 ids (2 MiB)
+_LAYOUT_MIN = 64  # fewer items than this say nothing about the layout
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,18 @@ def check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
             f"{what} holds token id {top}, outside model.vocab_size={vocab_size} (ids 0..{vocab_size - 1}): "
             f"set model.vocab_size to at least {top + 1}, or use data written for this vocabulary."
         )
+
+
+def check_token_layout(tokens: np.ndarray, what: str, fix: str) -> None:
+    """ConfigError (one sentence) if ``tokens`` read as uint16 look like uint32 ids: a zero at every odd position of
+    the first 1M items (the high halves of little-endian uint32 ids below 65,536) while the even ones are not all
+    zero.  Real uint16 text never has a zero every other token; ``what`` names the file, ``fix`` the setting."""
+    if tokens.dtype != np.uint16:
+        return
+    head = np.asarray(tokens[: min(len(tokens), _LAYOUT_SAMPLE) // 2 * 2])
+    if len(head) < _LAYOUT_MIN or head[1::2].any() or not head[0::2].any():
+        return
+    raise ConfigError(f"{what} read as uint16 has a zero at every odd position, the layout of uint32 token ids: {fix}.")
 
 
 def write_token_file(path: str | Path, ids, dtype: str = "uint16") -> Path:
@@ -278,4 +292,5 @@ def _load_token_file(cfg: DataConfig) -> TokenSplit:
             "use a longer token file."
         )
     mm = np.memmap(p, dtype=cfg.token_dtype, mode="r")
+    check_token_layout(mm, f"token file '{p}'", "set data.token_dtype=uint32")
     return TokenSplit(train=mm[: n - n_eval], eval=mm[n - n_eval :], name=f"tokens:{p}", n_files=1)

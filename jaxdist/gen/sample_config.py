@@ -18,6 +18,8 @@ from jaxdist.config import Config, from_dict, parse_overrides
 from jaxdist.config_checks import validate
 from jaxdist.errors import ConfigError
 
+_FLOAT32_MAX = 3.4028234663852886e38  # the sampling settings reach the devices as float32
+
 
 def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
     """The config ``run_dir`` was trained with, plus ``overrides``; ConfigError (one sentence) if unusable."""
@@ -46,13 +48,48 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
     return cfg
 
 
+def check_texts(prompts: Sequence[str], stops: Sequence[str] = ()) -> None:
+    """ConfigError (one sentence) for a prompt or stop string that is not valid UTF-8 text: a shell passes invalid
+    bytes as lone surrogates (``\\udcff``), which no tokenizer can encode and no terminal can print."""
+    for what, texts in (("prompt", prompts), ("stop string", stops)):
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(
+                    f"{what} {i} is not valid UTF-8 text (byte {e.start} of it): pass it as UTF-8."
+                ) from None
+
+
 def check_request(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
     """ConfigError (one sentence saying what to change) for sampling settings that cannot work."""
     if max_new_tokens <= 0:
         raise ConfigError(f"max_new_tokens={max_new_tokens} generates nothing: ask for at least 1 token.")
+    if not abs(temperature) <= _FLOAT32_MAX:  # nan, inf, or inf once a float32 on the devices
+        raise ConfigError(
+            f"temperature={temperature} is not a finite number: use 0 (greedy) or a positive temperature such as 0.8."
+        )
     if temperature < 0:
         raise ConfigError(f"temperature={temperature} is negative: use 0 (greedy) or a positive temperature.")
     if top_k < 0:
         raise ConfigError(f"top_k={top_k} is negative: use 0 (no top-k cut) or a positive number of tokens.")
     if not 0 < top_p <= 1:
         raise ConfigError(f"top_p={top_p} is outside (0, 1]: use 1 (no nucleus cut) or a share like 0.9.")
+
+
+def clamp_new_tokens(max_new_tokens: int, longest_prompt: int, max_seq_len: int) -> tuple[int, str | None]:
+    """(tokens to generate, a notice or None): ``max_new_tokens`` clamped so the longest prompt (tokens) and its
+    continuation fit ``max_seq_len`` (past it the sampler's cache is a sliding window over positions the model
+    never trained on).  ConfigError (one sentence) when a prompt leaves no room at all."""
+    room = max_seq_len - longest_prompt
+    if room < 1:
+        raise ConfigError(
+            f"a prompt has {longest_prompt} tokens, which leaves no room in model.max_seq_len={max_seq_len} "
+            "for new tokens: shorten it."
+        )
+    if max_new_tokens <= room:
+        return max_new_tokens, None
+    return room, (
+        f"--max-new-tokens={max_new_tokens} does not fit model.max_seq_len={max_seq_len} after the longest "
+        f"prompt's {longest_prompt} tokens: generating at most {room} tokens (clamped)."
+    )

@@ -47,7 +47,7 @@ from jaxdist.config import Config
 from jaxdist.data.tokenizer import Tokenizer, load_tokenizer
 from jaxdist.errors import ConfigError
 from jaxdist.gen.decode import Settings, decode_step, left_pad, prefill
-from jaxdist.gen.sample_config import check_request, run_config
+from jaxdist.gen.sample_config import check_request, check_texts, run_config
 from jaxdist.gen.sample_load import abstract_params, restore_params
 from jaxdist.models.transformer import KV_CACHE_NAMES, create_abstract
 from jaxdist.parallel.layout import Parallelism
@@ -307,6 +307,14 @@ class Sampler:
             if r.min() < 0 or r.max() >= self.model.vocab_size:
                 raise ConfigError(f"prompt {i} has token ids outside 0..{self.model.vocab_size - 1}: fix its ids.")
 
+    def prompt_ids(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """The token ids :meth:`generate` feeds for each prompt text."""
+        tok = self.tokenizer
+        # Documents were trained as [BOS] text EOS: a prompt starts like one (BOS only where the tokenizer's
+        # convention has it; never for bytes).
+        start = [tok.bos_id] if tok.add_bos else []
+        return [tok.encode(t, bos=tok.add_bos) if t else np.array([tok.eos_id, *start]) for t in texts]
+
     def generate(
         self,
         prompts: str | Sequence[str],
@@ -329,11 +337,9 @@ class Sampler:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not s for s in stops):
             raise ConfigError("a stop string is empty: give stop strings of at least one character.")
+        check_texts(texts, stops)
         tok = self.tokenizer
-        # Documents were trained as [BOS] text EOS: a prompt starts like one (BOS only where the tokenizer's
-        # convention has it; never for bytes).
-        start = [tok.bos_id] if tok.add_bos else []
-        ids = [tok.encode(t, bos=tok.add_bos) if t else np.array([tok.eos_id, *start]) for t in texts]
+        ids = self.prompt_ids(texts)
         until = (lambda b, hist: any(s in tok.decode(hist) for s in stops)) if stops else None
         d = self.decode(ids, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, on_token, until)
         out = []
