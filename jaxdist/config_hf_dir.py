@@ -5,7 +5,8 @@ keys are missing, not whole numbers or not positive, before any of them is
 used (``int("abc")`` or a division by zero heads would otherwise be a
 traceback).  :func:`model_tokenizer` makes ``model.init_from`` bring the
 directory's tokenizer (``tokenizer.json``, else a SentencePiece
-``tokenizer.model``) as ``data.tokenizer`` unless the user chose one;
+``tokenizer.model``) as ``data.tokenizer`` for a run that trains on a token
+file, unless the user chose one;
 :func:`copy_tokenizer` copies a tokenizer file and the files that belong to it
 (``tokenizer_config.json``: BOS/EOS/pad; ``special_tokens_map.json``; the chat
 template) into a run directory or an exported model directory.
@@ -14,11 +15,14 @@ template) into a run directory or an exported model directory.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
 
 from jaxdist.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 # The tokenizer itself, in order of preference (a fast tokenizer.json over a SentencePiece model).
 TOKENIZER_MAIN = ("tokenizer.json", "tokenizer.model")
@@ -96,11 +100,24 @@ def tokenizer_in(hf_dir: str | Path) -> Path | None:
 
 def model_tokenizer(cfg: Any, explicit: set[str]) -> Any:
     """``cfg`` with ``data.tokenizer`` set to ``model.init_from``'s tokenizer, unless the user set
-    ``data.tokenizer`` (``explicit``: the dotted keys given) or the directory has none."""
+    ``data.tokenizer`` (``explicit``: the dotted keys given) or the directory has none.
+
+    Only a token file (``data.source=tokens``) can be in the model's ids; a text source is read byte by byte,
+    so there the tokenizer is left out and a warning says so (the run trains and samples with bytes).
+    """
     if not cfg.model.init_from or "data.tokenizer" in explicit:
         return cfg
     found = tokenizer_in(cfg.model.init_from)
     if found is None:
+        return cfg
+    if cfg.data.source != "tokens":
+        log.warning(
+            "model.init_from's tokenizer %s is not used: data.source=%s is read byte by byte; prepare the text "
+            "with `jaxdist data prepare SRC OUT --tokenizer %s` and train with data.source=tokens",
+            found,
+            cfg.data.source,
+            found,
+        )
         return cfg
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(found)))
 
