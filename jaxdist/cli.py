@@ -406,8 +406,9 @@ def cmd_convert(args) -> int:
     from jaxdist.convert_config import check_destination, import_config, stored_config  # JAX-free: devices later
 
     check_destination(args.direction, args.src, args.dst, args.force)
+    tokenizer = None
     if args.direction == "hf-to-jaxdist":
-        cfg = import_config(args.src, args.dst, args.overrides)
+        cfg, tokenizer = import_config(args.src, args.dst, args.overrides)
     else:
         cfg = stored_config(args.src, args.overrides)
     prepare_host_devices(cfg)
@@ -419,8 +420,9 @@ def cmd_convert(args) -> int:
     from jaxdist.convert import hf_to_run, run_to_hf
 
     if args.direction == "hf-to-jaxdist":
-        nbytes = hf_to_run(cfg)
+        nbytes = hf_to_run(cfg, tokenizer)
         done = f"{nbytes / 1e6:.1f} MB of parameters as step 0 of {cfg.run_dir} (jaxdist train resumes from it)"
+        done += f", tokenizer {tokenizer.name}" if tokenizer is not None else ", no tokenizer file (bytes)"
     else:
         files = run_to_hf(cfg, args.dst, args.step, args.dtype)
         done = f"{len(files)} files in {args.dst}"

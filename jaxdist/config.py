@@ -48,6 +48,7 @@ from jaxdist.config_sections import (  # noqa: F401  (re-exported: the sections 
 )
 from jaxdist.errors import ConfigError
 from jaxdist.config_hf import apply_init_from
+from jaxdist.config_hf_dir import model_tokenizer
 
 # --------------------------------------------------------------------------- whole
 
@@ -304,7 +305,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for k, v in _ordered(parse_overrides(list(overrides or []))):
         cfg = _set(cfg, k, v)
         explicit.add(k)
-    cfg = apply_init_from(cfg, explicit)
+    cfg = model_tokenizer(apply_init_from(cfg, explicit), explicit)
     validate(cfg)
     return cfg
 

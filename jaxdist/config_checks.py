@@ -350,6 +350,20 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
             f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}: "
             "lower train.seq_len or raise model.max_seq_len."
         )
+    sizes = validate_model_on_mesh(cfg)
+    _pipeline_on_model(cfg, sizes["pipeline"])
+    _context_on_model(cfg, sizes)
+    _grad_sync_on_model(cfg, sizes)
+    if n_devices is not None:
+        validate_devices(cfg, n_devices)
+
+
+def validate_model_on_mesh(cfg: Config) -> dict[str, int]:
+    """The model and mesh sections and the model's fit to the mesh (heads, key/value heads, d_ff, experts over
+    tensor and expert), all that sampling needs; ConfigError (one sentence).  Returns the mesh's axis sizes."""
+    cfg.model.check()
+    cfg.mesh.check()
+    m = cfg.model
     sizes = cfg.mesh.checked_sizes()
     if m.n_heads % sizes["tensor"]:
         raise ConfigError(
@@ -367,11 +381,7 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
             "choose a tensor size that divides d_ff."
         )
     _moe_on_mesh(m, cfg.mesh, sizes)
-    _pipeline_on_model(cfg, sizes["pipeline"])
-    _context_on_model(cfg, sizes)
-    _grad_sync_on_model(cfg, sizes)
-    if n_devices is not None:
-        validate_devices(cfg, n_devices)
+    return sizes
 
 
 def mark_resolved(cfg: Config, n_devices: int) -> None:

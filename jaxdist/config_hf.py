@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jaxdist.config_hf_dir import check_numbers
 from jaxdist.config_sections import ModelConfig
 from jaxdist.errors import ConfigError
 
@@ -71,6 +72,7 @@ def architecture(hf: dict[str, Any]) -> str:
 def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     """Dotted ModelConfig fields (``d_model``, ``moe.experts``, ...) of a config.json; ConfigError if unsupported."""
     arch = architecture(hf)
+    check_numbers(hf)
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"hidden_act='{act}' in config.json is not supported: jaxdist's MLP is SwiGLU (silu).")
@@ -186,7 +188,16 @@ def apply_init_from(cfg: Any, explicit: set[str]) -> Any:
         return cfg
     hf = read_hf_config(cfg.model.init_from)
     mine = {k[len("model.") :] for k in explicit if k.startswith("model.")}
-    return dataclasses.replace(cfg, model=model_from_hf(hf, cfg.model, mine))
+    try:
+        model = model_from_hf(hf, cfg.model, mine)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:  # a key the specific checks do not know, missing or malformed
+        raise ConfigError(
+            f"{Path(cfg.model.init_from) / 'config.json'} cannot be read as a model ({type(e).__name__}: {e}): "
+            "download the model's config.json again."
+        ) from None
+    return dataclasses.replace(cfg, model=model)
 
 
 def hf_from_model(m: ModelConfig, torch_dtype: str = "float32") -> dict[str, Any]:

@@ -132,8 +132,9 @@ class ModelConfig:
     qkv_bias: bool = _f(False, "Learned biases on the query, key and value projections (Qwen2).")
     init_from: str = _f(
         "",
-        "A Hugging Face model directory (config.json + *.safetensors): the model fields come from its config.json "
-        "and a run without a checkpoint starts from its weights.",
+        "A Hugging Face model directory (config.json + *.safetensors): the model fields come from its config.json, "
+        "a run without a checkpoint starts from its weights, and its tokenizer (tokenizer.json or tokenizer.model) "
+        "is data.tokenizer for data.source=tokens unless that is set.",
     )
     moe: "MoEConfig" = field(
         default_factory=lambda: MoEConfig(), metadata={"help": "Mixture of experts: the `[model.moe]` table (below)."}

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxdist.config import Config, from_dict, load_config
+from jaxdist.config import Config, from_dict, load_config, parse_overrides
+from jaxdist.config_hf_dir import run_tokenizer, tokenizer_in
 from jaxdist.errors import ConfigError
 
 
@@ -59,10 +60,28 @@ def check_destination(direction: str, src: str | Path, dst: str | Path, force: b
         )
 
 
-def import_config(hf_dir: str | Path, run_dir: str | Path, overrides: list[str] = ()) -> Config:
-    """The config of a run at ``run_dir`` fine-tuning ``hf_dir`` (model from its config.json; ``overrides``
-    as for ``jaxdist train``, which win over the run directory's place)."""
-    return load_config(None, [f"model.init_from={Path(hf_dir).absolute()}", *_at_run(Path(run_dir)), *overrides])
+def import_config(hf_dir: str | Path, run_dir: str | Path, overrides: list[str] = ()) -> tuple[Config, Path | None]:
+    """(the config that converts ``hf_dir`` into a run at ``run_dir``, the tokenizer file that goes with it).
+
+    The model comes from config.json; ``overrides`` as for ``jaxdist train`` win over the run directory's place.
+    The tokenizer is ``data.tokenizer`` when given, else the directory's own (``tokenizer.json`` or
+    ``tokenizer.model``), else None (the run keeps bytes).  The conversion reads no data, so its config
+    keeps ``data.tokenizer=bytes``: the tokenizer is recorded in the run once the weights are saved.
+    """
+    pairs = parse_overrides(list(overrides))
+    given = [v for k, v in pairs if k == "data.tokenizer"]
+    rest = [f"{k}={v}" for k, v in pairs if k != "data.tokenizer"]
+    cfg = load_config(
+        None, [f"model.init_from={Path(hf_dir).absolute()}", *_at_run(Path(run_dir)), "data.tokenizer=bytes", *rest]
+    )
+    if given and given[-1] != "bytes":
+        if not Path(given[-1]).is_file():
+            raise ConfigError(
+                f"data.tokenizer '{given[-1]}' does not exist: point it at a tokenizer.json or a SentencePiece "
+                "model, or leave it out to take the directory's own."
+            )
+        return cfg, Path(given[-1]).absolute()
+    return cfg, None if given else tokenizer_in(hf_dir)
 
 
 def stored_config(run_dir: str | Path, overrides: list[str] = ()) -> Config:
@@ -76,6 +95,7 @@ def stored_config(run_dir: str | Path, overrides: list[str] = ()) -> Config:
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} is not a readable run config ({e}): point to a jaxdist run directory.") from None
     cfg = from_dict(stored).replace(**dict(kv.split("=", 1) for kv in _at_run(Path(run_dir))))
-    if overrides:
-        cfg = cfg.replace(**dict(o.split("=", 1) for o in overrides))
+    cfg = cfg.replace(**{"data.tokenizer": run_tokenizer(run_dir, cfg.data.tokenizer)})
+    for key, value in parse_overrides(list(overrides)):
+        cfg = cfg.replace(**{key: value})
     return cfg

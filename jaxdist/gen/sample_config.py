@@ -15,14 +15,19 @@ from pathlib import Path
 from typing import Sequence
 
 from jaxdist.config import Config, from_dict, parse_overrides
-from jaxdist.config_checks import validate
+from jaxdist.config_checks import validate_model_on_mesh
+from jaxdist.config_hf_dir import run_tokenizer
 from jaxdist.errors import ConfigError
 
 _FLOAT32_MAX = 3.4028234663852886e38  # the sampling settings reach the devices as float32
 
 
 def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """The config ``run_dir`` was trained with, plus ``overrides``; ConfigError (one sentence) if unusable."""
+    """The config ``run_dir`` was trained with, plus ``overrides``; ConfigError (one sentence) if unusable.
+
+    Only what sampling uses is checked: the model, the mesh and the model's fit to it, and the tokenizer
+    file; the training data settings (``data.source``, ``train.*``) are never read here.
+    """
     run = Path(run_dir)
     if not run.is_dir():
         raise ConfigError(f"run directory '{run}' does not exist: pass the run's folder, e.g. runs/<train.name>.")
@@ -35,9 +40,15 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(
             f"'{stored}' is not a readable config ({e}): pass a run directory written by jaxdist."
         ) from None
+    cfg = cfg.replace(**{"data.tokenizer": run_tokenizer(run, cfg.data.tokenizer)})
     for key, value in parse_overrides(list(overrides)):
         cfg = cfg.replace(**{key: value})
-    validate(cfg)
+    validate_model_on_mesh(cfg)
+    if cfg.data.tokenizer != "bytes" and not Path(cfg.data.tokenizer).is_file():
+        raise ConfigError(
+            f"data.tokenizer '{cfg.data.tokenizer}' does not exist: point it at the run's tokenizer.json or "
+            "SentencePiece .model (data.tokenizer=PATH), or use bytes."
+        )
     if cfg.mesh.auto:
         raise ConfigError("sampling needs explicit mesh sizes, not mesh=auto: pass e.g. mesh.data=-1 mesh.tensor=1.")
     if cfg.mesh.pipeline > 1:

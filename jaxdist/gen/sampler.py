@@ -33,6 +33,7 @@ XLA:CPU's in-process collectives can deadlock with several in flight).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -53,6 +54,8 @@ from jaxdist.models.transformer import KV_CACHE_NAMES, create_abstract
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh
 from jaxdist.parallel.rules import logical_to_spec
+
+log = logging.getLogger(__name__)
 
 # Without a streaming callback or stop strings, the host checks for the end of every row this often (steps).
 HOST_CHECK_EVERY = 8
@@ -118,6 +121,9 @@ class Sampler:
         self.param_shardings = self.parallelism.param_shardings(names, abstract)
         self.params = jax.device_put(params, self.param_shardings)
         self.vocab = min(self.model.vocab_size, self.tokenizer.vocab_size)  # ids both sides know
+        note = vocab_note(self.model.vocab_size, self.tokenizer)
+        if note:
+            log.warning("%s", note)  # once per sampler: ids the tokenizer cannot decode are never drawn silently
         self.row_multiple = self._row_multiple()
         # XLA:CPU's in-process collectives block a thread per device while they wait; with several executions in
         # flight those threads can all end up waiting on devices that have none left (a deadlock, seen with
@@ -340,6 +346,13 @@ class Sampler:
         check_texts(texts, stops)
         tok = self.tokenizer
         ids = self.prompt_ids(texts)
+        for i, row in enumerate(ids):
+            if len(row) and int(row.max()) >= self.model.vocab_size:
+                raise ConfigError(
+                    f"prompt {i} encodes to token id {int(row.max())}, which the model's {self.model.vocab_size} "
+                    f"ids lack (tokenizer '{tok.name}' has {tok.vocab_size}): sample with the model's own tokenizer "
+                    "(data.tokenizer=PATH)."
+                )
         until = (lambda b, hist: any(s in tok.decode(hist) for s in stops)) if stops else None
         d = self.decode(ids, max_new_tokens, temperature, top_k, top_p, seed, stop_at_eos, on_token, until)
         out = []
@@ -386,6 +399,22 @@ class TextStream:
         """Print what the stream held back of the final ``text``, then a newline."""
         self.out.write(text[len(self.shown) :] + "\n")
         self.out.flush()
+
+
+def vocab_note(model_vocab: int, tokenizer: Tokenizer) -> str | None:
+    """One line when the model's vocabulary (``model_vocab`` ids) and ``tokenizer``'s differ, else None."""
+    t = tokenizer.vocab_size
+    if t == model_vocab:
+        return None
+    if t < model_vocab:
+        return (
+            f"the model has {model_vocab} token ids but tokenizer '{tokenizer.name}' decodes only {t}: sampling "
+            f"draws from ids 0..{t - 1} only (set data.tokenizer to the model's own tokenizer if this is not it)"
+        )
+    return (
+        f"tokenizer '{tokenizer.name}' has {t} token ids, more than the model's {model_vocab}: a prompt that "
+        f"encodes to an id >= {model_vocab} is refused"
+    )
 
 
 def describe(sampler: Sampler) -> str:

@@ -47,6 +47,11 @@ def checked_tensors(hf_dir: str | Path, m: ModelConfig, abstract_params: dict) -
                     f"tensor {name} is missing from the checkpoint in {hf_dir}: its config.json needs it "
                     "(download the whole checkpoint, or fix config.json)."
                 )
+            if not tensors[name].is_float:
+                raise ConfigError(
+                    f"tensor {name} in {hf_dir} holds {tensors[name].dtype} values, not floating point: weights "
+                    "must be F32, BF16, F16 or F64; convert the checkpoint's weights to floats."
+                )
             if tensors[name].shape != want:
                 raise ConfigError(
                     f"tensor {name} has shape {list(tensors[name].shape)} but the checkpoint's config.json implies "
@@ -56,21 +61,32 @@ def checked_tensors(hf_dir: str | Path, m: ModelConfig, abstract_params: dict) -
 
 
 def _read_part(tm: TensorMap, tensors: dict[str, StoredTensor], ix: tuple[slice, ...], block, dtype) -> np.ndarray:
-    """The part ``ix`` of parameter ``tm`` (whole-array index), assembled from its Hugging Face tensors."""
+    """The part ``ix`` of parameter ``tm`` (whole-array index), assembled from its Hugging Face tensors.
+
+    ConfigError (one sentence) naming the tensor when the part read holds a NaN or an infinity.
+    """
+
+    def read(name: str, part: tuple[slice, ...]) -> np.ndarray:
+        out = read_block(tm.kind, tensors[name], part, block)
+        if not np.isfinite(out).all():
+            raise ConfigError(
+                f"tensor {name} in {tensors[name].path.parent} holds NaN or infinite values: "
+                "these weights cannot be used, download or export them again."
+            )
+        return out.astype(dtype)
+
     if not tm.layers:
-        return read_block(tm.kind, tensors[tm.hf], ix, block).astype(dtype)
+        return read(tm.hf, ix)
     inner = ix[2:] if tm.experts else ix[1:]
     rows = []
     for li in range(ix[0].start, ix[0].stop):
         layer = tm.layers[li]
         if tm.experts:
-            parts = [
-                read_block(tm.kind, tensors[tm.hf.format(layer=layer, expert=e)], inner, block).astype(dtype)
-                for e in range(ix[1].start, ix[1].stop)
-            ]
-            rows.append(np.stack(parts))
+            rows.append(
+                np.stack([read(tm.hf.format(layer=layer, expert=e), inner) for e in range(ix[1].start, ix[1].stop)])
+            )
         else:
-            rows.append(read_block(tm.kind, tensors[tm.hf.format(layer=layer)], inner, block).astype(dtype))
+            rows.append(read(tm.hf.format(layer=layer), inner))
     return np.stack(rows)
 
 

@@ -44,6 +44,7 @@ class StoredTensor:
         if dtype not in DTYPES:
             raise ConfigError(f"tensor dtype {dtype} in {path} is not supported: jaxdist reads {', '.join(DTYPES)}.")
         self.dtype = np.dtype(DTYPES[dtype])
+        self.is_float = dtype.startswith(("F", "BF"))  # integer tensors (I64, I32) are never weights
 
     def __getitem__(self, ix) -> np.ndarray:
         mapped = np.memmap(self.path, self.dtype, "r", offset=self.offset, shape=self.shape)
@@ -60,12 +61,34 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
         raise ConfigError(f"{path} named by the shard index does not exist: download the checkpoint again.") from None
     except (OSError, ValueError, struct.error) as e:
         raise ConfigError(f"{path} is not a readable safetensors file ({e}): download it again.") from None
-    start = 8 + n
-    return {
-        name: StoredTensor(path, start + info["data_offsets"][0], info["dtype"], tuple(info["shape"]))
-        for name, info in header.items()
-        if name != "__metadata__"
-    }
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path} is not a readable safetensors file (its header is not a table): download it again.")
+    start, size = 8 + n, path.stat().st_size
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(x) for x in info["shape"])
+            dtype = info["dtype"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"tensor {name} in {path} has a malformed header entry ({e!r}): download the file again."
+            ) from None
+        tensor = StoredTensor(path, start + begin, dtype, shape)
+        want = int(np.prod(shape, dtype=np.int64)) * tensor.dtype.itemsize
+        if begin < 0 or end - begin != want:
+            raise ConfigError(
+                f"tensor {name} in {path} has {end - begin} bytes of data but its shape {list(shape)} of {dtype} "
+                f"needs {want}: the file is damaged, download it again."
+            )
+        if start + end > size:
+            raise ConfigError(
+                f"{path} is truncated ({size} bytes, tensor {name} ends at byte {start + end}): download it again."
+            )
+        out[name] = tensor
+    return out
 
 
 def weight_map(hf_dir: Path) -> dict[str, str]:
@@ -84,7 +107,14 @@ def weight_map(hf_dir: Path) -> dict[str, str]:
         ) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{index} is not a readable shard index ({e!r}): download it again.") from None
-    return {str(k): str(v) for k, v in mapping.items()}
+    out = {str(k): str(v) for k, v in mapping.items()}
+    for name, f in out.items():
+        if Path(f).is_absolute() or ".." in Path(f).parts:
+            raise ConfigError(
+                f"{index} maps tensor {name} to '{f}', outside the model directory: the index must name files "
+                "beside it; download it again."
+            )
+    return out
 
 
 def open_tensors(hf_dir: str | Path) -> dict[str, StoredTensor]:
