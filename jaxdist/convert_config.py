@@ -94,8 +94,8 @@ def stored_config(run_dir: str | Path, overrides: list[str] = ()) -> Config:
         raise ConfigError(f"{path} does not exist: point to a jaxdist run directory.") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} is not a readable run config ({e}): point to a jaxdist run directory.") from None
-    cfg = from_dict(stored).replace(**dict(kv.split("=", 1) for kv in _at_run(Path(run_dir))))
-    cfg = cfg.replace(**{"data.tokenizer": run_tokenizer(run_dir, cfg.data.tokenizer)})
+    cfg = from_dict(stored).set(**dict(kv.split("=", 1) for kv in _at_run(Path(run_dir))))
+    cfg = cfg.set(**{"data.tokenizer": run_tokenizer(run_dir, cfg.data.tokenizer)})
     for key, value in parse_overrides(list(overrides)):
-        cfg = cfg.replace(**{key: value})
+        cfg = cfg.set(**{key: value})
     return cfg

@@ -127,6 +127,10 @@ def test_sections_are_frozen_and_replace_is_checked_like_overrides():
     assert (cfg.train.steps, cfg.model.moe.top_k, cfg.pipeline.chunks) == (300, 2, 2)  # the original is untouched
     with pytest.raises(ConfigError, match="unknown config key 'train.stepz'; did you mean 'train.steps'"):
         cfg.replace(**{"train.stepz": 5})
+    with pytest.raises(ConfigError, match="train.b1=1.5 is outside its range"):  # the whole config is validated
+        cfg.replace(**{"train.b1": 1.5})
+    with pytest.raises(ConfigError, match="is longer than model.max_seq_len"):
+        cfg.replace(**{"train.seq_len": 4096})
 
 
 @pytest.mark.parametrize(
@@ -187,7 +191,7 @@ def test_validation_is_one_pass_of_section_checks_and_cross_section_rules():
         cfg.controller,
     ):
         section.check()  # each section checks itself
-    bad = cfg.replace(**{"train.seq_len": 4096})  # fine by itself, too long for the model
+    bad = cfg.set(**{"train.seq_len": 4096})  # fine by itself, too long for the model (set: not validated)
     bad.train.check()
     with pytest.raises(ConfigError, match="train.seq_len=4096 is longer than model.max_seq_len=128"):
         validate(bad)

@@ -40,9 +40,9 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
         raise ConfigError(
             f"'{stored}' is not a readable config ({e}): pass a run directory written by jaxdist."
         ) from None
-    cfg = cfg.replace(**{"data.tokenizer": run_tokenizer(run, cfg.data.tokenizer)})
+    cfg = cfg.set(**{"data.tokenizer": run_tokenizer(run, cfg.data.tokenizer)})
     for key, value in parse_overrides(list(overrides)):
-        cfg = cfg.replace(**{key: value})
+        cfg = cfg.set(**{key: value})
     validate_model_on_mesh(cfg)
     if cfg.data.tokenizer != "bytes" and not Path(cfg.data.tokenizer).is_file():
         raise ConfigError(
