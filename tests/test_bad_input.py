@@ -242,3 +242,45 @@ def test_rows_per_command():
         "convert",
     }
     assert sum(counts.values()) >= 140
+
+
+def test_ctrl_c_during_train_is_one_line_and_the_run_resumes(tmp_path):
+    """Ctrl-C (SIGINT) while training: exit 130 and one line, no KeyboardInterrupt traceback; the next command
+    resumes from the newest checkpoint."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from jaxdist.data.audit import read_records
+
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    small = ["model=tiny", "train.seq_len=16", "train.batch_size=8", "train.log_every=1", "train.progress=false",
+             "train.tensorboard=false", "checkpoint.every=2", "data.max_bytes=60000", f"train.runs_dir={tmp_path}",
+             "train.name=r", "train.eval_every=0"]  # fmt: skip
+    p = subprocess.Popen(
+        [sys.executable, "-m", "jaxdist.cli", "train", *small, "train.steps=100000"],
+        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    deadline = time.monotonic() + 240  # start and compile on a loaded 2-core host: bounded with headroom
+    while time.monotonic() < deadline and p.poll() is None:
+        if any(r.get("kind") == "checkpoint" for r in read_records(metrics)):
+            break
+        time.sleep(0.2)
+    assert p.poll() is None, p.stderr.read()[-2000:]
+    p.send_signal(signal.SIGINT)
+    try:
+        err = p.communicate(timeout=120)[1]
+    finally:
+        p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "jaxdist: train interrupted (Ctrl-C); what it had finished is kept."
+    last = max(r["step"] for r in read_records(metrics) if r.get("kind") == "train")
+    assert cli.main(["train", *small, f"train.steps={last + 2}"]) == 0
+    steps = [r["step"] for r in read_records(metrics) if r.get("kind") == "train"]
+    assert steps[-1] == last + 2
