@@ -130,6 +130,7 @@ class ModelConfig:
     )
     rope_original_max_len: int = _f(8192, "llama3 scaling: the context length the model was pretrained with (tokens).")
     qkv_bias: bool = _f(False, "Learned biases on the query, key and value projections (Qwen2).")
+    qk_norm: bool = _f(False, "RMSNorm of each query and key head over head_dim, before the rotary embedding (Qwen3).")
     init_from: str = _f(
         "",
         "A Hugging Face model directory (config.json + *.safetensors): the model fields come from its config.json "
