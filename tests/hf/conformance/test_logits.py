@@ -13,11 +13,19 @@ import pytest
 pytest.importorskip("torch", reason="torch is not installed: the transformers conformance tests are skipped")
 pytest.importorskip("transformers", reason="transformers is not installed: the conformance tests are skipped")
 
-from tests.hf.conformance.hf_models import CASES, REL_TOL, jaxdist_logits, reference_logits, rel_err  # noqa: E402
+from jaxdist.models.arithmetic import param_count  # noqa: E402
+from tests.hf.conformance.hf_models import (  # noqa: E402
+    CASES,
+    REL_TOL,
+    imported,
+    jaxdist_logits,
+    reference_logits,
+    reference_model,
+    rel_err,
+)
 
 RUNS = [(name, "one") for name in CASES] + [
     ("llama-llama3", "fsdp4_tensor2"),
-    ("mistral", "fsdp4_tensor2"),
     ("qwen2", "fsdp4_tensor2"),
     ("qwen3", "fsdp4_tensor2"),
     ("mixtral", "fsdp4_tensor2"),
@@ -32,3 +40,5 @@ def test_logits_equal_transformers(name, mesh):
     err = rel_err(jaxdist_logits(name, mesh), reference_logits(name))
     print(f"\nREL_ERR {name} {CASES[name].generation} {CASES[name].dtype} {mesh} {err:.2e}")
     assert err <= REL_TOL
+    hf_params = sum(p.numel() for p in reference_model(name).parameters())  # a tied head counted once
+    assert param_count(imported(name, mesh)[0].model) == hf_params
