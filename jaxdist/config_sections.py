@@ -130,6 +130,7 @@ class ModelConfig:
     )
     rope_original_max_len: int = _f(8192, "llama3 scaling: the context length the model was pretrained with (tokens).")
     qkv_bias: bool = _f(False, "Learned biases on the query, key and value projections (Qwen2).")
+    qk_norm: bool = _f(False, "RMSNorm of each query and key head over head_dim, before the rotary embedding (Qwen3).")
     init_from: str = _f(
         "",
         "A Hugging Face model directory (config.json + *.safetensors): the model fields come from its config.json, "
@@ -220,6 +221,54 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
         tie_embeddings=False,
         dtype="bfloat16",
         moe=dict(experts=8, top_k=2),
+    ),
+    # Qwen3 (per-head q/k RMSNorm, rope_theta 1e6): Qwen3-0.6B and Qwen3-8B, for planning and `model.init_from`.
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        d_model=1024,
+        n_layers=28,
+        n_heads=16,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=3072,
+        max_seq_len=40960,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        tie_embeddings=True,
+        qk_norm=True,
+        dtype="bfloat16",
+    ),
+    "qwen3-8b": dict(
+        vocab_size=151936,
+        d_model=4096,
+        n_layers=36,
+        n_heads=32,
+        n_kv_heads=8,
+        head_dim=128,
+        d_ff=12288,
+        max_seq_len=40960,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        tie_embeddings=False,
+        qk_norm=True,
+        dtype="bfloat16",
+    ),
+    # Qwen3-30B-A3B: 128 experts of width 768, top-8 renormalised (norm_topk_prob), 30.5B params, 3.3B active.
+    "qwen3-30b-a3b": dict(
+        vocab_size=151936,
+        d_model=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        head_dim=128,
+        d_ff=6144,
+        max_seq_len=40960,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        tie_embeddings=False,
+        qk_norm=True,
+        dtype="bfloat16",
+        moe=dict(experts=128, top_k=8, d_ff=768, renormalize=True),
     ),
     # Fine-grained experts shaped like DeepSeekMoE-16B: 64 small experts, top-6, 2 shared (as one of width 2x1408).
     "deepseek-moe-16b": dict(

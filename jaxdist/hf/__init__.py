@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: Llama 2/3, Mistral, Qwen2 and Mixtral ``config.json`` + ``*.safetensors``.
+"""Hugging Face checkpoints in and out: Llama 2/3, Mistral, Qwen2/3, Mixtral and Qwen3-MoE ``config.json`` + ``*.safetensors``.
 
 ``tensors`` (no JAX) names every Hugging Face tensor and its layout in jaxdist's parameter tree;
 ``safetensors_io`` (no JAX) reads slices of ``*.safetensors`` files and writes them;

@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from jaxdist.config import ModelConfig
 from jaxdist.errors import ConfigError
-from jaxdist.config_hf import hf_from_model, rope_fields
+from jaxdist.config_hf import hf_from_model
 from jaxdist.hf.safetensors_io import TORCH_DTYPES, plan_shards, shard_names, write_index
 from jaxdist.hf.tensors import hf_shape, tensor_maps, to_hf
 
@@ -42,7 +42,8 @@ def export_params(
 ) -> list[Path]:
     """Write ``params`` (global arrays, any sharding) of model ``m`` to ``hf_dir``; returns the files written.
 
-    ``torch_dtype``: float32, bfloat16 or float16 (default: the parameters' dtype), recorded in config.json.
+    ``torch_dtype``: float32, bfloat16 or float16 (default: the parameters' dtype), recorded in config.json
+    (``dtype`` and 4.x's ``torch_dtype``).
     ``base_config``: a config.json (the one the model was imported from) whose other keys (token ids,
     generation settings) are kept; the keys jaxdist maps are written from ``m``.  Call on every process.
     """
@@ -50,10 +51,9 @@ def export_params(
     if torch_dtype not in TORCH_DTYPES:
         raise ConfigError(f"export dtype '{torch_dtype}' is not supported: use {', '.join(TORCH_DTYPES)}.")
     dtype = np.dtype(TORCH_DTYPES[torch_dtype])
-    mapped = hf_from_model(m, torch_dtype)  # refuses a model with no Hugging Face form before anything is written
-    if base_config and rope_fields(base_config.get("rope_scaling")) == rope_fields(mapped["rope_scaling"]):
-        mapped["rope_scaling"] = base_config.get("rope_scaling")  # the same scaling, as the source spelled it
-    config = {**(base_config or {}), **mapped}
+    # Refuses a model with no Hugging Face form before anything is written; every key jaxdist maps (both config
+    # generations' rotary and dtype keys among them) comes from ``m``, so none of the source's can go stale.
+    config = {**(base_config or {}), **hf_from_model(m, torch_dtype, base_config)}
     hf_dir = Path(hf_dir)
     main = jax.process_index() == 0
     if main:

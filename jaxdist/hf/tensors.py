@@ -7,7 +7,7 @@ jaxdist stores ``[in, out]`` with the heads split out (``wq [d, H, head_dim]``,
 :class:`TensorMap` says, for one jaxdist parameter, which Hugging Face tensor
 fills each layer (and expert) and how its axes map (:data:`KINDS`).
 
-No q/k permutation is needed: Hugging Face's Llama, Mistral, Qwen2 and Mixtral
+No q/k permutation is needed: Hugging Face's Llama, Mistral, Qwen2/3, Mixtral and Qwen3-MoE
 rotate the two halves of each head (``rotate_half``), as jaxdist's
 ``apply_rotary`` does; the permutation in Meta's own conversion script turns
 Meta's interleaved pairs into that layout, which the safetensors files already have.
@@ -103,7 +103,8 @@ def read_block(kind: str, tensor, ix: tuple[slice, ...], block: tuple[int, ...])
 
 
 def tensor_maps(m: ModelConfig) -> list[TensorMap]:
-    """The TensorMap of every jaxdist parameter of model ``m`` (Llama / Mistral / Qwen2 / Mixtral names)."""
+    """The TensorMap of every jaxdist parameter of model ``m`` (Llama / Mistral / Qwen2 / Qwen3 / Mixtral /
+    Qwen3-MoE names)."""
     n = m.n_layers
     every = m.moe.every if m.moe.experts else 0
     moe_layers = tuple(i for i in range(n) if every and (i + 1) % every == 0)
@@ -125,14 +126,19 @@ def tensor_maps(m: ModelConfig) -> list[TensorMap]:
     if m.qkv_bias:
         for p in "qkv":
             out.append(TensorMap(("layers", f"b{p}"), a + f"{p}_proj.bias", "heads_bias", all_layers))
+    if m.qk_norm:  # Qwen3's per-head query and key norms
+        for p in "qk":
+            out.append(TensorMap(("layers", f"{p}_norm"), a + f"{p}_norm.weight", "copy", all_layers))
     if dense_layers:
         mlp = "model.layers.{layer}.mlp."
         for key, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             out.append(TensorMap(("layers", key), mlp + hf + ".weight", "transpose", dense_layers))
     if moe_layers:
-        moe = "model.layers.{layer}.block_sparse_moe."
+        # Qwen3-MoE (the MoE with q/k norms, see jaxdist.config_hf.hf_architecture) or Mixtral names.
+        moe = "model.layers.{layer}." + ("mlp." if m.qk_norm else "block_sparse_moe.")
+        ffn = ("gate_proj", "down_proj", "up_proj") if m.qk_norm else ("w1", "w2", "w3")
         out.append(TensorMap(("layers", "router"), moe + "gate.weight", "transpose", moe_layers))
-        for key, hf in (("we_gate", "w1"), ("we_down", "w2"), ("we_up", "w3")):
+        for key, hf in zip(("we_gate", "we_down", "we_up"), ffn):
             out.append(
                 TensorMap(
                     ("layers", key), moe + "experts.{expert}." + hf + ".weight", "transpose", moe_layers, m.moe.experts

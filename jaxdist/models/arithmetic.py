@@ -77,7 +77,7 @@ def param_count(m: ModelConfig, active: bool = False) -> int:
     ``active=True``: the parameters one token uses (MoE: top-k experts only).
     """
     d, v = m.d_model, m.vocab_size
-    norms = 2 * d  # the two RMSNorm scales of a block
+    norms = 2 * d + (2 * m.head_dim if m.qk_norm else 0)  # a block's RMSNorm scales (and its q/k head norms)
     biases = (m.n_heads + 2 * m.n_kv_heads) * m.head_dim if m.qkv_bias else 0  # q, k, v projection biases
     head = 0 if m.tie_embeddings else d * v
     return v * d + m.n_layers * (attention_params(m) + norms + biases) + ffn_params(m, active) + d + head

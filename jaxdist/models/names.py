@@ -37,4 +37,6 @@ def block_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tupl
             if cfg.qkv_bias
             else {}
         ),
+        # Qwen3-style RMSNorm scales of each query and key head (model.qk_norm), one at initialisation.
+        **({"q_norm": ((hd,), ("head_dim",)), "k_norm": ((hd,), ("head_dim",))} if cfg.qk_norm else {}),
     }

@@ -113,6 +113,8 @@ def _attention_inputs(
     v = checkpoint_name(jnp.einsum("btd,dhk->bthk", h, w["wv"]), "value_proj")
     if "bq" in w:  # projection biases (model.qkv_bias, Qwen2), added before the rotation as in Hugging Face
         q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    if "q_norm" in w:  # per-head RMSNorm over head_dim (model.qk_norm, Qwen3), before the rotation as in Hugging Face
+        q, k = rms_norm(q, w["q_norm"], cfg.norm_eps), rms_norm(k, w["k_norm"], cfg.norm_eps)
     q = constrain(apply_rotary(q, cos, sin), ("batch", "seq", "heads", "head_dim"))
     k = constrain(apply_rotary(k, cos, sin), ("batch", "seq", "kv_heads", "head_dim"))
     v = constrain(v, ("batch", "seq", "kv_heads", "head_dim"))

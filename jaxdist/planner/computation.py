@@ -160,6 +160,7 @@ def _attention(m: ModelConfig, t: int, a: int) -> tuple[list[ParamTensor], list[
         ActivationTensor("query", (h, hd), ("heads", "head_dim"), a, "query_proj"),
         ActivationTensor("key", (kv, hd), ("kv_heads", "head_dim"), a, "key_proj"),
         ActivationTensor("value", (kv, hd), ("kv_heads", "head_dim"), a, "value_proj"),
+        *_qk_norm_tensors(m, a),
         ActivationTensor("query_rotated", (h, hd), ("heads", "head_dim"), a),
         ActivationTensor("key_rotated", (kv, hd), ("kv_heads", "head_dim"), a),
         *_score_tensors(m, h, t),
@@ -177,6 +178,7 @@ def _attention(m: ModelConfig, t: int, a: int) -> tuple[list[ParamTensor], list[
         "query_rotated",
         "key_rotated",
         "value",
+        *(x.name for x in _qk_norm_tensors(m, a)),
         *(x.name for x in _score_tensors(m, h, t)),
         "attn_context",
         "attn_residual",
@@ -184,6 +186,16 @@ def _attention(m: ModelConfig, t: int, a: int) -> tuple[list[ParamTensor], list[
         "mlp_norm",
     )
     return params, acts, saved
+
+
+def _qk_norm_tensors(m: ModelConfig, a: int) -> list[ActivationTensor]:
+    """The normalised, unscaled queries and keys of ``model.qk_norm`` (Qwen3), which the norms' backward reads."""
+    if not m.qk_norm:
+        return []
+    return [
+        ActivationTensor("query_normed", (m.n_heads, m.head_dim), ("heads", "head_dim"), a),
+        ActivationTensor("key_normed", (m.n_kv_heads, m.head_dim), ("kv_heads", "head_dim"), a),
+    ]
 
 
 def _score_tensors(m: ModelConfig, h: int, t: int) -> list[ActivationTensor]:

@@ -28,12 +28,11 @@ def test_parameter_counts_match_the_model(preset):
     m = load_config(None, [f"model={preset}"]).model
     _, abstract, _ = create_abstract(m)  # shapes only, nothing allocated
     assert param_count(m) == sum(a.size for a in jax.tree.leaves(abstract)) == computation_view(m, 128).param_count
-    # Matmul parameters: all but the input embedding (a lookup) and the norm scales; a tied head multiplies too.
+    # Matmul parameters: all but the input embedding (a lookup) and the norm scales (Qwen3's q/k head norms
+    # among them); a tied head multiplies too.
     head = m.d_model * m.vocab_size if m.tie_embeddings else 0
-    assert (
-        matmul_params(m)
-        == param_count(m, active=True) - m.vocab_size * m.d_model - (2 * m.n_layers + 1) * m.d_model + head
-    )
+    norms = (2 * m.n_layers + 1) * m.d_model + (2 * m.n_layers * m.head_dim if m.qk_norm else 0)
+    assert matmul_params(m) == param_count(m, active=True) - m.vocab_size * m.d_model - norms + head
 
 
 @pytest.mark.parametrize("preset", list(MODEL_PRESETS))
