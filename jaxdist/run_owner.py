@@ -11,7 +11,9 @@ Trainers of one run in turn without closing the first).
 :func:`set_aside_history` is what ``checkpoint.resume=false`` does to a run
 that already trained: the checkpoints, batch list and metrics move together to
 ``<run>/set_aside/<UTC time>/``, so nothing a later command could resume from
-is left beside the new run's history (and nothing is deleted).
+is left beside the new run's history (and nothing is deleted).  Under a launched
+job the controller does it once, when the job starts, and its workers resume
+the job's own history from then on.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ JOB_ENV = "JAXDIST_CONTROLLER"
 # What a fresh start moves aside: everything a later command would resume from or audit.
 HISTORY = ("checkpoints", "batchlist", "metrics.jsonl", "tb")
 SET_ASIDE = "set_aside"
+# Under a job that set the history aside (checkpoint.resume=false): when, in seconds since the epoch; node-local
+# checkpoint files older than that belong to the earlier history (jaxdist.checkpoint.local.LocalTier).
+HISTORY_SINCE_ENV = "JAXDIST_HISTORY_SINCE"
 
 _held: dict[str, list] = {}  # real path of the lock file -> [file descriptor, holders in this process]
 
@@ -42,6 +47,14 @@ _held: dict[str, list] = {}  # real path of the lock file -> [file descriptor, h
 def under_job(env: dict[str, str] | None = None) -> bool:
     """True in a worker of a launched job: its controller holds the run's lock."""
     return bool((os.environ if env is None else env).get(JOB_ENV))
+
+
+def history_since(env: dict[str, str] | None = None) -> float:
+    """When this job set the run's earlier history aside (seconds since the epoch), 0.0 if it did not."""
+    try:
+        return float((os.environ if env is None else env).get(HISTORY_SINCE_ENV, "0") or 0.0)
+    except ValueError:
+        return 0.0
 
 
 class RunLock:

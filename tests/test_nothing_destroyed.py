@@ -229,3 +229,43 @@ def test_plan_replaces_only_its_own_earlier_plan(tmp_path, capsys):
     assert "--force" in capsys.readouterr().err and mine.read_text() == "# my notes\n"
     assert cli.main([*argv[:-1], str(mine), "--force"]) == 0
     assert mine.read_text().startswith("# jaxdist plan:")
+
+
+def test_a_launched_job_that_starts_over_sets_the_history_aside_once(base, tmp_path, monkeypatch):
+    """`jaxdist launch ... checkpoint.resume=false`: the controller (which holds the run) sets the history aside
+    when the job starts, and its workers resume the job's own history: a later generation restarts from the
+    job's checkpoints, not from step 0 (before: every generation started over, each worker being told
+    resume=false).  A restarted controller attaching to the running job sets nothing aside again."""
+    from jaxdist.controller.controller import Controller
+    from jaxdist.controller.state import JobState
+    from jaxdist.run_owner import HISTORY_SINCE_ENV
+
+    run = copy_run(base, tmp_path, "r")
+    old = _tree(run)
+    overrides = ["checkpoint.resume=false", "mesh.cluster=cpu-2x4"]
+    ctl = Controller(config(tmp_path, "r", *overrides), list(overrides))
+    (aside,) = (run / "set_aside").iterdir()
+    for name, data in old.items():
+        if name.startswith(("checkpoints/", "batchlist/", "metrics.jsonl")):
+            assert (aside / name).read_bytes() == data, name
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()
+    assert ctl.argv[-3:] == [*overrides, "checkpoint.resume=true"]  # the later override wins
+    sent = []
+    monkeypatch.setattr(ctl.endpoint, "send", lambda to, msg: sent.append(msg))
+    ctl._welcome(next(iter([type("V", (), {"name": "n0"})()])))
+    assert float(sent[0]["env"][HISTORY_SINCE_ENV]) == ctl.state.history_since > 0
+    assert [e["event"] for e in ctl.events.events] == ["history_set_aside"]
+    since = ctl.state.history_since
+    ctl.state.phase = "running"
+    ctl._save(force=True)
+    ctl.endpoint.close()
+    ctl.run_lock.release()
+    (run / "checkpoints").mkdir()  # the job's own first checkpoint folder, say
+    again = Controller(config(tmp_path, "r", *overrides), list(overrides))
+    try:
+        assert len(list((run / "set_aside").iterdir())) == 1 and (run / "checkpoints").is_dir()
+        assert again.argv[-1] == "checkpoint.resume=true" and again.state.history_since == since
+        assert JobState.load(again.dir / "state.json").history_since == since
+    finally:
+        again.endpoint.close()
+        again.run_lock.release()

@@ -139,10 +139,11 @@ class LocalTier:
     (a restarted process finds its files) but a lost node loses them.
     """
 
-    def __init__(self, directory: str | Path, keep: int = 2):
+    def __init__(self, directory: str | Path, keep: int = 2, not_before: float = 0.0):
         if keep < 1:
             raise ValueError("checkpoint.local_keep must be at least 1")
         self.directory, self.keep = Path(directory), keep
+        self.not_before = not_before  # seconds since the epoch: files older belong to a history set aside
         self.rank, self.num = jax.process_index(), jax.process_count()
         self.directory.mkdir(parents=True, exist_ok=True)
         self.shift = self._peer_shift()
@@ -326,6 +327,9 @@ class LocalTier:
                 log.warning("local checkpoint marker %s does not parse or match its file; not using it", marker)
                 continue
             if m.get("signature") != sig or rank not in wanted:
+                continue
+            if self.not_before and marker.stat().st_mtime < self.not_before:
+                log.info("local checkpoint %s predates the run's fresh start; not using it", marker)
                 continue
             data = marker.with_name(marker.name[: -len(".json")] + ".bin")
             try:

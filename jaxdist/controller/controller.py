@@ -40,13 +40,13 @@ from typing import Any, Callable
 from jaxdist.cluster import load_cluster
 from jaxdist.config import Config, ConfigError
 from jaxdist.controller import policy
-from jaxdist.run_owner import RunLock
 from jaxdist.controller.generations import GenerationLifecycle
 from jaxdist.controller.health import HealthHistory, Period, Thresholds, job_step_s
 from jaxdist.controller.health_actions import HealthActions
 from jaxdist.controller.protocol import Endpoint, load_or_create_token
 from jaxdist.controller.setup_cache import SetupCache, SetupEntry
 from jaxdist.controller.state import EventLog, Generation, JobState, NodeView, WorkerInfo
+from jaxdist.run_owner import HISTORY_SINCE_ENV, RunLock, set_aside_history
 
 log = logging.getLogger("jaxdist.controller")
 
@@ -127,6 +127,8 @@ class Controller(GenerationLifecycle, HealthActions):
         if new_allocation:
             self.events.add("new_allocation", allocation=allocation, gen=self.state.generation)
         self.rejected_before, self.stale_before = self.state.rejected_messages, self.state.stale_messages
+        if not cfg.checkpoint.resume:
+            config_args = self._start_over(cfg, config_args, fresh=prev is None)
         self.nodes: dict[str, NodeView] = {}
         self.workers: dict[str, WorkerInfo] = {}
         self.cluster_nodes, self.per_node, self.device_kind = cluster_shape(cfg)
@@ -198,8 +200,20 @@ class Controller(GenerationLifecycle, HealthActions):
         if v.checks.get("ok") and not v.link_ok and not v.probing:
             self._probe(v, [n for n in self.nodes.values() if n.checks.get("ok") and not n.lost])
 
+    def _start_over(self, cfg: Config, config_args: list[str], fresh: bool) -> list[str]:
+        """``checkpoint.resume=false`` under a job: the run's earlier history is set aside once, when the job
+        starts (not when a restarted controller attaches), and every generation resumes the job's own history."""
+        if fresh:
+            self.state.history_since = time.time()
+            moved = set_aside_history(cfg.run_dir)
+            if moved is not None:
+                self.events.add("history_set_aside", to=str(moved), moved=sorted(p.name for p in moved.iterdir()))
+        return [*config_args, "checkpoint.resume=true"]
+
     def _welcome(self, v: NodeView) -> None:
         env = {"JAX_PLATFORMS": "cpu"} if self.device_kind.lower().startswith("cpu") else {}
+        if self.state.history_since:  # local-tier steps written before the job set the history aside are not its own
+            env[HISTORY_SINCE_ENV] = repr(self.state.history_since)
         self.endpoint.send(
             f"n:{v.name}",
             {

@@ -63,6 +63,7 @@ class JobState:
     controller_starts: list[str] = field(default_factory=list)  # the controller's sid at its latest starts
     setup_key: str = ""
     allocation: str = ""  # the scheduler's allocation the job runs in (Slurm: JOBID.RESTARTS), '' if none
+    history_since: float = 0.0  # checkpoint.resume=false: when the job set the run's earlier history aside
     history: list[Generation] = field(default_factory=list)
     updated: float = 0.0
 

@@ -41,7 +41,7 @@ from jaxdist.parallel.grad_sync import per_block_grads_fn
 from jaxdist.parallel.pipeline_sync import StageSync
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh, mesh_devices
-from jaxdist.run_owner import RunLock, set_aside_history, under_job
+from jaxdist.run_owner import RunLock, history_since, set_aside_history, under_job
 from jaxdist.remat.named import remat_policy
 from jaxdist.train.callbacks import (
     Callback,
@@ -279,7 +279,9 @@ class Trainer:
         if c.checkpoint.enabled and c.checkpoint.local_dir:  # per run: a hash of the run directory keeps runs apart
             tag = hashlib.sha256(str(self.run_dir.absolute()).encode()).hexdigest()[:8]
             self.local = LocalTier(
-                resolve_dir(c.checkpoint.local_dir, f"{c.train.name}-{tag}"), c.checkpoint.local_keep
+                resolve_dir(c.checkpoint.local_dir, f"{c.train.name}-{tag}"),
+                c.checkpoint.local_keep,
+                not_before=history_since(),  # a launched job that started over: not the earlier history's files
             )
 
     # ------------------------------------------------------------------ sharding

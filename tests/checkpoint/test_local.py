@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import jax
 import numpy as np
 import pytest
 
 from jaxdist.config import ConfigError, load_config
+from jaxdist.run_owner import HISTORY_SINCE_ENV
 from jaxdist.train.metrics import read_metrics
 from jaxdist.train.trainer import Trainer
 from tests.trees import leaf_pairs
@@ -162,3 +164,16 @@ def test_marker_records_size_crc_and_layout(tmp_path):
     assert marker["step"] == 1 and marker["rank"] == 0 and marker["writer"] == 0
     assert marker["bytes"] == (t.local.directory / "1" / "r0.w0.bin").stat().st_size
     assert len(marker["signature"]) == 32
+
+
+def test_a_job_that_started_over_does_not_restore_the_earlier_historys_local_files(tmp_path, monkeypatch):
+    """Under `jaxdist launch ... checkpoint.resume=false` the controller sets the history aside and its workers
+    resume (checkpoint.resume=true) with JAXDIST_HISTORY_SINCE: local files from before that are not theirs."""
+    run_until_crash(config(tmp_path, "since"), 3)  # local steps 1 and 2, no persistent checkpoint yet
+    with Trainer(config(tmp_path, "since")) as t:  # these files, in their own history: used
+        t.init_state()
+        assert t.resumed_from == ("local", 2)
+    monkeypatch.setenv(HISTORY_SINCE_ENV, repr(time.time() + 1e-3))
+    with Trainer(config(tmp_path, "since")) as t:  # the same files, older than the job's fresh start: not used
+        t.init_state()
+        assert t.resumed_from is None and int(t.state["step"]) == 0
