@@ -43,7 +43,7 @@ from jaxdist.controller import policy
 from jaxdist.controller.generations import GenerationLifecycle
 from jaxdist.controller.health import HealthHistory, Period, Thresholds, job_step_s
 from jaxdist.controller.health_actions import HealthActions
-from jaxdist.controller.protocol import Endpoint, load_or_create_token
+from jaxdist.controller.protocol import NONE, NUMBER, Endpoint, fields_problem, load_or_create_token
 from jaxdist.controller.setup_cache import SetupCache, SetupEntry
 from jaxdist.controller.state import EventLog, Generation, JobState, NodeView, WorkerInfo
 from jaxdist.run_owner import HISTORY_SINCE_ENV, RunLock, set_aside_history
@@ -51,6 +51,32 @@ from jaxdist.run_owner import HISTORY_SINCE_ENV, RunLock, set_aside_history
 log = logging.getLogger("jaxdist.controller")
 
 SPARE_FAILURES_TO_BAN = 3  # warm processes of one node that crashed before an assignment: the node is not used
+
+
+# What each kind of message must carry, and the types of what it may carry: an authentic message that does not
+# match (an agent of another jaxdist version, a bug in one) is refused at the edge, never a crash of the controller.
+MESSAGE_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "node_hb": (
+        {"node": str, "procs": list},
+        {"host": str, "checks": dict, "probe": str, "free_port": int, "stall": (dict, NONE)},
+    ),
+    "hb": (
+        {"node": str, "pid": int, "state": str, "gen": int, "rank": int, "step": int},
+        {"resume_step": (int, NONE), "tokens_per_s": NUMBER, "periods": list, "loop": (dict, NONE)},
+    ),
+    "exit": ({"node": str, "pid": int, "rc": int}, {}),
+    "probe_result": ({"node": str}, {"rtt": dict}),
+}
+
+
+def message_problem(msg: dict[str, Any]) -> str | None:
+    """Why ``msg`` is not a controller message of its kind (one phrase), or None (see MESSAGE_FIELDS)."""
+    problem = fields_problem(msg, MESSAGE_FIELDS)
+    if problem is None and msg.get("t") == "node_hb":
+        for p in msg["procs"]:
+            if not isinstance(p, dict) or not isinstance(p.get("pid"), int) or not isinstance(p.get("rc"), (int, NONE)):
+                return "a 'node_hb' message with a process entry that is not {pid, rc}"
+    return problem
 
 
 def cluster_shape(cfg: Config) -> tuple[int, int, str]:
@@ -127,6 +153,7 @@ class Controller(GenerationLifecycle, HealthActions):
         if new_allocation:
             self.events.add("new_allocation", allocation=allocation, gen=self.state.generation)
         self.rejected_before, self.stale_before = self.state.rejected_messages, self.state.stale_messages
+        self.malformed, self.malformed_seen = 0, set()  # authentic messages refused by message_problem
         if not cfg.checkpoint.resume:
             config_args = self._start_over(cfg, config_args, fresh=prev is None)
         self.nodes: dict[str, NodeView] = {}
@@ -165,6 +192,13 @@ class Controller(GenerationLifecycle, HealthActions):
     def handle(self, ident: str, msg: dict[str, Any]) -> None:
         now = time.monotonic()
         t = msg.get("t")
+        problem = message_problem(msg)
+        if problem is not None:  # signed by the job's token, but not a message this controller can read
+            self.malformed += 1
+            if problem not in self.malformed_seen:
+                self.malformed_seen.add(problem)
+                log.warning("refused a message from %s: %s (counted with the rejected messages)", ident, problem)
+            return
         if t == "node_hb":
             self._on_node_hb(msg, now)
         elif t == "hb":
@@ -458,7 +492,9 @@ class Controller(GenerationLifecycle, HealthActions):
         now = time.monotonic()
         if force or now - self.last_save > 0.25:
             ep = self.endpoint
-            self.state.rejected_messages = self.rejected_before + ep.verifier.rejected + ep.gate.refused
+            self.state.rejected_messages = (
+                self.rejected_before + ep.verifier.rejected + ep.gate.refused + self.malformed
+            )
             self.state.stale_messages = self.stale_before + ep.verifier.stale
             _write_marks(self.dir / "replay.json", ep.verifier.marks())
             members = set(self.state.members.values())

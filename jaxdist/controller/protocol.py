@@ -447,3 +447,25 @@ class Peer:
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
+
+
+NONE, NUMBER = type(None), (int, float)  # for the specs of fields_problem
+
+
+def fields_problem(msg: dict[str, Any], spec: dict[str, tuple[dict[str, Any], dict[str, Any]]]) -> str | None:
+    """Why the authentic message ``msg`` cannot be read (one phrase), or None.
+
+    ``spec``: per message kind (``msg["t"]``), the fields it must carry and the fields it may carry, each with
+    its type (or tuple of types); kinds not in ``spec`` pass.  The edge of each message handler calls this
+    once, so that a peer of another version or with a bug is refused there, never a crash behind it."""
+    kind = msg.get("t")
+    if not isinstance(kind, str) or kind not in spec:
+        return None
+    required, optional = spec[kind]
+    for key in required:
+        if key not in msg:
+            return f"a {kind!r} message without {key!r}"
+    for key, types in {**required, **optional}.items():
+        if key in msg and not isinstance(msg[key], types):
+            return f"a {kind!r} message whose {key!r} is a {type(msg[key]).__name__}"
+    return None

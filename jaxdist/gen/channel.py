@@ -44,7 +44,15 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from jaxdist.config import ConfigError
-from jaxdist.controller.protocol import HANDSHAKE_FAILED, Gate, Signer, Verifier, check_bind, curve_client
+from jaxdist.controller.protocol import (
+    HANDSHAKE_FAILED,
+    Gate,
+    Signer,
+    Verifier,
+    check_bind,
+    curve_client,
+    fields_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +72,23 @@ class Server:
     ``handle(sender, msg, payload) -> reply`` returns a dict; the server adds
     the request's ``rid`` and signs it. A request that fails the signature,
     the age or the replay check is dropped with a logged reason (the sender
-    retries or gives up; nothing was applied).
+    retries or gives up; nothing was applied).  ``fields``: the fields each
+    kind of request must and may carry, with their types: an authentic
+    request that does not match is refused in one phrase before ``handle``.
     """
 
-    def __init__(self, token: str, name: str, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False):
+    def __init__(
+        self,
+        token: str,
+        name: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        allow_remote: bool = False,
+        fields: dict[str, tuple[dict[str, Any], dict[str, Any]]] | None = None,
+    ):
         check_bind(host, allow_remote)
+        self.fields = fields or {}  # the requests ``handle`` reads (jaxdist.controller.protocol.fields_problem)
+        self.unreadable: set[str] = set()  # the kinds of unreadable request seen, each logged once
         self.ctx = zmq.Context()
         self.gate = Gate(self.ctx, token)
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -118,10 +138,17 @@ class Server:
             log.warning("rejected a message from %s: it is signed as %r", peer, msg.get("sender"))
             return False
         payload = rest[2] if len(rest) > 2 else None
-        try:
-            reply = handle(peer, msg, payload)
-        except ConfigError as e:
-            reply = {"ok": False, "refused": str(e)}
+        problem = fields_problem(msg, self.fields)
+        if problem is not None:  # authentic but unreadable (a peer of another version, a bug in one): refused here
+            if problem not in self.unreadable:
+                self.unreadable.add(problem)
+                log.warning("refused a request from %s: %s", peer, problem)
+            reply = {"ok": False, "refused": problem}
+        else:
+            try:
+                reply = handle(peer, msg, payload)
+            except ConfigError as e:
+                reply = {"ok": False, "refused": str(e)}
         self.sock.send_multipart([ident, *self.signer.frames({**reply, "rid": msg.get("rid")})])
         return True
 

@@ -55,6 +55,11 @@ from jaxdist.gen.channel import Server, digest
 log = logging.getLogger(__name__)
 
 MAX_SHARD_BYTES = 1 << 30
+# The requests the receiver reads: anything else authentic is refused at the edge (Server's fields).
+REQUEST_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "deliver": ({"key": str, "sha256": str, "n_bytes": int}, {}),
+    "status": ({}, {}),
+}
 
 
 def gen_dir(run_dir: str | Path) -> Path:
@@ -120,7 +125,7 @@ class Receiver:
         self.min_tokens = bl.batch_size * bl.seq_len + 1  # one global batch: the least a source can hold
         self.token_dtype = run_token_dtype(self.run_dir)
         self._stop = threading.Event()
-        self.server = Server(run_token(self.run_dir), "receiver", host, port, allow_remote)
+        self.server = Server(run_token(self.run_dir), "receiver", host, port, allow_remote, REQUEST_FIELDS)
         atomic_write(
             self.dir / "receiver.json",
             json.dumps({"address": self.server.address, "pid": os.getpid(), "started": time.time()}).encode(),

@@ -41,6 +41,7 @@ from typing import Any
 from jaxdist.config import ConfigError
 from jaxdist.data.journal import atomic_write
 from jaxdist.controller.launch import read_hosts
+from jaxdist.controller.protocol import NONE, NUMBER
 from jaxdist.gen.chain import Chain
 from jaxdist.gen.channel import Client, Server, split_address
 from jaxdist.gen.config import GenConfig
@@ -49,6 +50,25 @@ from jaxdist.gen.rounds import NodeReport, RoundDecision, decide_round, format_r
 from jaxdist.gen.tasks import load_samples
 
 log = logging.getLogger(__name__)
+
+# The requests the dispatcher reads (jaxdist.gen.worker sends them): anything else authentic is refused at the edge.
+_STAGE = {"stage": int}
+REQUEST_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "want": ({}, _STAGE),
+    "done": (
+        {"task": int},
+        {
+            **_STAGE,
+            "outcome": str,
+            "duplicate": bool,
+            "tokens": (int, NONE),
+            "seconds": (*NUMBER, NONE),
+            "reason": (str, NONE),
+            "outputs": list,
+        },
+    ),
+    "retry": ({"task": int}, _STAGE),
+}
 
 
 class Dispatcher:
@@ -81,7 +101,7 @@ class Dispatcher:
             )
         self.chain = Chain(cfg.name, samples, self.streams, self.state, cfg.lease_s)
         self.board = self.chain.boards[0]
-        self.server = Server(self.token, "dispatcher", cfg.bind, 0, allow_remote=cfg.bind != "127.0.0.1")
+        self.server = Server(self.token, "dispatcher", cfg.bind, 0, cfg.bind != "127.0.0.1", REQUEST_FIELDS)
         self.procs: dict[str, subprocess.Popen] = {}
         # each worker's stage and host (None: this machine), as many per stage as the plan gives
         placed = place_workers(self.plan.nodes, hosts)
