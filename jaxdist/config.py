@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import os
 import tomllib
 import types
 import typing
@@ -46,7 +47,7 @@ from jaxdist.config_sections import (  # noqa: F401  (re-exported: the sections 
     TokenDType,
     TrainConfig,
 )
-from jaxdist.errors import ConfigError
+from jaxdist.errors import ConfigError, expect, expect_strings
 from jaxdist.config_hf import apply_init_from
 from jaxdist.config_hf_dir import model_tokenizer
 
@@ -288,6 +289,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Defaults, then the TOML file at ``path``, then dotted overrides; validated without devices."""
+    expect(path, (str, os.PathLike, type(None)), "load_config's path", "a TOML file path or None")
+    expect_strings(overrides or [], "load_config's overrides", 'a list of "key=value" strings')
     cfg = Config()
     explicit: set[str] = set()  # the keys the user set (model.init_from's config.json fills in the others)
     if path is not None:

@@ -11,13 +11,14 @@ No JAX here.
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 from typing import Sequence
 
 from jaxdist.config import Config, from_dict, parse_overrides
 from jaxdist.config_checks import validate_model_on_mesh
 from jaxdist.config_hf_dir import run_tokenizer
-from jaxdist.errors import ConfigError
+from jaxdist.errors import ConfigError, expect
 
 _FLOAT32_MAX = 3.4028234663852886e38  # the sampling settings reach the devices as float32
 
@@ -74,6 +75,10 @@ def check_texts(prompts: Sequence[str], stops: Sequence[str] = ()) -> None:
 
 def check_request(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
     """ConfigError (one sentence saying what to change) for sampling settings that cannot work."""
+    expect(max_new_tokens, numbers.Integral, "max_new_tokens", "a whole number of tokens")
+    expect(temperature, numbers.Real, "temperature", "a number (0: greedy)")
+    expect(top_k, numbers.Integral, "top_k", "a whole number of tokens (0: no cut)")
+    expect(top_p, numbers.Real, "top_p", "a number in (0, 1]")
     if max_new_tokens <= 0:
         raise ConfigError(f"max_new_tokens={max_new_tokens} generates nothing: ask for at least 1 token.")
     if not abs(temperature) <= _FLOAT32_MAX:  # nan, inf, or inf once a float32 on the devices

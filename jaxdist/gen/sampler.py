@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
+import os
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -46,7 +48,7 @@ import numpy as np
 
 from jaxdist.config import Config
 from jaxdist.data.tokenizer import Tokenizer, load_tokenizer
-from jaxdist.errors import ConfigError
+from jaxdist.errors import ConfigError, expect, expect_strings
 from jaxdist.gen.decode import Settings, decode_step, left_pad, prefill
 from jaxdist.gen.sample_config import check_request, check_texts, run_config
 from jaxdist.gen.sample_load import abstract_params, restore_params
@@ -113,6 +115,8 @@ class Sampler:
         tokenizer: Tokenizer | None = None,
         step: int | None = None,
     ):
+        expect(config, Config, "Sampler's config", "a jaxdist Config (or use Sampler.from_run(run_dir))")
+        expect(params, dict, "Sampler's params", "the model's parameter dict")
         self.config, self.model = config, config.model
         self.parallelism = parallelism if parallelism is not None else Parallelism.build(config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.data.tokenizer)
@@ -142,6 +146,11 @@ class Sampler:
     ) -> "Sampler":
         """A sampler of the run at ``run_dir``: its config plus ``overrides``, the checkpoint of ``step``
         (default: the newest good one), on ``devices`` (default: all).  ConfigError (one sentence) if unusable."""
+        expect(run_dir, (str, os.PathLike), "Sampler.from_run's run_dir", "a run directory path")
+        expect(
+            step, (numbers.Integral, type(None)), "Sampler.from_run's step", "a checkpoint step number or None (newest)"
+        )
+        expect_strings(overrides, "Sampler.from_run's overrides", 'a list of "key=value" strings')
         cfg = run_config(run_dir, overrides)
         par = Parallelism.build(cfg, devices)
         _, abstract, names = create_abstract(cfg.model)

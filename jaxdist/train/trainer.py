@@ -28,6 +28,7 @@ from jaxdist.checkpoint import RunCheckpointer
 from jaxdist.checkpoint.compat import layout_change
 from jaxdist.checkpoint.local import LocalTier, resolve_dir
 from jaxdist.config import Config, ConfigError
+from jaxdist.errors import expect
 from jaxdist.config_checks import is_resolved, validate
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.data.sources import check_vocab
@@ -77,6 +78,8 @@ class Trainer:
     """
 
     def __init__(self, config: Config, devices: list | None = None):
+        expect(config, Config, "Trainer's config", "a jaxdist Config (jaxdist.config.load_config(path, overrides))")
+        expect(devices, (list, tuple, type(None)), "Trainer's devices", "a list of JAX devices or None (all)")
         self._build_parallelism(config, devices)
         self.is_main = jax.process_index() == 0
         self.run_dir = config.run_dir
