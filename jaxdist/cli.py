@@ -594,7 +594,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxdist: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: what was committed stays (a run resumes from its newest checkpoint)
-        print(f"jaxdist: {args.command} interrupted (Ctrl-C); what it had finished is kept.", file=sys.stderr)
+        what = " ".join(w for w in (args.command, getattr(args, "action", None)) if isinstance(w, str))
+        print(f"jaxdist: {what} interrupted (Ctrl-C); what it had finished is kept.", file=sys.stderr)
         return 130
 
 

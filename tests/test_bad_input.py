@@ -284,3 +284,60 @@ def test_ctrl_c_during_train_is_one_line_and_the_run_resumes(tmp_path):
     assert cli.main(["train", *small, f"train.steps={last + 2}"]) == 0
     steps = [r["step"] for r in read_records(metrics) if r.get("kind") == "train"]
     assert steps[-1] == last + 2
+
+
+_SLOW_PREPARE = """
+import sys, time
+import jaxdist.data.prepare as prep
+from jaxdist import cli
+real = prep._tokenize_piece
+def slow(job):  # a slow tokenizer: each piece takes 0.5 s, so Ctrl-C lands in the middle of the corpus
+    time.sleep(0.5)
+    return real(job)
+prep._tokenize_piece = slow
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_during_data_prepare_is_one_line_and_the_rerun_finishes_it(tmp_path):
+    """Ctrl-C (SIGINT) while ``data prepare`` tokenizes: exit 130 and one line, no KeyboardInterrupt traceback,
+    no token file claimed finished; the same command again finishes the prepare, and its token file equals an
+    uninterrupted one.  (Each piece is slowed by 0.5 s in the child so the signal lands mid-corpus.)"""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import numpy as np
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text(f"document {i}: " + "words and more words " * 3000)
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = ["data", "prepare", str(corpus), str(tmp_path / "out"), "--piece-mb", "0.02"]
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_PREPARE, *args], env=env, text=True,
+                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)  # fmt: skip
+    journal = tmp_path / "out" / ".prepare" / "journal.jsonl"
+    deadline = time.monotonic() + 120  # start on a loaded 2-core host: bounded with headroom
+    while time.monotonic() < deadline and p.poll() is None:
+        if journal.is_file() and journal.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    assert p.poll() is None, p.stderr.read()[-2000:]
+    p.send_signal(signal.SIGINT)
+    try:
+        err = p.communicate(timeout=60)[1]
+    finally:
+        p.kill()
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "jaxdist: data prepare interrupted (Ctrl-C); what it had finished is kept."
+    assert not (tmp_path / "out" / "manifest.json").exists() and not (tmp_path / "out" / "tokens.bin").exists()
+    assert cli.main(args) == 0
+    assert cli.main(["data", "prepare", str(corpus), str(tmp_path / "whole")]) == 0
+    got = np.fromfile(tmp_path / "out" / "tokens.bin", dtype=np.uint16)
+    assert np.array_equal(got, np.fromfile(tmp_path / "whole" / "tokens.bin", dtype=np.uint16))

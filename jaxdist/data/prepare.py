@@ -222,17 +222,19 @@ def prepare(
         done[rec["piece"]] = rec
         bar.update(corpus.pieces[rec["piece"]].bytes)
 
-    if workers == 1 or len(jobs) <= 1:
-        _init_worker(tokenizer, single_threaded=False)
-        for job in jobs:
-            commit(_tokenize_piece(job))
-    elif jobs:
-        # spawn, not fork: the caller may have started threads (JAX, the tokenizers pool) that fork would break.
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Pool(min(workers, len(jobs)), _init_worker, (tokenizer, True)) as pool:
-            for rec in pool.imap_unordered(_tokenize_piece, jobs):
-                commit(rec)
-    bar.close()
+    try:
+        if workers == 1 or len(jobs) <= 1:
+            _init_worker(tokenizer, single_threaded=False)
+            for job in jobs:
+                commit(_tokenize_piece(job))
+        elif jobs:
+            # spawn, not fork: the caller may have started threads (JAX, the tokenizers pool) that fork would break.
+            ctx = multiprocessing.get_context("spawn")
+            with ctx.Pool(min(workers, len(jobs)), _init_worker, (tokenizer, True)) as pool:
+                for rec in pool.imap_unordered(_tokenize_piece, jobs):
+                    commit(rec)
+    finally:
+        bar.close()  # ends the bar's line, also when interrupted: a message after it starts on its own line
     return _finish(corpus, out, work, tok, dtype, text_field, plan, done)
 
 
