@@ -65,7 +65,8 @@ class Gres:
 
 
 def parse_gres(s: str) -> list[Gres]:
-    """``gpu:h100:4(IDX:0-3),gpu:a100:0(IDX:N/A)`` or ``gpu:8`` -> Gres entries; ``(null)``/``N/A``/'' -> []."""
+    """``gpu:h100:4(IDX:0-3),gpu:a100:0(IDX:N/A)``, ``gpu:4(S:0-1)`` or ``gpu:8`` -> Gres entries;
+    ``(null)``/``N/A``/'' -> []."""
     out = []
     if (s or "").strip() in ("", "(null)", "N/A"):
         return out
@@ -74,9 +75,12 @@ def parse_gres(s: str) -> list[Gres]:
         if not item:
             continue
         idx = None
-        m = re.match(r"^(.*?)\((?:IDX:)?([^)]*)\)$", item)
+        m = re.match(r"^(.*?)\(([^)]*)\)$", item)
         if m:
-            item, idx = m.group(1), parse_indices(m.group(2))
+            # (IDX:0-3) in GresUsed names the devices in use; (S:0-1) in Gres is the sockets they are bound to
+            # (what Slurm writes where gres.conf gives Cores or AutoDetect=nvml finds them), not device indices.
+            item, inner = m.group(1), m.group(2)
+            idx = None if inner.startswith("S:") else parse_indices(inner.removeprefix("IDX:"))
         fields = item.split(":")
         name = fields[0]
         count = 1

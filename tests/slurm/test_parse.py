@@ -54,6 +54,10 @@ def test_gres_strings():
         Gres("gpu", "v100", 0, frozenset()),
     ]
     assert parse_gres("(null)") == [] and parse_gres("") == []
+    # Socket affinity, as Slurm writes Gres= where gres.conf binds GPUs to cores or AutoDetect=nvml found them:
+    # a count without device indices (it raised ValueError on 'S:0').
+    assert parse_gres("gpu:4(S:0-1)") == [Gres("gpu", "", 4)]
+    assert parse_gres("gpu:h100:8(S:0-1),gpu:a100:2(S:1)") == [Gres("gpu", "h100", 8), Gres("gpu", "a100", 2)]
 
 
 def test_node_states():
@@ -125,3 +129,14 @@ def test_sinfo():
         ("n3", "mixed", "h100", frozenset(range(8))),
         ("n4", "draining", "h100", frozenset(range(2))),
     ]
+
+
+def test_a_node_with_socket_bound_gpus():
+    """``scontrol show node -d`` of a node whose GPUs are bound to sockets (AutoDetect=nvml writes this)."""
+    record = (
+        "NodeName=g1 Arch=x86_64 CoresPerSocket=32\n   CPUAlloc=64 CPUEfctv=128 CPUTot=128 CPULoad=1.00\n"
+        "   Gres=gpu:h100:8(S:0-1)\n   GresUsed=gpu:h100:4(IDX:0-3)\n   NodeAddr=10.0.0.1 NodeHostName=g1\n"
+        "   State=MIXED ThreadsPerCore=2\n   Partitions=gpu\n"
+    )
+    (n,) = parse_nodes(record)
+    assert (n.gpus, n.gpus_used, n.used_indices, n.gpu_type, n.usable) == (8, 4, frozenset(range(4)), "h100", True)
