@@ -165,14 +165,30 @@ class Journal:
         os.replace(self.requests_dir / name, dest / name)
 
     def applied_requests(self) -> set[str]:
-        """Names of the requests some version already applied (read from every intact version)."""
-        out = set()
-        for v in self.versions():
+        """Names of the requests a version applied that were not yet moved to ``requests/applied/`` (a crash
+        between writing the version and moving the request).
+
+        Reads versions from the newest back to the newest addition whose request was already moved: additions
+        are applied one at a time, each moved before the next is written, so every older one was moved too.
+        The cost is the versions since the last moved addition (one or two), not the whole journal
+        (every version read at every addition made 1,000 additions to a long run quadratic).
+        """
+        try:
+            moved = set(os.listdir(self.requests_dir / "applied"))
+        except FileNotFoundError:
+            moved = set()
+        out: set[str] = set()
+        for v in reversed(self.versions()):
             try:
-                out.add(self.load(v).op.get("request"))
+                name = self.load(v).op.get("request")
             except BatchListError:
                 continue
-        return out - {None}
+            if name is None:
+                continue
+            if name in moved:
+                break
+            out.add(name)
+        return out
 
     # ------------------------------------------------------------------ cursor
 

@@ -313,3 +313,67 @@ def test_cli_show_add_verify(tmp_path, capsys):
     assert "has changed since it was registered" in capsys.readouterr().out
     assert cli.main(["data", "show", str(tmp_path / "nope")]) == 2
     assert "run directory" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- cost as the journal grows
+
+
+def _journal_of(tmp_path, additions: int):
+    """A run whose journal holds version 1 and ``additions`` addition versions, each applied at a boundary."""
+    run = open_run(tmp_path)
+    for k in range(additions):
+        add_data(tmp_path, [write_text(tmp_path / f"add{k}.txt", 2 * B * L, salt=k + 1)], seed=k)
+        assert run.boundary(k)
+    return run
+
+
+def _decodes(monkeypatch) -> list[int]:
+    """A counter of the batch-list files decoded (every ``Journal.load`` decodes one)."""
+    import jaxdist.data.journal as journal_module
+
+    count = [0]
+    real = journal_module.decode
+
+    def counted(data, where):
+        count[0] += 1
+        return real(data, where)
+
+    monkeypatch.setattr(journal_module, "decode", counted)
+    return count
+
+
+@pytest.mark.parametrize("additions", [3, 12])
+def test_verify_and_additions_read_each_version_a_bounded_number_of_times(tmp_path, monkeypatch, additions):
+    """Counted, not timed: applying A additions decodes O(A) version files (it read every version at every
+    addition: A^2/2), and `data verify` decodes each version at most twice (it replayed each from version 1:
+    A^2/2).  With 1,000 additions to a run of 10^6 steps that was hours; see benchmarks/scale.py."""
+    count = _decodes(monkeypatch)
+    run = _journal_of(tmp_path, additions)
+    assert run.version == additions + 1
+    assert count[0] <= 3 * additions + 3, count[0]  # quadratic: 3 -> 6, 12 -> 78 (plus the writes' own)
+    count[0] = 0
+    ok, lines = verify(tmp_path)
+    assert ok, lines
+    assert sum(line.endswith("batches)") and ": ok (" in line for line in lines) == additions + 1
+    assert count[0] <= 2 * (additions + 1) + 2, count[0]
+
+
+def test_verify_still_names_a_version_whose_order_is_not_its_replay(tmp_path):
+    """The one-pass replay check (each version against its parent's order) catches what the full replay did:
+    a version re-written with another order (and a valid checksum) is BAD, its children still checked."""
+    from jaxdist.data.batchlist import encode
+
+    run = _journal_of(tmp_path, 3)
+    bl = run.journal.load(2)
+    import dataclasses
+
+    swapped = bl.order.copy()
+    swapped[-2:] = swapped[-2:][::-1]  # two unused positions swapped: the prefix and the ids stay right
+    data, _ = encode(dataclasses.replace(bl, order=swapped))
+    run.journal.path(2).write_bytes(data)
+    ok, lines = verify(tmp_path)
+    assert not ok
+    v = {line.split(":")[0]: line for line in lines if line.startswith("version ")}
+    assert "BAD: replaying its operations gives another order" in v["version 2"]
+    assert ": ok (" in v["version 1"]
+    assert "version 3" in v and "version 4" in v

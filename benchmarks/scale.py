@@ -1,0 +1,308 @@
+"""How the costs of the data order, the checkpoint plan, the planner and the Slurm parsing grow with size.
+
+Issue 37's subsystems at scale, one table each, with a fitted growth exponent per cost (the slope of
+log(cost) against log(size) over the rows: 1.0 is linear, 2.0 quadratic).
+
+**The batch list** at up to 10^6 steps and 1,000 online additions:
+
+- rows ``steps``: a run whose base source has N batches (B=1 sequence of L=1 token per batch, so N
+  batches cost 2N tokens of memory, and the order is what grows), with 20 additions;
+- rows ``additions``: a run of 10^4 batches with A = 10, 100, 1,000 additions.
+
+Each addition is a real ``jaxdist data add`` of a small token file (``add_data``), applied at the next
+step boundary as the trainer applies it (``RunBatchList.boundary``).  Costs:
+
+- ``lookup us``: one ``id_at`` (what each step asks), microseconds;
+- ``add ms``: the mean over the additions of registering one and applying it (a new version written);
+- ``resume ms``: opening the run's batch list as a restarting trainer does (newest version, sources checked);
+- ``journal MB``: the bytes of ``<run>/batchlist/`` on disk;
+- ``verify s``: ``jaxdist data verify`` (every version loaded, checked against its parent and replayed);
+- ``decodes``: version files decoded by the additions plus verify (counted, not timed).
+
+**The checkpoint write plan** (``checkpoint/plan.py``, what every process computes before a save) of
+llama-70b and mixtral-8x7b train states (parameters, Adam's two moments, the step; float32) over P = 64,
+256 and 1,024 processes of 8 devices, mesh tensor=8 x fsdp=min(P, 64) x data=P/64 (mixtral: expert=8 in
+place of part of fsdp): layouts built from the partition specs (no devices), ``plan_writes`` time, pieces,
+and max/mean bytes per process.
+
+**``jaxdist plan``** (the planner's search) of llama-70b on 1,024, 4,096 and 16,384 H100s (the h100x8 node
+figures, nodes multiplied; batch = GPUs / 4 sequences of 4,096 tokens): seconds and strategies evaluated.
+
+**Slurm parsing** of ``scontrol show node -d`` text of 100, 1,000 and 10,000 nodes (the format Slurm 22
+writes, 8 GPUs each, some drained or allocated): ``parse_nodes`` seconds.
+
+    python benchmarks/scale.py                  # every table (about 5 minutes here)
+    python benchmarks/scale.py --quick          # smaller sizes, for a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+import jaxdist.data.journal as journal_module
+from jaxdist.checkpoint.plan import layout_from_spec, plan_writes
+from jaxdist.cluster import load_cluster
+from jaxdist.config import load_config
+from jaxdist.data import RunBatchList, add_data
+from jaxdist.data.audit import verify
+from jaxdist.models.arithmetic import param_count
+from jaxdist.models.moe import moe_param_specs
+from jaxdist.models.names import block_param_specs
+from jaxdist.parallel.rules import DEFAULT_RULES
+from jaxdist.planner.plan import plan
+from jaxdist.slurm.parse import parse_nodes
+
+
+def _count_decodes() -> list[int]:
+    count = [0]
+    real = journal_module.decode
+
+    def counted(data, where):
+        count[0] += 1
+        return real(data, where)
+
+    journal_module.decode = counted
+    return count
+
+
+DECODES = _count_decodes()
+
+
+def _dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+
+
+def batch_list_row(n_batches: int, additions: int) -> dict:
+    """The costs of one run with ``n_batches`` base batches and ``additions`` online additions."""
+    with tempfile.TemporaryDirectory(prefix="jaxdist-scale-") as tmp:
+        run_dir = Path(tmp) / "run"
+        tokens = np.arange(n_batches + 1, dtype=np.uint32) % 250  # B=1, L=1: N windows of 2 tokens
+        run = RunBatchList(run_dir, tokens, "synthetic", 0, 1, 1)
+        assert len(run.current) == n_batches
+        DECODES[0] = 0
+        rng = np.random.default_rng(0)
+        cursor, t_add = 0, 0.0
+        step = max(1, n_batches // (additions + 1))
+        for k in range(additions):
+            f = Path(tmp) / f"add{k}.bin"
+            rng.integers(0, 250, 64, dtype=np.uint16).tofile(f)
+            t0 = time.perf_counter()
+            add_data(run_dir, [f], seed=k, kind="tokens", token_dtype="uint16")
+            assert run.boundary(cursor)
+            t_add += time.perf_counter() - t0
+            cursor += step
+        t0 = time.perf_counter()
+        lookups = 20000
+        bl = run.current
+        for p in rng.integers(0, len(bl), lookups):
+            bl.id_at(int(p))
+        lookup_us = (time.perf_counter() - t0) / lookups * 1e6
+        t0 = time.perf_counter()
+        again = RunBatchList(run_dir, tokens, "synthetic", 0, 1, 1)
+        resume_ms = (time.perf_counter() - t0) * 1e3
+        assert again.version == additions + 1
+        t0 = time.perf_counter()
+        ok, lines = verify(run_dir)
+        verify_s = time.perf_counter() - t0
+        assert ok, lines
+        return {
+            "batches": n_batches,
+            "additions": additions,
+            "lookup us": lookup_us,
+            "add ms": t_add / max(additions, 1) * 1e3,
+            "resume ms": resume_ms,
+            "journal MB": _dir_bytes(run_dir / "batchlist") / 1e6,
+            "verify s": verify_s,
+            "decodes": DECODES[0],
+        }
+
+
+# --------------------------------------------------------------------------- the checkpoint write plan
+
+AXES = ("data", "fsdp", "expert", "tensor")
+RULES = dict(DEFAULT_RULES)
+
+
+def _spec(names, sizes: dict) -> tuple:
+    """The partition spec of an array with logical ``names`` (the default rules, axes of size 1 left out)."""
+    used, out = set(), []
+    for n in names:
+        axes = tuple(a for a in RULES.get(n, ()) if sizes.get(a, 1) > 1 and a not in used) if n else ()
+        used |= set(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return tuple(out)
+
+
+def model_arrays(preset: str) -> list[tuple[str, tuple[int, ...], tuple]]:
+    """(name, shape, logical names) of every parameter of ``preset``, layers stacked as the model stacks them."""
+    m = load_config(None, [f"model={preset}"]).model
+    d, v, L = m.d_model, m.vocab_size, m.n_layers
+    arrays = [("embed", (v, d), ("vocab", "embed")), ("final_norm", (d,), ("norm",))]
+    if not m.tie_embeddings:
+        arrays.append(("lm_head", (d, v), ("embed", "vocab")))
+    blocks = dict(block_param_specs(m))
+    if m.moe.experts:  # every block is an MoE block in these presets: the experts replace the dense MLP
+        assert m.moe.every == 1
+        for k in ("w_gate", "w_up", "w_down"):
+            del blocks[k]
+        blocks.update(moe_param_specs(m))
+    arrays += [(k, (L, *shape), ("layers", *names)) for k, (shape, names) in blocks.items()]
+    assert sum(int(np.prod(s)) for _, s, _ in arrays) == param_count(m), preset  # the model's own count
+    return arrays
+
+
+def checkpoint_plan_row(preset: str, processes: int) -> dict:
+    per_node = 8
+    fsdp = min(processes, 64)
+    sizes = {"tensor": 8, "fsdp": fsdp, "data": processes // fsdp, "expert": 1}
+    if load_config(None, [f"model={preset}"]).model.moe.experts:
+        sizes.update(expert=8, fsdp=fsdp // 8)
+    grid = np.arange(processes * per_node).reshape([sizes[a] for a in AXES])
+    process_of = {int(dv): int(dv) // per_node for dv in grid.ravel()}
+    t0 = time.perf_counter()
+    layouts = []
+    for name, shape, names in model_arrays(preset):
+        spec = _spec(names, sizes)
+        for part in ("param", "mu", "nu"):
+            layouts.append(layout_from_spec(f"{part}/{name}", shape, 4, spec, AXES, grid.tolist(), process_of))
+    layouts.append(layout_from_spec("step", (), 4, (), AXES, grid.tolist(), process_of))
+    t_layout = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    wp = plan_writes(layouts, processes)
+    t_plan = time.perf_counter() - t0
+    per = wp.bytes_per_process()
+    return {
+        "model": preset,
+        "processes": processes,
+        "mesh": " ".join(f"{a}={n}" for a, n in sizes.items() if n > 1),
+        "state GB": sum(per) / 1e9,
+        "layouts s": t_layout,
+        "plan s": t_plan,
+        "pieces": sum(len(a.pieces) for a in wp.arrays),
+        "max/mean": max(per) / (sum(per) / len(per)),
+    }
+
+
+# --------------------------------------------------------------------------- the planner and Slurm
+
+
+def planner_row(gpus: int) -> dict:
+    m = load_config(None, ["model=llama-70b"]).model
+    cluster = dataclasses.replace(load_cluster("h100x8"), nodes=gpus // 8, name=f"h100x{gpus}")
+    t0 = time.perf_counter()
+    p = plan(m, cluster, batch_size=gpus // 4, seq_len=4096)
+    return {"gpus": gpus, "plan s": time.perf_counter() - t0, "evaluations": p.evaluations,
+            "best": p.best.strategy.describe().replace(" | ", "; ")}  # fmt: skip
+
+
+NODE = """NodeName=gpu{i:05d} Arch=x86_64 CoresPerSocket=32
+   CPUAlloc={alloc} CPUEfctv=128 CPUTot=128 CPULoad=1.00
+   AvailableFeatures=h100
+   ActiveFeatures=h100
+   Gres=gpu:h100:8(S:0-1)
+   GresDrain=N/A
+   GresUsed=gpu:h100:{used}(IDX:{idx})
+   NodeAddr=10.1.{hi}.{lo} NodeHostName=gpu{i:05d} Version=22.05.8
+   OS=Linux 5.15.0 #1 SMP
+   RealMemory=2000000 AllocMem=0 FreeMem=1900000 Sockets=2 Boards=1
+   State={state} ThreadsPerCore=2 TmpDisk=0 Weight=1 Owner=N/A MCS_label=N/A
+   Partitions=gpu
+   BootTime=2026-11-01T00:00:00 SlurmdStartTime=2026-11-01T00:00:10
+   LastBusyTime=2026-12-01T00:00:00
+   CfgTRES=cpu=128,mem=2000000M,billing=128,gres/gpu=8
+   AllocTRES=
+   CapWatts=n/a
+   CurrentWatts=0 AveWatts=0
+   ExtSensorsJoules=n/s ExtSensorsWatts=0 ExtSensorsTemp=n/s
+
+"""
+
+
+def scontrol_text(n: int) -> str:
+    out = []
+    for i in range(n):
+        used = (0, 4, 8)[i % 3]
+        state = ("IDLE", "MIXED", "ALLOCATED", "IDLE+DRAIN")[i % 4]
+        idx = "N/A" if used == 0 else f"0-{used - 1}"
+        out.append(NODE.format(i=i, alloc=16 * used, used=used, idx=idx, hi=i // 250, lo=i % 250, state=state))
+    return "".join(out)
+
+
+def slurm_row(n: int) -> dict:
+    text = scontrol_text(n)
+    t0 = time.perf_counter()
+    nodes = parse_nodes(text)
+    dt = time.perf_counter() - t0
+    assert len(nodes) == n and nodes[-1].gpus == 8
+    return {"nodes": n, "text MB": len(text) / 1e6, "parse s": dt, "usable": sum(x.usable for x in nodes)}
+
+
+def print_rows(title: str, rows: list[dict], x: str, costs: list[str]) -> None:
+    print(f"\n{title}")
+    head = list(rows[0])
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = [f"{r[h]:,}" if isinstance(r[h], int) else f"{r[h]:.3g}" if isinstance(r[h], float) else r[h]
+                 for h in head]  # fmt: skip
+        print("| " + " | ".join(cells) + " |")
+    print(f"growth exponent in {x}: " + ", ".join(f"{c} {growth(rows, x, c):.2f}" for c in costs))
+
+
+def growth(rows: list[dict], x: str, y: str) -> float:
+    """Least-squares slope of log(y) against log(x) over the rows (nan where a value is not positive)."""
+    pts = [(math.log(r[x]), math.log(r[y])) for r in rows if r[x] > 0 and r[y] > 0]
+    if len(pts) < 2:
+        return float("nan")
+    xs, ys = np.array(pts).T
+    return float(np.polyfit(xs, ys, 1)[0])
+
+
+COLUMNS = ["lookup us", "add ms", "resume ms", "journal MB", "verify s", "decodes"]
+
+
+def print_table(title: str, rows: list[dict], x: str) -> None:
+    print(f"\n{title}")
+    head = ["batches", "additions", *COLUMNS]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        print("| " + " | ".join(f"{r[h]:,}" if isinstance(r[h], int) else f"{r[h]:.3g}" for h in head) + " |")
+    print("| growth exponent in " + x + " | | " + " | ".join(f"{growth(rows, x, c):.2f}" for c in COLUMNS) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    ap.add_argument("--tables", default="batchlist,checkpoint,planner,slurm", help="which tables, comma-separated")
+    args = ap.parse_args()
+    tables, q = set(args.tables.split(",")), args.quick
+    print(f"host load (1 min) at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    if "batchlist" in tables:
+        steps = [batch_list_row(n, 20) for n in ((1_000, 10_000, 100_000) if q else (10_000, 100_000, 1_000_000))]
+        print_table("Batch list, growing steps (20 additions)", steps, "batches")
+        adds = [batch_list_row(1_000 if q else 10_000, a) for a in ((1, 10, 100) if q else (10, 100, 1000))]
+        print_table("Batch list, growing additions", adds, "additions")
+    if "checkpoint" in tables:
+        for preset in ("llama-70b", "mixtral-8x7b"):
+            rows = [checkpoint_plan_row(preset, p) for p in ((8, 16, 64) if q else (64, 256, 1024))]
+            print_rows(f"Checkpoint write plan, {preset}", rows, "processes", ["layouts s", "plan s", "pieces"])
+    if "planner" in tables:
+        rows = [planner_row(g) for g in ((64, 256, 1024) if q else (1024, 4096, 16384))]
+        print_rows("jaxdist plan, llama-70b", rows, "gpus", ["plan s", "evaluations"])
+    if "slurm" in tables:
+        rows = [slurm_row(n) for n in ((10, 100, 1000) if q else (100, 1000, 10000))]
+        print_rows("Slurm: parse_nodes of scontrol show node -d", rows, "nodes", ["parse s"])
+    print(f"\nhost load (1 min) at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
