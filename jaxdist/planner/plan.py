@@ -14,6 +14,7 @@ mesh, microbatches and remat.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -216,7 +217,7 @@ def plan(
         return estimate(comp, view, s, batch_size, memory_fraction, coefficients)
 
     space = None
-    for view in [view] + smaller_views(view):  # fewer devices only when no mesh of all of them suits
+    for view in itertools.chain([view], smaller_views(view)):  # fewer devices only when no mesh of all of them suits
         if enumerate_all:
             points = list(
                 candidates(
