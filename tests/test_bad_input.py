@@ -244,9 +244,9 @@ def test_rows_per_command():
     assert sum(counts.values()) >= 140
 
 
-def test_ctrl_c_during_train_is_one_line_and_the_run_resumes(tmp_path):
-    """Ctrl-C (SIGINT) while training: exit 130 and one line, no KeyboardInterrupt traceback; the next command
-    resumes from the newest checkpoint."""
+def _ctrl_c(argv: list[str], ready, start_s: float, last_line: str) -> None:
+    """Run ``argv`` (a Python command line) with the repository on PYTHONPATH, wait at most ``start_s`` seconds for
+    ``ready()``, press Ctrl-C (SIGINT): exit 130, no traceback, and ``last_line`` as the last stderr line."""
     import os
     import signal
     import subprocess
@@ -254,23 +254,12 @@ def test_ctrl_c_during_train_is_one_line_and_the_run_resumes(tmp_path):
     import time
     from pathlib import Path
 
-    from jaxdist.data.audit import read_records
-
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    small = ["model=tiny", "train.seq_len=16", "train.batch_size=8", "train.log_every=1", "train.progress=false",
-             "train.tensorboard=false", "checkpoint.every=2", "data.max_bytes=60000", f"train.runs_dir={tmp_path}",
-             "train.name=r", "train.eval_every=0"]  # fmt: skip
-    p = subprocess.Popen(
-        [sys.executable, "-m", "jaxdist.cli", "train", *small, "train.steps=100000"],
-        env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-    )  # fmt: skip
-    metrics = tmp_path / "r" / "metrics.jsonl"
-    deadline = time.monotonic() + 240  # start and compile on a loaded 2-core host: bounded with headroom
-    while time.monotonic() < deadline and p.poll() is None:
-        if any(r.get("kind") == "checkpoint" for r in read_records(metrics)):
-            break
-        time.sleep(0.2)
+    p = subprocess.Popen([sys.executable, *argv], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + start_s
+    while time.monotonic() < deadline and p.poll() is None and not ready():
+        time.sleep(0.05)
     assert p.poll() is None, p.stderr.read()[-2000:]
     p.send_signal(signal.SIGINT)
     try:
@@ -279,7 +268,24 @@ def test_ctrl_c_during_train_is_one_line_and_the_run_resumes(tmp_path):
         p.kill()
     assert p.returncode == 130, err[-2000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
-    assert err.strip().splitlines()[-1] == "jaxdist: train interrupted (Ctrl-C); what it had finished is kept."
+    assert err.strip().splitlines()[-1] == last_line
+
+
+def test_ctrl_c_during_train_is_one_line_and_the_run_resumes(tmp_path):
+    """Ctrl-C (SIGINT) while training: exit 130 and one line, no KeyboardInterrupt traceback; the next command
+    resumes from the newest checkpoint."""
+    from jaxdist.data.audit import read_records
+
+    small = ["model=tiny", "train.seq_len=16", "train.batch_size=8", "train.log_every=1", "train.progress=false",
+             "train.tensorboard=false", "checkpoint.every=2", "data.max_bytes=60000", f"train.runs_dir={tmp_path}",
+             "train.name=r", "train.eval_every=0"]  # fmt: skip
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    _ctrl_c(
+        ["-m", "jaxdist.cli", "train", *small, "train.steps=100000"],
+        lambda: any(r.get("kind") == "checkpoint" for r in read_records(metrics)),
+        240,  # start and compile on a loaded 2-core host: bounded with headroom
+        "jaxdist: train interrupted (Ctrl-C); what it had finished is kept.",
+    )
     last = max(r["step"] for r in read_records(metrics) if r.get("kind") == "train")
     assert cli.main(["train", *small, f"train.steps={last + 2}"]) == 0
     steps = [r["step"] for r in read_records(metrics) if r.get("kind") == "train"]
@@ -303,39 +309,20 @@ def test_ctrl_c_during_data_prepare_is_one_line_and_the_rerun_finishes_it(tmp_pa
     """Ctrl-C (SIGINT) while ``data prepare`` tokenizes: exit 130 and one line, no KeyboardInterrupt traceback,
     no token file claimed finished; the same command again finishes the prepare, and its token file equals an
     uninterrupted one.  (Each piece is slowed by 0.5 s in the child so the signal lands mid-corpus.)"""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
     import numpy as np
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(6):
         (corpus / f"{i}.txt").write_text(f"document {i}: " + "words and more words " * 3000)
-    repo = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     args = ["data", "prepare", str(corpus), str(tmp_path / "out"), "--piece-mb", "0.02"]
-    p = subprocess.Popen([sys.executable, "-c", _SLOW_PREPARE, *args], env=env, text=True,
-                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)  # fmt: skip
     journal = tmp_path / "out" / ".prepare" / "journal.jsonl"
-    deadline = time.monotonic() + 120  # start on a loaded 2-core host: bounded with headroom
-    while time.monotonic() < deadline and p.poll() is None:
-        if journal.is_file() and journal.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.05)
-    assert p.poll() is None, p.stderr.read()[-2000:]
-    p.send_signal(signal.SIGINT)
-    try:
-        err = p.communicate(timeout=60)[1]
-    finally:
-        p.kill()
-    assert p.returncode == 130, err[-2000:]
-    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
-    assert err.strip().splitlines()[-1] == "jaxdist: data prepare interrupted (Ctrl-C); what it had finished is kept."
+    _ctrl_c(
+        ["-c", _SLOW_PREPARE, *args],
+        lambda: journal.is_file() and journal.read_text().count("\n") >= 2,
+        120,  # start on a loaded 2-core host: bounded with headroom
+        "jaxdist: data prepare interrupted (Ctrl-C); what it had finished is kept.",
+    )
     assert not (tmp_path / "out" / "manifest.json").exists() and not (tmp_path / "out" / "tokens.bin").exists()
     assert cli.main(args) == 0
     assert cli.main(["data", "prepare", str(corpus), str(tmp_path / "whole")]) == 0
