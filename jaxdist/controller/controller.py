@@ -183,6 +183,7 @@ class Controller(GenerationLifecycle, HealthActions):
         self.waiting_since: float | None = None  # recovering with no group to form, since (monotonic)
         self.enough_since: float | None = None  # when min_nodes were first ready (monotonic), for start_grace
         self.blame: dict[str, float] = {}  # nodes blamed for the last failure, not yet settled (monotonic time)
+        self.blame_rank: dict[str, int] = {}  # the rank each blamed node ran
         self.spare_failures: dict[str, int] = {}
         self.last_save = self.last_watch = 0.0
         self.running = True

@@ -62,9 +62,11 @@ def events_of(job: LocalJob, kind: str) -> list[dict]:
 
 
 def test_elastic_start_with_nodes_arriving_one_by_one(tmp_path):
+    """controller.start_grace=0 (the point of this test: the elastic start on the first min_nodes=2 ready; the
+    default waits 60 s for the rest of the group): the group starts with 2 and the later nodes become standbys."""
     steps = 40
     job = LocalJob(
-        stub_args("elastic", steps, "controller.min_nodes=2", "controller.max_nodes=3"),
+        stub_args("elastic", steps, "controller.min_nodes=2", "controller.max_nodes=3", "controller.start_grace=0"),
         nodes=4,
         cwd=tmp_path,
         env={"JAXDIST_STUB_STEP_S": "0.2"},
@@ -97,12 +99,46 @@ def test_elastic_start_with_nodes_arriving_one_by_one(tmp_path):
     assert final_state(job) == expected_final(steps)
 
 
-def test_a_group_that_started_small_grows_at_its_next_restart(tmp_path):
-    """controller.max_nodes above the group: the standbys that arrived after the start join at the next restart
-    (the recovery path), each batch still trained once."""
+def test_a_launch_at_the_defaults_trains_on_every_node_and_keeps_the_size_after_a_kill(tmp_path):
+    """Issue 35 item 6, at the defaults (min_nodes=1, start_grace, max_nodes=0, standbys=1): 5 node agents of a
+    4-node cluster description started 0.3 s apart. The group starts with all 4 (not on the first ready node),
+    the 5th is a standby; after a SIGKILL of a rank the group is 4 again, every batch trained once."""
+    steps = 40
+    job = LocalJob(stub_args("defaults", steps), nodes=5, cwd=tmp_path, env={"JAXDIST_STUB_STEP_S": "0.1"})
+    try:
+        job.start(stagger_s=0.3)
+        job.wait_until(lambda s: s.get("phase") == "running" and s["last_step"] >= 3, 120, "training")
+        job.inject(1, signal.SIGKILL)
+        assert job.wait(120) == 0, job.summary()
+    finally:
+        job.close()
+    starts = events_of(job, "start")
+    ready = events_of(job, "node_ready")
+    assert len(starts) == 2 and [len(s["members"]) for s in starts] == [4, 4], starts
+    assert starts[0]["ready"] >= 4
+    print(f"\ndefaults: started {starts[0]['time'] - ready[0]['time']:.2f} s after the first ready node")
+    assert starts[0]["time"] - ready[0]["time"] < 60  # all 4 were ready well within start_grace: no full wait
+    assert starts[1]["members"] == starts[0]["members"]  # crashed_rank=same_node: the rank stayed on its node
+    assert not events_of(job, "grow") and not events_of(job, "shrink") and not events_of(job, "banned")
+    assert final_state(job) == expected_final(steps)
+    gens = trained_steps(job)
+    assert lineage([(g[0] - 1, g[-1]) for g in gens], steps) == list(range(steps))
+
+
+def test_a_group_that_started_small_keeps_its_size_at_a_restart(tmp_path):
+    """Issue 35 item 6: controller.start_grace=0 and min_nodes=2 (the point: a group that started on 2 of
+    max_nodes=4): the nodes that arrive later stay standbys at the next restart -- the group size does not
+    follow the failure history (it grew to 4 before) -- each batch still trained once."""
     steps = 40
     job = LocalJob(
-        stub_args("grow", steps, "controller.min_nodes=2", "controller.max_nodes=4", "controller.standbys=0"),
+        stub_args(
+            "keep",
+            steps,
+            "controller.min_nodes=2",
+            "controller.max_nodes=4",
+            "controller.standbys=0",
+            "controller.start_grace=0",
+        ),
         nodes=4,
         cwd=tmp_path,
         env={"JAXDIST_STUB_STEP_S": "0.1"},
@@ -119,11 +155,8 @@ def test_a_group_that_started_small_grows_at_its_next_restart(tmp_path):
         assert job.wait(90) == 0, job.summary()
     finally:
         job.close()
-    starts, grow = events_of(job, "start"), events_of(job, "grow")
-    assert len(starts[0]["members"]) == 2 and len(grow) == 1 and grow[0]["before"] == 2
-    grown = starts[1]["members"]
-    assert {r: grown[r] for r in starts[0]["members"]} == starts[0]["members"]  # the old ranks keep their nodes
-    assert {grown["2"], grown["3"]} == {"local-2", "local-3"}  # the standbys take the new ranks
+    starts = events_of(job, "start")
+    assert [len(s["members"]) for s in starts] == [2, 2] and not events_of(job, "grow")
     assert final_state(job) == expected_final(steps)
     gens = trained_steps(job)
     assert lineage([(g[0] - 1, g[-1]) for g in gens], steps) == list(range(steps))
