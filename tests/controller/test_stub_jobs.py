@@ -108,6 +108,7 @@ def test_a_launch_at_the_defaults_trains_on_every_node_and_keeps_the_size_after_
     try:
         job.start(stagger_s=0.3)
         job.wait_until(lambda s: s.get("phase") == "running" and s["last_step"] >= 3, 120, "training")
+        assert len(job.state()["members"]) == 4, job.state()["members"]  # before: 1, the first ready node
         job.inject(1, signal.SIGKILL)
         assert job.wait(120) == 0, job.summary()
     finally:
@@ -337,8 +338,10 @@ def test_launch_over_ssh(tmp_path):
 
 
 def test_too_few_nodes_shrinks_the_group_or_ends_with_a_sentence(tmp_path):
-    """Reliability edge 9: after bans leave too few nodes for the group, the job continues on a smaller group
-    the mesh and batch allow (exactly once), and otherwise ends after controller.start_timeout with a reason."""
+    """Reliability edge 9: when too few nodes are left for the group (here a lost node, banned at
+    controller.max_failures=1), the job continues on a smaller group the mesh and batch allow (exactly once),
+    and otherwise ends after controller.start_timeout with a reason. (A process crash no longer bans its node
+    at once: issue 35 item 6 moves the rank first, see test_policy.)"""
     steps = 30
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -346,9 +349,8 @@ def test_too_few_nodes_shrinks_the_group_or_ends_with_a_sentence(tmp_path):
         stub_args(
             "shrink",
             steps,
-            "controller.max_process_failures=1",
+            "controller.max_failures=1",
             "controller.min_nodes=2",
-            "controller.start_grace=60",
             "controller.standbys=0",
         ),
         nodes=4,
@@ -356,10 +358,10 @@ def test_too_few_nodes_shrinks_the_group_or_ends_with_a_sentence(tmp_path):
         env={"JAXDIST_STUB_STEP_S": "0.1"},
     )
     try:
-        job.start()  # start_grace: the start waits for all four nodes
+        job.start()  # start_grace (default): the start waits for all four nodes
         job.wait_until(lambda s: s.get("last_step", 0) >= 5 and s["phase"] == "running", 90, "step 5")
         assert len(job.state()["members"]) == 4
-        job.inject(1, signal.SIGKILL)  # one failure bans the node: 3 usable nodes, groups of 1, 2 or 4 fit
+        job.lose_node(job.state()["members"]["1"])  # banned at once: 3 usable nodes, groups of 1, 2 or 4 fit
         assert job.wait(120) == 0, job.summary()
     finally:
         job.close()
@@ -369,9 +371,7 @@ def test_too_few_nodes_shrinks_the_group_or_ends_with_a_sentence(tmp_path):
     assert final_state(job) == expected_final(steps)  # every step once, on 4 nodes then on 2
 
     job = LocalJob(
-        stub_args(
-            "stuck", 200, "controller.max_process_failures=1", "controller.min_nodes=4", "controller.start_timeout=3"
-        ),
+        stub_args("stuck", 200, "controller.max_failures=1", "controller.min_nodes=4", "controller.start_timeout=3"),
         nodes=4,
         cwd=tmp_path / "b",
         env={"JAXDIST_STUB_STEP_S": "0.1"},
@@ -379,7 +379,7 @@ def test_too_few_nodes_shrinks_the_group_or_ends_with_a_sentence(tmp_path):
     try:
         job.start()
         job.wait_until(lambda s: s.get("last_step", 0) >= 3 and s["phase"] == "running", 90, "step 3")
-        job.inject(0, signal.SIGKILL)
+        job.lose_node(job.state()["members"]["0"])
         assert job.wait(60) == 1
     finally:
         job.close()
@@ -424,7 +424,7 @@ def test_a_crashed_process_restarts_on_its_own_node_a_lost_node_on_a_standby(tmp
 def test_a_worker_that_stops_on_nonsense_ends_the_job_instead_of_restarting_it(tmp_path):
     """A worker exiting with code 2 (a NaN loss, a config or data error) is not restarted up to max_failures
     times: every restart would stop the same way. The job ends at once, saying so."""
-    job = LocalJob(stub_args("nan", 100), nodes=2, cwd=tmp_path, env={"JAXDIST_STUB_NONSENSE_AT": "6"})
+    job = LocalJob(stub_args("nan", 100), nodes=4, cwd=tmp_path, env={"JAXDIST_STUB_NONSENSE_AT": "6"})
     try:
         job.start()
         assert job.wait(90) == 1
