@@ -467,3 +467,31 @@ def test_a_silent_agent_whose_workers_train_is_not_a_lost_node(tmp_path):
     assert stall["seconds"] >= 4 * job.cfg.controller.heartbeat_timeout
     assert {e["gen"] for e in events_of(job, "start")} == {0} and not events_of(job, "failure")
     assert final_state(job) == expected_final(steps)
+
+
+def test_a_rank_that_crashes_on_a_healthy_node_moves_once_then_stops_the_job(tmp_path):
+    """Issue 35 item 6, at the defaults (max_process_failures=4, crashed_rank=same_node): four crashes of rank 0
+    banned its healthy node. Now rank 0 stays on its node for 3 crashes, moves to the standby at the 4th (no
+    node banned, the group still 4), and a 5th crash there stops the job with one sentence naming the rank."""
+    job = LocalJob(stub_args("rank-crash", 400), nodes=5, cwd=tmp_path, env={"JAXDIST_STUB_STEP_S": "0.1"})
+    try:
+        job.start()
+        for gen in range(5):
+            job.wait_until(
+                lambda s, g=gen: s["generation"] == g and s["phase"] == "running" and s["standbys"],
+                90,
+                f"gen {gen} running",
+            )
+            job.inject(0, signal.SIGKILL)
+        assert job.wait(60) == 1, job.summary()
+    finally:
+        job.close()
+    starts = events_of(job, "start")
+    first = starts[0]["members"]["0"]
+    assert [s["members"]["0"] for s in starts[:4]] == [first] * 4  # same_node for the first 3 crashes
+    assert starts[4]["members"]["0"] != first and len(starts[4]["members"]) == 4  # moved once, size kept
+    assert not events_of(job, "banned"), events_of(job, "banned")
+    (moved,) = events_of(job, "rank_moved")
+    assert moved["node"] == first and moved["rank"] == 0
+    why = events_of(job, "gave_up")[0]["why"]
+    assert why.startswith("the process of rank 0 failed 5 times on healthy nodes") and "4 on " + first in why, why
