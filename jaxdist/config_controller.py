@@ -37,15 +37,15 @@ class ControllerConfig:
     hosts_file: str = _f("", "SSH launcher: a file with one host per line.")
     min_nodes: int = _f(
         1,
-        "Training starts once this many nodes are ready (see start_grace), and goes on with no fewer: after failures it continues on a smaller group the mesh and batch allow, down to this. On Slurm the batch script asks for --nodes=min_nodes-(max_nodes + standbys): the standbys never keep a job from starting, and a job started small takes the nodes free at its next start.",
+        "The fewest nodes training may start and go on with: the start waits start_grace for every node of the group (max_nodes) and then starts on the ready ones if at least this many; a recovery keeps the size the job started with while the nodes for it exist (standbys included), and only when they do not continues on a smaller group the mesh and batch allow, down to this (the batches per step stay, the per-node split changes). On Slurm the batch script asks for --nodes=min_nodes-(max_nodes + standbys): the standbys never keep a job from starting, and a job started small takes the nodes free at its next start.",
     )
     start_grace: float = _f(
-        0.0,
-        "Seconds the start waits, once min_nodes are ready, for more nodes (up to max_nodes) before it starts on what it has.",
+        60.0,
+        "Seconds the start waits, counted from when min_nodes are ready (at the default min_nodes=1: the first ready node), for the rest of the group (max_nodes) before it starts on what it has; it starts the moment all max_nodes are ready. 60 s covers a node agent's start, its import of JAX and its device check on a loaded host, and is short next to a training run; 0: start on the first min_nodes ready.",
     )
     max_nodes: int = _f(
         0,
-        "Train on at most this many nodes (0: the cluster description's node count); the others wait as standbys, and a restart takes the ready standbys beyond the group while it has fewer nodes (the largest group the mesh and batch allow).",
+        "Train on at most this many nodes (0: the cluster description's node count); the others wait as standbys. A restart never grows the group past the size the job started with; a group that had to shrink takes ready standbys back up to that size.",
     )
     standbys: int = _f(
         1,
@@ -90,11 +90,11 @@ class ControllerConfig:
     )
     max_process_failures: int = _f(
         4,
-        "A node whose worker processes crashed or hung this many times while its agent stayed healthy is not used again (counted apart from max_failures).",
+        "Process crashes or hangs on a healthy node (its agent alive) before a verdict (counted apart from max_failures): a node that reaches it with failures of one rank keeps its place and the rank moves once to another node; a node that reaches it with failures of two or more ranks is not used again; a rank that fails this many times in all, on two or more nodes, stops the job with one sentence (it fails wherever it runs: the program, not a node).",
     )
     crashed_rank: CrashedRank = _f(
         "same_node",
-        "Where a rank restarts after its process crashed or hung on a healthy node: same_node (a warm process of that node, which holds the rank's local-tier files) or standby (like a lost node).",
+        "Where a rank restarts after its process crashed or hung on a healthy node: same_node (a warm process of that node, which holds the rank's local-tier files; moved once after max_process_failures there) or standby (like a lost node).",
     )
     recovery: Recovery = _f(
         "standby",

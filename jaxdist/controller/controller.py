@@ -2,9 +2,10 @@
 
 It listens on one authenticated endpoint (loopback unless configured), welcomes
 node agents, has each one checked (disk, devices, a signed ping to every other
-node: the links the job will use), and starts generation 0 as soon as
-``controller.min_nodes`` nodes are ready (the largest group the mesh allows, up
-to ``max_nodes``; later nodes become standbys).  Then it watches every member:
+node: the links the job will use), and starts generation 0 once all
+``max_nodes`` are ready, or ``start_grace`` after ``min_nodes`` were, on the
+largest group of the ready ones the mesh allows (later nodes become standbys;
+a recovery keeps that size while the nodes exist).  Then it watches every member:
 a worker that exits, falls silent for ``heartbeat_timeout`` or a group that
 stops making steps ends the generation.  Recovery (``controller.recovery``):
 
@@ -183,6 +184,7 @@ class Controller(GenerationLifecycle, HealthActions):
         self.waiting_since: float | None = None  # recovering with no group to form, since (monotonic)
         self.enough_since: float | None = None  # when min_nodes were first ready (monotonic), for start_grace
         self.blame: dict[str, float] = {}  # nodes blamed for the last failure, not yet settled (monotonic time)
+        self.blame_rank: dict[str, int] = {}  # the rank each blamed node ran
         self.spare_failures: dict[str, int] = {}
         self.last_save = self.last_watch = 0.0
         self.running = True

@@ -61,6 +61,7 @@ class GenerationLifecycle:
             if len(key.hosts) == n and set(key.hosts) <= set(names):
                 members = dict(enumerate(key.hosts))
                 break
+        self.state.group_size = n  # a recovery keeps this size while the nodes for it exist
         self._start_generation(members, "elastic start", ready=len(ready))
 
     def _start_generation(self, members: dict[int, str], cause: str, **extra: Any) -> None:
@@ -227,6 +228,7 @@ class GenerationLifecycle:
         # Whose failure it was (the process's, or its node's) is settled once the node agent speaks again
         # or stays silent: see _settle_blame, before the next generation is planned.
         self.blame = {node: now for node in blamed}
+        self.blame_rank = {f.node: f.rank for f in failures if f.node and f.rank is not None}
         # The whole generation goes: on CPU no process survives the loss of a peer.
         for r, node in s.members.items():
             for w in self.workers.values():
@@ -260,7 +262,8 @@ class GenerationLifecycle:
 
         A node agent that reports after the failure is healthy: the process failed (counted in
         ``process_failures``; with crashed_rank=same_node the rank stays on the node, where its local-tier files
-        are). An agent silent for ``heartbeat_timeout`` after it (or lost): the node failed (``failures``).
+        are, until policy.process_failure_verdict moves it once, bans the node or stops the job). An agent
+        silent for ``heartbeat_timeout`` after it (or lost): the node failed (``failures``).
         """
         s = self.state
         scope = {}
@@ -273,16 +276,30 @@ class GenerationLifecycle:
             else:
                 return False
         self.blame = {}
+        moved = set()
         for node, kind in sorted(scope.items()):
-            counts, limit = (
-                (s.process_failures, self.cc.max_process_failures)
-                if kind == "process"
-                else (s.failures, self.cc.max_failures)
+            if kind == "node":
+                s.failures[node] = s.failures.get(node, 0) + 1
+                if s.failures[node] >= self.cc.max_failures and node not in s.banned:
+                    self._ban(node, f"it failed {s.failures[node]} times")
+                continue
+            s.process_failures[node] = s.process_failures.get(node, 0) + 1
+            s.process_failure_log.append([self.blame_rank.get(node, -1), node])
+            verdict = policy.process_failure_verdict(
+                [(r, n) for r, n in s.process_failure_log], self.cc.max_process_failures
             )
-            counts[node] = counts.get(node, 0) + 1
-            if counts[node] >= limit and node not in s.banned:
-                self._ban(node, f"{'its processes' if kind == 'process' else 'it'} failed {counts[node]} times")
-        stay = {n for n, kind in scope.items() if kind == "process"} if self.cc.crashed_rank == "same_node" else set()
+            if verdict.action == "ban" and node not in s.banned:
+                self._ban(node, verdict.why)
+            elif verdict.action == "move":
+                moved.add(node)
+                self.events.add("rank_moved", node=node, rank=self.blame_rank.get(node), why=verdict.why)
+            elif verdict.action == "give_up":
+                self._give_up(verdict.why)
+        stay = (
+            {n for n, kind in scope.items() if kind == "process"} - moved
+            if self.cc.crashed_rank == "same_node"
+            else set()
+        )
         s.last_failed = sorted(set(s.last_failed) - stay)
         if scope:
             self.events.add("blame", gen=s.generation, scope=scope, moved=s.last_failed)
@@ -319,7 +336,8 @@ class GenerationLifecycle:
                 return
             self.waiting_since = None
             standbys = [v.name for v in self._ready_nodes() if v.name not in failed]  # not a node just blamed
-            grown = policy.grown_plan(self.plan, standbys, self.cc.min_nodes, self.max_nodes, self.valid_sizes)
+            upto = min(self.max_nodes, s.group_size or self.max_nodes)  # the size the job started with
+            grown = policy.grown_plan(self.plan, standbys, self.cc.min_nodes, upto, self.valid_sizes)
             if len(grown) > len(self.plan):  # the restart is also the moment to use the standbys beyond the group
                 self.events.add("grow", gen=s.generation + 1, members=grown, before=len(self.plan))
                 self.plan = grown

@@ -4,7 +4,9 @@
   (elastic start: the largest count the mesh and batch allow, up to max_nodes);
 * :func:`find_failures`: which workers are dead, silent or stuck;
 * :func:`plan_replacement`: which node takes each rank of the next generation;
-* :func:`grown_plan`: more ranks for it when more nodes are ready than the group has (up to max_nodes);
+* :func:`grown_plan`: more ranks for it when more nodes are ready than the group has (up to the size it started with);
+* :func:`process_failure_verdict`: after a process crash on a healthy node, keep the rank there, move it, ban the
+  node, or stop the job (a rank that fails wherever it runs);
 * :func:`slow_nodes`: which node's links are slow (slow steps: :mod:`jaxdist.controller.health`);
 * :func:`lineage`: which batches the final parameters were trained on.
 """
@@ -195,7 +197,8 @@ def grown_plan(
     plan: dict[int, str], ready: Sequence[str], min_nodes: int, max_nodes: int, valid: Iterable[int]
 ) -> dict[int, str]:
     """``plan`` with more ranks when ``ready`` nodes outside it (warm standbys, in order) allow a larger group the
-    mesh and batch accept, up to ``max_nodes`` (the elastic start's rule, at a restart); else ``plan``.
+    mesh and batch accept, up to ``max_nodes`` (the caller passes the size the job started with: a group that
+    shrank takes its size back, none grows past it); else ``plan``.
 
     The planned ranks keep their nodes; the new ranks follow them."""
     extra = [n for n in ready if n not in plan.values()]
@@ -203,6 +206,47 @@ def grown_plan(
     if n is None or n <= len(plan):
         return plan
     return {**plan, **{len(plan) + i: node for i, node in enumerate(extra[: n - len(plan)])}}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What follows a process failure on a healthy node: ``action`` stay | move | ban | give_up, and why."""
+
+    action: str
+    why: str = ""
+
+
+def process_failure_verdict(log: Sequence[tuple[int, str]], limit: int) -> Verdict:
+    """The decision after the last process failure of ``log`` ((rank, node) per failure, oldest first).
+
+    ``limit`` is controller.max_process_failures. A node reaches the limit with failures of one rank only:
+    that rank is moved to another node (once), the node is not charged with a ban -- a rank's program can
+    fail wherever it runs. A rank that then fails on another node too, reaching the limit in all, fails
+    wherever it runs: the job stops (give_up) rather than banning healthy nodes one after another; so does a
+    rank that failed 2 x limit times with no other node to take it. A node that reaches the limit with
+    failures of two or more ranks is the node's fault: ban.
+    """
+    rank, node = log[-1]
+    on_node = [r for r, n in log if n == node]
+    of_rank = [n for r, n in log if r == rank]
+    if len(on_node) >= limit and len(set(on_node)) > 1:
+        return Verdict("ban", f"its processes failed {len(on_node)} times, as ranks {sorted(set(on_node))}")
+    if len(of_rank) >= limit and len(set(of_rank)) > 1:
+        where = ", ".join(f"{of_rank.count(n)} on {n}" for n in dict.fromkeys(of_rank))
+        return Verdict(
+            "give_up",
+            f"the process of rank {rank} failed {len(of_rank)} times on healthy nodes ({where}): it fails "
+            "wherever it runs, so the program or its data at that rank is at fault, not a node (see the worker logs)",
+        )
+    if len(of_rank) >= 2 * limit:
+        return Verdict(
+            "give_up",
+            f"the process of rank {rank} failed {len(of_rank)} times on {node} and no other node could take it "
+            "(see the worker logs)",
+        )
+    if len(on_node) >= limit:
+        return Verdict("move", f"rank {rank} failed {len(on_node)} times on {node}: it moves to another node once")
+    return Verdict("stay")
 
 
 # --------------------------------------------------------------------------- slowness

@@ -51,6 +51,8 @@ class JobState:
     coordinator: str = ""
     failures: dict[str, int] = field(default_factory=dict)  # per node: lost, or failed while its agent was
     process_failures: dict[str, int] = field(default_factory=dict)  # per node: processes failed, agent healthy
+    process_failure_log: list[list] = field(default_factory=list)  # [rank, node] per process failure, in order
+    group_size: int = 0  # nodes the job started training on: a recovery keeps it, never grows past it (0: not yet)
     banned: list[str] = field(default_factory=list)
     last_failed: list[str] = field(default_factory=list)
     standbys: list[str] = field(default_factory=list)
@@ -81,6 +83,8 @@ class JobState:
             coordinator="",
             failures={},
             process_failures={},
+            process_failure_log=[],
+            group_size=0,
             banned=[],
             last_failed=[],
             standbys=[],

@@ -18,6 +18,7 @@ from jaxdist.controller.policy import (
     lineage,
     lost_steps,
     plan_replacement,
+    process_failure_verdict,
     slow_nodes,
     valid_group_sizes,
 )
@@ -167,3 +168,24 @@ def test_lineage_is_each_batch_once_exactly_when_resumes_are_consistent():
     got = lineage([(0, 9), (11, 20)], 20)
     assert sorted(set(range(20)) - set(got)) == [9, 10]
     assert lost_steps(9, 8) == 1 and lost_steps(8, 8) == 0 and math.isclose(lost_steps(3, 5), 0)
+
+
+def test_a_rank_that_crashes_on_one_healthy_node_moves_once_before_any_ban():
+    """Issue 35 item 6: four rank-0 crashes on node a (max_process_failures=4) banned a healthy node. Now the
+    rank moves once; a node failing from two ranks is banned; a rank failing on two nodes stops the job."""
+    log = [(0, "a")] * 3
+    assert process_failure_verdict(log, 4).action == "stay"  # crashed_rank=same_node keeps it on a
+    assert process_failure_verdict(log + [(0, "a")], 4).action == "move"  # the 4th: move rank 0, a not banned
+    moved = log + [(0, "a"), (0, "e")]  # it fails on e as well: the rank, not the node
+    v = process_failure_verdict(moved, 4)
+    assert v.action == "give_up" and "rank 0" in v.why and "4 on a, 1 on e" in v.why
+    # a node failing from ranks 0 and 2: the node's fault
+    v = process_failure_verdict([(0, "a"), (0, "a"), (2, "a"), (2, "a")], 4)
+    assert v.action == "ban" and "ranks [0, 2]" in v.why
+    # moved off a, then rank 1 lands on a and fails there: a fails from two ranks
+    assert process_failure_verdict(log + [(0, "a"), (1, "a")], 4).action == "ban"
+    # no other node to take it: it came back to a; stops after 2 x limit rather than looping
+    assert process_failure_verdict([(0, "a")] * 7, 4).action == "move"
+    assert process_failure_verdict([(0, "a")] * 8, 4).action == "give_up"
+    # failures spread over ranks and nodes below the limit: nothing
+    assert process_failure_verdict([(0, "a"), (1, "b"), (2, "c"), (3, "d")], 4).action == "stay"
