@@ -197,7 +197,7 @@ class GenerationLifecycle:
         rank0 = self._member_worker(0)
         step_s = typical or (float(rank0.info.get("step_time") or 0) if rank0 else 0.0)
         found = stuck_ranks(
-            now - self.progress_at, positions, step_s * self.cfg.train.log_every, self.cc.heartbeat_timeout
+            now - self.progress_at, positions, step_s, self.cc.heartbeat_timeout, step_s * self.cfg.train.log_every
         )
         if found is None:
             return []

@@ -285,29 +285,38 @@ class LoopPosition:
 
 STUCK_PHASES = ("data", "dispatch", "callbacks")  # a rank held here keeps the others waiting in the step
 WAITING_PHASES = ("blocked", "agree")  # waiting for the other ranks: in the step, or agreeing on the batch list
-STUCK_WINDOWS = 1.0  # metric windows (plus the heartbeat timeout) before a rank holding the others up is stuck:
-# the controller learns of a step up to a heartbeat late and the rank stops only at its next host-side phase, so
-# 2 windows were found 0.5 s past the target of 3 step times + the heartbeat timeout (benchmarks/health.py)
-GROUP_STUCK_FACTOR = 10.0  # a whole group blocked is judged this many windows late: a slow step looks the same
+STUCK_STEPS = 3.0  # step times (plus the heartbeat timeout) a rank may hold the others up in a host-side phase:
+# a healthy host spends a fraction of one step there (its data, its dispatch, its callbacks), whatever
+# train.log_every is; the heartbeat timeout covers the heartbeat's own delay and a loaded host's pauses
+GROUP_STUCK_FACTOR = 10.0  # a whole group blocked is judged this many metric windows late: a slow step looks the same
 
 
 def stuck_ranks(
-    stalled_s: float, positions: Sequence[LoopPosition], window_s: float, heartbeat_timeout: float
+    stalled_s: float,
+    positions: Sequence[LoopPosition],
+    step_s: float,
+    heartbeat_timeout: float,
+    window_s: float | None = None,
 ) -> tuple[list[int], str] | None:
     """The ranks holding up a group that has made no step for ``stalled_s`` seconds although every rank
     still heartbeats, and why; None when nothing is stuck (yet).
 
-    ``window_s``: the seconds of one metrics window (``train.log_every`` steps at the job's step time): a
-    host legitimately waits that long for its device at a flush.  A rank is stuck when the group has made
-    no step for ``STUCK_WINDOWS x window_s + heartbeat_timeout`` while at least one other rank waits in the step
-    (phase ``blocked``) and it has been in its own host-side phase (waiting for data, dispatching, running
-    callbacks) for as long.  A rank in a save or an evaluation is not named (those can take long; the
-    progress timeout still covers them).  If every rank is blocked, the hang is inside the device
-    program and no host can be named: after ``GROUP_STUCK_FACTOR`` windows the whole group is returned.
+    ``step_s``: the job's typical seconds per step.  A rank is stuck when the group has made no step for
+    ``STUCK_STEPS x step_s + heartbeat_timeout`` while at least one other rank waits (phase ``blocked`` or
+    ``agree``) and it has been in its own host-side phase (waiting for data, dispatching, running
+    callbacks) for as long: a healthy host is there for a fraction of a step.  A rank in a save or an
+    evaluation is not named (those can take long; the progress timeout still covers them).
+
+    ``window_s`` (default ``step_s``): the seconds of one metrics window (``train.log_every`` steps): a host
+    legitimately waits that long for its device at a flush, so a group whose every rank waits is judged
+    only after ``GROUP_STUCK_FACTOR`` windows.  Then the ranks whose dispatched step lags the others' are
+    named (their host never dispatched the step the others wait in); when every rank dispatched the same
+    step, the hang is inside the device program (a collective or a host callback that never returns) and no
+    host can tell which rank's device holds it: the whole group is returned, and the reason says so.
     """
-    if not positions or window_s <= 0:
+    if not positions or step_s <= 0:
         return None
-    limit = STUCK_WINDOWS * window_s + heartbeat_timeout
+    limit = STUCK_STEPS * step_s + heartbeat_timeout
     if stalled_s <= limit:
         return None
     blocked = [p for p in positions if p.phase in WAITING_PHASES]
@@ -318,11 +327,20 @@ def stuck_ranks(
         named = sorted(p.rank for p in held)
         what = ", ".join(f"rank {p.rank} on {p.node} ({p.phase} for {p.age_s:.1f} s)" for p in held)
         return named, f"{what} while {len(blocked)} rank(s) wait in the step; no step for {stalled_s:.1f} s"
-    group_limit = GROUP_STUCK_FACTOR * window_s + heartbeat_timeout
+    group_limit = GROUP_STUCK_FACTOR * (window_s or step_s) + heartbeat_timeout
     if len(blocked) == len(positions) and stalled_s > group_limit:
+        low, high = min(p.dispatched for p in positions), max(p.dispatched for p in positions)
+        if low < high:
+            lag = sorted(p.rank for p in positions if p.dispatched == low)
+            what = ", ".join(f"rank {p.rank} on {p.node}" for p in positions if p.dispatched == low)
+            return lag, (
+                f"{what} dispatched only step {low} while the others dispatched step {high}, and every rank "
+                f"has waited {stalled_s:.1f} s (over {group_limit:.1f} s)"
+            )
         return sorted(p.rank for p in positions), (
-            f"every rank has waited in step {min(p.dispatched for p in positions)} for {stalled_s:.1f} s "
-            f"(over {group_limit:.1f} s): a hang inside the device program, no single rank to name"
+            f"every rank has waited in step {low} for {stalled_s:.1f} s (over {group_limit:.1f} s): a hang inside "
+            "the device program (a collective or a host callback that never returns); every rank dispatched the "
+            "same step, so no host can tell which rank's device holds it"
         )
     return None
 

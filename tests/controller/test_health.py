@@ -162,24 +162,35 @@ def pos(rank, phase, age, dispatched=50):
     return LoopPosition(rank, f"n{rank}", phase, dispatched, age)
 
 
-def test_a_stuck_rank_is_named_after_one_window_and_the_heartbeat_timeout():
-    window, hb = 0.2, 1.0  # limit 1.2 s
+def test_a_stuck_rank_is_named_after_three_step_times_and_the_heartbeat_timeout_whatever_the_window():
+    step, hb = 0.1, 1.0  # limit 3 x 0.1 + 1.0 = 1.3 s, with a metrics window of 1 step or of 100 (log_every)
     stuck = [pos(0, "blocked", 5.0), pos(1, "data", 5.0, 49), pos(2, "blocked", 5.0)]
-    assert stuck_ranks(1.15, stuck, window, hb) is None  # not yet
-    ranks, why = stuck_ranks(1.25, stuck, window, hb)
-    assert ranks == [1] and "rank 1 on n1 (data for 5.0 s)" in why
+    for window in (None, 0.1, 10.0):
+        assert stuck_ranks(1.25, stuck, step, hb, window) is None  # not yet
+        ranks, why = stuck_ranks(1.35, stuck, step, hb, window)
+        assert ranks == [1] and "rank 1 on n1 (data for 5.0 s)" in why
     # a rank that only just entered its phase is not stuck; nor one in a save (long saves are legitimate)
-    assert stuck_ranks(1.7, [pos(0, "blocked", 5), pos(1, "dispatch", 1.1), pos(2, "blocked", 5)], window, hb) is None
-    assert stuck_ranks(9.0, [pos(0, "blocked", 9), pos(1, "checkpoint", 9), pos(2, "blocked", 9)], window, hb) is None
+    assert stuck_ranks(1.7, [pos(0, "blocked", 5), pos(1, "dispatch", 1.2), pos(2, "blocked", 5)], step, hb) is None
+    assert stuck_ranks(9.0, [pos(0, "blocked", 9), pos(1, "checkpoint", 9), pos(2, "blocked", 9)], step, hb) is None
     # every host busy with its own work: nobody waits for anybody
-    assert stuck_ranks(9.0, [pos(r, "eval", 9) for r in range(3)], window, hb) is None
+    assert stuck_ranks(9.0, [pos(r, "eval", 9) for r in range(3)], step, hb) is None
 
 
-def test_a_group_blocked_inside_the_device_program_is_stuck_only_much_later():
+def test_a_group_blocked_inside_the_device_program_is_stuck_only_after_ten_windows():
     allb = [pos(r, "blocked", 30.0) for r in range(4)]
-    assert stuck_ranks(2.5, allb, 0.2, 1.0) is None  # 1 window + hb passed, but a slow step looks the same
-    ranks, why = stuck_ranks(3.1, allb, 0.2, 1.0)  # 10 windows + hb
-    assert ranks == [0, 1, 2, 3] and "inside the device program" in why
+    step, window = 0.02, 0.2  # a window of 10 steps: a flush legitimately waits that long for the device
+    assert stuck_ranks(2.5, allb, step, 1.0, window) is None  # 3 steps + hb, 1 window + hb passed: not yet
+    ranks, why = stuck_ranks(3.1, allb, step, 1.0, window)  # 10 windows + hb
+    assert ranks == [0, 1, 2, 3] and "inside the device program" in why and "no host can tell" in why
+
+
+def test_a_waiting_rank_whose_dispatched_step_lags_is_named():
+    """Every rank waits, but rank 2's host never dispatched the step the others wait in: it is named."""
+    waits = [pos(0, "blocked", 30.0, 60), pos(1, "agree", 30.0, 60), pos(2, "blocked", 30.0, 57)]
+    waits.append(pos(3, "blocked", 30.0, 60))
+    assert stuck_ranks(2.5, waits, 0.02, 1.0, 0.2) is None
+    ranks, why = stuck_ranks(3.1, waits, 0.02, 1.0, 0.2)
+    assert ranks == [2] and "rank 2 on n2 dispatched only step 57" in why and "step 60" in why
 
 
 def test_loop_clock_books_each_part_and_starts_the_next_period(monkeypatch):

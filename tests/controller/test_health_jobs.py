@@ -17,13 +17,15 @@ from .test_stub_jobs import events_of, final_state, stub_args, trained_steps
 
 
 def test_a_slow_input_rank_is_named_and_a_stuck_rank_restarts_before_the_progress_timeout(tmp_path, capsys):
+    """At the default train.log_every (10), the stub jobs' 1 s heartbeat timeout; health_every=4 (not the default 10) so that
+    60 steps give the detector enough rounds to name the slow input, and the progress timeout is cut to 60 s so
+    that a missed stuck rank fails the test sooner."""
     steps, stuck_at = 60, 40
     job = LocalJob(
         stub_args(
             "stuck",
             steps,
             "train.batch_size=24",
-            "train.log_every=1",
             "controller.min_nodes=3",
             "controller.max_nodes=3",
             "controller.standbys=0",
@@ -44,7 +46,8 @@ def test_a_slow_input_rank_is_named_and_a_stuck_rank_restarts_before_the_progres
     assert failure["kinds"] == ["stuck"] and failure["ranks"] == [2], failure
     assert "rank 2 on" in failure["detail"] and "(data for" in failure["detail"]
     assert failure["last_step"] == stuck_at - 1
-    # found a few step times plus the heartbeat timeout (1 s) after the rank stopped, not after 60 s
+    # found 3 step times (0.05 s) plus the heartbeat timeout (1 s) after the rank stopped, not after 60 s;
+    # the bound leaves 6 s for heartbeats and the controller's own turns on a loaded host
     stopped = (job.run_dir / "stub" / "stuck").stat().st_mtime
     assert 1.0 < failure["time"] - stopped < 8.0, failure["time"] - stopped
     assert [g[0] for g in trained_steps(job)] == [1, stuck_at]  # restarted from the step it stopped at
