@@ -283,8 +283,11 @@ class LoopPosition:
     age_s: float
 
 
-STUCK_PHASES = ("data", "dispatch", "callbacks")  # a rank held here keeps the others waiting in the step
-WAITING_PHASES = ("blocked", "agree")  # waiting for the other ranks: in the step, or agreeing on the batch list
+STUCK_PHASES = ("data", "callbacks")  # a rank held here (its host's own work) keeps the others waiting
+# Waiting for the other ranks: in the step ("blocked"), agreeing on the batch list ("agree"), or in "dispatch": a
+# host whose dispatch takes long waits for its own device (a full queue, or inputs still being computed), which
+# waits for the others -- measured: at a hang inside rank 0's device program, rank 1 sat in "dispatch".
+WAITING_PHASES = ("blocked", "agree", "dispatch")
 STUCK_STEPS = 3.0  # step times (plus the heartbeat timeout) a rank may hold the others up in a host-side phase:
 # a healthy host spends a fraction of one step there (its data, its dispatch, its callbacks), whatever
 # train.log_every is; the heartbeat timeout covers the heartbeat's own delay and a loaded host's pauses
@@ -309,10 +312,10 @@ def stuck_ranks(
 
     ``window_s`` (default ``step_s``): the seconds of one metrics window (``train.log_every`` steps): a host
     legitimately waits that long for its device at a flush, so a group whose every rank waits is judged
-    only after ``GROUP_STUCK_FACTOR`` windows.  Then the ranks whose dispatched step lags the others' are
-    named (their host never dispatched the step the others wait in); when every rank dispatched the same
-    step, the hang is inside the device program (a collective or a host callback that never returns) and no
-    host can tell which rank's device holds it: the whole group is returned, and the reason says so.
+    only after ``GROUP_STUCK_FACTOR`` windows.  Then the hang is inside the device program (a collective or
+    a host callback that never returns): every host waits for its device, and no host can tell which
+    rank's device holds the step (the dispatched steps do not tell either: a host waiting in dispatch lags
+    behind one waiting at the flush for the same hang).  The whole group is returned, and the reason says so.
     """
     if not positions or step_s <= 0:
         return None
@@ -329,18 +332,11 @@ def stuck_ranks(
         return named, f"{what} while {len(blocked)} rank(s) wait in the step; no step for {stalled_s:.1f} s"
     group_limit = GROUP_STUCK_FACTOR * (window_s or step_s) + heartbeat_timeout
     if len(blocked) == len(positions) and stalled_s > group_limit:
-        low, high = min(p.dispatched for p in positions), max(p.dispatched for p in positions)
-        if low < high:
-            lag = sorted(p.rank for p in positions if p.dispatched == low)
-            what = ", ".join(f"rank {p.rank} on {p.node}" for p in positions if p.dispatched == low)
-            return lag, (
-                f"{what} dispatched only step {low} while the others dispatched step {high}, and every rank "
-                f"has waited {stalled_s:.1f} s (over {group_limit:.1f} s)"
-            )
         return sorted(p.rank for p in positions), (
-            f"every rank has waited in step {low} for {stalled_s:.1f} s (over {group_limit:.1f} s): a hang inside "
-            "the device program (a collective or a host callback that never returns); every rank dispatched the "
-            "same step, so no host can tell which rank's device holds it"
+            f"every rank has waited for {stalled_s:.1f} s (over {group_limit:.1f} s; dispatched up to step "
+            f"{max(p.dispatched for p in positions)}): a hang inside the device program (a collective or a host "
+            "callback that never returns); every host waits for its device, so no host can tell which rank's "
+            "device holds it"
         )
     return None
 

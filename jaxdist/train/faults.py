@@ -11,7 +11,11 @@ file is no fault), a list of injections, each ``{"kind": ..., ...}``:
   wait for each other before each step (the batch-list agreement, a collective; every ``train.log_every``
   steps) and in the probe's transfer between A and B;
 * ``{"kind": "stuck", "node": N}``: node N stops in its data wait (its heartbeats go on) while the injection
-  stays in the file.
+  stays in the file;
+* ``{"kind": "hang", "step": S}``: the device program of step S never finishes: a host callback inside the
+  jitted step (:func:`with_device_hang`, run on the process holding the first device, rank 0) blocks for
+  ever, and the other ranks wait for it in the step's collectives.  Every host has dispatched the step and
+  waits for its device, as in a real hang inside a collective.  Once per run (``faults.fired.jsonl``).
 
 The node is ``$JAXDIST_NODE`` (set by the node agent).
 """
@@ -90,8 +94,61 @@ class FaultHooks:
         return 0.0
 
 
+def hang_now(run_dir: str | Path, step: int) -> bool:
+    """True once per run when ``<run_dir>/faults.json`` asks the device program of ``step`` to hang (then
+    recorded in ``faults.fired.jsonl``, so that the recovered group trains on)."""
+    run_dir = Path(run_dir)
+    try:
+        faults = json.loads((run_dir / FILE).read_text() or "[]")
+    except (OSError, ValueError):
+        return False
+    if not any(f.get("kind") == "hang" and int(f.get("step", -1)) == step for f in faults):
+        return False
+    fired = run_dir / FIRED
+    if fired.exists() and any(json.loads(x).get("kind") == "hang" for x in fired.read_text().splitlines() if x):
+        return False
+    with open(fired, "a") as f:
+        f.write(
+            json.dumps(
+                {"kind": "hang", "step": step, "node": os.environ.get("JAXDIST_NODE", "local"), "time": time.time()}
+            )
+            + "\n"
+        )
+    return True
+
+
+def with_device_hang(train_step: Any, run_dir: str | Path) -> Any:
+    """``train_step`` with a host callback inside the jitted program that blocks for ever when
+    :func:`hang_now` says so (test-only: the trainer wraps its step only under ``$JAXDIST_FAULT_HOOKS=1``).
+
+    The callback runs on the first device's process; its result (0) is added to the new step count, so the
+    step's outputs depend on it and every rank's device waits for it through the collectives."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental import io_callback
+
+    def hook(step: Any) -> Any:
+        if hang_now(run_dir, int(step) + 1):
+            while True:
+                time.sleep(1.0)
+        return np.int32(0)
+
+    def wrapped(state: Any, tokens: Any) -> Any:
+        zero = io_callback(hook, jax.ShapeDtypeStruct((), jnp.int32), state["step"], ordered=False)
+        new_state, metrics = train_step(state, tokens)
+        return {**new_state, "step": new_state["step"] + zero}, metrics
+
+    return wrapped
+
+
+def hooks_on() -> bool:
+    """Whether ``$JAXDIST_FAULT_HOOKS`` is ``1`` (test-only)."""
+    return os.environ.get(ENV) == "1"
+
+
 def fault_hooks(run_dir: str | Path) -> FaultHooks | None:
     """The hooks when ``$JAXDIST_FAULT_HOOKS`` is ``1`` (test-only), else None."""
-    if os.environ.get(ENV) != "1":
+    if not hooks_on():
         return None
     return FaultHooks(run_dir, os.environ.get("JAXDIST_NODE", "local"))

@@ -60,7 +60,7 @@ from jaxdist.train.callbacks import (
     run_due,
 )
 from jaxdist.train.efficiency import LoopClock
-from jaxdist.train.faults import fault_hooks
+from jaxdist.train.faults import fault_hooks, hooks_on, with_device_hang
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.tracking import open_tracker
 from jaxdist.train.optimizer import make_optimizer, resumed_schedule_steps
@@ -216,17 +216,13 @@ class Trainer:
             bind(lambda: init_state(init_params(c.model, seed), self.optimizer, seed)),
             out_shardings=self.state_shardings,
         )
+        train_step = make_train_step(
+            self.graphdef, self.optimizer, self.schedule, c.train.microbatches, c.train.grad_clip, self._grads_fn()
+        )
+        if hooks_on():  # test-only: a step whose device program can be made to hang
+            train_step = with_device_hang(train_step, self.run_dir)
         self._train_step = jax.jit(
-            bind(
-                make_train_step(
-                    self.graphdef,
-                    self.optimizer,
-                    self.schedule,
-                    c.train.microbatches,
-                    c.train.grad_clip,
-                    grads_fn=self._grads_fn(),
-                )
-            ),
+            bind(train_step),
             in_shardings=(self.state_shardings, self.batch_sharding),
             out_shardings=(self.state_shardings, self.replicated),
             donate_argnums=(0,),

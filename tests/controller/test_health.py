@@ -170,7 +170,7 @@ def test_a_stuck_rank_is_named_after_three_step_times_and_the_heartbeat_timeout_
         ranks, why = stuck_ranks(1.35, stuck, step, hb, window)
         assert ranks == [1] and "rank 1 on n1 (data for 5.0 s)" in why
     # a rank that only just entered its phase is not stuck; nor one in a save (long saves are legitimate)
-    assert stuck_ranks(1.7, [pos(0, "blocked", 5), pos(1, "dispatch", 1.2), pos(2, "blocked", 5)], step, hb) is None
+    assert stuck_ranks(1.7, [pos(0, "blocked", 5), pos(1, "callbacks", 1.2), pos(2, "blocked", 5)], step, hb) is None
     assert stuck_ranks(9.0, [pos(0, "blocked", 9), pos(1, "checkpoint", 9), pos(2, "blocked", 9)], step, hb) is None
     # every host busy with its own work: nobody waits for anybody
     assert stuck_ranks(9.0, [pos(r, "eval", 9) for r in range(3)], step, hb) is None
@@ -184,13 +184,17 @@ def test_a_group_blocked_inside_the_device_program_is_stuck_only_after_ten_windo
     assert ranks == [0, 1, 2, 3] and "inside the device program" in why and "no host can tell" in why
 
 
-def test_a_waiting_rank_whose_dispatched_step_lags_is_named():
-    """Every rank waits, but rank 2's host never dispatched the step the others wait in: it is named."""
-    waits = [pos(0, "blocked", 30.0, 60), pos(1, "agree", 30.0, 60), pos(2, "blocked", 30.0, 57)]
-    waits.append(pos(3, "blocked", 30.0, 60))
-    assert stuck_ranks(2.5, waits, 0.02, 1.0, 0.2) is None
-    ranks, why = stuck_ranks(3.1, waits, 0.02, 1.0, 0.2)
-    assert ranks == [2] and "rank 2 on n2 dispatched only step 57" in why and "step 60" in why
+def test_a_rank_long_in_dispatch_waits_for_its_device_and_is_not_named():
+    """Measured in a real job (test_health_jobs): at a hang inside rank 0's device program, rank 1's host sat in
+    "dispatch" (its device queue full) for longer than the stuck limit while rank 0 waited at the flush. Naming
+    rank 1 would restart the wrong node's process; the group is judged as a whole, later."""
+    waits = [pos(0, "blocked", 30.0, 30), pos(1, "dispatch", 30.0, 25)]
+    assert stuck_ranks(2.6, waits, 0.05, 1.5, 0.5) is None
+    ranks, why = stuck_ranks(6.6, waits, 0.05, 1.5, 0.5)
+    assert ranks == [0, 1] and "no host can tell" in why
+    # a rank stuck in its data wait is still named while another waits in dispatch
+    held = [pos(0, "dispatch", 30.0, 30), pos(1, "data", 30.0, 25)]
+    assert stuck_ranks(2.6, held, 0.05, 1.5, 0.5)[0] == [1]
 
 
 def test_loop_clock_books_each_part_and_starts_the_next_period(monkeypatch):

@@ -135,3 +135,53 @@ def test_no_alarm_and_no_lost_node_in_a_fault_free_job_on_a_loaded_host(tmp_path
     assert events_of(job, "node_lost") == [] and events_of(job, "failure") == []
     rounds = [json.loads(x) for x in (job.run_dir / "controller" / "health.jsonl").read_text().splitlines()]
     assert len([r for r in rounds if r["record"] == "round"]) == steps // 4  # every round was judged
+
+
+def test_a_hang_inside_the_device_program_is_found_before_the_progress_timeout_and_the_group_recovers(tmp_path):
+    """Issue 35 item 3, real JAX at the defaults (2 nodes x 4 CPU devices): the device program of step 25 never
+    finishes (a host callback inside the jitted step on rank 0 blocks for ever; the other rank's device waits
+    for it in the step's collectives). Every host has dispatched the same step, so no rank can be named: the
+    controller says so, restarts the group long before controller.progress_timeout (120 s), and the job ends
+    with every batch trained once and the recomputed steps' losses equal to the first time's, bit for bit."""
+    from jaxdist.controller.policy import lineage
+    from jaxdist.controller.timeline import generations_trained
+    from jaxdist.train.faults import FIRED
+
+    steps, hang = 40, 25
+    job = LocalJob(
+        [
+            "model=tiny",
+            "mesh.cluster=cpu-2x4",
+            "train.batch_size=16",
+            "train.seq_len=32",
+            "data.max_bytes=300000",
+            f"train.steps={steps}",
+            "train.progress=false",
+            "train.runs_dir=runs",
+            "train.name=hang",
+        ],
+        nodes=2,
+        cwd=tmp_path,
+        env={"JAXDIST_FAULT_HOOKS": "1"},
+    )
+    job.run_dir.mkdir(parents=True)
+    (job.run_dir / "faults.json").write_text(json.dumps([{"kind": "hang", "step": hang}]))
+    try:
+        job.start()
+        assert job.wait(400) == 0, job.summary()
+    finally:
+        job.close()
+    (fired,) = [json.loads(x) for x in (job.run_dir / FIRED).read_text().splitlines()]
+    assert (fired["kind"], fired["step"]) == ("hang", hang)
+    (failure,) = events_of(job, "failure")
+    assert failure["kinds"] == ["stuck"] and failure["ranks"] == [] and failure["nodes"] == [], failure  # the group
+    assert "inside the device program" in failure["detail"] and "no host can tell" in failure["detail"], failure
+    found_s = failure["time"] - fired["time"]
+    print(f"\nhang inside the step: found {found_s:.1f} s after it began: {failure['detail']}")
+    assert found_s < 120, found_s  # controller.progress_timeout: the stuck rule came first
+    gens = list(generations_trained(job.run_dir).values())
+    assert len(gens) == 2 and gens[0][-1][0] < hang <= gens[1][-1][0], [(g[0][0], g[-1][0]) for g in gens]
+    assert lineage([(g[0][0] - 1, g[-1][0]) for g in gens], steps) == list(range(steps))
+    first = dict(gens[0])
+    again = [(s, loss) for s, loss in gens[1] if s in first]
+    assert again and all(loss == first[s] for s, loss in again), again  # recomputed bit for bit
