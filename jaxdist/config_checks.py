@@ -309,6 +309,10 @@ def check_controller(c: ControllerConfig) -> None:
         raise ConfigError(
             f"controller.crashed_rank='{c.crashed_rank}' is unknown: use {_one_of(choices(c, 'crashed_rank'))}."
         )
+    if not c.ban_cooldown >= 0:
+        raise ConfigError(
+            f"controller.ban_cooldown={c.ban_cooldown} must be >= 0 (seconds a banned node stays out; 0: for good)."
+        )
     if c.standbys < 0 or c.warm_spares < 0 or c.max_failures < 1 or c.max_process_failures < 1:
         raise ConfigError(
             "controller.standbys and controller.warm_spares must be >= 0, controller.max_failures and "

@@ -92,6 +92,10 @@ class ControllerConfig:
         4,
         "Process crashes or hangs on a healthy node (its agent alive) before a verdict (counted apart from max_failures): a node that reaches it with failures of one rank keeps its place and the rank moves once to another node; a node that reaches it with failures of two or more ranks is not used again; a rank that fails this many times in all, on two or more nodes, stops the job with one sentence (it fails wherever it runs: the program, not a node).",
     )
+    ban_cooldown: float = _f(
+        1800.0,
+        "Seconds a banned or evicted node stays out; then it may join again as a standby, its failure counts cleared (a group keeps its size, so it takes a rank at the next recovery that needs one). Each later ban of the same node doubles it; 0: a ban is for good.",
+    )
     crashed_rank: CrashedRank = _f(
         "same_node",
         "Where a rank restarts after its process crashed or hung on a healthy node: same_node (a warm process of that node, which holds the rank's local-tier files; moved once after max_process_failures there) or standby (like a lost node).",

@@ -116,6 +116,8 @@ ROWS: list[tuple[str, int, str, dict[str, str]]] = [
     ("config controller.start_grace=-1", 2, "controller.start_grace=-1.0", {}),
     ("config controller.heartbeat_timeout=0", 2, "must be at least twice", {}),
     ("config controller.heartbeat_timeout=nan", 2, "must be at least twice", {}),
+    ("config controller.ban_cooldown=-1", 2, "ban_cooldown=-1.0 must be >= 0", {}),
+    ("config controller.ban_cooldown=nan", 2, "must be >= 0", {}),
     ("config controller.bind=999.1.1.1", 2, "is not a loopback address", {}),
     ("config controller.crashed_rank=bogus", 2, "controller.crashed_rank='bogus' is unknown", {}),
     ("config controller.max_failures=-1", 2, "must be >= 0", {}),

@@ -468,6 +468,9 @@ class Controller(GenerationLifecycle, HealthActions):
                 continue
             v.lost, v.ready_at, v.link_ok = True, None, False
             self.events.add("node_lost", node=v.name, silent_s=round(silent, 2))
+            for w in self.workers.values():  # its spare processes went with it: never assign one if the node is back
+                if w.node == v.name and w.warm:
+                    w.exit_code, w.exited_at = -int(signal.SIGKILL), now
         if self.attaching:
             if now - self.t0 < 2 * self.cc.heartbeat_timeout + 1.0:
                 return  # collect heartbeats of the running job before judging it
@@ -480,6 +483,7 @@ class Controller(GenerationLifecycle, HealthActions):
                 members=self.state.members,
                 step=self.state.last_step,
             )
+        self._lift_bans(time.time())
         ready = self._ready_nodes()  # also records when each node became ready (standbys too)
         phase = self.state.phase
         if phase == "waiting":

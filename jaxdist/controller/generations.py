@@ -387,11 +387,28 @@ class GenerationLifecycle:
                 self.killed.setdefault((node, pid), now)
 
     def _ban(self, node: str, why: str) -> None:
-        self.state.banned.append(node)
-        self.events.add("banned", node=node, why=why)
+        s = self.state
+        s.banned.append(node)
+        s.bans[node] = s.bans.get(node, 0) + 1
+        until = policy.ban_ends(time.time(), self.cc.ban_cooldown, s.bans[node])
+        if until is not None:
+            s.banned_until[node] = until
+        self.events.add("banned", node=node, why=why, until=until, ban=s.bans[node])
         live = [v for v in self._live_nodes() if v.name not in self.state.banned]
         if not live:
             self._give_up("every node is banned")
+
+    def _lift_bans(self, now: float) -> None:
+        """Nodes whose ban cooled down (controller.ban_cooldown) are usable again, their failure counts cleared:
+        ready, they wait as standbys until a recovery needs them."""
+        s = self.state
+        for node in policy.bans_over(s.banned, s.banned_until, now):
+            s.banned.remove(node)
+            del s.banned_until[node]
+            s.failures.pop(node, None)
+            s.process_failures.pop(node, None)
+            s.process_failure_log = [x for x in s.process_failure_log if x[1] != node]
+            self.events.add("unbanned", node=node, ban=s.bans.get(node, 1))
 
     def _finish(self) -> None:
         s = self.state

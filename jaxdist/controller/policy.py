@@ -293,3 +293,14 @@ def lineage(generations: Sequence[tuple[int, int]], final_step: int) -> list[int
 def lost_steps(last_step: int, resume_step: int) -> int:
     """Steps of compute thrown away by a restart: completed before the failure, then redone."""
     return max(0, last_step - resume_step)
+
+
+def ban_ends(now: float, cooldown: float, bans: int) -> float | None:
+    """When (``now``'s clock) a node banned for the ``bans``-th time may return: ``cooldown`` doubled at each
+    ban after the first; None when ``cooldown`` is 0 (a ban is for good)."""
+    return now + cooldown * 2 ** (bans - 1) if cooldown > 0 else None
+
+
+def bans_over(banned: Sequence[str], until: dict[str, float], now: float) -> list[str]:
+    """The banned nodes whose cool-down has ended by ``now`` (in ban order); a node without an end stays out."""
+    return [n for n in banned if n in until and until[n] <= now]

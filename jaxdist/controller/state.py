@@ -54,6 +54,8 @@ class JobState:
     process_failure_log: list[list] = field(default_factory=list)  # [rank, node] per process failure, in order
     group_size: int = 0  # nodes the job started training on: a recovery keeps it, never grows past it (0: not yet)
     banned: list[str] = field(default_factory=list)
+    banned_until: dict[str, float] = field(default_factory=dict)  # per banned node: when (wall clock) it may return
+    bans: dict[str, int] = field(default_factory=dict)  # per node: how often it was banned (each doubles the cool-down)
     last_failed: list[str] = field(default_factory=list)
     standbys: list[str] = field(default_factory=list)
     warm_nodes: list[str] = field(default_factory=list)
@@ -86,6 +88,8 @@ class JobState:
             process_failure_log=[],
             group_size=0,
             banned=[],
+            banned_until={},
+            bans={},
             last_failed=[],
             standbys=[],
             warm_nodes=[],

@@ -189,3 +189,14 @@ def test_a_rank_that_crashes_on_one_healthy_node_moves_once_before_any_ban():
     assert process_failure_verdict([(0, "a")] * 8, 4).action == "give_up"
     # failures spread over ranks and nodes below the limit: nothing
     assert process_failure_verdict([(0, "a"), (1, "b"), (2, "c"), (3, "d")], 4).action == "stay"
+
+
+def test_a_ban_cools_down_doubling_with_each_ban_and_zero_is_for_good():
+    from jaxdist.controller.policy import ban_ends, bans_over
+
+    assert [ban_ends(100.0, 30.0, k) for k in (1, 2, 3)] == [130.0, 160.0, 220.0]
+    assert ban_ends(100.0, 0.0, 1) is None
+    until = {"a": 130.0, "b": 160.0}
+    assert bans_over(["a", "b", "c"], until, 129.9) == []
+    assert bans_over(["a", "b", "c"], until, 130.0) == ["a"]  # "c" has no end: banned for good
+    assert bans_over(["b", "a", "c"], until, 1e9) == ["b", "a"]
