@@ -21,11 +21,14 @@ So after a node is lost, its ranks' shards still exist on the next node.  A
 restore (collective, all processes) agrees on the newest step that every rank
 can get -- from its own node, or from the peer holding its replica, which
 sends it back the same way -- and rebuilds the arrays on the same mesh and
-process layout (the layout signature must match; anything else goes through
-the persistent tier).  Two neighbouring nodes lost together, a changed mesh or
-a damaged file make that step unavailable, and the Trainer falls back to the
-persistent checkpoint.  Steps newer than the one restored are deleted: they
-belong to a future the job abandoned.
+process layout.  When the layout changed (the group shrank or grew: another
+mesh, another process count), the newest step whose files the new group's
+nodes hold between them is resharded onto the new layout
+(:mod:`jaxdist.checkpoint.local_reshard`).  Two neighbouring nodes lost
+together, a damaged file or files left on nodes outside the new group make
+that step unavailable, and the Trainer falls back to the persistent
+checkpoint.  Steps newer than the one restored are deleted: they belong to a
+future the job abandoned.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.checkpoint.background import BackgroundWriter
+from jaxdist.checkpoint.local_reshard import drop_newer, entries_record, global_signature, restore_resharded
 from jaxdist.checkpoint.writer import named_leaves
 
 log = logging.getLogger(__name__)
@@ -152,7 +156,7 @@ class LocalTier:
         self._mesh_sharding = None
         self._roll_fns: dict[int, Any] = {}
         self._compiled: set[tuple[int, int]] = set()
-        self._shared: dict[tuple[str, int], set] = {}
+        self._shared: dict[tuple[str, Any], Any] = {}
 
     # ------------------------------------------------------------------ peers
 
@@ -254,14 +258,33 @@ class LocalTier:
             t2, sent = time.perf_counter(), int(send.size)
         stats = LocalStats(step, t2 - t0, t2 - t1, int(payload.size), sent)
         self.stats.append(stats)
-        files = [(self.rank, payload)] + ([(self.source, replica)] if replica is not None else [])
-        self._writer.submit(self._write, step, sig, files, stats, t0, name=f"jaxdist-local-{step}")
+        files = [(self.rank, payload, entries_record(entries))]
+        if replica is not None:
+            files.append((self.source, replica, self._replica_record(state, sig)))
+        layout = {"global": global_signature(state), "num": self.num}
+        self._writer.submit(self._write, step, sig, files, stats, t0, layout, name=f"jaxdist-local-{step}")
 
-    def _write(self, step: int, sig: str, files: list[tuple[int, np.ndarray]], stats: LocalStats, t0: float) -> None:
+    def _replica_record(self, tree: Any, sig: str) -> list[list[Any]]:
+        """The pieces of the replica file this process keeps (its source's, less those it holds itself)."""
+        if (sig, "record") not in self._shared:
+            shared = self._shared_with_holder(tree, sig, self.source)
+            theirs = [e for e in _entries(tree, self.source) if (e.name, e.index) not in shared]
+            self._shared[(sig, "record")] = entries_record(theirs)
+        return self._shared[(sig, "record")]
+
+    def _write(
+        self,
+        step: int,
+        sig: str,
+        files: list[tuple[int, np.ndarray, list]],
+        stats: LocalStats,
+        t0: float,
+        layout: dict[str, Any],
+    ) -> None:
         try:
             folder = self.directory / str(step)
             folder.mkdir(parents=True, exist_ok=True)
-            for data_rank, payload in files:
+            for data_rank, payload, record in files:
                 stem = f"r{data_rank}.w{self.rank}"
                 _write_atomic(folder / f"{stem}.bin", payload)
                 marker = {
@@ -272,6 +295,8 @@ class LocalTier:
                     "signature": sig,
                     "bytes": int(payload.size),
                     "crc32": zlib.crc32(payload),
+                    **layout,
+                    "entries": record,  # what a restore onto another layout reads (local_reshard)
                 }
                 _write_atomic(folder / f"{stem}.json", json.dumps(marker).encode())
             self._collect_garbage()
@@ -369,8 +394,11 @@ class LocalTier:
             for s in set().union(*has_own, *has_rep)
             if s > newer_than and all(s in has_own[r] or s in has_rep[r] for r in range(self.num))
         ]
-        if not feasible:
-            return None
+        if not feasible:  # maybe a step of another layout (the group shrank or grew): reshard it
+            restored = restore_resharded(self, abstract_state, newer_than)
+            if restored is not None:
+                drop_newer(self.directory, int(restored[1]["step"]))
+            return restored
         step = max(feasible)
         need = [step not in has_own[r] for r in range(self.num)]
         t0 = time.perf_counter()

@@ -112,12 +112,24 @@ def test_damaged_or_foreign_local_files_fall_back(tmp_path, reference):
     with Trainer(config(tmp_path, "damaged")) as t2:
         t2.init_state()
         assert t2.resumed_from == ("local", 5)  # step 6 failed its checksum: the older local step
-    # Another mesh: the local files do not fit it; the persistent checkpoint (any mesh) is used.
+        five = jax.device_get(t2.state)
+    # Another mesh: local step 5 (newer than the persistent 4) is resharded onto it, the same values
     other = ["mesh.data=4", "mesh.fsdp=2", "mesh.tensor=1"]
     with Trainer(config(tmp_path, "damaged", other)) as t3:
         t3.init_state()
-        assert t3.resumed_from == ("persistent", 4)
-        assert t3.local._own_steps() == set()  # local step 5 came after the step resumed from: deleted
+        assert t3.resumed_from == ("local", 5)
+        for a, b in leaf_pairs(five, jax.device_get(t3.state)):
+            np.testing.assert_array_equal(a, b)
+        assert not (t3.local.directory / "6").exists()  # the damaged step 6 came after it: an abandoned future
+    # Another mesh again, with the local step 5 file damaged too: the persistent checkpoint (any mesh) is used
+    five_file = t.local.directory / "5" / "r0.w0.bin"
+    data = bytearray(five_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    five_file.write_bytes(bytes(data))
+    with Trainer(config(tmp_path, "damaged", ["mesh.data=2", "mesh.fsdp=4", "mesh.tensor=1"])) as t4:
+        t4.init_state()
+        assert t4.resumed_from == ("persistent", 4)
+        assert t4.local._own_steps() == set()  # local step 5 came after the step resumed from: deleted
 
 
 def test_a_local_marker_that_does_not_parse_or_match_is_named_and_not_used(tmp_path, caplog):

@@ -111,3 +111,33 @@ def test_pieces_the_peer_holds_are_not_sent(tmp_path):
         res = [g.results(i)[0] for i in range(4)]
     for r in res:
         assert r["local_sent"] < 4096 < r["local_payload"], r  # only the metadata crosses to the peer
+
+
+def test_a_shrunk_group_restores_the_local_step_resharded(tmp_path):
+    """Issue 35 item 4: the job of 4 nodes (fsdp=4 x tensor=2, a local step every step, persistent every 2)
+    crashes at step 7; the group comes back on 2 of its nodes, b and d (2 processes x 2 devices, fsdp=2 x
+    tensor=2: the mesh a shrink gives). Their node-local files hold every old rank's pieces (b: ranks 1 and 0's
+    replica, d: ranks 3 and 2's replica), so local step 6 is rebuilt on the new mesh, and the job ends bit for
+    bit where a copy of the same crashed job ends that restores persistent step 6 on two new nodes."""
+
+    def fit2(root: Path, nodes: list[str], tag: str) -> list[dict]:
+        ov = [o for o in overrides(root, "job") if not o.startswith(("mesh.", "checkpoint.every"))]
+        spec = {"overrides": [*ov, f"mesh.cluster={cluster_file(root, 2, 2)}", "mesh.fsdp=2", "mesh.tensor=2"]}
+        spec["overrides"].append("checkpoint.every=2")
+        with Group(root, 2, 2, ["fit", json.dumps(spec)], tag=tag, nodes=nodes) as g:
+            g.wait(TIMEOUT)
+            return [g.results(i)[-1] for i in range(2)]
+
+    spec = {"overrides": [*overrides(tmp_path, "job"), "checkpoint.every=2"], "crash_at": 7}
+    with Group(tmp_path, 4, 2, ["fit", json.dumps(spec)], tag="gen1", nodes=["a", "b", "c", "d"]) as g:
+        g.wait(TIMEOUT, code=17)
+    other = tmp_path / "other"
+    for part in ("runs", "local"):
+        shutil.copytree(tmp_path / part, other / part)
+
+    res = fit2(tmp_path, ["b", "d"], "gen2")
+    assert all(r["resumed_from"] == ["local", 6] for r in res), res
+    assert all(r["step"] == STEPS for r in res)
+    ref = fit2(other, ["x", "y"], "copy-gen2")  # new nodes: nothing local, the persistent step 6
+    assert all(r["resumed_from"] == ["persistent", 6] for r in ref), ref
+    assert {r["digest"] for r in res} == {ref[0]["digest"]}
