@@ -372,7 +372,7 @@ class GenerationLifecycle:
         n = policy.choose_group_size(len(usable), self.cc.min_nodes, self.max_nodes, self.valid_sizes)
         if n is None or n >= len(self.state.members):
             return None
-        plan = dict(enumerate(usable[:n]))
+        plan = dict(enumerate(policy.covering_group(self.state.members, usable, n)))  # keeps the local tier whole
         self.events.add("shrink", gen=self.state.generation + 1, members=plan, before=len(self.state.members))
         return plan
 

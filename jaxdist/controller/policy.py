@@ -304,3 +304,61 @@ def ban_ends(now: float, cooldown: float, bans: int) -> float | None:
 def bans_over(banned: Sequence[str], until: dict[str, float], now: float) -> list[str]:
     """The banned nodes whose cool-down has ended by ``now`` (in ban order); a node without an end stays out."""
     return [n for n in banned if n in until and until[n] <= now]
+
+
+def covering_group(members: dict[int, str], usable: Sequence[str], n: int) -> list[str]:
+    """``n`` of the ``usable`` nodes (in their order) for a smaller group, chosen so that their node-local
+    directories hold every old rank's local-tier files between them when any ``n`` can (then the newest local
+    step is resharded onto the new group instead of going back to the persistent one).
+
+    With one process per node, old rank r's files are on its own node and, as a replica, on rank r+1's node
+    (jaxdist.checkpoint.local: the shift is 1): a set covers every rank when no two neighbours on the ring of
+    old ranks are both left out -- a vertex cover of the ring, its smallest found exactly by dynamic
+    programming. The rest of the group is filled in the usable nodes' order; when ``n`` is too few to cover,
+    the first ``n`` usable nodes.
+    """
+    old = [members[r] for r in sorted(members)]
+    count, ok = len(old), set(usable)
+    cover = _ring_cover([node in ok for node in old]) if count >= 2 and n < len(usable) else None
+    if cover is None or len(cover) > n:
+        return list(usable)[:n]
+    chosen = {old[r] for r in cover}
+    rest = [node for node in usable if node not in chosen][: n - len(chosen)]
+    return [node for node in usable if node in chosen or node in rest]
+
+
+def _ring_cover(allowed: list[bool]) -> list[int] | None:
+    """The smallest set of allowed positions on a ring such that of every two neighbours one is in it, or None."""
+    count, best = len(allowed), None
+    for first in (True, False):  # position 0 in the set or not; the ring closes on it
+        if first and not allowed[0]:
+            continue
+        inf = count + 1
+        # cost[state] of positions 0..i with position i in (1) or out (0); back pointers per position
+        cost = {1: 1, 0: inf} if first else {1: inf, 0: 0}
+        back: list[dict[int, int]] = []
+        for i in range(1, count):
+            new, ptr = {}, {}
+            for state in (1, 0):
+                if state == 1 and not allowed[i]:
+                    new[state], ptr[state] = inf, 0
+                    continue
+                prevs = (1, 0) if state == 1 else (1,)  # an out position needs its left neighbour in
+                p = min(prevs, key=lambda k: cost[k])
+                new[state], ptr[state] = cost[p] + state, p
+            cost = new
+            back.append(ptr)
+        ends = (1, 0) if first else (1,)  # the last position and position 0 are neighbours too
+        last = min(ends, key=lambda k: cost[k])
+        if cost[last] >= inf:
+            continue
+        states, state = [last], last
+        for ptr in reversed(back):
+            state = ptr[state]
+            states.append(state)
+        states.reverse()
+        states[0] = 1 if first else 0
+        chosen = [i for i, st in enumerate(states) if st]
+        if best is None or len(chosen) < len(best):
+            best = chosen
+    return best

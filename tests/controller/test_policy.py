@@ -200,3 +200,34 @@ def test_a_ban_cools_down_doubling_with_each_ban_and_zero_is_for_good():
     assert bans_over(["a", "b", "c"], until, 129.9) == []
     assert bans_over(["a", "b", "c"], until, 130.0) == ["a"]  # "c" has no end: banned for good
     assert bans_over(["b", "a", "c"], until, 1e9) == ["b", "a"]
+
+
+def test_a_smaller_group_keeps_every_old_ranks_local_files_when_it_can():
+    """Old rank r's local-tier files are on its node and rank r+1's: of 4 nodes with c lost, the group of 2
+    is b and d (a and b, the first two, hold nothing of rank 2's). Against brute force on random rings."""
+    import itertools
+    import random
+
+    from jaxdist.controller.policy import _ring_cover, covering_group
+
+    members = dict(enumerate("abcd"))
+    assert covering_group(members, ["a", "b", "d"], 2) == ["b", "d"]
+    assert covering_group(members, ["a", "b", "d", "e"], 3) == ["a", "b", "d"]  # covered, filled in order
+    assert covering_group(members, ["a", "d", "e"], 2) == ["a", "d"]  # b and c gone: nothing covers rank 1
+
+    def smallest(allowed):
+        spots = [i for i, a in enumerate(allowed) if a]
+        for k in range(len(spots) + 1):
+            for pick in itertools.combinations(spots, k):
+                if all(i in pick or (i + 1) % len(allowed) in pick for i in range(len(allowed))):
+                    return k
+        return None
+
+    rng = random.Random(1)
+    for _ in range(2000):
+        allowed = [rng.random() < 0.8 for _ in range(rng.randint(2, 9))]
+        cover, best = _ring_cover(allowed), smallest(allowed)
+        assert (cover is None) == (best is None), allowed
+        if cover is not None:
+            assert len(cover) == best and all(allowed[i] for i in cover)
+            assert all(i in cover or (i + 1) % len(allowed) in cover for i in range(len(allowed)))
