@@ -1,6 +1,7 @@
 """The health monitor against injected faults: a real job of 4 workers x 2 CPU devices under the controller.
 
-One job (the tiny model, ``train.log_every=1``, ``controller.health_every`` steps per period) first trains
+One job (the tiny model, every controller, health and checkpoint setting at its default: ``train.log_every=10``,
+``controller.health_every=10``, ``heartbeat_timeout=1.5``; ``--hog N`` busy processes load the host) first trains
 fault-free for ``--quiet-s`` seconds (every alarm then is a false one), then takes the injections one after the
 other through the test-only fault hooks (``JAXDIST_FAULT_HOOKS=1``, ``<run>/faults.json``, see
 jaxdist/train/faults.py), each cleared once it is detected (or after ``--timeout-periods``):
@@ -37,24 +38,16 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  
 
 from jaxdist.controller.local import LocalJob  # noqa: E402
 
-COMMON = [
+COMMON = [  # the defaults of every controller, health, checkpoint and train.log_every setting
     "model=tiny",
     "mesh.cluster=cpu-4x2",
     "mesh.fsdp=2",
     "train.batch_size=16",
     "train.seq_len=32",
     "data.max_bytes=300000",
-    "train.progress=false",
+    "train.progress=false",  # no progress bar or TensorBoard files: output only, no effect on what is measured
     "train.tensorboard=false",
-    "checkpoint.every=200",
-    "train.log_every=1",
-    "train.eval_every=0",
-    "train.eval_batches=1",
     "train.runs_dir=runs",
-    "controller.min_nodes=4",
-    "controller.max_nodes=4",
-    "controller.standbys=0",
-    "controller.heartbeat_timeout=5",
 ]
 
 
@@ -140,9 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=17)
     ap.add_argument("--kinds", default="compute,data,link,stuck", help="the kinds injected, in turn (stuck last)")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--hog", type=int, default=0, help="busy processes loading the host for the whole run")
     args = ap.parse_args(argv)
+    import subprocess
+
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hog)]
+    try:
+        return _run(args, hogs)
+    finally:
+        for h in hogs:
+            h.kill()
+
+
+def _run(args: argparse.Namespace, hogs: list) -> int:
     rng = random.Random(args.seed)
     cwd = Path(args.dir or tempfile.mkdtemp(prefix="jaxdist-health-"))
+    cwd.mkdir(parents=True, exist_ok=True)
     job = LocalJob(
         [*COMMON, "train.steps=100000", "train.name=health", f"controller.health_every={args.health_every}"],
         nodes=4,
@@ -159,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         t_quiet = time.time()
         time.sleep(args.quiet_s)
         quiet = {
+            "load": os.getloadavg(),
             "seconds": time.time() - t_quiet,
             "steps": job.state()["last_step"],
             "alarms": len(events(job, ("health", "device_probe", "failure", "node_lost"), t_quiet)),
@@ -231,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(results: list[dict], quiet: dict, probes: list[dict], step_s: float, hb: float) -> None:
     print(
-        f"\nfault-free: {quiet['seconds']:.0f} s ({quiet['steps']} steps so far), alarms (health, device probe, "
+        f"\nfault-free: {quiet['seconds']:.0f} s ({quiet['steps']} steps so far, load {quiet['load']}), alarms (health, device probe, "
         f"failure, node lost): {quiet['alarms']} {quiet['alarm_kinds']}; agents silent while their workers trained: "
         f"{quiet['agent_silent']}, agent loop stalls: {quiet['agent_stalls']} s"
     )

@@ -588,8 +588,8 @@ class CheckpointConfig:
     asynchronous: bool = _f(True, "Save in the background; the step waits only for the device-to-host copy.")
     resume: bool = _f(True, "Resume from the latest checkpoint in the run directory if there is one.")
     local_dir: str = _f(
-        "",
-        "Node-local directory of the fast tier ('' = off; {node} becomes the node's name): every local_every steps each process writes its shards there and a copy of one other node's, so at most local_every steps are lost even when a node is.",
+        "auto",
+        "Node-local directory of the fast tier ({node} becomes the node's name; '' = off): every local_every steps each process writes its shards there and a copy of one other node's, so at most local_every steps are lost even when a node is. auto: on in a job started by jaxdist launch (under a node agent), in <system temporary directory>/jaxdist-local/{node}, when every process's disk there has room for 6 times its shards (own and replica, local_keep+1 steps); off otherwise (jaxdist train, or too little room: logged).",
     )
     local_every: int = _f(1, "With local_dir: save to the fast local tier every N steps.")
     local_keep: int = _f(2, "With local_dir: newest local steps each process keeps.")

@@ -38,7 +38,9 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -72,6 +74,37 @@ def node_name() -> str:
 def resolve_dir(template: str, run_name: str) -> Path:
     """``checkpoint.local_dir`` with ``{node}`` replaced, plus the run's own sub-folder."""
     return Path(template.replace("{node}", node_name())).expanduser().absolute() / run_name
+
+
+AUTO = "auto"
+
+
+def auto_dir(abstract_state: Any, keep: int) -> str:
+    """What ``checkpoint.local_dir=auto`` means here (collective in a multi-process job): the system temporary
+    directory's ``jaxdist-local/{node}`` when this process runs under a node agent (``$JAXDIST_NODE``: a job of
+    ``jaxdist launch``) and every process's disk there has room for ``2 x (keep + 1)`` times its shards (its own
+    and a replica, the steps kept plus the one being written); else '' (off, and the log says why)."""
+    if not os.environ.get("JAXDIST_NODE"):
+        return ""  # jaxdist train: a crash is resumed by hand, from the persistent checkpoint
+    base = Path(tempfile.gettempdir()) / "jaxdist-local"
+    need = 2 * (keep + 1) * sum(e.nbytes for e in _entries(abstract_state))
+    probe = base if base.exists() else base.parent
+    free = shutil.disk_usage(probe).free
+    ok = np.array([int(free >= need)], np.int32)
+    if jax.process_count() > 1:
+        ok = np.asarray(multihost_utils.process_allgather(ok)).reshape(-1)
+    if not ok.all():
+        log.warning(
+            "checkpoint.local_dir=auto: the local tier is off: %s lacks the %.1f GB it needs on %d of %d processes' "
+            "nodes (free here: %.1f GB); set checkpoint.local_dir to a node-local path with room",
+            probe,
+            need / 1e9,
+            int((ok == 0).sum()),
+            ok.size,
+            free / 1e9,
+        )
+        return ""
+    return str(base / "{node}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -440,11 +473,17 @@ class LocalTier:
             if s > step:
                 self._remove_step(s)
 
-    def clear(self) -> None:
-        """Delete this process's files (a run that starts over must not restore an older run's steps)."""
+    def clear(self, remove_dir: bool = False) -> None:
+        """Delete this process's files (a run that starts over must not restore an older run's steps);
+        ``remove_dir``: then the run's directory too, once no other process's files are left in it."""
         self._finish_previous()
         for s in self._own_steps():
             self._remove_step(s)
+        if remove_dir:
+            try:
+                self.directory.rmdir()
+            except OSError:
+                pass  # another process's files (or a step of another layout) are still there
 
 
 def _width(total: int) -> int:

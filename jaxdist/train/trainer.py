@@ -26,7 +26,8 @@ from jax.sharding import NamedSharding
 
 from jaxdist.checkpoint import RunCheckpointer
 from jaxdist.checkpoint.compat import layout_change
-from jaxdist.checkpoint.local import LocalTier, resolve_dir
+from jaxdist.checkpoint.local import AUTO as LOCAL_AUTO
+from jaxdist.checkpoint.local import LocalTier, auto_dir, resolve_dir
 from jaxdist.config import Config, ConfigError
 from jaxdist.errors import expect
 from jaxdist.config_checks import is_resolved, validate
@@ -275,10 +276,13 @@ class Trainer:
             else None
         )
         self.local = None
-        if c.checkpoint.enabled and c.checkpoint.local_dir:  # per run: a hash of the run directory keeps runs apart
+        local_dir = c.checkpoint.local_dir if c.checkpoint.enabled else ""
+        if local_dir == LOCAL_AUTO:
+            local_dir = auto_dir(self.abstract_state(), c.checkpoint.local_keep)
+        if local_dir:  # per run: a hash of the run directory keeps runs apart
             tag = hashlib.sha256(str(self.run_dir.absolute()).encode()).hexdigest()[:8]
             self.local = LocalTier(
-                resolve_dir(c.checkpoint.local_dir, f"{c.train.name}-{tag}"),
+                resolve_dir(local_dir, f"{c.train.name}-{tag}"),
                 c.checkpoint.local_keep,
                 not_before=history_since(),  # a launched job that started over: not the earlier history's files
             )
@@ -581,6 +585,10 @@ class Trainer:
                 self.local.close()
             if self.checkpointer is not None:
                 self.checkpointer.close()
+                if self.local is not None and self.config.checkpoint.local_dir == LOCAL_AUTO:
+                    # a finished run's temporary local steps: its last persistent checkpoint holds the end
+                    if self.checkpointer.latest_step() == self.config.train.steps:
+                        self.local.clear(remove_dir=True)
             self.metrics.close()
         finally:
             self.close_lock()

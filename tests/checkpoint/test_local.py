@@ -189,3 +189,36 @@ def test_a_job_that_started_over_does_not_restore_the_earlier_historys_local_fil
     with Trainer(config(tmp_path, "since")) as t:  # the same files, older than the job's fresh start: not used
         t.init_state()
         assert t.resumed_from is None and int(t.state["step"]) == 0
+
+
+def test_local_dir_auto_is_on_under_a_node_agent_with_room_and_off_otherwise(tmp_path, monkeypatch, caplog):
+    """The default checkpoint.local_dir=auto: off for jaxdist train; in a launched job (a node agent sets
+    $JAXDIST_NODE) <tmp>/jaxdist-local/<node>/<run>; off, with one logged reason, when the disk lacks room;
+    a finished run's files removed."""
+    import shutil
+    import tempfile
+    from collections import namedtuple
+
+    from jaxdist.train.trainer import Trainer
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    base = ["model=tiny", "train.seq_len=32", "train.batch_size=8", "data.max_bytes=200000", "mesh.cluster=cpu-8"]
+    cfg = load_config(None, [*base, f"train.runs_dir={tmp_path / 'runs'}", "train.steps=2", "train.name=auto"])
+    assert cfg.checkpoint.local_dir == "auto"
+    monkeypatch.delenv("JAXDIST_NODE", raising=False)
+    with Trainer(cfg) as t:
+        assert t.local is None  # jaxdist train
+    monkeypatch.setenv("JAXDIST_NODE", "n7")
+    with Trainer(cfg) as t:
+        assert t.local is not None and t.local.directory.parent == tmp_path / "tmp" / "jaxdist-local" / "n7"
+        t.init_state()
+        t.fit()
+        assert t.local._own_steps() == {1, 2}
+        where = t.local.directory
+    assert not where.exists()  # the run finished: its persistent step 2 holds the end
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    with caplog.at_level(logging.WARNING, logger="jaxdist.checkpoint.local"), Trainer(cfg) as t:
+        assert t.local is None
+    assert "the local tier is off" in caplog.text and "set checkpoint.local_dir" in caplog.text
