@@ -279,7 +279,9 @@ def check_checkpoint(c: CheckpointConfig) -> None:
     if c.every <= 0 or c.keep <= 0:
         raise ConfigError("checkpoint.every and checkpoint.keep must be positive.")
     if c.local_dir and (c.local_every <= 0 or c.local_keep <= 0):
-        raise ConfigError("checkpoint.local_every and checkpoint.local_keep must be positive.")
+        raise ConfigError(
+            f"checkpoint.local_every={c.local_every} and checkpoint.local_keep={c.local_keep} must be positive."
+        )
     if c.local_dir not in ("", "auto") and not c.enabled:
         raise ConfigError(
             "checkpoint.local_dir needs checkpoint.enabled=true (the local tier sits beside the "
