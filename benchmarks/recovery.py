@@ -2,15 +2,16 @@
 
 Real processes on this machine: a controller, ``--nodes`` node agents (one
 more as a standby) and JAX workers of ``--devices`` simulated CPU devices each
-(the tiny model; a checkpoint every step in the fast node-local tier, every
-50 steps in the run directory).  Into one running job per mode,
+(the tiny model; every controller, checkpoint and log setting at its default:
+the local tier on (``checkpoint.local_dir=auto``, every step), the run directory
+every 100 steps, ``train.log_every=10``, a crashed rank restarted on its own node).  Into one running job per mode,
 ``--injections`` failures are injected one after the other, each at a random
 step of a random rank (rank 0 included): SIGKILL, and every ``--stop-every``-th
 a SIGSTOP (a hang, found by heartbeat timeout).
 
 * ``standby``: the controller kills the group and restarts it at once from warm
   processes (JAX imported, data loaded, compilation cache on disk), the failed
-  rank on the standby;
+  rank on its own node's warm spare (``crashed_rank=same_node``);
 * ``requeue``: every process is killed and started cold, as a requeued job
   would be (without the scheduler's queueing time, which comes on top).
 
@@ -31,6 +32,7 @@ entry and compiles, against the second, which finds it).
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import signal
 import sys
@@ -42,19 +44,13 @@ from jaxdist.controller.local import LocalJob, write_cpu_cluster
 from jaxdist.controller.state import read_events
 from jaxdist.controller.timeline import recoveries, summary
 
-COMMON = [
+COMMON = [  # model, data and output only: every controller, checkpoint and log setting at its default
     "model=tiny",
     "train.batch_size=16",
     "train.seq_len=32",
     "data.max_bytes=300000",
     "train.progress=false",
     "train.tensorboard=false",
-    "checkpoint.every=50",
-    "train.log_every=1",
-    "checkpoint.local_dir=local/{node}",
-    "checkpoint.local_every=1",
-    "train.eval_every=0",
-    "train.eval_batches=1",
     "train.runs_dir=runs",
 ]
 
@@ -66,8 +62,6 @@ def _job(cwd: Path, name: str, nodes: int, devices: int, steps: int, *extra: str
         f"mesh.cluster={cluster}",
         f"train.steps={steps}",
         f"train.name={name}",
-        f"controller.min_nodes={nodes}",
-        f"controller.max_nodes={nodes}",
         *extra,
     ]
     return LocalJob(args + [f"controller.standbys={standbys}"], nodes=nodes + standbys, cwd=cwd)
@@ -87,7 +81,6 @@ def run_mode(cwd: Path, mode: str, args, rng: random.Random) -> list[dict]:
         f"controller.recovery={mode}",
         f"controller.max_failures={args.injections + 1}",
         f"controller.max_process_failures={args.injections + 1}",
-        "controller.crashed_rank=standby",  # a killed process stands for a lost node: compare the two recoveries
     )
     t0 = time.time()
     try:
@@ -155,7 +148,7 @@ def report(cwd: Path, modes: list[str], nodes: int, devices: int) -> None:
     results = {m: recoveries(cwd / "runs" / f"bench-{m}") for m in modes}
     print(
         f"\nrecovery, {nodes} nodes x {devices} CPU devices + 1 standby, tiny model, local checkpoint every step; "
-        "each cell median / p90 / max (n)"
+        f"each cell median / p90 / max (n); host load now {os.getloadavg()}"
     )
     print(f"{'':<34}" + "".join(f"{m:<34}" for m in modes))
     metrics = [
