@@ -17,6 +17,15 @@ and gets its shards back from the node holding their replica.
 The faulty job's final parameters must equal the reference's bit for bit, its
 per-step losses too (every generation's, the recomputed steps included), and
 its generations must together have trained each batch exactly once.
+
+Settings other than the defaults, and why: ``train.log_every=1`` (every step's
+loss is logged and compared, the default logs every 10th); ``checkpoint.every=8``
+(persistent saves within the 56 steps); ``checkpoint.local_dir=local/{node}``
+(the default ``auto`` tier, in the test's own directory so that it can look at
+the files); ``controller.crashed_rank=standby`` (the point: each killed process
+stands for a lost node, so that a standby takes the rank); the failure limits
+raised so that 6 failures over 5 nodes ban none (banning is tested with stub
+jobs, and the defaults' chaos run is benchmarks/chaos.py).
 """
 
 from __future__ import annotations
