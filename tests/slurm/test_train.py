@@ -170,7 +170,12 @@ def test_requeued_run_trains_each_batch_once_and_equals_the_uninterrupted_one(jo
     segs = list(generations_trained(printed.run_dir).values())
     ref = list(generations_trained(allocated.run_dir).values())
     assert len(segs) == 2 and len(ref) == 1 and kept == EVERY
-    assert printed.events_of("new_allocation") and segs[1][0][0] == kept + 1  # resumed from the checkpoint
+    # resumed from the persistent checkpoint, or from a newer step of the local tier (on by default: the nodes'
+    # temporary directories outlive the requeue here), never from before the checkpoint or past the kill
+    resumed = printed.events_of("first_step")[1]
+    assert printed.events_of("new_allocation") and segs[1][0][0] - 1 == resumed["resume_step"], resumed
+    assert kept <= resumed["resume_step"] <= segs[0][-1][0], (kept, resumed, segs[0][-1])
+    assert resumed["resumed_from"] == ("local" if resumed["resume_step"] > kept else "persistent"), resumed
     assert lineage([(g[0][0] - 1, g[-1][0]) for g in segs], STEPS) == list(range(STEPS))
     reference = dict(ref[0])
     for g in segs:  # every step each generation trained, the recomputed ones too, has the reference loss
