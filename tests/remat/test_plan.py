@@ -180,20 +180,20 @@ def test_trainer_with_auto_remat(tmp_path):
         [
             *common,
             "train.remat=auto",
-            "train.remat_budget_bytes=3000000",
+            "train.remat_budget_bytes=400000",  # 3 MB let the plan save everything on 8 devices: no remat at all
             "train.remat_verify=false",  # the prediction alone chooses: tests/remat/test_verify.py closes the loop
         ],
     )
     with Trainer(resolve(cfg, jax.devices())) as trainer:
         plan = trainer.remat_plan
-        assert plan is not None and plan.activation_bytes <= 3_000_000
+        assert plan is not None and plan.activation_bytes <= 400_000
         assert plan.profile.mesh_shape == tuple(sorted(dict(trainer.mesh.shape).items()))
         assert trainer.remat_policy is not None
         auto_peak = peak_of(trainer.compiled_train_step())[0]
     # The compiled step, not only the plan: against the same step under full remat (which keeps each block's input
     # alone), the bytes the plan's policy adds to the program's peak are at most what the plan saves beyond the
-    # inputs (measured on XLA:CPU: 1.90 MB for a planned 2.47 MB, 23 % headroom; XLA's working space moves with
-    # the policy), so a policy the step ignores or a plan that saves more than it says fails here.
+    # inputs (measured on XLA:CPU, 8 devices: 0.07 MB for a planned 0.33 MB; the step saving everything peaks
+    # 1.68 MB above full remat), so a policy the step ignores or a plan that saves more than it says fails here.
     full = load_config(None, [*common, "train.remat=full"])
     full_peak = peak_of(Trainer.for_compiling(resolve(full, jax.devices()), jax.devices()).compiled_train_step())[0]
     inputs = plan.profile.n_layers * plan.profile.input_bytes
