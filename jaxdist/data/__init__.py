@@ -5,7 +5,7 @@ it, and imports it when called), so configs and data can be prepared before
 devices are set up.
 """
 
-from jaxdist.data.audit import check_exactly_once, replay_order, trained_batches
+from jaxdist.data.audit import check_exactly_once, digest_problems, replay_order, trained_batches
 from jaxdist.data.batchlist import BatchList, BatchListError, SourceEntry, format_id, parse_id
 from jaxdist.data.batchloader import BatchLoader, BatchReader, RunBatchList
 from jaxdist.data.catalog import add_data
@@ -24,6 +24,7 @@ __all__ = [
     "SourceEntry",
     "add_data",
     "check_exactly_once",
+    "digest_problems",
     "format_id",
     "parse_id",
     "replay_order",

@@ -9,6 +9,7 @@
   resumed run logs step ``s`` again, the records of ``s`` and after from the
   interrupted attempt are dropped (their updates were rolled back);
 * :func:`check_exactly_once` compares that sequence with the journal;
+* :func:`digest_problems` checks each step's logged token digest against the data its batch id names;
 * :func:`verify` and :func:`describe` back ``jaxdist data verify`` and ``show``.
 """
 
@@ -22,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist.data.batchlist import BatchList, BatchListError, derive, format_id, unpack_ids
+from jaxdist.data.batchlist import BatchList, BatchListError, derive, format_id, parse_id, token_digest, unpack_ids
+from jaxdist.data.batchloader import BatchReader
 from jaxdist.data.catalog import fingerprint, read_source
 from jaxdist.data.journal import Journal
 
@@ -70,7 +72,8 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
 
 
 def trained_batches(run_dir: str | Path) -> list[dict[str, Any]]:
-    """``{"step", "batch_id", "batch_version"}`` of each step of the final lineage, in step order."""
+    """``{"step", "batch_id", "batch_version", "batch_digest"}`` of each step of the final lineage, in step order
+    (``batch_digest`` None in a log written before the step recorded it)."""
     lineage: dict[int, dict[str, Any]] = {}
     last = 0
     for r in read_records(Path(run_dir) / "metrics.jsonl"):
@@ -79,7 +82,12 @@ def trained_batches(run_dir: str | Path) -> list[dict[str, Any]]:
         step = int(r["step"])
         if step <= last:  # a resumed attempt: what the interrupted one did from here was rolled back
             lineage = {s: x for s, x in lineage.items() if s < step}
-        lineage[step] = {"step": step, "batch_id": r["batch_id"], "batch_version": r.get("batch_version")}
+        lineage[step] = {
+            "step": step,
+            "batch_id": r["batch_id"],
+            "batch_version": r.get("batch_version"),
+            "batch_digest": r.get("batch_digest"),
+        }
         last = step
     return [lineage[s] for s in sorted(lineage)]
 
@@ -155,6 +163,30 @@ def check_exactly_once(run_dir: str | Path, version: int | None = None) -> dict[
     }
     out["ok"] = not (out["duplicates"] or out["missing"] or out["misplaced"] or out["gaps"])
     return out
+
+
+def digest_problems(run_dir: str | Path, config_tokens: np.ndarray | None = None) -> list[str]:
+    """Steps whose logged ``batch_digest`` is not the digest of the tokens their ``batch_id`` names.
+
+    The tokens are read again from the journal's sources (``config_tokens``: the configured data's train split,
+    source 0 of a run made from the config), independently of the trainer: a step that trained other tokens than
+    the batch it logged shows here, which the ids alone (:func:`check_exactly_once`) cannot see.  A step logged
+    without a digest is a problem too.  [] when every trained step's tokens are the ones its id names.
+    """
+    journal = Journal(run_dir)
+    bl = journal.load()  # the newest version's sources include every older version's
+    if config_tokens is None and any(s.kind == "config" for s in bl.sources):
+        raise ValueError("the run's batches come from the configured data: pass its train split as config_tokens")
+    tokens = {s.id: read_source(s, config_tokens) for s in bl.sources}
+    reader = BatchReader(bl, tokens)
+    problems = []
+    for r in trained_batches(run_dir):
+        want = int(token_digest(reader.batch_of_id(parse_id(r["batch_id"]))))
+        if r["batch_digest"] != want:
+            problems.append(
+                f"step {r['step']}: logged digest {r['batch_digest']} but batch {r['batch_id']}'s tokens give {want}"
+            )
+    return problems
 
 
 def verify(run_dir: str | Path, full: bool = False) -> tuple[bool, list[str]]:

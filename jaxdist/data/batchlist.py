@@ -76,6 +76,26 @@ def parse_id(text: str) -> int:
     return int(pack_ids(s, e, i))
 
 
+def token_digest(tokens, xp=np):
+    """A 32-bit digest (uint32 scalar) of one global batch's tokens ``[B, T+1]``, from numpy or inside a jitted step.
+
+    ``xp`` is the array module (``numpy`` or ``jax.numpy``).  Each token is mixed with its flat position
+    (murmur3's finaliser) and the mixes are summed modulo 2**32: a sum, so a sharded batch reduces to the
+    same bits in any order, over any mesh.  The train step logs it as ``batch_digest`` beside the batch id;
+    :func:`jaxdist.data.audit.digest_problems` recomputes it from the data for each id.
+    """
+    u32 = xp.uint32
+    rows, cols = tokens.shape
+    pos = xp.arange(rows, dtype=u32)[:, None] * u32(cols) + xp.arange(cols, dtype=u32)[None, :]
+    x = tokens.astype(u32) ^ (pos * u32(0x9E3779B9))
+    x = x ^ (x >> u32(16))
+    x = x * u32(0x85EBCA6B)
+    x = x ^ (x >> u32(13))
+    x = x * u32(0xC2B2AE35)
+    x = x ^ (x >> u32(16))
+    return xp.sum(x, dtype=u32)
+
+
 # --------------------------------------------------------------------------- sources and versions
 
 

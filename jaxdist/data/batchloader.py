@@ -73,7 +73,10 @@ class BatchReader:
 
     def window_ids(self, position: int, rows: np.ndarray | slice | None = None) -> tuple[int, np.ndarray]:
         """(source id, window index of each requested row) of the batch at ``position``."""
-        s, e, i = (int(x) for x in unpack_ids(self.id_at(position)))
+        return self._windows_of(self.id_at(position), rows)
+
+    def _windows_of(self, batch_id: int, rows: np.ndarray | slice | None = None) -> tuple[int, np.ndarray]:
+        s, e, i = (int(x) for x in unpack_ids(batch_id))
         src = self.list.source(s)
         perm = self._perms.get(src, e, src.n_windows(self.seq_len))
         row_ids = np.arange(self.batch_size, dtype=np.int64)
@@ -85,7 +88,15 @@ class BatchReader:
 
     def rows(self, position: int, rows: np.ndarray | slice | None = None) -> np.ndarray:
         """The requested rows of the global batch at ``position``: int32 [n_rows, seq_len + 1]."""
-        s, windows = self.window_ids(position, rows)
+        return self._read(*self.window_ids(position, rows))
+
+    def batch_of_id(self, batch_id: int) -> np.ndarray:
+        """All rows of the batch named ``batch_id`` (packed), at whatever position: int32 [batch_size, seq_len + 1].
+
+        A batch's tokens depend on its id alone (its source, epoch and index), not on the version or position."""
+        return self._read(*self._windows_of(batch_id))
+
+    def _read(self, s: int, windows: np.ndarray) -> np.ndarray:
         idx = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
         return np.asarray(self._tokens[s][idx], dtype=np.int32)
 

@@ -145,7 +145,8 @@ class MetricsWindow:
         dt = (now - self.t0) / n
         records = []
         for (step, _, batch), m in zip(self.pending, host):
-            r = {k: float(v) for k, v in m.items()}
+            digest = m.get("batch_digest")  # an integer id of the tokens, logged beside the batch id
+            r = {k: float(v) for k, v in m.items() if k != "batch_digest"}
             r.update(
                 step_time=dt,
                 window=n,
@@ -157,6 +158,8 @@ class MetricsWindow:
             finite = math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
             # The log names the batch each step trained (hooks and history keep floats only).
             logged = r if batch is None else {**r, "batch_id": batch[0], "batch_version": batch[1]}
+            if digest is not None:
+                logged = {**logged, "batch_digest": int(digest)}
             self.writer.write("train", step, logged if finite else {**logged, "skipped": True})
             records.append({"step": step, **r})
         self.pending = []

@@ -46,7 +46,7 @@ class MetricsWriter:
         record.update({k: _plain(v) for k, v in values.items()})
         record["writer"] = self.writer
         self._file.write(json.dumps(record) + "\n")
-        tags = scalars(kind, {k: v for k, v in record.items() if k not in ("kind", "step", "writer")})
+        tags = scalars(kind, {k: v for k, v in record.items() if k not in ("kind", "step", "writer", "batch_digest")})
         if self._tb is not None:
             for tag, v in tags.items():
                 self._tb.add_scalar(tag, v, int(step))

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxdist.data.batchlist import token_digest
 from jaxdist.models import apply, apply_with_aux
 from jaxdist.models.moe import MOE_METRICS
 from jaxdist.parallel.rules import constrain
@@ -112,7 +113,8 @@ def make_train_step(
     grad_clip: float = 0.0,
     grads_fn: Callable | None = None,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
-    """``train_step(state, tokens[B, T+1]) -> (state, metrics)``; metrics: loss, grad_norm, lr
+    """``train_step(state, tokens[B, T+1]) -> (state, metrics)``; metrics: loss, grad_norm, lr, batch_digest
+    (the tokens' uint32 digest, jaxdist.data.batchlist.token_digest)
     (and for an MoE model the cross-entropy as loss plus MOE_METRICS, see :func:`objective`).
 
     ``grad_clip`` > 0 scales the gradients to at most that global norm before the optimizer.
@@ -139,6 +141,8 @@ def make_train_step(
         # reaches the parameters or the optimizer state; the host skips or stops at its next sync (MetricsWindow).
         # A select keeps every finite step's numbers bit for bit.
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **model_metrics}
+        # The tokens this step trained on, as the log records them beside the batch id (jaxdist.data.audit).
+        metrics["batch_digest"] = token_digest(tokens, jnp)
         ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         new_params, opt_state = jax.tree.map(
             lambda new, old: jnp.where(ok, new, old), (new_params, opt_state), (params, state["opt_state"])

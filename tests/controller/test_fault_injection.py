@@ -41,6 +41,8 @@ from jaxdist.controller.local import LocalJob
 from jaxdist.controller.policy import lineage
 from jaxdist.controller.state import read_events
 from jaxdist.controller.timeline import generations_trained
+from jaxdist.config import DataConfig
+from jaxdist.data import digest_problems, load_source
 
 from .helpers import listening
 
@@ -199,6 +201,9 @@ def test_every_batch_trained_once_with_the_reference_losses(jobs):
     for g in segs:  # every step each generation trained, the recomputed ones too, has the reference loss
         for step, loss in g:
             assert loss == reference[step], (step, loss, reference[step])
+    # each step's tokens (the digest the step took of its input, across 4 processes) are the ones its logged
+    # batch id names, read again from the data
+    assert digest_problems(jobs["faulty"].run_dir, load_source(DataConfig(max_bytes=300000)).train) == []
 
 
 def test_failures_are_detected_and_a_standby_takes_the_rank(jobs):

@@ -31,7 +31,15 @@ import numpy as np
 import pytest
 
 from jaxdist.config import DataConfig
-from jaxdist.data import add_data, check_exactly_once, format_id, load_source, replay_order, trained_batches
+from jaxdist.data import (
+    add_data,
+    check_exactly_once,
+    digest_problems,
+    format_id,
+    load_source,
+    replay_order,
+    trained_batches,
+)
 from jaxdist.data.audit import verify
 from jaxdist.data.batchlist import unpack_ids
 from jaxdist.data.journal import Journal
@@ -229,6 +237,9 @@ def test_every_batch_exactly_once_through_kills_resizes_and_an_addition(tmp_path
         "version": 2,
         "ok": True,
     }
+    # The tokens: each step's digest of the batch it trained (on one process or two) is the one its logged id
+    # names, recomputed from the configured data and the added file, not from the trainer's own claim.
+    assert digest_problems(run, load_source(DataConfig(max_bytes=MAX_BYTES)).train) == []
     # Replay: the journal's operations alone rebuild the trained sequence, id for id.
     assert [format_id(x) for x in replay_order(journal)] == [r["batch_id"] for r in trained_batches(run)]
     ok, lines = verify(run, full=True)

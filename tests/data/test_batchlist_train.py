@@ -8,7 +8,16 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxdist.config import load_config
-from jaxdist.data import RunBatchList, add_data, check_exactly_once, format_id, global_batch_array, replay_order
+from jaxdist.data import (
+    RunBatchList,
+    add_data,
+    check_exactly_once,
+    digest_problems,
+    format_id,
+    global_batch_array,
+    load_source,
+    replay_order,
+)
 from jaxdist.data.batchlist import unpack_ids
 from jaxdist.data.journal import Journal
 from jaxdist.train.metrics import read_metrics
@@ -77,6 +86,10 @@ def test_addition_joins_at_the_next_step_boundary(tmp_path):
         "ok": True,
     }
     np.testing.assert_array_equal(replay_order(Journal(run)), v2.order)
+    # The tokens each step trained (the step's own digest of its input) are the ones its logged id names, read
+    # again from both sources: a trainer feeding one batch while logging another's id fails here.
+    cfg = config(tmp_path, 12, ["mesh.data=8"])
+    assert digest_problems(run, load_source(cfg.data).train) == []
 
 
 def test_global_batch_is_the_same_on_any_mesh(tmp_path):

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -23,7 +24,7 @@ from jaxdist.config import load_config
 from jaxdist.data.tokenizer import ByteTokenizer
 from jaxdist.errors import ConfigError
 from jaxdist.gen.sampler import Sampler, TextStream
-from jaxdist.models.transformer import apply, create_abstract
+from jaxdist.models.transformer import apply, create_abstract, forward_with_cache, init_kv_cache
 from jaxdist.parallel.layout import Parallelism
 
 TEXTS = ["Hello", "de", "import o"]  # 5, 2 and 8 tokens: one batch of different lengths
@@ -109,6 +110,45 @@ def test_past_max_seq_len_the_cache_is_a_sliding_window():
     b = full.decode(PROMPTS, NEW, stop_at_eos=False)
     assert [t[:5] for t in _ids(a)] == [t[:5] for t in _ids(b)]  # the same until slot 0 is overwritten
     assert all(len(t) == NEW and ((t >= 0) & (t < 260)).all() for t in a.tokens)
+
+
+def test_after_the_ring_wraps_decoding_equals_a_sliding_window_recomputation():
+    """Decoding well past the wrap (12 cache slots; 8 + 10 time slots, so slots 0..5 are overwritten) equals a
+    recomputation without the ring: at every step each row's whole sequence, alone and unpadded, through the model
+    with a fresh buffer as long as the sequence, every query seeing the newest 12 positions up to its own (in
+    every layer: a cached token's upper-layer keys were computed from its own window, so the newest 12 tokens
+    alone through the model are not the reference).  That forward shares the attention code with the sampler,
+    checked against the training forward pass above; not the ring's slot arithmetic, writes and masks.
+    The short row ("de") never holds 12 tokens of its own, but the ring overwrites its padding slots: it checks
+    that they stay masked."""
+    steps, length = 10, 12
+    full = _sampler("tiny")
+    window = Sampler(
+        _config("tiny", ["mesh.data=1", f"model.max_seq_len={length}", f"train.seq_len={length}"]),
+        full.params,
+        full.parallelism,
+    )
+    assert window.cache_length(8, steps) == length
+    got = window.decode(PROMPTS, steps, stop_at_eos=False, keep_logits=True)
+
+    m = _config("tiny", []).model
+
+    @jax.jit
+    def banded(params, tokens):  # tokens [1, n]: logits [1, n, V], position i seeing positions i-11..i
+        i = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        visible = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - length)
+        cache = init_kv_cache(m, 1, tokens.shape[1])
+        return forward_with_cache(params, tokens, i[None, :], cache, jnp.int32(0), visible[None], m)[0]
+
+    seqs = [list(p) for p in PROMPTS]
+    want = np.zeros((len(PROMPTS), steps, m.vocab_size), np.float32)
+    for i in range(steps):
+        for b, s in enumerate(seqs):
+            want[b, i] = np.asarray(banded(full.params, np.array([s], np.int32)))[0, -1]
+            s.append(int(np.argmax(want[b, i])))
+    assert max(len(s) for s in seqs) - 1 > length + 4  # the longest row decoded 5 tokens past its first window
+    assert _ids(got) == [s[len(p) :] for s, p in zip(seqs, PROMPTS)]
+    np.testing.assert_allclose(got.logits, want, rtol=0, atol=1e-5)
 
 
 # --------------------------------------------------------------------------- sampling settings

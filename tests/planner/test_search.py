@@ -67,7 +67,10 @@ def test_search_finds_the_exhaustive_optimum_with_a_tenth_of_the_evaluations():
         cases += 1
 
 
-def test_a_96_layer_175b_model_on_1024_gpus_plans_in_under_10_s():
+def test_a_96_layer_175b_model_on_1024_gpus_plans_in_under_200_evaluations():
+    """The search's cost counted, not timed: it evaluated 99 strategies here (0.08 s of CPU, 0.44 s of wall time
+    at load 12 on 2 cores); 200 leaves 2x for changes to the search, and the CPU bound of 10 s over 100x for a
+    slow host (CPU time: the machine is shared, so wall time would measure the other processes)."""
     gpt3 = ModelConfig(
         preset="gpt-175b",
         vocab_size=50304,
@@ -82,9 +85,9 @@ def test_a_96_layer_175b_model_on_1024_gpus_plans_in_under_10_s():
         dtype="bfloat16",
     )
     spec = ClusterSpec(**{**load_cluster("h100x64").__dict__, "name": "h100x1024", "nodes": 128})
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     p = plan(gpt3, spec, batch_size=1536, seq_len=2048, axes=AXES)
-    assert time.perf_counter() - t0 < 10
+    assert p.evaluations <= 200 and time.process_time() - t0 < 10, p.evaluations
     assert p.best.fits and p.best.strategy.n_devices == 1024
     assert 170e9 < param_count(p.model) < 180e9  # SwiGLU with d_ff = 8/3 d: GPT-3's size
 

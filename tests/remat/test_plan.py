@@ -1,4 +1,8 @@
-"""Plans against XLA (memory, FLOPs, Pareto), exact gradients, budgets, train.remat and the CLI."""
+"""Plans against XLA (memory, FLOPs, Pareto), exact gradients, budgets, train.remat and the CLI.
+
+The plans' Pareto position in XLA is checked at PARETO_BUDGETS by test_plans_not_dominated_by_named_policies_in_xla
+(the slow ten-budget repeat of it, which ran nowhere, was removed: issue 42).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +24,7 @@ from jaxdist.remat import (
 )
 from jaxdist.measure.remat import dominated_by, measure_policies
 from jaxdist.models.arithmetic import param_count
+from jaxdist.train.aot import peak_of
 from tests.trees import leaf_pairs
 
 # The XLA checks: a tiny model with 16 scanned layers on one device, batch 16 x 64 tokens.
@@ -94,24 +99,6 @@ def test_predicted_pareto_at_ten_budgets(xla):
         assert dominated_by(point, others, (1e-6 * hi, 1e-9 * point[1])) is None
 
 
-@pytest.mark.slow
-def test_pareto_in_xla_at_ten_budgets():
-    cfg = load_config(None, XLA_MODEL)
-    mesh = build_mesh(cfg.mesh, jax.devices()[:1])
-    profile = profile_block(cfg.model, B, T, {}, peak_flops=5e10)
-    lo, hi = budget_range(profile)
-    plans = {f: plan_remat(profile, lo + f * (hi - lo), slack_share=PARETO_SLACK) for f in np.linspace(0, 1, 12)[1:-1]}
-    named = named_policies()
-    m = measure_policies(cfg.model, mesh, B, T, {**{f: p.policy() for f, p in plans.items()}, **named})
-    pts = {
-        k: (c.temp_bytes - m["nothing_saveable"].temp_bytes, c.flops - m["everything_saveable"].flops)
-        for k, c in m.items()
-    }
-    tol = _tolerance(pts)
-    for f in plans:
-        assert dominated_by(pts[f], {k: pts[k] for k in named}, tol) is None, f
-
-
 def test_gradients_equal_no_remat_gradients():
     cfg = load_config(None, ["model=tiny", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
     mesh = build_mesh(cfg.mesh)
@@ -179,26 +166,38 @@ def test_trainer_with_auto_remat(tmp_path):
     from jaxdist.resolve import resolve
     from jaxdist.train.trainer import Trainer
 
+    common = [
+        "model=tiny",
+        "train.batch_size=16",
+        "train.seq_len=64",
+        f"train.runs_dir={tmp_path}",
+        "data.max_bytes=200000",
+        "checkpoint.enabled=false",
+        "train.tensorboard=false",
+    ]
     cfg = load_config(
         None,
         [
-            "model=tiny",
+            *common,
             "train.remat=auto",
-            "train.remat_budget_bytes=3000000",
-            "train.remat_verify=false",  # the prediction alone: tests/remat/test_verify.py compiles
-            "train.batch_size=16",
-            "train.seq_len=64",
-            f"train.runs_dir={tmp_path}",
-            "data.max_bytes=200000",
-            "checkpoint.enabled=false",
-            "train.tensorboard=false",
+            "train.remat_budget_bytes=400000",  # 3 MB let the plan save everything on 8 devices: no remat at all
+            "train.remat_verify=false",  # the prediction alone chooses: tests/remat/test_verify.py closes the loop
         ],
     )
     with Trainer(resolve(cfg, jax.devices())) as trainer:
         plan = trainer.remat_plan
-        assert plan is not None and plan.activation_bytes <= 3_000_000
+        assert plan is not None and plan.activation_bytes <= 400_000
         assert plan.profile.mesh_shape == tuple(sorted(dict(trainer.mesh.shape).items()))
         assert trainer.remat_policy is not None
+        auto_peak = peak_of(trainer.compiled_train_step())[0]
+    # The compiled step, not only the plan: against the same step under full remat (which keeps each block's input
+    # alone), the bytes the plan's policy adds to the program's peak are at most what the plan saves beyond the
+    # inputs (measured on XLA:CPU, 8 devices: 0.07 MB for a planned 0.33 MB; the step saving everything peaks
+    # 1.68 MB above full remat), so a policy the step ignores or a plan that saves more than it says fails here.
+    full = load_config(None, [*common, "train.remat=full"])
+    full_peak = peak_of(Trainer.for_compiling(resolve(full, jax.devices()), jax.devices()).compiled_train_step())[0]
+    inputs = plan.profile.n_layers * plan.profile.input_bytes
+    assert 0 < auto_peak - full_peak <= plan.activation_bytes - inputs
     with pytest.raises(ConfigError, match="cannot be met"):
         Trainer(
             resolve(

