@@ -22,6 +22,7 @@ import json
 import os
 import re
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -30,6 +31,7 @@ CHECKSUM_DIR = "jaxdist_checksums"
 FORMAT = "jaxdist-checkpoint-v2"  # v2: the marker records its own CRC-32 (``marker_crc32``)
 FORMATS = ("jaxdist-checkpoint-v1", FORMAT)  # v1 markers (no CRC-32 of their own) are still read
 _CHUNK = 4 * 2**20  # bytes read at a time while checksumming
+_THREADS = 4  # files checksummed at once
 _PROCESS_PART = re.compile(r"(?:^|/)(?:ocdbt\.process_|array_metadatas/process_)(\d+)(?:/|$)")
 
 
@@ -44,13 +46,33 @@ def writer_of(relpath: str) -> int:
 
 
 def file_crc32(path: Path) -> tuple[int, str]:
-    """(size in bytes, CRC-32 as 8 hex digits) of a file, read in 4 MiB chunks."""
+    """(size in bytes, CRC-32 as 8 hex digits) of a file, read in 4 MiB chunks into one reused buffer."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+            size += n
     return size, f"{crc:08x}"
+
+
+def files_crc32(step_dir: Path, rels: Iterable[str]) -> dict[str, tuple[int, str] | None]:
+    """:func:`file_crc32` of each ``rels`` path of ``step_dir`` (None: not a file), several files at a time.
+
+    zlib and file reads release the GIL, so the files are checksummed on up to
+    ``_THREADS`` threads: a step's few large data files take one read each, side by side.
+    """
+    rels = list(rels)
+
+    def one(rel: str) -> tuple[int, str] | None:
+        path = Path(step_dir) / rel
+        return file_crc32(path) if path.is_file() else None
+
+    if len(rels) <= 1:
+        return {rel: one(rel) for rel in rels}
+    with ThreadPoolExecutor(min(_THREADS, len(rels)), thread_name_prefix="jaxdist-crc") as pool:
+        return dict(zip(rels, pool.map(one, rels)))
 
 
 def data_files(step_dir: Path) -> list[str]:
@@ -84,11 +106,11 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 
 def record_own_checksums(step_dir: Path, process: int) -> dict[str, dict[str, Any]]:
     """Checksum the files ``process`` wrote and save them as ``jaxdist_checksums/process_<i>.json``."""
-    files = {
-        rel: dict(zip(("size", "crc32"), file_crc32(step_dir / rel)), process=process)
-        for rel in data_files(step_dir)
-        if writer_of(rel) == process
-    }
+    sums = files_crc32(step_dir, [rel for rel in data_files(step_dir) if writer_of(rel) == process])
+    gone = sorted(rel for rel, got in sums.items() if got is None)
+    if gone:
+        raise FileNotFoundError(f"{step_dir / gone[0]} disappeared while its checksum was being recorded")
+    files = {rel: {"size": got[0], "crc32": got[1], "process": process} for rel, got in sums.items() if got}
     (step_dir / CHECKSUM_DIR).mkdir(exist_ok=True)
     write_json_atomic(step_dir / CHECKSUM_DIR / f"process_{process}.json", files)
     return files
@@ -190,13 +212,12 @@ def verify_files(step_dir: Path, files: dict[str, dict[str, Any]], names: Iterab
     ``names`` restricts the check to some of them (a process's share).
     """
     problems = []
-    for rel in sorted(files if names is None else names):
+    for rel, got in sorted(files_crc32(step_dir, files if names is None else names).items()):
         want = files[rel]
-        path = Path(step_dir) / rel
-        if not path.is_file():
+        if got is None:
             problems.append(f"{rel} is missing")
             continue
-        size, crc = file_crc32(path)
+        size, crc = got
         if size != want["size"]:
             problems.append(f"{rel} has {size} bytes, {want['size']} were written")
         elif crc != want["crc32"]:

@@ -19,7 +19,8 @@ step, data position, config).  :class:`RunCheckpointer`
   removed), and keeps the newest ``keep`` committed steps (older
   ones are deleted only after a newer one committed);
 * restores onto any mesh and process count (each process reads what its
-  devices need), verifying the files' checksums first and falling back to
+  devices need), verifying the files' checksums (on one process while orbax
+  reads them, on several first, each process an even share) and falling back to
   the newest good step, with a warning naming each damaged one (set aside as
   ``<step>.damaged``).
 """
@@ -30,6 +31,7 @@ import dataclasses
 import logging
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -206,13 +208,14 @@ class RunCheckpointer:
                 try:  # the marker: only now does the step count
                     marker = integrity.commit(step_dir, self.num_processes, info)
                     stats.written_bytes = marker["bytes_written_per_process"]
-                    self._collect_garbage()
                 except Exception as e:  # still meet the others at the barrier, then report
                     failed = e
             self._barrier("committed", stats.step, seq)
             if failed is not None:
                 raise failed
             stats.background_s = time.perf_counter() - t_start - stats.blocked_s
+            if self.process == 0:  # after the step counts: deleting old steps does not delay it
+                self._collect_garbage()
         except BaseException as e:  # the writer re-raises it at the next save/wait on the main thread
             log.error("checkpoint of step %d in %s failed: %s", stats.step, self.directory, e)
             raise
@@ -279,7 +282,24 @@ class RunCheckpointer:
             if not folders:
                 raise FileNotFoundError(f"no committed checkpoint of step {step} in {self.directory}")
         for folder in reversed(folders):
-            problems = self._verify(folder) if self.verify else []
+            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+            args = ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args), meta=ocp.args.JsonRestore()
+            )
+            restored, error = None, None
+            if self.verify and self.num_processes == 1:
+                # One process: check the files while orbax reads them (one pass through the page cache instead of
+                # two in a row) and use what orbax read only if they match.  On several processes the check comes
+                # first: a process whose read failed on a damaged file would leave the others at orbax's barrier.
+                with ThreadPoolExecutor(1, thread_name_prefix="jaxdist-verify") as pool:
+                    check = pool.submit(self._verify, folder)
+                    try:
+                        restored = self._orbax.restore(folder.path, args=args)
+                    except Exception as e:  # damage or not: decided by the checksums below
+                        error = e
+                    problems = check.result()
+            else:
+                problems = self._verify(folder) if self.verify else []
             if problems:
                 more = f" and {len(problems) - 1} more problems" if len(problems) > 1 else ""
                 msg = f"checkpoint {folder.path} is damaged: {problems[0]}{more}"
@@ -292,13 +312,10 @@ class RunCheckpointer:
                     raise integrity.CheckpointDamaged(msg + "; restore another step or rewrite it.")
                 log.warning("%s; trying the previous checkpoint", msg)
                 continue
-            restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-            restored = self._orbax.restore(
-                folder.path,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args), meta=ocp.args.JsonRestore()
-                ),
-            )
+            if error is not None:
+                raise error
+            if restored is None:
+                restored = self._orbax.restore(folder.path, args=args)
             return restored["state"], dict(restored["meta"])
         raise FileNotFoundError(f"no good checkpoint in {self.directory}")
 

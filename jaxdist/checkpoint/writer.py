@@ -10,27 +10,110 @@ identity), so any other orbax use in the process is unaffected.  Arrays whose
 replicas all live in one process (``owner``) are copied from one device
 whole instead of sliced R ways: the same bytes, fewer device-to-host copies.
 
-Tested against orbax-checkpoint 0.12.8: the hook's output is a
-``ReplicaSlices`` whose pieces all have the plan's piece shape, which is what
-orbax needs for every process to agree on the chunk layout.
+Orbax's public options (``use_replica_parallel``, ``min_slice_bytes_for_replica_parallel``,
+``max_replicas_for_replica_parallel``, ``enable_replica_parallel_separate_folder``) choose
+one rule for every array of a save; the plan needs one per array (whole shards
+from one device for ``owner``, k < R slices for ``jaxdist``), which orbax has no
+public way to take.  That one reach inside orbax is :func:`orbax_slices`, which
+checks what jaxdist relies on and says in one sentence what changed if an orbax
+version differs (``tests/checkpoint/test_orbax_compat.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
+import types
 from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.serialization import replica_slices as _rs
 
 from jaxdist.checkpoint.plan import ArrayLayout, ArrayPlan, Index, Shard, WritePlan, plan_writes
 
-_ORIGINAL = _rs.get_replica_slices
+TESTED_ORBAX = "0.12.8"  # the orbax-checkpoint version orbax_slices was written against
+_SIGNATURE = (
+    "arr",
+    "replica_id",
+    "use_replica_parallel",
+    "min_slice_bytes_for_replica_parallel",
+    "max_replicas_for_replica_parallel",
+)
+_FIELDS = {
+    "ReplicaSlice": ("index", "unsliced_data", "slice_args"),
+    "SliceArgs": ("start_index", "limit_index", "axis"),
+    "ReplicaSlices": ("global_shape", "local_shape", "sharding", "dtype", "is_on_host", "replica_slices"),
+}
 _lock = threading.Lock()
 _active: dict[int, tuple[jax.Array, ArrayPlan]] = {}
+
+
+class OrbaxChanged(RuntimeError):
+    """The installed orbax-checkpoint no longer has what :func:`orbax_slices` relies on."""
+
+
+def _names_in(code: types.CodeType) -> set[str]:
+    out = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out |= _names_in(c)
+    return out
+
+
+@functools.cache
+def orbax_slices() -> tuple[Any, Any]:
+    """(orbax's private ``replica_slices`` module, its original ``get_replica_slices``), checked.
+
+    The only place jaxdist reaches inside orbax; :class:`OrbaxChanged` (one
+    sentence) if the installed orbax no longer has what :func:`check_orbax_slices` checks.
+    """
+    try:
+        from orbax.checkpoint._src.serialization import jax_array_handlers as handlers
+        from orbax.checkpoint._src.serialization import replica_slices as module
+    except ImportError as e:
+        module, handlers = None, e
+    check_orbax_slices(module, handlers)
+    return module, module.get_replica_slices
+
+
+def check_orbax_slices(module: Any, handlers: Any) -> None:
+    """Raise :class:`OrbaxChanged` (one sentence) unless ``module`` is orbax's ``replica_slices`` as jaxdist knows it.
+
+    That is: ``get_replica_slices`` exists with the arguments jaxdist passes;
+    ``ReplicaSlice``, ``SliceArgs`` and ``ReplicaSlices`` are dataclasses with
+    the fields jaxdist fills; and orbax's array writer (``handlers``, its
+    ``jax_array_handlers`` module) looks the function up in ``module`` at call
+    time, so replacing it there takes effect.  ``module`` None: it could not be
+    imported (``handlers`` is then the ImportError).
+    """
+    fn = getattr(module, "get_replica_slices", None)
+    if module is None or not callable(fn):
+        problem = f"has no replica_slices.get_replica_slices ({handlers if module is None else 'not in the module'})"
+    elif (got := tuple(inspect.signature(fn).parameters)) != _SIGNATURE:
+        problem = f"has get_replica_slices({', '.join(got)}), not get_replica_slices({', '.join(_SIGNATURE)})"
+    else:
+        problem = None
+        for cls, fields in _FIELDS.items():
+            have = getattr(getattr(module, cls, None), "__dataclass_fields__", None)
+            if have is None or not set(fields) <= set(have):
+                problem = f"has no dataclass replica_slices.{cls} with the fields {', '.join(fields)}"
+                break
+    if problem is None:
+        caller = getattr(handlers, "_get_replica_slices", None)
+        names = _names_in(caller.__code__) if hasattr(caller, "__code__") else set()
+        if (
+            getattr(handlers, "replica_slices", None) is not module
+            or not {"replica_slices", "get_replica_slices"} <= names
+        ):
+            problem = "no longer calls replica_slices.get_replica_slices through that module when it writes an array"
+    if problem:
+        raise OrbaxChanged(
+            f"orbax-checkpoint {ocp.__version__} {problem}, so jaxdist cannot make it follow the balanced write plan "
+            f"(jaxdist was tested with orbax-checkpoint {TESTED_ORBAX}: install that version)"
+        )
 
 
 def _index(slices: Sequence[slice], shape: Sequence[int]) -> Index:
@@ -56,8 +139,9 @@ def layouts_from_arrays(named: Sequence[tuple[str, jax.Array]]) -> list[ArrayLay
     return out
 
 
-def _jaxdist_slices(arr: jax.Array, plan: ArrayPlan) -> _rs.ReplicaSlices:
+def _jaxdist_slices(arr: jax.Array, plan: ArrayPlan) -> Any:
     """This process's pieces of ``arr`` under a ``jaxdist``-rule plan, as orbax ReplicaSlices."""
+    _rs = orbax_slices()[0]
     me = jax.process_index()
     shards = {s.device.id: s for s in arr.addressable_shards}
     out = []
@@ -92,20 +176,21 @@ def _get_replica_slices(
     min_slice_bytes_for_replica_parallel=None,
     max_replicas_for_replica_parallel=None,
 ):
+    original = orbax_slices()[1]
     entry = _active.get(id(arr))
     if entry is not None and entry[0] is arr:
         if entry[1].rule == "jaxdist":
             return _jaxdist_slices(arr, entry[1])
         if entry[1].rule == "owner":  # replica 0 (in the one holding process) copies each shard whole
-            return _ORIGINAL(arr, 0, False)
-    return _ORIGINAL(
+            return original(arr, 0, False)
+    return original(
         arr, replica_id, use_replica_parallel, min_slice_bytes_for_replica_parallel, max_replicas_for_replica_parallel
     )
 
 
 def install() -> None:
-    """Route orbax's per-array slice choice through jaxdist (idempotent)."""
-    _rs.get_replica_slices = _get_replica_slices
+    """Route orbax's per-array slice choice through jaxdist (idempotent); :class:`OrbaxChanged` if it cannot."""
+    orbax_slices()[0].get_replica_slices = _get_replica_slices
 
 
 @contextlib.contextmanager

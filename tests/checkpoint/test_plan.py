@@ -190,7 +190,7 @@ def test_orbax_rule_is_what_orbax_writes_and_the_hook_writes_the_plan():
     for name, arr in named:
         a = plan.for_array(name)
         if a.rule == "orbax":  # orbax's own choice of slices (device, index) is the plan's
-            got = writer._ORIGINAL(arr, 0, True).replica_slices
+            got = writer.orbax_slices()[1](arr, 0, True).replica_slices
             assert sorted((r.unsliced_data.device.id, writer._index(r.index, arr.shape)) for r in got) == sorted(
                 (p.device, p.index) for p in a.pieces
             )
