@@ -529,8 +529,9 @@ def test_a_banned_node_returns_after_its_cool_down_and_takes_a_rank_again(tmp_pa
     # agent lost with it, never heard again, was assigned before: a 4th start)
     assert [len(s["members"]) for s in starts] == [4, 4, 4], starts
     assert starts[2]["members"]["2"] == first, starts
-    banned, (unbanned,) = events_of(job, "banned"), events_of(job, "unbanned")
-    assert [b["node"] for b in banned] == [first, second] and unbanned["node"] == first
+    banned, unbanned = events_of(job, "banned"), events_of(job, "unbanned")
+    assert [b["node"] for b in banned] == [first, second]
+    assert [u["node"] for u in unbanned][:1] == [first]  # (the second one's ban may end too before the job does)
     assert banned[0]["until"] - banned[0]["time"] == pytest.approx(3.0, abs=0.5)
-    assert unbanned["time"] >= banned[0]["until"]
+    assert unbanned[0]["time"] >= banned[0]["until"]
     assert final_state(job) == expected_final(steps)
