@@ -107,6 +107,19 @@ def auto_dir(abstract_state: Any, keep: int) -> str:
     return str(base / "{node}")
 
 
+def run_tier(
+    local_dir: str, keep: int, run_dir: Path, name: str, abstract_state: Any, not_before: float
+) -> "LocalTier | None":
+    """The run's tier for ``checkpoint.local_dir`` (``auto`` resolved by :func:`auto_dir` from
+    ``abstract_state()``), or None when off; a hash of the run directory keeps runs of one name apart."""
+    if local_dir == AUTO:
+        local_dir = auto_dir(abstract_state(), keep)
+    if not local_dir:
+        return None
+    tag = hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:8]
+    return LocalTier(resolve_dir(local_dir, f"{name}-{tag}"), keep, not_before=not_before)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Entry:
     name: str

@@ -14,7 +14,6 @@ there when that step is at least as new as the persistent one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -27,7 +26,7 @@ from jax.sharding import NamedSharding
 from jaxdist.checkpoint import RunCheckpointer
 from jaxdist.checkpoint.compat import layout_change
 from jaxdist.checkpoint.local import AUTO as LOCAL_AUTO
-from jaxdist.checkpoint.local import LocalTier, auto_dir, resolve_dir
+from jaxdist.checkpoint.local import run_tier
 from jaxdist.config import Config, ConfigError
 from jaxdist.errors import expect
 from jaxdist.config_checks import is_resolved, validate
@@ -275,17 +274,9 @@ class Trainer:
             if c.checkpoint.enabled
             else None
         )
-        self.local = None
-        local_dir = c.checkpoint.local_dir if c.checkpoint.enabled else ""
-        if local_dir == LOCAL_AUTO:
-            local_dir = auto_dir(self.abstract_state(), c.checkpoint.local_keep)
-        if local_dir:  # per run: a hash of the run directory keeps runs apart
-            tag = hashlib.sha256(str(self.run_dir.absolute()).encode()).hexdigest()[:8]
-            self.local = LocalTier(
-                resolve_dir(local_dir, f"{c.train.name}-{tag}"),
-                c.checkpoint.local_keep,
-                not_before=history_since(),  # a launched job that started over: not the earlier history's files
-            )
+        ck = c.checkpoint  # not_before: a launched job that started over skips the earlier history's files
+        where = ck.local_dir if ck.enabled else ""
+        self.local = run_tier(where, ck.local_keep, self.run_dir, c.train.name, self.abstract_state, history_since())
 
     # ------------------------------------------------------------------ sharding
 
@@ -585,10 +576,9 @@ class Trainer:
                 self.local.close()
             if self.checkpointer is not None:
                 self.checkpointer.close()
-                if self.local is not None and self.config.checkpoint.local_dir == LOCAL_AUTO:
-                    # a finished run's temporary local steps: its last persistent checkpoint holds the end
-                    if self.checkpointer.latest_step() == self.config.train.steps:
-                        self.local.clear(remove_dir=True)
+                auto = self.local is not None and self.config.checkpoint.local_dir == LOCAL_AUTO
+                if auto and self.checkpointer.latest_step() == self.config.train.steps:  # temporary steps of a
+                    self.local.clear(remove_dir=True)  # finished run: its last persistent checkpoint holds the end
             self.metrics.close()
         finally:
             self.close_lock()
