@@ -165,7 +165,7 @@ def check_mesh(mesh: MeshConfig) -> None:
 
 def check_train(t: TrainConfig) -> None:
     """Optimisation and logging settings by themselves (ConfigError, one sentence)."""
-    for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every"):
+    for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "grad_unit_rows"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be positive.")
     for name in ("learning_rate", "min_lr_ratio", "weight_decay", "b1", "b2", "grad_clip"):
@@ -525,9 +525,53 @@ def _moe_on_mesh(m: ModelConfig, mesh: MeshConfig, sizes: dict[str, int]) -> Non
         )
 
 
+def check_ordered(batch_size: int, unit_rows: int, devices: int) -> str | None:
+    """Why ``train.grad_sync=ordered`` cannot split this batch (one sentence), or None."""
+    if batch_size % unit_rows:
+        return (
+            f"train.grad_unit_rows={unit_rows} does not divide train.batch_size={batch_size}: choose a unit that "
+            "divides the batch."
+        )
+    units = batch_size // unit_rows
+    if units & (units - 1):
+        return (
+            f"train.grad_sync=ordered sums a power-of-two number of units, but train.batch_size={batch_size} / "
+            f"train.grad_unit_rows={unit_rows} = {units}: make the batch a power of two times the unit."
+        )
+    if units % devices:
+        return (
+            f"train.grad_sync=ordered gives each of the {devices} devices on the data axes whole units, but there "
+            f"are {units} units of {unit_rows} rows: lower train.grad_unit_rows or use fewer devices."
+        )
+    return None
+
+
+def _ordered_on_model(cfg: Config, sizes: dict[str, int]) -> None:
+    """train.grad_sync=ordered's reach (ConfigError, one sentence): dense models on the data and fsdp axes, no
+    microbatches, the batch a power of two of units that the data axes divide."""
+    for axis in ("tensor", "context", "expert", "pipeline"):
+        if sizes[axis] > 1:
+            raise ConfigError(
+                f"train.grad_sync=ordered runs on the data and fsdp axes only, not with mesh.{axis}={sizes[axis]}: "
+                f"set mesh.{axis}=1 or train.grad_sync=end."
+            )
+    if cfg.model.moe.experts:
+        raise ConfigError("train.grad_sync=ordered covers dense models only: set train.grad_sync=end for an MoE model.")
+    if cfg.train.microbatches > 1:
+        raise ConfigError(
+            f"train.grad_sync=ordered already goes through the batch in units of train.grad_unit_rows rows: set "
+            f"train.microbatches=1 (not {cfg.train.microbatches})."
+        )
+    problem = check_ordered(cfg.train.batch_size, cfg.train.grad_unit_rows, sizes["data"] * sizes["fsdp"])
+    if problem:
+        raise ConfigError(problem)
+
+
 def _grad_sync_on_model(cfg: Config, sizes: dict[str, int]) -> None:
     """train.grad_sync=per_block's reach (ConfigError, one sentence): the shard_map form covers dense models
     on data, fsdp, tensor and pipeline axes, with microbatches only as pipeline microbatches."""
+    if cfg.train.grad_sync == "ordered":
+        _ordered_on_model(cfg, sizes)
     if cfg.train.grad_sync != "per_block":
         return
     if cfg.model.moe.experts:

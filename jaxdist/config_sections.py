@@ -33,7 +33,7 @@ RopeScaling = Literal["none", "linear", "llama3"]
 Dispatch = Literal["dropless", "capacity"]
 PipelineSchedule = Literal["gpipe", "1f1b", "seq1f1b"]
 ChunkSplit = Literal["cost", "equal"]
-GradSync = Literal["end", "per_block"]
+GradSync = Literal["end", "per_block", "ordered"]
 DataSource = Literal["stdlib", "text_dir", "tokens"]
 TokenDType = Literal["uint16", "uint32"]
 Launcher = Literal["local", "ssh", "slurm", "kubernetes"]
@@ -454,7 +454,11 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value (0 disables).")
     grad_sync: GradSync = _f(
         "end",
-        "When the gradients are reduced over the data axes: end (after the whole backward pass, XLA's automatic sharding) or per_block (each bucket of blocks right after its backward, in a shard_map over data and fsdp, so the reduction overlaps the rest of the backward pass; see `jaxdist comm plan`). With pipeline stages each stage reduces its blocks' gradients once per step, right after its last backward. per_block needs a dense model, no context or expert axis, and train.microbatches=1 unless mesh.pipeline > 1.",
+        "When the gradients are reduced over the data axes: end (after the whole backward pass, XLA's automatic sharding) or per_block (each bucket of blocks right after its backward, in a shard_map over data and fsdp, so the reduction overlaps the rest of the backward pass; see `jaxdist comm plan`). With pipeline stages each stage reduces its blocks' gradients once per step, right after its last backward. per_block needs a dense model, no context or expert axis, and train.microbatches=1 unless mesh.pipeline > 1. ordered: the batch's units of train.grad_unit_rows rows are differentiated one by one and their gradients added in one fixed binary tree, so the step has the same bits whatever the number of devices on the data axes (a shrunk or grown group continues the uninterrupted run exactly); it costs a sequential loop over units and an all-gather of whole gradients (benchmarks/ordered_sum.py), and needs a dense model on the data and fsdp axes only with train.microbatches=1.",
+    )
+    grad_unit_rows: int = _f(
+        1,
+        "Rows per unit with train.grad_sync=ordered: train.batch_size / grad_unit_rows must be a power of two that every data-parallel group size you run divides.",
     )
     grad_bucket_bytes: int = _f(
         0,

@@ -121,7 +121,7 @@ def make_train_step(
     A step whose loss or gradient norm is not finite leaves the parameters and the optimizer state as
     they were (the step count and the RNG advance); the host skips or stops on it (train.skip_nonfinite).
     ``grads_fn(params, tokens) -> (loss, metrics, grads)`` replaces the model's own
-    (the pipeline executor does this, jaxdist.parallel.pipeline).
+    (the pipeline executor does this, jaxdist.parallel.pipeline); a ``grad_norm`` in its metrics is the norm used.
     """
 
     def train_step(state: TrainState, tokens: jax.Array):
@@ -130,8 +130,12 @@ def make_train_step(
             loss, model_metrics, grads = grads_fn(params, tokens)
         else:
             loss, model_metrics, grads = loss_metrics_and_grads(graphdef, params, tokens, microbatches)
-        # Clip here rather than in optax so the norm is computed (and all-reduced) once.
-        grad_norm = optax.global_norm(grads)
+        # Clip here rather than in optax so the norm is computed (and all-reduced) once; a grads_fn may bring its
+        # own (train.grad_sync=ordered computes it from the whole gradients, the same bits on every mesh).
+        model_metrics = dict(model_metrics)
+        grad_norm = model_metrics.pop("grad_norm", None)
+        if grad_norm is None:
+            grad_norm = optax.global_norm(grads)
         if grad_clip > 0:
             scale = jnp.minimum(1.0, grad_clip / jnp.maximum(grad_norm, 1e-12))
             grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)

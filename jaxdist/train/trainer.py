@@ -39,6 +39,7 @@ from jaxdist.cluster import load_cluster
 from jaxdist.parallel.comm import plan_comm, xla_gpu_options
 from jaxdist.parallel.consistency import check_same_collectives, coordination_store
 from jaxdist.parallel.grad_sync import per_block_grads_fn
+from jaxdist.parallel.ordered_sum import ordered_grads_fn
 from jaxdist.parallel.pipeline_sync import StageSync
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh, mesh_devices
@@ -234,8 +235,10 @@ class Trainer:
         )
 
     def _grads_fn(self):
-        """The pipeline executor's gradients, per_block's shard_map (train.grad_sync), or None (the model's own)."""
+        """The pipeline executor's gradients, per_block's or ordered's (train.grad_sync), or None (the model's own)."""
         c = self.config
+        if c.train.grad_sync == "ordered":
+            return ordered_grads_fn(self.graphdef, self.mesh, self.rules, self.param_shardings, c.train.grad_unit_rows)
         per_block = c.train.grad_sync == "per_block"
         if per_block and self.parallelism.pipeline is not None:  # each stage reduces after its last backward
             specs = jax.tree.map(lambda s: s.spec, self.param_shardings)
@@ -440,8 +443,7 @@ class Trainer:
         return self._compiled_step
 
     def hardware_flops_per_step(self) -> float | None:
-        """FLOPs the compiled train step executes on all devices (jaxdist.train.programs.executed_flops);
-        computed once."""
+        """FLOPs the compiled train step executes on all devices (programs.executed_flops), computed once."""
         if self._hardware_flops is None:
             self._hardware_flops = executed_flops(self.compiled_train_step(), len(self.devices))
         return self._hardware_flops
