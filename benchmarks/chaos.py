@@ -23,10 +23,11 @@ The faults, each a few steps after the previous recovery's first step:
 At the end: each generation's size, the steps each recovery recomputed, the exactly-once check of the batch
 list against the training log, and the final parameters against the uninterrupted run of the same job (equal
 arrays, max difference): bit-identical when the group kept its size; after a shrink, the steps trained on 2
-nodes reduce their sums in another order.
+nodes reduce their sums in another order, unless ``--set train.grad_sync=ordered`` (one order on every size).
 
     python benchmarks/chaos.py              # ~10 minutes on 2 loaded cores
     python benchmarks/chaos.py --no-shrink  # every fault but the shrink and growth: bit-identical expected
+    python benchmarks/chaos.py --set train.grad_sync=ordered  # sums in one order on any group size: bit-identical
 """
 
 from __future__ import annotations
@@ -81,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--no-shrink", action="store_true")
     p.add_argument("--dir", help="work directory (default: a fresh temporary one)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both runs")
     a = p.parse_args(argv)
+    common = [*COMMON, *a.set]
     cwd = Path(a.dir or tempfile.mkdtemp(prefix="jaxdist-chaos-"))
     cwd.mkdir(parents=True, exist_ok=True)
     plan = [k for k in PLAN if not (a.no_shrink and k in ("shrink", "back", "grow"))]
     t0 = time.time()
-    ref = LocalJob([*COMMON, f"train.steps={a.steps}", "train.name=ref"], nodes=4, cwd=cwd)
+    ref = LocalJob([*common, f"train.steps={a.steps}", "train.name=ref"], nodes=4, cwd=cwd)
     try:
         ref.start(timeout=a.timeout)
         assert ref.wait(a.timeout) == 0, ref.summary()
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         ref.close()
     print(f"uninterrupted run: {time.time() - t0:.0f} s", flush=True)
     job = LocalJob(
-        [*COMMON, f"train.steps={a.steps}", "train.name=chaos"], nodes=5, cwd=cwd, env={"JAXDIST_FAULT_HOOKS": "1"}
+        [*common, f"train.steps={a.steps}", "train.name=chaos"], nodes=5, cwd=cwd, env={"JAXDIST_FAULT_HOOKS": "1"}
     )
     kills, lost_nodes = [], []
     every = job.cfg.checkpoint.every

@@ -99,7 +99,8 @@ def plot_timeline(run_dir: str | Path, ax=None):
     top = max((r["step"] for r in trained), default=1)
     for j in injections:
         ax.axvline(j["time"] - t0, color="red", ls="--", lw=1)
-        ax.text(j["time"] - t0, top, f" {j['signal']} rank {j['rank']}", color="red", rotation=90, va="top", fontsize=8)
+        what = f"rank {j['rank']}" if "rank" in j else j.get("node", "")  # a lost node's record names the node
+        ax.text(j["time"] - t0, top, f" {j['signal']} {what}", color="red", rotation=90, va="top", fontsize=8)
     ax.set_xlabel("seconds since the first start (dotted: green start, black failure detected)")
     ax.set_ylabel("step completed")
     ax.legend(fontsize=7, loc="lower right")

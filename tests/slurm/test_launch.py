@@ -35,7 +35,6 @@ def stub_args(name: str, steps: int, *extra: str) -> list[str]:
         "train.runs_dir=runs",
         f"train.name={name}",
         f"controller.worker_command={{python}} {STUB}",
-        "controller.heartbeat_timeout=1.0",
         *extra,
     ]
 

@@ -44,14 +44,13 @@ COMMON = [
     "train.progress=false",
     "train.tensorboard=false",
     f"checkpoint.every={EVERY}",
-    "train.log_every=1",
+    "train.log_every=1",  # every step's loss is compared with the reference's
     "train.eval_every=0",
     "train.eval_batches=1",
     "train.runs_dir=runs",
     f"train.steps={STEPS}",
-    "controller.standbys=0",
+    "controller.standbys=0",  # the 4 nodes train; the restart here is Slurm's requeue, not a standby's
     "controller.warm_spares=0",  # no process warmed beside the training ones: the restart here is Slurm's requeue
-    "controller.heartbeat_timeout=10",  # no failure is injected here: a step slowed by a loaded host is no hang
 ]
 GROUP = ["mesh.data=4", "mesh.fsdp=2", "controller.min_nodes=4", "controller.max_nodes=4"]
 SHARED = ["mesh.cluster=slurm:gpu@cpu-4x2", "mesh=auto", "controller.max_nodes=1", "train.name=shared"]
