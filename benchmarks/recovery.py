@@ -35,6 +35,7 @@ import argparse
 import os
 import random
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -130,16 +131,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds any one wait may take")
     p.add_argument("--dir", help="working directory (default: a temporary one)")
     p.add_argument("--report-only", action="store_true", help="only print the tables of the runs in --dir")
+    p.add_argument("--hog", type=int, default=0, help="busy processes loading the host for the whole run")
     args = p.parse_args(argv)
     cwd = Path(args.dir or tempfile.mkdtemp(prefix="jaxdist-recovery-")).absolute()
     cwd.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
     print(f"working in {cwd}", file=sys.stderr)
 
-    if not args.report_only:
-        for m in args.modes.split(","):  # the first job builds the setup cache entry, the next one reuses it
-            run_mode(cwd, m, args, rng)
-    report(cwd, args.modes.split(","), args.nodes, args.devices)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hog)]
+    try:
+        if not args.report_only:
+            for m in args.modes.split(","):  # the first job builds the setup cache entry, the next one reuses it
+                run_mode(cwd, m, args, rng)
+        report(cwd, args.modes.split(","), args.nodes, args.devices)
+    finally:
+        for h in hogs:
+            h.kill()
     return 0
 
 

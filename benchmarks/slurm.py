@@ -59,7 +59,7 @@ def job_args(name: str, worker: str) -> list[str]:
         "controller.start_grace=1",
     ]
     if worker == "stub":
-        return args + [f"controller.worker_command={{python}} {STUB}", "controller.heartbeat_timeout=1.0"]
+        return args + [f"controller.worker_command={{python}} {STUB}"]
     return args + [
         "data.max_bytes=300000",
         "train.progress=false",

@@ -17,9 +17,9 @@ from .test_stub_jobs import events_of, final_state, stub_args, trained_steps
 
 
 def test_a_slow_input_rank_is_named_and_a_stuck_rank_restarts_before_the_progress_timeout(tmp_path, capsys):
-    """At the default train.log_every (10), the stub jobs' 1 s heartbeat timeout; health_every=4 (not the default 10) so that
-    60 steps give the detector enough rounds to name the slow input, and the progress timeout is cut to 60 s so
-    that a missed stuck rank fails the test sooner."""
+    """At the default train.log_every (10) and heartbeat timeout (1.5 s); health_every=4 (not the default 10) so
+    that 60 steps give the detector enough rounds to name the slow input, the progress timeout is cut to 60 s so
+    that a missed stuck rank fails the test sooner, and 3 nodes without a standby keep the group's ranks fixed."""
     steps, stuck_at = 60, 40
     job = LocalJob(
         stub_args(

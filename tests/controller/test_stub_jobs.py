@@ -164,7 +164,9 @@ def test_a_group_that_started_small_keeps_its_size_at_a_restart(tmp_path):
 
 
 def test_failures_hang_and_controller_restart(tmp_path):
-    """SIGKILL of rank 0, SIGSTOP of another rank, a forged message and the controller killed mid-run."""
+    """SIGKILL of rank 0, SIGSTOP of another rank, a forged message and the controller killed mid-run.
+    controller.crashed_rank=standby (the point: the killed processes stand for lost nodes, so the standby takes
+    the rank and the test checks the swap); min/max_nodes=4 name the 4 training nodes of the 5."""
     steps = 150
     job = LocalJob(
         stub_args(
@@ -264,6 +266,9 @@ def test_failures_hang_and_controller_restart(tmp_path):
 
 
 def test_slow_steps_are_located_and_a_stalled_group_restarts(tmp_path):
+    """A job-wide slowdown is named "compute" with no rank, a slowed link by the probe, and a stalled group
+    restarts with no node blamed.  Not the defaults, and why: health_every=3 (a short job needs rounds),
+    progress_timeout=2 (the stall is found in seconds), 3 nodes and no standby (the group's members stay)."""
     steps = 72
     job = LocalJob(
         stub_args(
