@@ -66,16 +66,10 @@ MUTMUT_VERSION = "3.8.1"
 
 # module -> (files to mutate, the fast tests that cover them: files or node ids, each run in seconds to a minute).
 MODULES: dict[str, tuple[list[str], list[str]]] = {
-    "gen.decode": (  # the token choice against exact probabilities; the cache and ring on one device
-        ["jaxdist/gen/decode.py"],
-        [
-            "tests/gen/test_decode_distribution.py",
-            "tests/gen/test_sampler.py::test_cached_greedy_decoding_equals_recomputation[tiny-1-device]",
-            "tests/gen/test_sampler.py::test_after_the_ring_wraps_decoding_equals_a_sliding_window_recomputation",
-            "tests/gen/test_sampler.py::test_ids_the_tokenizer_cannot_decode_are_never_chosen",
-            "tests/gen/test_sampler.py::test_stop_string_and_eos_end_a_prompt",
-        ],
-    ),
+    # The token choice against exact probabilities.  The sampler's decoding tests (the cache, the ring) compile the
+    # model's prefill and decoding programs: minutes per mutant on a loaded 2-core host, so prefill, decode_step and
+    # the slot arithmetic show as "no tests" here; gen.sampler runs them.
+    "gen.decode": (["jaxdist/gen/decode.py"], ["tests/gen/test_decode_distribution.py"]),
     "gen.sampler": (
         ["jaxdist/gen/sampler.py"],
         [
