@@ -69,7 +69,15 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # The token choice against exact probabilities.  The sampler's decoding tests (the cache, the ring) compile the
     # model's prefill and decoding programs: minutes per mutant on a loaded 2-core host, so prefill, decode_step and
     # the slot arithmetic show as "no tests" here; gen.sampler runs them.
-    "gen.decode": (["jaxdist/gen/decode.py"], ["tests/gen/test_decode_distribution.py"]),
+    "gen.decode": (
+        ["jaxdist/gen/decode.py"],
+        [
+            "tests/gen/test_decode_distribution.py",
+            "tests/gen/test_sampler.py",
+            "-k",
+            "test_decode_distribution or left_pad or ring_slots or next_token_ends",
+        ],
+    ),
     "gen.sampler": (
         ["jaxdist/gen/sampler.py"],
         [
@@ -106,8 +114,8 @@ def prepare(module: str, fresh: bool) -> Path:
     if fresh and work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True, exist_ok=True)
-    for name in ("jaxdist", "tests", "meshes"):
-        link = work / name
+    for name in ("jaxdist", "tests", "meshes", "tools/mutation_jax_plugin.py"):
+        link = work / Path(name).name
         if not link.is_symlink():
             link.symlink_to(os.path.relpath(REPO / name, work))
     text = (REPO / "pyproject.toml").read_text()
@@ -116,8 +124,8 @@ def prepare(module: str, fresh: bool) -> Path:
         "source_paths": ["jaxdist"],
         "only_mutate": files,
         "pytest_add_cli_args_test_selection": tests,
-        "pytest_add_cli_args": ["-p", "no:cacheprovider"],
-        "also_copy": ["meshes"],
+        "pytest_add_cli_args": ["-p", "no:cacheprovider", "-p", "mutation_jax_plugin"],
+        "also_copy": ["meshes", "mutation_jax_plugin.py"],
         "process_isolation": "forkserver",
         "use_git_change_detection": False,
         "on_dependency_change": "ignore",
