@@ -36,8 +36,9 @@ import the mutated copy, never the editable install.
 
 **Verdicts kept between runs.**  A run resumes: mutants already killed stay killed (mutmut re-tests a function's
 mutants itself when the function's source changes); every mutant not killed yet (survived, no tests, timeout,
-not checked) is run again, against the tests as they are now (new tests are found and traced first).  After
-changing or deleting tests, run with ``--fresh``.
+not checked) is run again, against the tests as they are now (new tests are found and traced first).  When the
+module's generated configuration changes (its table entry, this script's settings) mutmut forgets every verdict
+and all mutants run.  After changing or deleting tests, run with ``--fresh``.
 
 **The report**, ``tools/mutation_report.md``, is rewritten from ``tools/mutation_runs.json`` (one record per run
 and module: the counts, and the mutants not killed with their one-line diffs) and
@@ -110,8 +111,9 @@ def status_of(exit_code: int | None) -> str:
     return status_by_exit_code[exit_code]
 
 
-def prepare(module: str, fresh: bool) -> Path:
-    """``mutants/<module>/``: links to the sources and tests, and the project's pyproject.toml plus [tool.mutmut]."""
+def prepare(module: str, fresh: bool) -> bool:
+    """``mutants/<module>/``: links to the sources and tests, and the project's pyproject.toml plus [tool.mutmut];
+    True when that configuration is new or changed (mutmut then forgets every verdict: all mutants must run)."""
     files, tests = MODULES[module]
     work = WORK / module
     if fresh and work.exists():
@@ -137,9 +139,10 @@ def prepare(module: str, fresh: bool) -> Path:
     lines += [f"{k} = {json.dumps(v)}" for k, v in section.items()]
     config = text + "\n".join(lines) + "\n"
     path = work / "pyproject.toml"
-    if not path.exists() or path.read_text() != config:
+    changed = not path.exists() or path.read_text() != config
+    if changed:
         path.write_text(config)
-    return work
+    return changed
 
 
 def verdicts(module: str) -> dict[str, str]:
@@ -193,8 +196,8 @@ def _env() -> dict[str, str]:
     return env
 
 
-def run(module: str, max_children: int, timeout: int) -> int:
-    before = verdicts(module)
+def run(module: str, max_children: int, timeout: int, everything: bool) -> int:
+    before = {} if everything else verdicts(module)
     retest = sorted(n for n, s in before.items() if s != "killed")
     cmd = ["mutmut", "run", "--max-children", str(max_children)]
     if before:
@@ -351,8 +354,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if version("mutmut") != MUTMUT_VERSION:
         print(f"warning: mutmut {version('mutmut')} installed; this script was written for {MUTMUT_VERSION}")
-    prepare(args.module, args.fresh)
-    rc = run(args.module, args.max_children, args.timeout)
+    changed = prepare(args.module, args.fresh)
+    rc = run(args.module, args.max_children, args.timeout, changed)
     rec = recount(
         record(args.module, args.note or ("fresh" if args.fresh else "resumed")), load_equivalent().get(args.module, {})
     )
