@@ -231,3 +231,111 @@ def test_a_smaller_group_keeps_every_old_ranks_local_files_when_it_can():
         if cover is not None:
             assert len(cover) == best and all(allowed[i] for i in cover)
             assert all(i in cover or (i + 1) % len(allowed) in cover for i in range(len(allowed)))
+
+
+def test_group_size_problem_says_which_counts_cannot_train_and_why():
+    """The one sentence a job start gets when no node count in [min_nodes, max_nodes] fits: the counts, the reason
+    of the largest one (the brute-force rule above: 3 nodes of 2 devices give data=6, which does not divide 16)."""
+    from jaxdist.controller.policy import group_size_problem
+
+    cfg = load_config(None, ["model=tiny", "train.batch_size=16", "train.seq_len=32"])
+    valid = valid_group_sizes(cfg, 2, 8)
+    assert valid == [n for n in range(1, 9) if _brute_valid(1, 1, 16, 2, n)] == [1, 2, 4, 8]
+    assert group_size_problem(cfg, 2, 8, 2, valid) is None
+    assert group_size_problem(cfg, 8, 8, 2, valid) is None  # exactly min_nodes fits
+    assert group_size_problem(cfg, 5, 4, 2, [1, 2, 4]) == (
+        "controller.min_nodes=5 asks for more than the 4 nodes the job may use (mesh.cluster=cpu-8, or "
+        "controller.max_nodes): lower controller.min_nodes."
+    )
+    msg = group_size_problem(cfg, 3, 3, 2, [1, 2])  # min = max = 3 does not fit: the reason for 3 nodes
+    assert msg.startswith("no node count from controller.min_nodes=3 to 3 fits the mesh and batch (")
+    assert "not divisible by the data axes data*fsdp=6" in msg
+    assert msg.endswith("): change the mesh, the batch or the node counts.")
+
+
+def test_group_size_error_names_the_node_local_axes_and_valid_sizes_stop_at_upto():
+    cfg = load_config(None, ["model=tiny", "mesh.tensor=4", "train.batch_size=16", "train.seq_len=32"])
+    # context is 1: named only when it takes part
+    assert group_size_error(cfg, 2, 2) == "tensor*expert*pipeline = 4 does not fit in a node of 2 devices"
+    cfg = load_config(None, ["model=tiny", "train.batch_size=16", "train.seq_len=32"])
+    assert valid_group_sizes(cfg, 2, 3) == [1, 2]  # 4 fits too, but past upto
+
+
+def test_find_failures_at_the_exact_limits_and_who_is_blamed():
+    """Each limit is a strict 'more than': exactly at it nothing has failed yet; a dropped connection blames its
+    own node and rank; a finished worker does not hide a crashed one."""
+    kw = dict(started_at=0.0, progress_at=99.0, **TIMEOUTS)
+    stopped = _w(3, 99.5, state="training", connected=False, disconnected_at=99.75)
+    assert find_failures(100.0, [stopped], **kw) == []  # exactly disconnect_grace (0.25 s) after
+    got = find_failures(100.5, [stopped], **kw)
+    assert [(f.kind, f.node, f.rank) for f in got] == [("silent", "n3", 3)]
+    # no first step: exactly start_timeout (100 s) after the start is not yet a failure
+    assert find_failures(149.0, [_w(0, 149.0)], started_at=49.0, progress_at=None, **TIMEOUTS) == []
+    got = find_failures(150.0, [_w(0, 150.0)], started_at=49.0, progress_at=None, **TIMEOUTS)
+    assert got == [Failure("start_timeout", None, None, "no first step 101 s after the start")]
+    # no progress for exactly progress_timeout (30 s): not yet stalled
+    assert find_failures(50.0, [_w(0, 50.0)], started_at=0.0, progress_at=20.0, **TIMEOUTS) == []
+    # rank 0 done, rank 1 killed: the crash is still a failure
+    got = find_failures(10.0, [_w(0, 10.0, state="done"), _w(1, 10.0, exit_code=-9)], **kw)
+    assert [(f.kind, f.node, f.rank) for f in got] == [("exit", "n1", 1)]
+
+
+def test_grown_plan_never_shrinks_or_fails_when_no_larger_group_fits():
+    plan = {0: "a", 1: "b", 2: "c"}
+    # max_nodes=3 with sizes 1, 2, 4: the largest fit (2) is below the plan's 3: the plan stays as it is
+    assert grown_plan(plan, ["d", "e"], 1, 3, [1, 2, 4]) == plan
+    # min_nodes=4 cannot be met by the ready nodes: no group size at all, the plan stays
+    assert grown_plan({0: "a", 1: "b"}, [], 4, 4, [4]) == {0: "a", 1: "b"}
+
+
+def test_slow_nodes_at_the_factor_and_with_three_nodes():
+    """A node is slow when its median round trip is MORE than factor (default 3) x the median node's; three nodes
+    are enough to tell which; a node is judged from every pair it is in, first or second."""
+    nodes = "abcde"
+
+    def ring(slow_t, slow_first):
+        rtt = {}
+        for x, y in itertools.combinations(nodes, 2):
+            t = slow_t if "e" in (x, y) else 1.0
+            rtt[(y, x) if slow_first and y == "e" else (x, y)] = t
+        return rtt
+
+    for first in (False, True):
+        assert slow_nodes(ring(3.5, first)) == ["e"]  # 3.5 x the median (1.0)
+        assert slow_nodes(ring(3.0, first)) == []  # exactly 3 x: not more
+    three = {("a", "b"): 1.0, ("a", "c"): 10.0, ("b", "c"): 10.0}  # medians 5.5, 5.5, 10
+    assert slow_nodes(three, factor=1.5) == ["c"]
+
+
+def test_a_ban_shorter_than_a_second_still_ends():
+    from jaxdist.controller.policy import ban_ends
+
+    assert ban_ends(100.0, 0.5, 1) == 100.5 and ban_ends(100.0, 0.5, 3) == 102.0
+
+
+def test_lineage_last_generation_runs_to_the_final_step():
+    """The last generation contributes up to ``final_step`` (the job's end), whatever its last report said."""
+    assert lineage([(0, 4), (3, 6)], 9) == list(range(9))
+    assert lineage([(0, 5)], 8) == list(range(8))
+
+
+def test_process_failure_verdict_judges_the_latest_failure_and_says_why():
+    # the latest failure is rank 1 on b (limit 1): rank 1 moves, named with its node
+    v = process_failure_verdict([(0, "a"), (2, "c"), (1, "b")], 1)
+    assert v.action == "move" and v.why == "rank 1 failed 1 times on b: it moves to another node once"
+    # exactly limit (2) failures of rank 0 on two nodes: it fails wherever it runs
+    v = process_failure_verdict([(0, "a"), (0, "b")], 2)
+    assert v.action == "give_up" and "rank 0 failed 2 times on healthy nodes (1 on a, 1 on b)" in v.why
+    assert "wherever it runs" in v.why and v.why.endswith("(see the worker logs)")
+    # 2 x limit failures on its only node: the job stops, saying where to look
+    v = process_failure_verdict([(0, "a")] * 4, 2)
+    assert v.action == "give_up"
+    assert v.why == "the process of rank 0 failed 4 times on a and no other node could take it (see the worker logs)"
+
+
+def test_a_group_of_two_shrinks_onto_the_node_that_holds_both_ranks_files():
+    """Two old ranks on a and b: each node holds both ranks' local files (its own and its neighbour's replica), so a
+    group of one keeps b, a survivor, rather than the first usable node c."""
+    from jaxdist.controller.policy import covering_group
+
+    assert covering_group({0: "a", 1: "b"}, ["c", "b"], 1) == ["b"]

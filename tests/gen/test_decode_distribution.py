@@ -63,3 +63,24 @@ def test_the_temperature_changes_the_distribution():
     ids = jax.jit(choose_tokens, static_argnums=3)(logits, jax.random.key(7), settings, len(LOGITS))
     counts = np.bincount(np.asarray(ids), minlength=len(LOGITS))
     assert stats.chisquare(counts, DRAWS * exact(1.0)).pvalue < 1e-12
+
+
+def test_greedy_top_k_1_and_undecodable_ids_on_distinct_rows():
+    """Rows with different maxima (not one row repeated): temperature 0 and top-k 1 both give each row's argmax over
+    the ids the tokenizer decodes (vocab 6 of 8 logits: ids 6 and 7, the largest here, are never chosen); sampling
+    at temperature 1 draws decodable ids only, in the exact proportions."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(64, 8)).astype(np.float32)
+    logits[:, 6:] += 10.0  # undecodable ids that would win every row
+    want = np.argmax(logits[:, :6], axis=1)
+    assert len(set(want.tolist())) > 3  # the rows differ
+    choose = jax.jit(choose_tokens, static_argnums=3)
+    for t, k in ((0.0, 0), (1.0, 1)):
+        settings = Settings(jnp.float32(t), jnp.int32(k), jnp.float32(1.0), jnp.int32(-1))
+        assert np.asarray(choose(jnp.asarray(logits), jax.random.key(1), settings, 6)).tolist() == want.tolist()
+    row = np.concatenate([LOGITS, [9.0, 9.0]]).astype(np.float32)
+    settings = Settings(jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0), jnp.int32(-1))
+    ids = choose(jnp.broadcast_to(jnp.asarray(row), (DRAWS, 8)), jax.random.key(7), settings, 6)
+    counts = np.bincount(np.asarray(ids), minlength=8)
+    assert counts[6:].sum() == 0
+    assert stats.chisquare(counts[:6], DRAWS * exact(1.0)).pvalue > 1e-4

@@ -285,3 +285,57 @@ def test_cli_samples_a_trained_run_and_reports_errors(tmp_path):
     ]:
         r = _jaxdist("sample", *args, cwd=tmp_path)
         assert r.returncode == 2 and words in r.stderr, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- the batch layout and the ring, without a model
+
+
+def test_left_pad_right_aligns_the_prompts_after_pad_ids():
+    from jaxdist.gen.decode import left_pad
+
+    tokens, pads = left_pad([np.array([5, 6, 7]), np.array([8])], 3, pad=9)
+    assert tokens.dtype == np.int32 and pads.dtype == np.int32
+    assert tokens.tolist() == [[5, 6, 7], [9, 9, 8], [9, 9, 9]]  # the third row is filler: all padding
+    assert pads.tolist() == [0, 2, 3]
+
+
+def test_ring_slots_and_visibility_equal_a_simulated_ring():
+    """Writing time slot tau's token to cache slot tau mod S, step by step: at time t slot j holds the newest tau
+    written there (none yet: a negative time), and a query of row b sees it when tau >= pads[b]."""
+    from jaxdist.gen.decode import slot_times, visible_slots
+
+    length, pads = 4, np.array([0, 2, 5], np.int32)
+    ring = [-1] * length
+    for t in range(11):
+        ring[t % length] = t
+        held = np.asarray(slot_times(jnp.int32(t), length))
+        written = np.array(ring) >= 0
+        assert held[written].tolist() == np.array(ring)[written].tolist(), t
+        assert (held[~written] < 0).all(), t
+        seen = np.asarray(visible_slots(jnp.array([t], jnp.int32), jnp.asarray(pads), length))  # [B, 1, S]
+        want = [[written[j] and ring[j] >= p for j in range(length)] for p in pads]
+        assert seen[:, 0, :].tolist() == want, t
+
+
+def test_next_token_ends_rows_at_eos_and_pads_rows_already_done():
+    """Greedy: the argmax per row; a done row gets the pad id; a row that drew EOS is done from now on.  Sampling:
+    the key is folded with the time slot, so the same slot repeats its draws and another slot draws others."""
+    from jaxdist.gen.decode import Settings, _next
+
+    logits = jnp.asarray(np.eye(6, dtype=np.float32)[[2, 4, 1]] * 5.0)
+    key = jax.random.key(0)
+    greedy = Settings(jnp.float32(0), jnp.int32(0), jnp.float32(1), jnp.int32(4))
+    token, done = jax.jit(_next, static_argnums=(5, 6))(
+        logits, key, jnp.int32(3), jnp.array([False, False, True]), greedy, 6, 7
+    )
+    assert np.asarray(token).tolist() == [2, 4, 7] and np.asarray(done).tolist() == [False, True, True]
+
+    sample = Settings(jnp.float32(1), jnp.int32(0), jnp.float32(1), jnp.int32(-1))
+    wide = jnp.zeros((256, 6), jnp.float32)  # uniform: 256 draws of 6 ids
+    draw = jax.jit(lambda t: _next(wide, key, t, jnp.zeros(256, bool), sample, 6, 0)[0])
+    a, b, c = (np.asarray(draw(jnp.int32(t))) for t in (3, 3, 4))
+    assert (
+        (a == b).all()
+        and (a != c).any()
+        and (a == np.asarray(jax.random.categorical(jax.random.fold_in(key, 3), wide))).all()
+    )

@@ -1,14 +1,16 @@
 """The train step against a plain optax reference; learning-rate schedule; FLOPs accounting."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
 from jaxdist.config import load_config
-from jaxdist.models import create_abstract, init_params
+from jaxdist.data.batchlist import token_digest
+from jaxdist.models import apply, create_abstract, init_params
 from jaxdist.models.arithmetic import train_flops_per_token
 from jaxdist.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
-from jaxdist.train.step import init_state, loss_and_grads, make_train_step
+from jaxdist.train.step import init_state, loss_and_grads, make_eval_step, make_train_step
 from jaxdist.models.arithmetic import param_count
 from tests.trees import leaf_pairs
 
@@ -78,3 +80,69 @@ def test_decay_mask_skips_norms():
     mask = decay_mask(abstract)
     assert mask["layers"]["wq"] and mask["embed"]
     assert not mask["layers"]["attn_norm"] and not mask["final_norm"]
+
+
+def _tiny(seed: int = 3, shape=(4, 9)):
+    cfg = load_config(None, ["model=tiny"])
+    graphdef, _, _ = create_abstract(cfg.model)
+    tokens = jax.random.randint(jax.random.key(seed), shape, 0, cfg.model.vocab_size)
+    return graphdef, init_params(cfg.model), tokens
+
+
+def _cross_entropy(graphdef, params, tokens):
+    """Mean next-token cross-entropy written out: log-softmax of the logits at each label (not optax's)."""
+    logp = jax.nn.log_softmax(apply(graphdef, params, tokens[:, :-1]), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+
+def test_microbatched_step_equals_the_whole_batch_step():
+    """Two microbatches (rows 0, 2 and 1, 3) accumulate to the whole batch's mean loss and gradient: with plain
+    SGD at rate 1 the new parameters are params - grad of the written-out cross-entropy over all rows."""
+    graphdef, params, tokens = _tiny()
+    sgd = optax.sgd(1.0)
+    state, m = jax.jit(make_train_step(graphdef, sgd, lambda s: 1.0, microbatches=2))(
+        init_state(params, sgd, 0), tokens
+    )
+    loss, g = jax.jit(jax.value_and_grad(lambda p: _cross_entropy(graphdef, p, tokens)))(params)
+    np.testing.assert_allclose(m["loss"], loss, rtol=1e-5)
+    np.testing.assert_allclose(m["grad_norm"], optax.global_norm(g), rtol=1e-4)
+    for a, b in leaf_pairs(state["params"], jax.tree.map(lambda p, d: p - d, params, g)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_eval_step_is_the_mean_next_token_cross_entropy():
+    graphdef, params, tokens = _tiny(4)
+    want = jax.jit(lambda p: _cross_entropy(graphdef, p, tokens))(params)
+    np.testing.assert_allclose(jax.jit(make_eval_step(graphdef))(params, tokens), want, rtol=1e-5)
+
+
+def test_the_step_logs_its_tokens_and_schedule_and_advances_the_count_and_key():
+    """batch_digest is the tokens' digest (computed here in NumPy); lr is the schedule at the step's own count; the
+    count goes 0, 1, 2; the key moves every step, the same way from the same seed."""
+    graphdef, params, tokens = _tiny(5)
+    opt = optax.sgd(0.1)
+    step = jax.jit(make_train_step(graphdef, opt, lambda s: 0.5 + s))
+    s0 = init_state(params, opt, 7)
+    s1, m1 = step(s0, tokens)
+    s2, m2 = step(s1, tokens)
+    assert int(m1["batch_digest"]) == int(token_digest(np.asarray(tokens)))
+    assert float(m1["lr"]) == 0.5 and float(m2["lr"]) == 1.5
+    assert [int(s["step"]) for s in (s0, s1, s2)] == [0, 1, 2]
+    keys = [np.asarray(s["rng"]).tobytes() for s in (s0, s1, s2)]
+    assert len(set(keys)) == 3
+    assert np.asarray(step(init_state(params, opt, 7), tokens)[0]["rng"]).tobytes() == keys[1]
+    assert np.asarray(init_state(params, opt, 8)["rng"]).tobytes() != keys[0]
+
+
+def test_a_non_finite_step_changes_neither_the_parameters_nor_the_optimizer_state():
+    """A NaN in a weight makes the loss NaN: the step leaves params and the AdamW state as they were (bit for
+    bit) and only the count and key advance; metrics show the NaN for the host to act on."""
+    graphdef, params, tokens = _tiny(6)
+    params = dict(params, final_norm=params["final_norm"] * jnp.nan)
+    opt, sched = make_optimizer(load_config(None, ["model=tiny"]).train)
+    s0 = init_state(params, opt, 0)
+    s1, m = jax.jit(make_train_step(graphdef, opt, sched, 1, 1.0))(s0, tokens)
+    assert not np.isfinite(float(m["loss"]))
+    for a, b in leaf_pairs((s1["params"], s1["opt_state"]), (s0["params"], s0["opt_state"])):
+        np.testing.assert_array_equal(a, b)
+    assert int(s1["step"]) == 1 and np.asarray(s1["rng"]).tobytes() != np.asarray(s0["rng"]).tobytes()
