@@ -258,7 +258,20 @@ def _ctrl_c(argv: list[str], ready, start_s: float, last_line: str) -> None:
 
     repo = Path(__file__).resolve().parents[1]
     env = dict(os.environ, PYTHONPATH=str(repo) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.Popen([sys.executable, *argv], env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    # The child starts with Ctrl-C's default action, as from a terminal: a suite started in the background by a
+    # shell without job control (``nohup ... &``) hands its children SIGINT ignored, and Python then never raises
+    # KeyboardInterrupt (the user who ignores SIGINT on purpose keeps that: jaxdist does not override it).  A
+    # small launcher resets it and execs the command (no preexec_fn: forking this multithreaded process is unsafe).
+    launcher = (
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", launcher, sys.executable, *argv],
+        env=env,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     deadline = time.monotonic() + start_s
     while time.monotonic() < deadline and p.poll() is None and not ready():
         time.sleep(0.05)
