@@ -182,6 +182,12 @@ def test_a_group_blocked_inside_the_device_program_is_stuck_only_after_ten_windo
     assert stuck_ranks(2.5, allb, step, 1.0, window) is None  # 3 steps + hb, 1 window + hb passed: not yet
     ranks, why = stuck_ranks(3.1, allb, step, 1.0, window)  # 10 windows + hb
     assert ranks == [0, 1, 2, 3] and "inside the device program" in why and "no host can tell" in why
+    # the time since the last step also counts a save before the wait: only the ranks' own wait is judged
+    # (a fault-free run's first save left the last step 4.2 s old while every rank had waited 0.5 s)
+    just_waiting = [pos(r, "blocked", 0.5) for r in range(4)]
+    assert stuck_ranks(30.0, just_waiting, step, 1.0, window) is None
+    ranks, why = stuck_ranks(30.0, [pos(r, "blocked", 3.2 + r) for r in range(4)], step, 1.0, window)
+    assert ranks == [0, 1, 2, 3] and "waited for 3.2 s" in why
 
 
 def test_a_rank_long_in_dispatch_waits_for_its_device_and_is_not_named():
