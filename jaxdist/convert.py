@@ -22,8 +22,8 @@ from pathlib import Path
 import jax
 
 from jaxdist.config import Config
-from jaxdist.config_hf import read_hf_config
-from jaxdist.config_hf_dir import RUN_TOKENIZER_DIR, TOKENIZER_FILES, copy_tokenizer
+from jaxdist.config.hf import read_hf_config
+from jaxdist.config.hf_dir import RUN_TOKENIZER_DIR, TOKENIZER_FILES, copy_tokenizer
 from jaxdist.data.tokenizer import load_tokenizer
 from jaxdist.errors import ConfigError
 from jaxdist.hf.export import DEFAULT_SHARD_BYTES, export_params

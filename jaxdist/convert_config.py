@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from jaxdist.config import Config, from_dict, load_config, parse_overrides
-from jaxdist.config_hf_dir import run_tokenizer, tokenizer_in
+from jaxdist.config.hf_dir import run_tokenizer, tokenizer_in
 from jaxdist.errors import ConfigError
 
 

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from jaxdist.cluster import load_cluster, memory_budget
 from jaxdist.config import Config, ConfigError
-from jaxdist.config_checks import mark_resolved, unused_devices_note, validate, validate_devices
+from jaxdist.config import mark_resolved, unused_devices_note, validate, validate_devices
 from jaxdist.data.manifest import settle_tokenizer
 from jaxdist.models.arithmetic import param_count, train_state_bytes
 from jaxdist.models.attention import attention_note, check_attention_platform

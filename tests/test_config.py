@@ -13,7 +13,7 @@ from jaxdist.config import (
     parse_overrides,
     reference_markdown,
 )
-from jaxdist.config_checks import validate
+from jaxdist.config import validate
 from jaxdist.models.arithmetic import param_count
 
 

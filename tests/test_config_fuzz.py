@@ -15,9 +15,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from jaxdist.config import ConfigError, _all_keys, load_config  # noqa: E402
+from jaxdist.config import ConfigError, all_keys, load_config  # noqa: E402
 
-KEYS = _all_keys()
+KEYS = all_keys()
 SCALARS = st.one_of(
     st.integers(min_value=-(2**70), max_value=2**70),
     st.floats(allow_nan=True, allow_infinity=True),

@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from jaxdist.config import ConfigError, load_config
-from jaxdist.config_checks import is_resolved
+from jaxdist.config import is_resolved
 from jaxdist.resolve import resolve
 from jaxdist.train.trainer import Trainer
 

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from jaxdist.config import ConfigError, MeshConfig, load_config
-from jaxdist.config_checks import unused_devices_note, validate
+from jaxdist.config import unused_devices_note, validate
 from jaxdist.parallel.mesh import mesh_devices
 from jaxdist.resolve import resolve
 from jaxdist.train.trainer import Trainer

@@ -52,6 +52,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.checkpoint.background import BackgroundWriter
+from jaxdist.checkpoint.local_payload import Index, build_state, held_pieces, index_of, pack, signature, unpack
 from jaxdist.checkpoint.local_reshard import drop_newer, entries_record, global_signature, restore_resharded
 from jaxdist.checkpoint.writer import named_leaves
 
@@ -61,9 +62,6 @@ FORMAT = "jaxdist-local-v1"
 MAX_STEPS = 16  # newest local steps a process reports when the group agrees on a restore step
 CHUNK_BYTES = 256 * 2**20  # largest block sent in one collective
 _ALIGN = 64 * 2**10  # payload lengths are rounded up to this, so a few compiled shapes serve every step
-_HEADER = 8  # bytes: length of the JSON metadata that opens a payload
-
-Index = tuple[tuple[int, int], ...]
 
 
 def node_name() -> str:
@@ -87,7 +85,7 @@ def auto_dir(abstract_state: Any, keep: int) -> str:
     if not os.environ.get("JAXDIST_NODE"):
         return ""  # jaxdist train: a crash is resumed by hand, from the persistent checkpoint
     base = Path(tempfile.gettempdir()) / "jaxdist-local"
-    need = 2 * (keep + 1) * sum(e.nbytes for e in _entries(abstract_state))
+    need = 2 * (keep + 1) * sum(e.nbytes for e in held_pieces(abstract_state))
     probe = base if base.exists() else base.parent
     free = shutil.disk_usage(probe).free
     ok = np.array([int(free >= need)], np.int32)
@@ -118,55 +116,6 @@ def run_tier(
         return None
     tag = hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:8]
     return LocalTier(resolve_dir(local_dir, f"{name}-{tag}"), keep, not_before=not_before)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Entry:
-    name: str
-    index: Index
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-
-def _index(slices: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
-    return tuple(s.indices(n)[:2] for s, n in zip(slices, shape))
-
-
-def _entries(tree: Any, process: int | None = None) -> list[_Entry]:
-    """The distinct pieces ``process``'s (default: this one's) devices hold, in a fixed order."""
-    process = jax.process_index() if process is None else process
-    out = []
-    for name, leaf in named_leaves(tree):
-        shape = tuple(leaf.shape)
-        idx = {
-            _index(s, shape) for d, s in leaf.sharding.devices_indices_map(shape).items() if d.process_index == process
-        }
-        for i in sorted(idx):
-            out.append(_Entry(name, i, tuple(b - a for a, b in i), np.dtype(leaf.dtype)))
-    return out
-
-
-def signature(tree: Any) -> str:
-    """A hash of every array's name, shape, dtype and placement (mesh axes, device ids, spec) and the process count."""
-    parts: list[Any] = [jax.process_count()]
-    for name, leaf in named_leaves(tree):
-        sh = leaf.sharding
-        devices = [[d.id, d.process_index] for d in np.ravel(sh.mesh.devices)] if hasattr(sh, "mesh") else []
-        parts.append(
-            [
-                name,
-                list(leaf.shape),
-                str(np.dtype(leaf.dtype)),
-                str(getattr(sh, "spec", sh)),
-                list(getattr(getattr(sh, "mesh", None), "axis_names", ())),
-                devices,
-            ]
-        )
-    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
 
 
 @dataclasses.dataclass
@@ -220,8 +169,8 @@ class LocalTier:
     def _shared_with_holder(self, tree: Any, sig: str, rank: int) -> set[tuple[str, Index]]:
         """Pieces of ``rank`` that the holder of its replica (rank + shift) holds too: never sent."""
         if (sig, rank) not in self._shared:
-            mine = {(e.name, e.index) for e in _entries(tree, rank)}
-            theirs = {(e.name, e.index) for e in _entries(tree, (rank + self.shift) % self.num)}
+            mine = {(e.name, e.index) for e in held_pieces(tree, rank)}
+            theirs = {(e.name, e.index) for e in held_pieces(tree, (rank + self.shift) % self.num)}
             self._shared[(sig, rank)] = mine & theirs
         return self._shared[(sig, rank)]
 
@@ -285,12 +234,14 @@ class LocalTier:
         """Copy ``state`` to the host, replicate it to the peer and write both in the background."""
         self._finish_previous()
         t0 = time.perf_counter()
-        entries = _entries(state)
+        entries = held_pieces(state)
         named = dict(named_leaves(state))
-        pieces = {(n, _index(s.index, named[n].shape)): s.data for n, a in named.items() for s in a.addressable_shards}
+        pieces = {
+            (n, index_of(s.index, named[n].shape)): s.data for n, a in named.items() for s in a.addressable_shards
+        }
         host = jax.device_get([pieces[(e.name, e.index)] for e in entries])
         sig = signature(state)
-        payload = _pack(meta, host)
+        payload = pack(meta, host)
         t1 = time.perf_counter()
         replica, t2, sent = None, t1, 0
         if self.shift:
@@ -298,7 +249,7 @@ class LocalTier:
             send = (
                 payload
                 if not shared
-                else _pack(meta, [a for e, a in zip(entries, host) if (e.name, e.index) not in shared])
+                else pack(meta, [a for e, a in zip(entries, host) if (e.name, e.index) not in shared])
             )
             replica = self._roll(send, self.shift, full=int(payload.size))
             t2, sent = time.perf_counter(), int(send.size)
@@ -314,7 +265,7 @@ class LocalTier:
         """The pieces of the replica file this process keeps (its source's, less those it holds itself)."""
         if (sig, "record") not in self._shared:
             shared = self._shared_with_holder(tree, sig, self.source)
-            theirs = [e for e in _entries(tree, self.source) if (e.name, e.index) not in shared]
+            theirs = [e for e in held_pieces(tree, self.source) if (e.name, e.index) not in shared]
             self._shared[(sig, "record")] = entries_record(theirs)
         return self._shared[(sig, "record")]
 
@@ -456,8 +407,8 @@ class LocalTier:
             got = self._roll(send, -self.shift)
             if need[self.rank]:
                 payload = got
-        meta, arrays = _unpack(payload, _entries(abstract_state))
-        state = _build(abstract_state, arrays)
+        meta, arrays = unpack(payload, held_pieces(abstract_state))
+        state = build_state(abstract_state, arrays)
         self.discard_after(step)
         log.info(
             "restored step %d from the local tier in %s (%.2f s; from peers: ranks %s)",
@@ -474,10 +425,10 @@ class LocalTier:
         shared = self._shared_with_holder(abstract_state, sig, self.source)
         if not shared:
             return stored
-        theirs = _entries(abstract_state, self.source)
-        meta, sent = _unpack(stored, [e for e in theirs if (e.name, e.index) not in shared])
-        _, mine = _unpack(np.fromfile(avail[self.rank][step], np.uint8), _entries(abstract_state))
-        return _pack(meta, [sent[k] if k in sent else mine[k] for k in ((e.name, e.index) for e in theirs)])
+        theirs = held_pieces(abstract_state, self.source)
+        meta, sent = unpack(stored, [e for e in theirs if (e.name, e.index) not in shared])
+        _, mine = unpack(np.fromfile(avail[self.rank][step], np.uint8), held_pieces(abstract_state))
+        return pack(meta, [sent[k] if k in sent else mine[k] for k in ((e.name, e.index) for e in theirs)])
 
     def discard_after(self, step: int) -> None:
         """Delete this process's files of steps after ``step`` (the job resumed from ``step``)."""
@@ -512,33 +463,3 @@ def _write_atomic(path: Path, data: bytes | np.ndarray) -> None:
     with open(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
-
-
-def _pack(meta: dict[str, Any], arrays: list[np.ndarray]) -> np.ndarray:
-    head = json.dumps(meta).encode()
-    head += b" " * (-(len(head) + _HEADER) % 16)  # arrays start 16-byte aligned
-    parts = [np.frombuffer(len(head).to_bytes(_HEADER, "little"), np.uint8), np.frombuffer(head, np.uint8)]
-    parts += [np.ascontiguousarray(a).reshape(-1).view(np.uint8) for a in arrays]
-    return np.concatenate(parts)
-
-
-def _unpack(payload: np.ndarray, entries: list[_Entry]) -> tuple[dict[str, Any], dict[tuple[str, Index], np.ndarray]]:
-    n = int.from_bytes(payload[:_HEADER].tobytes(), "little")
-    meta = json.loads(payload[_HEADER : _HEADER + n].tobytes())
-    off, arrays = _HEADER + n, {}
-    for e in entries:
-        arrays[(e.name, e.index)] = payload[off : off + e.nbytes].view(e.dtype).reshape(e.shape)
-        off += e.nbytes
-    if off != payload.size:
-        raise ValueError(f"a local checkpoint payload holds {payload.size} bytes where this layout needs {off}")
-    return meta, arrays
-
-
-def _build(abstract_state: Any, arrays: dict[tuple[str, Index], np.ndarray]) -> Any:
-    names = iter(name for name, _ in named_leaves(abstract_state))
-
-    def one(leaf):
-        name, shape = next(names), tuple(leaf.shape)
-        return jax.make_array_from_callback(shape, leaf.sharding, lambda s: arrays[(name, _index(s, shape))])
-
-    return jax.tree.map(one, abstract_state)

@@ -34,17 +34,28 @@ import logging
 import time
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 from jax.experimental import multihost_utils
 
+from jaxdist.checkpoint.local_payload import Entry, build_state, held_pieces, pack, signature, unpack
 from jaxdist.checkpoint.writer import named_leaves
 
-if TYPE_CHECKING:
-    from jaxdist.checkpoint.local import LocalTier
-
 log = logging.getLogger(__name__)
+
+
+class LocalTier(Protocol):
+    """What a restore onto another layout uses of :class:`jaxdist.checkpoint.local.LocalTier` (named here, not
+    imported: that module imports this one)."""
+
+    directory: Path
+    not_before: float
+    num: int
+    rank: int
+
+    def _roll(self, payload: np.ndarray, shift: int, full: int = 0) -> np.ndarray: ...
+
 
 CANDIDATES = 4  # newest (step, layout) file sets a process checks and offers
 
@@ -87,7 +98,7 @@ def allgather_rows(num: int, row: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(got).view(np.int64).reshape(num, -1)
 
 
-def _scan(tier: "LocalTier", gsig: str, sig: str) -> dict[tuple[int, str], dict[str, Any]]:
+def _scan(tier: LocalTier, gsig: str, sig: str) -> dict[tuple[int, str], dict[str, Any]]:
     """{(step, old layout): {"num": n, "ranks": {old rank: (path, marker)}}} of this node's files of another
     layout of the same arrays (size checked here; the checksum when read)."""
     found: dict[tuple[int, str], dict[str, Any]] = {}
@@ -118,11 +129,9 @@ def _layout_id(layout: str) -> int:
     return int(layout[:15], 16)
 
 
-def restore_resharded(tier: "LocalTier", abstract_state: Any, newer_than: int = -1) -> tuple[Any, dict] | None:
+def restore_resharded(tier: LocalTier, abstract_state: Any, newer_than: int = -1) -> tuple[Any, dict] | None:
     """(state, meta) of the newest local step of another layout that the group's files cover, rebuilt on
     ``abstract_state``'s layout; None when there is none newer than ``newer_than`` (collective)."""
-    from jaxdist.checkpoint.local import _Entry, _entries, _pack, _unpack, signature
-
     t0 = time.perf_counter()
     num, me = tier.num, tier.rank
     gsig, sig = global_signature(abstract_state), signature(abstract_state)
@@ -138,10 +147,10 @@ def restore_resharded(tier: "LocalTier", abstract_state: Any, newer_than: int = 
                 log.warning("local checkpoint file %s does not match its checksum; not using it", path)
                 continue
             entries = [
-                _Entry(n, tuple((int(a), int(b)) for a, b in idx), tuple(int(b) - int(a) for a, b in idx), np.dtype(d))
+                Entry(n, tuple((int(a), int(b)) for a, b in idx), tuple(int(b) - int(a) for a, b in idx), np.dtype(d))
                 for n, idx, d in m["entries"]
             ]
-            meta, arrays = _unpack(raw, entries)
+            meta, arrays = unpack(raw, entries)
             pieces_of.setdefault(key, {})[rank] = arrays
             metas[key] = meta
     mine = [k for k in mine if k in pieces_of]
@@ -189,7 +198,7 @@ def restore_resharded(tier: "LocalTier", abstract_state: Any, newer_than: int = 
         for h in cat[p, 1 : 1 + int(cat[p, 0])]:
             holders.setdefault(int(h), []).append(p)
 
-    new_entries = {q: _entries(abstract_state, q) for q in range(num)}
+    new_entries = {q: held_pieces(abstract_state, q) for q in range(num)}
     arrays: dict[tuple[str, Any], np.ndarray] = {}
     filled: dict[tuple[str, Any], int] = {}
     for e in new_entries[me]:
@@ -212,7 +221,7 @@ def restore_resharded(tier: "LocalTier", abstract_state: Any, newer_than: int = 
                 if e.name == n and (r := _intersect(idx, e.index)) is not None:
                     items[q].append([n, [list(x) for x in e.index], [list(x) for x in r]])
                     parts[q].append(np.ascontiguousarray(held[(n, idx)][_local(r, idx)]))
-    payloads = {q: _pack({"meta": meta, "items": items[q]}, parts[q]) if items[q] else None for q in range(num)}
+    payloads = {q: pack({"meta": meta, "items": items[q]}, parts[q]) if items[q] else None for q in range(num)}
     sizes = allgather_rows(num, np.array([0 if payloads[q] is None else payloads[q].size for q in range(num)]))
     dtypes = {name: np.dtype(leaf.dtype) for name, leaf in named_leaves(abstract_state)}
     moved = 0
@@ -240,9 +249,7 @@ def restore_resharded(tier: "LocalTier", abstract_state: Any, newer_than: int = 
             f"resharding local step {step} left {len(short)} shard(s) of process {me} unfilled "
             f"(first: {short[:1]}): a bug in jaxdist.checkpoint.local_reshard"
         )
-    from jaxdist.checkpoint.local import _build
-
-    state = _build(abstract_state, arrays)
+    state = build_state(abstract_state, arrays)
     log.info(
         "restored local step %d of another layout (%d processes) onto this one (%d) in %.2f s; %d bytes received",
         step,

@@ -21,7 +21,7 @@ from typing import Iterable, Sequence
 
 from jaxdist.cluster import NODE_LOCAL_AXES
 from jaxdist.config import Config, ConfigError
-from jaxdist.config_checks import validate
+from jaxdist.config import validate
 
 
 def group_size_error(cfg: Config, n_nodes: int, devices_per_node: int) -> str | None:

@@ -53,7 +53,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from jaxdist.config import ConfigError
-from jaxdist.config_checks import is_loopback
+from jaxdist.config import is_loopback
 
 log = logging.getLogger(__name__)
 

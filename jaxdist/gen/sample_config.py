@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Sequence
 
 from jaxdist.config import Config, from_dict, parse_overrides
-from jaxdist.config_checks import validate_model_on_mesh
-from jaxdist.config_hf_dir import run_tokenizer
+from jaxdist.config import validate_model_on_mesh
+from jaxdist.config.hf_dir import run_tokenizer
 from jaxdist.errors import ConfigError, expect
 
 _FLOAT32_MAX = 3.4028234663852886e38  # the sampling settings reach the devices as float32

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxdist.config_sections import ModelConfig
+from jaxdist.config import ModelConfig
 
 # How a jaxdist block [...] relates to the Hugging Face tensor W:
 #   copy      : same array (embedding, norms)
@@ -134,7 +134,7 @@ def tensor_maps(m: ModelConfig) -> list[TensorMap]:
         for key, hf in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")):
             out.append(TensorMap(("layers", key), mlp + hf + ".weight", "transpose", dense_layers))
     if moe_layers:
-        # Qwen3-MoE (the MoE with q/k norms, see jaxdist.config_hf.hf_architecture) or Mixtral names.
+        # Qwen3-MoE (the MoE with q/k norms, see jaxdist.config.hf.hf_architecture) or Mixtral names.
         moe = "model.layers.{layer}." + ("mlp." if m.qk_norm else "block_sparse_moe.")
         ffn = ("gate_proj", "down_proj", "up_proj") if m.qk_norm else ("w1", "w2", "w3")
         out.append(TensorMap(("layers", "router"), moe + "gate.weight", "transpose", moe_layers))

@@ -239,7 +239,7 @@ def _block_size(half: int, block: int) -> int:
 def ring_attention(mesh: Mesh, rules: _rules.Rules, q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig):
     """Causal attention of q [B, T, H, D] over k, v [B, T, KV, D] (global arrays) as a ring over ``context``.
 
-    T must divide into ``2 * mesh.context`` chunks (config_checks refuses other lengths).  Batch and heads keep
+    T must divide into ``2 * mesh.context`` chunks (jaxdist.config.schema refuses other lengths).  Batch and heads keep
     their own shardings (data/fsdp, tensor); when tensor splits the query heads but not the key/value heads
     (fewer KV heads than tensor), k and v are repeated to one per query head first.
     """

@@ -160,7 +160,7 @@ def device_grid(sizes: dict[str, int], devices: Sequence[Any]) -> np.ndarray:
 
 def mesh_devices(mesh_cfg: MeshConfig, devices: Sequence[Any]) -> list[Any]:
     """The devices a mesh runs on: the first ``mesh_cfg.devices_used(len(devices))`` of ``devices`` (all of them
-    unless the axis sizes, all given, multiply to fewer; jaxdist.config_checks.unused_devices_note says so).
+    unless the axis sizes, all given, multiply to fewer; jaxdist.config.unused_devices_note says so).
 
     ConfigError when such a smaller mesh would leave a process of a multi-process job without a device.
     """

@@ -57,7 +57,7 @@ from jaxdist.parallel.pipeline_sync import STAGE_MANUAL, StageSync
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, constrain
 from jaxdist.parallel.schedule import ExecutorTables, Schedule, build_schedule, executor_tables
 
-# Why MoE x pipeline cannot run (jaxdist.config_checks says the same for a config).
+# Why MoE x pipeline cannot run (jaxdist.config.schema says the same for a config).
 MOE_NOT_PIPELINED = (
     "pipeline stages do not support MoE models yet: a stage runs the dense sequence-chunked "
     "block only, and the router losses of every stage's MoE layers would have to join the last "

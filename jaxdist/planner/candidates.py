@@ -134,7 +134,7 @@ def mesh_allowed(view: ComputationView, sizes: dict[str, int], nodes: int, per_n
     """None if the model and cluster allow these axis sizes, else the reason (one phrase)."""
     m = view.model
     t, e, p, c = sizes["tensor"], sizes["expert"], sizes["pipeline"], sizes.get("context", 1)
-    if c > 1:  # the refusals of config_checks._context_on_model, as constraints of the search
+    if c > 1:  # the refusals of jaxdist.config.schema._context_on_model, as constraints of the search
         if p > 1:
             return f"context={c} does not run with pipeline stages (pipeline={p})"
         if view.n_experts:

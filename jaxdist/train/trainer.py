@@ -29,7 +29,7 @@ from jaxdist.checkpoint.local import AUTO as LOCAL_AUTO
 from jaxdist.checkpoint.local import run_tier
 from jaxdist.config import Config, ConfigError
 from jaxdist.errors import expect
-from jaxdist.config_checks import is_resolved, validate
+from jaxdist.config import is_resolved, validate
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.data.sources import check_vocab
 from jaxdist.hf.load import load_params

@@ -162,7 +162,7 @@ def test_a_fresh_start_clears_the_local_tier(tmp_path):
 
 
 def test_local_tier_config_errors(tmp_path):
-    from jaxdist.config_checks import validate
+    from jaxdist.config import validate
 
     with pytest.raises(ConfigError, match="local_every"):
         validate(config(tmp_path, "x", ["checkpoint.local_every=0"]), 8)

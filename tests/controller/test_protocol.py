@@ -169,7 +169,7 @@ def test_a_flood_of_rejected_messages_logs_a_few_lines(caplog):
 
 def test_loopback_is_an_address_check_not_a_prefix():
     """Reliability edge 11: a name that only starts like 127.x is not loopback."""
-    from jaxdist.config_checks import is_loopback
+    from jaxdist.config import is_loopback
 
     assert is_loopback("127.0.0.1") and is_loopback("127.1.2.3") and is_loopback("::1") and is_loopback("[::1]")
     assert is_loopback("localhost")

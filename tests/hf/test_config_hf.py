@@ -14,7 +14,7 @@ import pytest
 
 from jaxdist.cli import main
 from jaxdist.config import ModelConfig
-from jaxdist.config_hf import hf_architecture, hf_from_model, model_fields, model_from_hf, rope_fields
+from jaxdist.config.hf import hf_architecture, hf_from_model, model_fields, model_from_hf, rope_fields
 from jaxdist.errors import ConfigError
 
 LLAMA_5X = {

@@ -15,7 +15,7 @@ from safetensors.numpy import load_file
 
 from jaxdist.cli import main
 from jaxdist.hf.export import export_params
-from jaxdist.config_hf import model_fields
+from jaxdist.config.hf import model_fields
 from jaxdist.hf.load import load_params
 from jaxdist.resolve import resolve
 from jaxdist.train.trainer import Trainer

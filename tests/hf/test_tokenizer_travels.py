@@ -174,7 +174,7 @@ def test_init_from_takes_the_tokenizer_for_a_token_file(hf_model, tmp_path, capl
     cfg = load_config(None, [*base, "data.source=tokens", f"data.path={tmp_path / 'c' / 'tokens.bin'}"])
     assert cfg.data.tokenizer == str(d / "tokenizer.json")
     assert settle_tokenizer(cfg).model.vocab_size == VOCAB  # the manifest's tokenizer is the model's: accepted
-    caplog.set_level(logging.WARNING, logger="jaxdist.config_hf_dir")
+    caplog.set_level(logging.WARNING, logger="jaxdist.config.hf_dir")
     assert load_config(None, base).data.tokenizer == "bytes"  # stdlib is read byte by byte ...
     assert "is not used: data.source=stdlib is read byte by byte" in caplog.text  # ... and the user is told
 

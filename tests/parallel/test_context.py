@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.config import load_config
-from jaxdist.config_checks import validate
+from jaxdist.config import validate
 from jaxdist.errors import ConfigError
 from jaxdist.models.transformer import create_abstract
 from jaxdist.parallel.context import causal_work, chunk_order

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from jaxdist.config import load_config
-from jaxdist.config_checks import validate
+from jaxdist.config import validate
 from jaxdist.planner import plan
 from jaxdist.planner.candidates import REMAT_CHOICES
 from jaxdist.planner.plan import trainable_axes

@@ -19,7 +19,7 @@ transformers = pytest.importorskip(
 )
 
 from jaxdist.cli import main  # noqa: E402
-from jaxdist.config_hf import model_fields, read_hf_config  # noqa: E402
+from jaxdist.config.hf import model_fields, read_hf_config  # noqa: E402
 from jaxdist.hf.export import export_params  # noqa: E402
 from tests.hf.conformance.hf_models import (  # noqa: E402
     REL_TOL,

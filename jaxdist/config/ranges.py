@@ -1,6 +1,6 @@
 """Values outside their meaning: numbers a field's mathematics cannot use, refused before anything runs.
 
-Each section's own check (``config_checks``) tests what makes a setting
+Each section's own check (its ``check()``) tests what makes a setting
 impossible with the others; these are the ranges of single values that are
 accepted by their type but only fail later, as a ``nan`` loss at step 1 or a
 traceback deep in a library: a beta of 1.5, a learning-rate floor above the

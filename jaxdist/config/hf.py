@@ -22,8 +22,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from jaxdist.config_hf_dir import check_numbers
-from jaxdist.config_sections import ModelConfig
+from jaxdist.config.hf_dir import check_numbers
+from jaxdist.config.model import ModelConfig
 from jaxdist.errors import ConfigError
 
 # Architecture name -> model_type, for the ones whose weights and forward pass jaxdist reproduces.

@@ -1,0 +1,5 @@
+"""``python -m jaxdist.config``: print the configuration reference (Markdown tables, as in the README)."""
+
+from jaxdist.config.load import reference_markdown
+
+print(reference_markdown())
