@@ -80,6 +80,7 @@ def cmd_train(args) -> int:
     from jaxdist.train.distributed import initialize_from_env  # JAX, after XLA_FLAGS
 
     initialize_from_env()
+    # JAX and what loads it, after the process group is set up (a JAX-free CLI until here)
     import jax
 
     from jaxdist.models.attention import attention_note
@@ -91,7 +92,7 @@ def cmd_train(args) -> int:
         if agent is not None:
             agent.attach(trainer)
             if jax.process_count() > 1:  # the controller's device probe, run by every process at the same step
-                from jaxdist.train.device_probe import probe_for_agent
+                from jaxdist.train.device_probe import probe_for_agent  # only under the controller
 
                 trainer.add_callback(probe_for_agent(trainer, agent))
         if jax.process_index() == 0:
@@ -276,6 +277,7 @@ def cmd_remat(args) -> int:
 
 def _verify_remat(cfg) -> None:
     """Print train.remat=auto closed against the compiler (predicted vs compiled peak), or why it cannot be."""
+    # JAX and the compiler: only for --verify
     import jax
 
     from jaxdist.cluster import load_cluster, memory_budget
@@ -344,7 +346,7 @@ def cmd_launch(args) -> int:
 def _plan_shape(cfg, view, figures):
     """mesh=auto on a slurm: cluster: the shapes of the partition's free GPUs by predicted step time, and the
     chosen plan as overrides (the planner imports JAX: only here)."""
-    from jaxdist.planner.shared import plan_free
+    from jaxdist.planner.shared import plan_free  # imports JAX: only for mesh=auto on a slurm: cluster
 
     cc = cfg.controller
     fp = plan_free(
@@ -379,7 +381,7 @@ def cmd_gen(args) -> int:
         return profile_main(words)
     logging.getLogger("jaxdist").setLevel(logging.INFO)
     if action == "receive":
-        from jaxdist.gen.delivery import Receiver
+        from jaxdist.gen.delivery import Receiver  # pyzmq: only for receiving
 
         if not words:
             raise ConfigError("jaxdist gen receive needs the training run's directory: jaxdist gen receive RUN_DIR.")
@@ -393,6 +395,7 @@ def cmd_gen(args) -> int:
             rec.close()
         return 0
     cfg = load_gen_config(args.config, words)
+    # the generation job's modules: only for jaxdist gen
     from jaxdist.gen.job import run_job
     from jaxdist.gen.status import format_status, read_status
 
@@ -415,6 +418,7 @@ def cmd_convert(args) -> int:
     from jaxdist.train.distributed import initialize_from_env  # JAX, after XLA_FLAGS
 
     initialize_from_env()
+    # JAX and the converters, after the process group is set up
     import jax
 
     from jaxdist.convert import hf_to_run, run_to_hf

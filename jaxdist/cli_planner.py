@@ -14,6 +14,7 @@ and writes it as a config that ``jaxdist train --config`` runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tomllib
@@ -101,8 +102,6 @@ def cmd_plan(args) -> int:
         p = _plan_on_partition(cfg, seq_len, calibration, axes, args.exhaustive)
     else:
         if cfg.train.memory_budget_bytes and cfg.mesh.cluster != "live":
-            from jaxdist.cluster import load_cluster
-
             fraction = cfg.train.memory_budget_bytes / load_cluster(cfg.mesh.cluster).memory_bytes
         p = plan(
             cfg.model,
@@ -144,8 +143,7 @@ def cmd_plan(args) -> int:
 def _plan_on_partition(cfg, seq_len, calibration, axes, exhaustive):
     """The plan on the free GPUs of ``cfg.mesh.cluster`` = slurm:PARTITION[@CLUSTER]; prints the partition and
     the shapes tried (jaxdist.planner.shared)."""
-    import dataclasses
-
+    # the planner imports JAX, the partition view reads Slurm: only for slurm: clusters
     from jaxdist.planner.shared import plan_free
     from jaxdist.slurm.view import figures, parse_source, read_partition
 
@@ -177,8 +175,7 @@ def _plan_on_partition(cfg, seq_len, calibration, axes, exhaustive):
 def _verified(p, cfg):
     """``p`` with the plan ``--verify`` found first: the best whose compiled train step fits the budget (the
     table of compiles printed); ConfigError when the plan's devices are not here or none fits."""
-    import dataclasses
-
+    # JAX and the compiler: only for --verify
     import jax
 
     from jaxdist.cluster import memory_budget
@@ -210,6 +207,7 @@ def cmd_calibrate(args) -> int:
     if args.out:
         check_overwrite(args.out, lambda text: "efficiency" in json.loads(text), args.force)
     prepare_host_devices(cfg)
+    # JAX after XLA_FLAGS (prepare_host_devices)
     import jax
 
     from jaxdist.measure.calibrate import calibrate

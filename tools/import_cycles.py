@@ -69,11 +69,30 @@ def imports(mods: dict[str, Path]) -> tuple[dict[str, set[str]], list[tuple[str,
                 if t is not None and t != mod:
                     graph[mod].add(t)
             if id(node) in in_function:  # one row per statement
-                line = lines[node.lineno - 1]
-                above = lines[node.lineno - 2].strip() if node.lineno >= 2 else ""
-                why = line.partition("#")[2].strip() or (above[1:].strip() if above.startswith("#") else "")
-                local.append((mod, node.lineno, ", ".join(dict.fromkeys(names)), why))
+                local.append((mod, node.lineno, ", ".join(dict.fromkeys(names)), _reason(lines, node.lineno)))
     return graph, local
+
+
+def _reason(lines: list[str], lineno: int) -> str:
+    """The reason comment of the import at ``lineno`` (1-based): on its line, or on a line of the block of
+    imports it belongs to, or on the comment line just above that block."""
+    imp = ("from ", "import ")
+    i = lineno - 1
+    while i > 0 and (
+        lines[i - 1].strip().startswith(imp)
+        or (not lines[i - 1].strip() and i > 1 and lines[i - 2].strip().startswith(imp))  # isort's blank line
+    ):
+        i -= 1  # the first import of the block
+    while not lines[i].strip():
+        i += 1
+    if i > 0 and lines[i - 1].strip().startswith("#"):
+        return lines[i - 1].strip()[1:].strip()
+    j = i
+    while j < len(lines) and (j == i or lines[j].strip().startswith(("from ", "import ", ")"))):
+        if "#" in lines[j]:
+            return lines[j].partition("#")[2].strip()
+        j += 1
+    return ""
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

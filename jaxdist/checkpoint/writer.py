@@ -71,6 +71,7 @@ def orbax_slices() -> tuple[Any, Any]:
     sentence) if the installed orbax no longer has what :func:`check_orbax_slices` checks.
     """
     try:
+        # orbax's private modules, here only: a version without them gets OrbaxChanged, not an ImportError
         from orbax.checkpoint._src.serialization import jax_array_handlers as handlers
         from orbax.checkpoint._src.serialization import replica_slices as module
     except ImportError as e:

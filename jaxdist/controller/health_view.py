@@ -119,6 +119,7 @@ def plot_heatmap(periods: list[Period], rounds: list[dict[str, Any]], path: str 
     import matplotlib  # only here: `jaxdist status` without a picture needs no matplotlib
 
     matplotlib.use("Agg")
+    # after choosing the backend; numpy with it (the controller itself runs without)
     import matplotlib.pyplot as plt
     import numpy as np
 

@@ -51,6 +51,7 @@ def _write_cache_on_every_cpu_process() -> None:
     there (another JAX version), nothing changes.
     """
     try:
+        # private JAX modules: another JAX version may lack them (then nothing changes)
         from jax._src import compilation_cache, compiler, distributed
     except ImportError:
         return

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 AXIS = "probe"
@@ -187,8 +188,6 @@ class DeviceProbe:
         t0 = time.perf_counter()
         mine = self.measure()
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, nodes, columns)
             table = np.nanmax(every, axis=0)
         else:
@@ -242,8 +241,6 @@ class ProbeOnRequest:
     def __call__(self, ctx: Any) -> None:
         want = int(self.requested())
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             want = int(multihost_utils.broadcast_one_to_all(np.int32(want)))
         if want > self.done:
             self.done = want

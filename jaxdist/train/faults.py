@@ -28,6 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
 ENV = "JAXDIST_FAULT_HOOKS"
 FIRED = "faults.fired.jsonl"  # when an injection took effect (a stuck rank stopped)
 FILE = "faults.json"
@@ -123,10 +128,6 @@ def with_device_hang(train_step: Any, run_dir: str | Path) -> Any:
 
     The callback runs on the first device's process; its result (0) is added to the new step count, so the
     step's outputs depend on it and every rank's device waits for it through the collectives."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from jax.experimental import io_callback
 
     def hook(step: Any) -> Any:
         if hang_now(run_dir, int(step) + 1):
