@@ -79,9 +79,10 @@ def _memory_rows(seq: int, batch: int, smoke: bool, extra: list[str]) -> list[tu
     for remat in ("full", "none"):
         cfg = _config(remat, seq, batch, smoke, extra)
         try:
-            cfg = resolve(cfg, jax.devices()[:1])
+            resolved = resolve(cfg, jax.devices()[:1])
+            cfg = resolved.config
             predicted = memory(computation_view(cfg.model, seq), strategy_of(cfg, 1), batch).total
-            with Trainer(cfg, devices=jax.devices()[:1]) as t:
+            with Trainer(resolved) as t:
                 m = t.compile_train_step().memory_analysis()
             compiled = m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
             rows.append(

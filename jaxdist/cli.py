@@ -98,7 +98,7 @@ def cmd_train(args) -> int:
         if jax.process_index() == 0:
             print(trainer.describe(), file=sys.stderr)
             c = trainer.config
-            chosen = c.train.remat_spec.plan
+            chosen = trainer.resolved.remat.plan
             if hasattr(chosen, "trials"):  # train.remat=auto closed against the compiler: predicted vs compiled
                 reuse = (
                     "the run executes the chosen candidate's compiled program"

@@ -1,17 +1,18 @@
 """Resolve before build: settle what a config leaves to jaxdist, for the devices at hand, and validate once.
 
-    cfg = resolve(load_config(path, overrides), jax.devices())
-    with Trainer(cfg) as trainer: ...
+    resolved = resolve(load_config(path, overrides), jax.devices())
+    with Trainer(resolved) as trainer: ...
 
 ``mesh=auto`` becomes the planner's mesh sizes, microbatches and remat
 (:func:`jaxdist.planner.plan.resolve_auto`); ``train.remat=auto`` becomes the
 remat selector's choice for this mesh, closed against the compiler
 (:func:`verified_remat`: the fastest candidate whose compiled peak fits ``train.memory_budget_bytes``,
 :mod:`jaxdist.remat.verify`; with ``train.remat_verify=false`` the prediction alone,
-:func:`jaxdist.remat.policy.resolve_remat_policy`), in ``train.remat_spec``; the device-dependent checks (mesh product, batch
+:func:`jaxdist.remat.policy.resolve_remat_policy`); the device-dependent checks (mesh product, batch
 divisibility, ``model.attention=cudnn`` off a GPU) run here, and the
-attention ``auto`` picks for ``train.seq_len`` is logged.  The Trainer takes the resolved config as it is: it
-plans nothing.  ``jaxdist train``, the notebooks and the Python API all come
+attention ``auto`` picks for ``train.seq_len`` is logged.  The result is a value of its own
+(:class:`~jaxdist.train.resolved.Resolved`: the config, the devices, the remat choice, the program the
+choice compiled), never hidden inside the config; the Trainer takes it as it is: it plans nothing.  ``jaxdist train``, the notebooks and the Python API all come
 through here.
 """
 
@@ -25,7 +26,7 @@ from typing import Any, Sequence
 
 from jaxdist.cluster import load_cluster, memory_budget
 from jaxdist.config import Config, ConfigError
-from jaxdist.config import mark_resolved, unused_devices_note, validate, validate_devices
+from jaxdist.config import unused_devices_note, validate, validate_devices
 from jaxdist.data.manifest import settle_tokenizer
 from jaxdist.models.arithmetic import param_count, train_state_bytes
 from jaxdist.models.attention import attention_note, check_attention_platform
@@ -36,13 +37,14 @@ from jaxdist.remat.policy import HEADROOM, memory_breakdown, profile_for_config,
 from jaxdist.remat.plan import plan_remat
 from jaxdist.remat.verify import PeakModel, VerifiedChoice, candidates, choose
 from jaxdist.train.aot import block_working, compiled_peak
+from jaxdist.train.resolved import Resolved
 
 log = logging.getLogger(__name__)
 
 
-def resolve(config: Config, devices: Sequence[Any]) -> Config:
+def resolve(config: Config, devices: Sequence[Any]) -> Resolved:
     """``config`` with ``mesh.auto`` and ``train.remat=auto`` settled for ``devices`` (the global devices of the
-    job), validated for them.  A mesh whose axis sizes, all given, multiply to fewer devices runs on the first
+    job), validated for them: a :class:`~jaxdist.train.resolved.Resolved` (``config`` is left as it is).  A mesh whose axis sizes, all given, multiply to fewer devices runs on the first
     ones (a warning says how many are left unused; the Trainer takes the same ones, ``mesh_devices``).
 
     Raises ConfigError (one sentence) when the config cannot run on these devices.
@@ -60,6 +62,7 @@ def resolve(config: Config, devices: Sequence[Any]) -> Config:
     check_fits(config, devices)
     check_attention_platform(config.model, devices[0].platform)
     log.info("%s", attention_note(config.model, config.train.seq_len, devices[0]))
+    resolved = Resolved(config, tuple(devices), config.train.remat_spec)
     if config.train.remat_spec.kind == "auto":  # every process computes the same plan (FLOPs over peak)
         if config.train.remat_verify:  # compiled, not only predicted: every process compiles the same programs
             plan = verified_remat(config, devices)
@@ -67,10 +70,9 @@ def resolve(config: Config, devices: Sequence[Any]) -> Config:
             _, plan = resolve_remat_policy(
                 config, config.mesh.resolved(len(devices)), load_cluster(config.mesh.cluster)
             )
-        config = dataclasses.replace(config, train=config.train.with_remat_plan(plan))
+        resolved = resolved.with_remat(plan)
         log.info("remat plan: %s", plan.describe())
-    mark_resolved(config, len(devices))
-    return config
+    return resolved
 
 
 def device_memory_bytes(config: Config, device: Any) -> tuple[float, str]:
@@ -139,14 +141,15 @@ def verified_remat(
     """``train.remat=auto`` closed against the compiler on ``devices`` (the job's, or the first of them the
     mesh uses): the fastest candidate whose compiled train step peaks within ``train.memory_budget_bytes``.
 
-    ``compile_peak(config) -> CompiledPeak`` (default :func:`jaxdist.train.aot.compiled_peak` on
-    ``devices``); the working-space ratios the compiles show are stored for the device kind when ``learn``.
+    ``compile_peak(resolved) -> CompiledPeak`` (a :class:`~jaxdist.train.resolved.Resolved` with the
+    candidate as its remat; default :func:`jaxdist.train.aot.compiled_peak`); the working-space ratios the compiles show are stored for the device kind when ``learn``.
     ``probe``: the loop compiles one block's forward and backward under each candidate it weighs
     (:func:`jaxdist.train.aot.block_working`) so the prediction follows how XLA's working space moves
     between them; without it, one learned ratio and its range stand for all.  The probed ratio is stored
     under its own key (the setting's with ``:probed``).
     """
-    compile_peak = compile_peak or (lambda cfg: compiled_peak(cfg, devices))
+    compile_peak = compile_peak or compiled_peak
+    base = Resolved(config, tuple(devices), config.train.remat_spec)
     cluster = load_cluster(config.mesh.cluster)
     sizes = config.mesh.resolved(len(devices))
     profile = profile_for_config(config, sizes, cluster.peak_flops(config.model.dtype))
@@ -180,8 +183,7 @@ def verified_remat(
     runnable = {}  # candidate -> its program, where compiled as the run will run it (off CPU)
 
     def compile_candidate(c):
-        cfg = dataclasses.replace(config, train=config.train.with_remat_plan(c))
-        p = compile_peak(cfg)
+        p = compile_peak(base.with_remat(c))
         if getattr(p, "runnable", None) is not None:
             runnable[id(c)] = p.runnable
         return p.peak_bytes, p.flops, p.seconds

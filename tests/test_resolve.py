@@ -1,10 +1,10 @@
 """resolve(): mesh=auto and train.remat=auto settled before the Trainer, validated once for the devices."""
 
+import dataclasses
 import jax
 import pytest
 
 from jaxdist.config import ConfigError, load_config
-from jaxdist.config import is_resolved
 from jaxdist.resolve import resolve
 from jaxdist.train.trainer import Trainer
 
@@ -31,10 +31,14 @@ def test_remat_auto_becomes_the_selectors_plan_and_the_trainer_plans_nothing(tmp
         ],
     )
     resolved = resolve(cfg, jax.devices())
-    spec = resolved.train.remat_spec
+    spec = resolved.remat  # beside the config, not inside it
     assert spec.kind == "selected" and spec.plan.activation_bytes <= 3_000_000
-    assert resolved.train.remat == "auto" and str(spec) == "auto"  # config.json says auto; a resume selects again
-    assert resolved == cfg and is_resolved(resolved, len(jax.devices()))
+    assert (
+        resolved.config.train.remat == "auto" and str(spec) == "auto"
+    )  # config.json says auto; a resume selects again
+    assert resolved.config == cfg and resolved.devices == tuple(jax.devices())
+    # a copy of the config made later cannot drop the choice: it was never in the config
+    assert dataclasses.replace(resolved.config).train.remat_spec.kind == "auto" and resolved.remat is spec
     assert cfg.train.remat_spec.kind == "auto"  # the input is untouched
     with Trainer(resolved) as trainer:
         assert trainer.remat_plan is spec.plan
@@ -47,6 +51,7 @@ def test_mesh_auto_must_be_resolved_and_devices_are_checked_once(tmp_path):
     with pytest.raises(ConfigError, match="mesh=auto is settled before the Trainer is built"):
         Trainer(cfg)
     resolved = resolve(cfg, jax.devices())
-    assert resolved.mesh.auto is False and is_resolved(resolved, 8) and not is_resolved(resolved, 4)
+    assert resolved.config.mesh.auto is False and len(resolved.devices) == 8
+    assert Trainer.for_compiling(resolved).devices == list(resolved.devices)  # taken as it is: checked once
     with pytest.raises(ConfigError, match="is not divisible by the data axes"):
         resolve(load_config(None, COMMON + ["train.batch_size=12", f"train.runs_dir={tmp_path}"]), jax.devices())

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from jaxdist.config.fields import (
     ChunkSplit,
@@ -99,22 +97,9 @@ class TrainConfig:
 
     @functools.cached_property
     def remat_spec(self) -> Remat:
-        """``remat`` parsed (once per config; ConfigError if it cannot be parsed), or, on the copy that
-        :meth:`with_remat_plan` made, what the selector chose for ``auto``."""
+        """``remat`` parsed (once per config; ConfigError if it cannot be parsed).  What the selector chooses for
+        ``auto`` is not here: jaxdist.resolve.resolve returns it beside the config (``Resolved.remat``)."""
         return Remat.parse(self.remat)
-
-    def with_remat_plan(self, plan: Any) -> "TrainConfig":
-        """A copy whose ``remat_spec`` is the remat selector's ``plan`` (``train.remat`` stays ``auto``): a
-        jaxdist.remat.plan.RematPlan, or the closed loop's jaxdist.remat.verify.VerifiedChoice (both have
-        ``policy()``).
-
-        Set by jaxdist.resolve.resolve; a section replaced later parses ``auto`` again (its batch or mesh may
-        differ), and a resumed run selects again, alike.
-        """
-        assert self.remat == "auto", "only train.remat=auto is resolved to a plan"
-        out = dataclasses.replace(self)
-        out.__dict__["remat_spec"] = Remat("selected", plan=plan)  # the cached parse, settled
-        return out
 
     def check(self) -> None:
         """ConfigError (one sentence) for train settings that cannot work by themselves."""

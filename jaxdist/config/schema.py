@@ -129,17 +129,6 @@ def validate_model_on_mesh(cfg: Config) -> dict[str, int]:
     return sizes
 
 
-def mark_resolved(cfg: Config, n_devices: int) -> None:
-    """Note on ``cfg`` (an attribute, not a field: never saved or compared) that it was resolved and validated
-    for ``n_devices`` devices (jaxdist.resolve.resolve)."""
-    object.__setattr__(cfg, "_resolved_for", n_devices)
-
-
-def is_resolved(cfg: Config, n_devices: int) -> bool:
-    """Whether ``cfg`` was resolved and validated for ``n_devices`` devices."""
-    return getattr(cfg, "_resolved_for", None) == n_devices
-
-
 def unused_devices_note(mesh: MeshConfig, n_devices: int) -> str | None:
     """One line when the mesh asks for fewer than ``n_devices`` devices (it runs on the first ones), else None."""
     used = mesh.devices_used(n_devices)

@@ -33,6 +33,7 @@ from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 from jaxdist.remat.profile import scan_unit
 from jaxdist.train.programs import executed_flops
+from jaxdist.train.resolved import Resolved, settle
 from jaxdist.train.trainer import Trainer
 
 
@@ -71,18 +72,20 @@ def peak_of(compiled: Any) -> tuple[int, int, int, int, int]:
     return arg + out + tmp - alias, tmp, arg, out, alias
 
 
-def compiled_peak(config: Config, devices: Sequence[Any] | None = None, keep: bool | None = None) -> CompiledPeak:
+def compiled_peak(
+    config: Config | Resolved, devices: Sequence[Any] | None = None, keep: bool | None = None
+) -> CompiledPeak:
     """Compile ``config``'s train step for ``devices`` (default: all JAX sees) and read its peak and FLOPs.
 
-    ``config`` must be resolved (``train.remat`` not ``auto``, no ``mesh=auto``): its remat is the one compiled.
+    ``config``: a :class:`~jaxdist.train.resolved.Resolved` (its devices and remat are the ones compiled), or a
+    Config that leaves nothing to choose (``train.remat`` not ``auto``, no ``mesh=auto``).
     ``keep`` (default: off CPU) compiles with the Trainer's options and returns the program (``runnable``);
     otherwise CPU compiles at LLVM level 0.
     """
     t0 = time.perf_counter()
-    trainer = Trainer.for_compiling(config, list(devices) if devices is not None else jax.devices())
-    batch = jax.ShapeDtypeStruct(
-        (config.train.batch_size, config.train.seq_len + 1), jax.numpy.int32, sharding=trainer.batch_sharding
-    )
+    trainer = Trainer.for_compiling(settle(config, devices))
+    t = trainer.config.train
+    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jax.numpy.int32, sharding=trainer.batch_sharding)
     lowered = trainer._train_step.lower(trainer.abstract_state(), batch)
     # XLA:CPU assigns buffers before LLVM runs, so its optimisation level leaves the peak as it is (checked:
     # the same bytes to the byte) and level 0 compiles 2-3x faster; other backends compile as the job will.

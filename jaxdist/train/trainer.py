@@ -29,7 +29,6 @@ from jaxdist.checkpoint.local import AUTO as LOCAL_AUTO
 from jaxdist.checkpoint.local import run_tier
 from jaxdist.config import Config, ConfigError
 from jaxdist.errors import expect
-from jaxdist.config import is_resolved, validate
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.data.sources import check_vocab
 from jaxdist.hf.load import load_params
@@ -42,7 +41,7 @@ from jaxdist.parallel.grad_sync import per_block_grads_fn
 from jaxdist.parallel.ordered_sum import ordered_grads_fn
 from jaxdist.parallel.pipeline_sync import StageSync
 from jaxdist.parallel.layout import Parallelism
-from jaxdist.parallel.mesh import describe_mesh, mesh_devices
+from jaxdist.parallel.mesh import describe_mesh
 from jaxdist.run_owner import RunLock, history_since, set_aside_history, under_job
 from jaxdist.remat.named import remat_policy
 from jaxdist.train.callbacks import (
@@ -66,24 +65,31 @@ from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.tracking import open_tracker
 from jaxdist.train.optimizer import make_optimizer, resumed_schedule_steps
 from jaxdist.train.programs import bf16_notice, executed_flops
+from jaxdist.train.resolved import Resolved, settle
 from jaxdist.train.step import init_state, make_eval_step, make_train_step
 
 log = logging.getLogger(__name__)
 
 
 class Trainer:
-    """Runs one training job described by a :class:`~jaxdist.config.Config`.
+    """Runs one training job described by a :class:`~jaxdist.train.resolved.Resolved` (what
+    :func:`jaxdist.resolve.resolve` returns) or a :class:`~jaxdist.config.Config` that leaves nothing to choose.
 
-    ``devices`` defaults to all of ``jax.devices()``; in a multi-process job
+    ``devices`` (a Config's only) defaults to all of ``jax.devices()``; in a multi-process job
     these are the global devices and each process feeds only its own.
     """
 
-    def __init__(self, config: Config, devices: list | None = None):
-        expect(config, Config, "Trainer's config", "a jaxdist Config (jaxdist.config.load_config(path, overrides))")
+    def __init__(self, config: Config | Resolved, devices: list | None = None):
+        expect(
+            config,
+            (Config, Resolved),
+            "Trainer's config",
+            "a jaxdist Config (jaxdist.config.load_config(path, overrides)) or jaxdist.resolve.resolve's result",
+        )
         expect(devices, (list, tuple, type(None)), "Trainer's devices", "a list of JAX devices or None (all)")
         self._build_parallelism(config, devices)
         self.is_main = jax.process_index() == 0
-        self.run_dir = config.run_dir
+        self.run_dir = self.config.run_dir
         # One writer per run: process 0 holds the run's lock (a launched job's controller holds it for its workers).
         self._lock = RunLock(self.run_dir, "jaxdist train") if self.is_main and not under_job() else None
         if self._lock is not None:
@@ -140,7 +146,7 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
 
     @classmethod
-    def for_compiling(cls, config: Config, devices: list | None = None) -> "Trainer":
+    def for_compiling(cls, config: Config | Resolved, devices: list | None = None) -> "Trainer":
         """The mesh, model and jitted programs only: no data, run directory, checkpoints or metrics (nothing to
         close).  For compiling the train step ahead of time (:mod:`jaxdist.train.aot`)."""
         self = cls.__new__(cls)
@@ -151,19 +157,12 @@ class Trainer:
         self._compiled_step = self._adopted_step()
         return self
 
-    def _build_parallelism(self, config: Config, devices: list | None) -> None:
+    def _build_parallelism(self, config: Config | Resolved, devices: list | None) -> None:
         """The devices (checked against the config), the cluster, the mesh and logical rules."""
-        # A mesh smaller than the devices (every axis size given) runs on the first ones, as resolve() chose.
-        self.devices = mesh_devices(config.mesh, devices if devices is not None else jax.devices())
-        if config.mesh.auto:
-            raise ConfigError(
-                "mesh=auto is settled before the Trainer is built: pass "
-                "jaxdist.resolve.resolve(config, devices) to Trainer."
-            )
-        if not is_resolved(config, len(self.devices)):  # built without resolve(): the same checks, here
-            validate(config, len(self.devices))
-        self.config = config
-        c = config
+        # A Config built without resolve(): the same checks, here (a smaller mesh runs on the first devices).
+        self.resolved = settle(config, devices)
+        self.config = c = self.resolved.config
+        self.devices = list(self.resolved.devices)
         self.cluster = load_cluster(c.mesh.cluster)
         # Mesh, logical rules, expert layout (MoE weights on the expert view, mesh.expert_tensor), pipeline plan.
         self.parallelism = Parallelism.build(c, self.devices)
@@ -184,7 +183,7 @@ class Trainer:
     def _adopted_step(self):
         """The train step ``train.remat=auto``'s closed loop compiled as this run runs it (its chosen candidate,
         for these devices with these options: jaxdist.train.aot.RunnableStep), or None (compiled on first use)."""
-        step = getattr(self.config.train.remat_spec.plan, "runnable", None)
+        step = self.resolved.program
         if step is None or step.devices != tuple(self.devices) or step.options != self.xla_options:
             return None
         return step.executable
@@ -192,12 +191,7 @@ class Trainer:
     def _build_model(self) -> None:
         """The remat policy (``auto``: the plan resolve() selected), the abstract model, optimizer and shardings."""
         c = self.config
-        remat = c.train.remat_spec  # parsed once; "auto" was settled to the selector's plan by resolve()
-        if remat.kind == "auto":
-            raise ConfigError(
-                "train.remat=auto is settled before the Trainer is built: pass "
-                "jaxdist.resolve.resolve(config, devices) to Trainer."
-            )
+        remat = self.resolved.remat  # "auto" settled to the selector's plan by resolve()
         self.remat_policy, self.remat_plan = remat_policy(remat), remat.plan
         self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)
         self.param_shardings = self.parallelism.param_shardings(names, abstract_params)

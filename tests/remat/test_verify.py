@@ -20,6 +20,7 @@ from jaxdist.remat.verify import Candidate, PeakModel, candidates, choose, named
 from jaxdist.remat.policy import profile_for_config
 from jaxdist.resolve import setting_key, verified_remat
 from jaxdist.train.aot import peak_of
+from jaxdist.train.resolved import Resolved
 from jaxdist.train.trainer import Trainer
 
 B, T = 4, 32
@@ -163,7 +164,7 @@ def test_real_compiles_repair_an_optimistic_term_and_store_the_learned_one(tmp_p
     # level 0, which leaves XLA:CPU's buffer assignment as it is) peaks where the loop measured, within the
     # budget; the probes follow XLA's working space: the repaired prediction is within 2 % of that peak.  (The
     # chosen trial is never the first here: the first overflows.)  Only the candidates the loop weighed were probed.
-    run = Trainer.for_compiling(dataclasses.replace(cfg, train=cfg.train.with_remat_plan(choice)), devices)
+    run = Trainer.for_compiling(Resolved(cfg, tuple(devices), cfg.train.remat_spec).with_remat(choice))
     peak = peak_of(run.compiled_train_step())[0]
     assert peak == choice.trial.compiled and peak <= budget
     assert abs(choice.trial.predicted / peak - 1) < 0.02

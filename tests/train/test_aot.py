@@ -10,6 +10,7 @@ import numpy as np
 from jaxdist.config import load_config
 from jaxdist.resolve import verified_remat
 from jaxdist.train.aot import compiled_peak
+from jaxdist.train.resolved import Resolved
 from jaxdist.train.trainer import Trainer
 
 
@@ -25,14 +26,12 @@ def test_the_trainer_runs_the_program_the_remat_loop_kept(tmp_path, monkeypatch)
     choice = verified_remat(cfg, devices, compile_peak=lambda c: compiled_peak(c, devices, keep=True))
     assert len(choice.trials) == 1 and choice.chosen.recompute_flops == 0
     assert choice.runnable is not None and choice.runnable.devices == tuple(devices)
-    resolved = dataclasses.replace(cfg, train=cfg.train.with_remat_plan(choice))
-    trainer = Trainer.for_compiling(resolved, devices)
+    base = Resolved(cfg, tuple(devices), cfg.train.remat_spec)
+    resolved = base.with_remat(choice)
+    trainer = Trainer.for_compiling(resolved)
     assert trainer.compiled_train_step() is choice.runnable.executable  # adopted, not compiled again
     other = dataclasses.replace(choice, runnable=dataclasses.replace(choice.runnable, options={"other": "1"}))
-    assert (
-        Trainer.for_compiling(dataclasses.replace(cfg, train=cfg.train.with_remat_plan(other)), devices)._compiled_step
-        is None
-    )
+    assert Trainer.for_compiling(base.with_remat(other))._compiled_step is None
     # The kept program takes this run's state and batch (a program of another config would refuse them) and
     # trains: the loss on a repeated batch falls (the first step's learning rate is 0: warmup).
     batch = jax.device_put(

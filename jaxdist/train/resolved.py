@@ -1,0 +1,60 @@
+"""What a Trainer is built from: a config settled for the devices at hand, as a value of its own.
+
+:func:`jaxdist.resolve.resolve` makes one (``mesh=auto`` planned, ``train.remat=auto`` chosen, validated for
+the devices); :func:`settle` makes one from a config that leaves nothing to choose (the same checks, no
+planning).  The choices live here, beside the config, never inside it: a ``dataclasses.replace`` of the
+config cannot drop them, and a config saved with a run holds only what the user set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+
+from jaxdist.config import Config, ConfigError, Remat, validate
+from jaxdist.parallel.mesh import mesh_devices
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A config settled for ``devices``.
+
+    ``config``: the job's config, ``mesh=auto`` replaced by the planner's sizes and ``model.vocab_size`` by the
+    tokenizer's; ``devices``: those the mesh uses (the first ones when its sizes, all given, ask for fewer);
+    ``remat``: ``train.remat`` parsed, ``auto`` settled to the remat selector's choice (kind ``selected``, the
+    choice in ``remat.plan``); ``program``: the train step the selector's closed loop compiled as the run
+    will run it (off CPU: a :class:`jaxdist.train.aot.RunnableStep`), or None.
+    """
+
+    config: Config
+    devices: tuple
+    remat: Remat
+    program: Any = None
+
+    def with_remat(self, plan: Any) -> "Resolved":
+        """A copy whose remat is the selector's ``plan`` (a jaxdist.remat.plan.RematPlan or the closed loop's
+        jaxdist.remat.verify.VerifiedChoice: both have ``policy()``), and the program it compiled, if any."""
+        return Resolved(self.config, self.devices, Remat("selected", plan=plan), getattr(plan, "runnable", None))
+
+
+def settle(config: Config | Resolved, devices: Sequence[Any] | None = None) -> Resolved:
+    """``config`` as a :class:`Resolved` for ``devices`` (default: all JAX sees), checked for them; a Resolved
+    is returned as it is.  ConfigError (one sentence) when the config leaves something to choose
+    (``mesh=auto``, ``train.remat=auto``: :func:`jaxdist.resolve.resolve` chooses) or cannot run here."""
+    if isinstance(config, Resolved):
+        return config
+    chosen = tuple(mesh_devices(config.mesh, list(devices) if devices is not None else jax.devices()))
+    left = [
+        w
+        for w, open_ in (("mesh=auto", config.mesh.auto), ("train.remat=auto", config.train.remat_spec.kind == "auto"))
+        if open_
+    ]
+    if left:
+        raise ConfigError(
+            f"{left[0]} is settled before the Trainer is built: pass jaxdist.resolve.resolve(config, devices) "
+            "to Trainer."
+        )
+    validate(config, len(chosen))
+    return Resolved(config, chosen, config.train.remat_spec)
