@@ -72,8 +72,9 @@ class CompileCache:
 
 
 def program_key(cfg) -> str:
-    """What the compiled program depends on beyond the setting: the remat (a selector plan by its saved set)."""
-    spec = cfg.train.remat_spec
+    """What the compiled program depends on beyond the setting: the remat (a selector plan by its saved set).
+    ``cfg``: a Config (its train.remat) or a jaxdist.train.resolved.Resolved (its remat choice)."""
+    spec = cfg.remat if hasattr(cfg, "remat") and not hasattr(cfg, "train") else cfg.train.remat_spec
     c = spec.plan
     if spec.kind == "selected" and c is not None and getattr(c, "plan", None) is not None:
         return "saved:" + "".join("1" if s else "0" for s in c.saved)
