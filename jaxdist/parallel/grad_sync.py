@@ -59,14 +59,15 @@ def keep_axes(spec: P, axes: tuple[str, ...]) -> P:
     return P(*(keep(e) for e in spec))
 
 
-def _fsdp_dim(spec: P) -> int | None:
+def fsdp_dim(spec: P) -> int | None:
+    """The dimension of a parameter's spec that ``fsdp`` shards (its gradient is reduce-scattered there), or None."""
     for i, entry in enumerate(spec):
         if "fsdp" in _axes(entry):
             return i
     return None
 
 
-def _without(rules: Rules, axes: tuple[str, ...]) -> tuple:
+def without_axes(rules: Rules, axes: tuple[str, ...]) -> tuple:
     """The rules with ``axes`` removed: inside the shard_map only the automatic axes are constrained."""
     return tuple((name, tuple(a for a in mesh_axes if a not in axes)) for name, mesh_axes in rules)
 
@@ -210,7 +211,7 @@ def bucket_weights(specs: dict, fsdp: int, tied: bool) -> dict[str, dict[str, We
     """:class:`BucketSync`'s ``weights`` from the parameters' full specs (``fsdp``: the mesh's fsdp size)."""
 
     def weight(spec: P, transposed: bool = False) -> Weight:
-        return Weight(_fsdp_dim(spec) if fsdp > 1 else None, keep_axes(spec, (AUTO,)), transposed)
+        return Weight(fsdp_dim(spec) if fsdp > 1 else None, keep_axes(spec, (AUTO,)), transposed)
 
     head = {"final_norm": weight(specs["final_norm"])}
     if tied:
@@ -232,7 +233,7 @@ def per_block_grads_fn(graphdef, model, mesh, rules: Rules, param_shardings: dic
     manual = jax.tree.map(lambda s: keep_axes(s, MANUAL), specs, is_leaf=lambda x: isinstance(x, P))
     sizes = dict(mesh.shape)
     sync = BucketSync(bucket_weights(specs, sizes.get("fsdp", 1), model.tie_embeddings), sizes, plan.layers_per_bucket)
-    inner_rules = _without(rules, MANUAL)
+    inner_rules = without_axes(rules, MANUAL)
 
     def local(params, tokens, n_tokens):
         def loss_fn(p):

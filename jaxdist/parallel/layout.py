@@ -3,7 +3,7 @@
 :class:`Parallelism` holds the mesh, the logical-axis rules, the MoE expert
 layout and the pipeline plan of one job, and answers the questions the Trainer
 asks of them: the sharding of an array with logical axis names, the shardings
-of the parameters and of a batch, and the pipeline's gradient function.
+of the parameters and of a batch, and the step's gradient path (``train.grad_sync``, the pipeline).
 
 It also applies itself to the model: :meth:`Parallelism.bind` wraps a pure
 function so that, while it traces, the model's activations are constrained on
@@ -27,8 +27,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdist.parallel.context import context_parallelism
+from jaxdist.parallel.grad_sync import per_block_grads_fn
 from jaxdist.parallel.mesh import build_mesh, mesh_devices
 from jaxdist.parallel.moe import ExpertLayout, expert_layout, expert_parallelism
+from jaxdist.parallel.ordered_sum import ordered_grads_fn
 from jaxdist.parallel.pipeline import PipelinePlan, pipeline_grads_fn, pipeline_plan_for
 from jaxdist.parallel.pipeline_sync import StageSync
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, logical_to_spec
@@ -118,6 +120,23 @@ class Parallelism:
                 return fn(*args, **kwargs)
 
         return bound
+
+    def grads_fn(self, config, graphdef: Any, param_shardings: Any, comm_plan: Any) -> Callable | None:
+        """The step's gradient path for ``config.train.grad_sync`` (None: the model's own value_and_grad, the
+        collectives XLA places): ``ordered`` sums fixed units in one binary tree (jaxdist.parallel.ordered_sum);
+        ``per_block`` reduces each block's gradients as its backward ends, by ``comm_plan``'s buckets (through
+        the pipeline's stages when there is one, jaxdist.parallel.pipeline_sync; else
+        jaxdist.parallel.grad_sync); with a pipeline, the pipeline executor."""
+        t = config.train
+        if t.grad_sync == "ordered":
+            return ordered_grads_fn(graphdef, self.mesh, self.rules, param_shardings, t.grad_unit_rows)
+        if t.grad_sync == "per_block" and self.pipeline is not None:  # each stage reduces after its last backward
+            specs = jax.tree.map(lambda s: s.spec, param_shardings)
+            sync = StageSync(specs, dict(self.mesh.shape), comm_plan.layers_per_bucket, config.model.tie_embeddings)
+            return self.pipeline_grads_fn(config, sync)
+        if t.grad_sync == "per_block":
+            return per_block_grads_fn(graphdef, config.model, self.mesh, self.rules, param_shardings, comm_plan)
+        return self.pipeline_grads_fn(config)
 
     def pipeline_grads_fn(self, config, sync: StageSync | None = None) -> Callable | None:
         """With a pipeline, the executor's ``fn(params, tokens) -> (loss, metrics, grads)`` (``sync``: per_block's

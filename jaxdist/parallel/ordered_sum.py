@@ -36,7 +36,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.models import apply_with_aux
-from jaxdist.parallel.grad_sync import MANUAL, _fsdp_dim, _without, keep_axes
+from jaxdist.parallel.grad_sync import MANUAL, fsdp_dim, without_axes, keep_axes
 from jaxdist.parallel.rules import Rules, activation_sharding
 
 
@@ -87,8 +87,8 @@ def ordered_grads_fn(graphdef, mesh, rules: Rules, param_shardings: dict, unit_r
     manual = jax.tree.map(lambda s: keep_axes(s, MANUAL), specs, is_leaf=lambda x: isinstance(x, P))
     sizes = dict(mesh.shape)
     fsdp = sizes.get("fsdp", 1)
-    dims = jax.tree.map(lambda s: _fsdp_dim(s) if fsdp > 1 else None, specs, is_leaf=lambda x: isinstance(x, P))
-    inner_rules = _without(rules, MANUAL)
+    dims = jax.tree.map(lambda s: fsdp_dim(s) if fsdp > 1 else None, specs, is_leaf=lambda x: isinstance(x, P))
+    inner_rules = without_axes(rules, MANUAL)
 
     def gather(w, dim):
         return w if dim is None else jax.lax.all_gather(w, "fsdp", axis=dim, tiled=True)

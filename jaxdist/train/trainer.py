@@ -37,9 +37,6 @@ from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.cluster import load_cluster
 from jaxdist.parallel.comm import plan_comm, xla_gpu_options
 from jaxdist.parallel.consistency import check_same_collectives, coordination_store
-from jaxdist.parallel.grad_sync import per_block_grads_fn
-from jaxdist.parallel.ordered_sum import ordered_grads_fn
-from jaxdist.parallel.pipeline_sync import StageSync
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh
 from jaxdist.run_owner import RunLock, history_since, set_aside_history, under_job
@@ -229,20 +226,8 @@ class Trainer:
         )
 
     def _grads_fn(self):
-        """The pipeline executor's gradients, per_block's or ordered's (train.grad_sync), or None (the model's own)."""
-        c = self.config
-        if c.train.grad_sync == "ordered":
-            return ordered_grads_fn(self.graphdef, self.mesh, self.rules, self.param_shardings, c.train.grad_unit_rows)
-        per_block = c.train.grad_sync == "per_block"
-        if per_block and self.parallelism.pipeline is not None:  # each stage reduces after its last backward
-            specs = jax.tree.map(lambda s: s.spec, self.param_shardings)
-            sync = StageSync(specs, dict(self.mesh.shape), self.comm_plan.layers_per_bucket, c.model.tie_embeddings)
-            return self.parallelism.pipeline_grads_fn(c, sync)
-        if per_block:
-            return per_block_grads_fn(
-                self.graphdef, c.model, self.mesh, self.rules, self.param_shardings, self.comm_plan
-            )
-        return self.parallelism.pipeline_grads_fn(c)
+        """The gradient path Parallelism chooses for train.grad_sync (None: the model's own)."""
+        return self.parallelism.grads_fn(self.config, self.graphdef, self.param_shardings, self.comm_plan)
 
     def _build_data(self) -> None:
         """The data source, the run's batch list (exact order across restarts) and the eval sampler."""
