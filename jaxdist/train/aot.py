@@ -7,8 +7,9 @@ This is the number ``train.memory_budget_bytes`` bounds.  The remat selector's c
 (:mod:`jaxdist.remat.verify`, wired by :func:`jaxdist.resolve.resolve` and ``jaxdist remat``) and the planner's
 (:mod:`jaxdist.planner.verify`, ``jaxdist plan --verify``) call it on the few candidates they would choose.
 
-The program is the Trainer's own train step (:meth:`Trainer.for_compiling`: mesh, model, optimizer and jitted
-step, no data), lowered against abstract arguments, so nothing is allocated on the devices and nothing runs.
+The program is the Trainer's own train step (:class:`~jaxdist.train.program.Program`, the compile-time half
+the Trainer is built on: mesh, model, optimizer and jitted step, no data), lowered against abstract
+arguments, so nothing is allocated on the devices and nothing runs.
 On CPU the backend's LLVM optimisation level is 0 (the buffer assignment, hence the peak, is the same).
 The devices only give the compiler its target: on CPU the simulated ones; on GPUs the job's own devices
 (``jaxdist train`` resolves on them), which is the topology the step will run on.  Off CPU the program is
@@ -33,8 +34,8 @@ from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 from jaxdist.remat.profile import scan_unit
 from jaxdist.train.programs import executed_flops
+from jaxdist.train.program import Program
 from jaxdist.train.resolved import Resolved, settle
-from jaxdist.train.trainer import Trainer
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def compiled_peak(
     otherwise CPU compiles at LLVM level 0.
     """
     t0 = time.perf_counter()
-    trainer = Trainer.for_compiling(settle(config, devices))
+    trainer = Program(settle(config, devices))
     t = trainer.config.train
     batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jax.numpy.int32, sharding=trainer.batch_sharding)
     lowered = trainer._train_step.lower(trainer.abstract_state(), batch)

@@ -20,8 +20,6 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import optax
-from jax.sharding import NamedSharding
 
 from jaxdist.checkpoint import RunCheckpointer
 from jaxdist.checkpoint.compat import layout_change
@@ -32,15 +30,10 @@ from jaxdist.errors import expect
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.data.sources import check_vocab
 from jaxdist.hf.load import load_params
-from jaxdist.models import create_abstract, init_params
 from jaxdist.models.arithmetic import param_count, train_flops_per_token
-from jaxdist.cluster import load_cluster
-from jaxdist.parallel.comm import plan_comm, xla_gpu_options
 from jaxdist.parallel.consistency import check_same_collectives, coordination_store
-from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh
 from jaxdist.run_owner import RunLock, history_since, set_aside_history, under_job
-from jaxdist.remat.named import remat_policy
 from jaxdist.train.callbacks import (
     Callback,
     Evaluate,
@@ -57,18 +50,18 @@ from jaxdist.train.callbacks import (
     run_due,
 )
 from jaxdist.train.efficiency import LoopClock
-from jaxdist.train.faults import fault_hooks, hooks_on, with_device_hang
+from jaxdist.train.faults import fault_hooks
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.tracking import open_tracker
-from jaxdist.train.optimizer import make_optimizer, resumed_schedule_steps
-from jaxdist.train.programs import bf16_notice, executed_flops
+from jaxdist.train.optimizer import resumed_schedule_steps
+from jaxdist.train.program import Program
 from jaxdist.train.resolved import Resolved, settle
-from jaxdist.train.step import init_state, make_eval_step, make_train_step
+from jaxdist.train.step import init_state
 
 log = logging.getLogger(__name__)
 
 
-class Trainer:
+class Trainer(Program):
     """Runs one training job described by a :class:`~jaxdist.train.resolved.Resolved` (what
     :func:`jaxdist.resolve.resolve` returns) or a :class:`~jaxdist.config.Config` that leaves nothing to choose.
 
@@ -84,7 +77,8 @@ class Trainer:
             "a jaxdist Config (jaxdist.config.load_config(path, overrides)) or jaxdist.resolve.resolve's result",
         )
         expect(devices, (list, tuple, type(None)), "Trainer's devices", "a list of JAX devices or None (all)")
-        self._build_parallelism(config, devices)
+        # A Config built without resolve(): the same checks, here (a smaller mesh runs on the first devices).
+        super().__init__(settle(config, devices))
         self.is_main = jax.process_index() == 0
         self.run_dir = self.config.run_dir
         # One writer per run: process 0 holds the run's lock (a launched job's controller holds it for its workers).
@@ -98,8 +92,8 @@ class Trainer:
             raise
 
     def _build_run(self) -> None:
-        """Everything past the mesh, with the run's lock held: a fresh start's history set aside, the model,
-        programs, data, checkpoints and metrics."""
+        """Everything past the program, with the run's lock held: a fresh start's history set aside, data,
+        checkpoints and metrics."""
         c = self.config
         self.set_aside: Path | None = None  # where checkpoint.resume=false moved the run's earlier history
         if self.is_main and not c.checkpoint.resume and not under_job():
@@ -111,9 +105,6 @@ class Trainer:
                     ", ".join(p.name for p in sorted(self.set_aside.iterdir())),
                     self.set_aside,
                 )
-        self._build_comm()  # the gradient collectives' plan and the XLA options that follow it
-        self._build_model()  # remat policy, abstract sharded model, optimizer, state shardings
-        self._build_programs()  # the jitted init, train and eval functions (compiled on first use)
         self._build_data()  # the source, the batch list at its cursor, the eval batches
 
         self.tokens_per_step = c.train.batch_size * c.train.seq_len
@@ -123,11 +114,6 @@ class Trainer:
         self.callbacks: list[Callback] = []  # user hooks and callbacks, run after the metrics and the bar
         self.last_eval: tuple[int, float] | None = None  # (step, eval loss) of the latest evaluation in fit
         self.state: dict | None = None
-        # compiled_train_step(): train.remat=auto's closed loop may have compiled it already, as this run will
-        # (jaxdist.remat.verify.VerifiedChoice.compiled: off CPU, the same program and options)
-        self._compiled_step = self._adopted_step()
-        self.adopted_step = self._compiled_step is not None  # the loop's compile is run, none of its own
-        self._hardware_flops: float | None = None  # hardware_flops_per_step()
         self.collectives_hash: str | None = None  # the step's collectives, checked equal in every process by fit
         self.resumed_from: tuple[str, int] | None = None  # ("local" | "persistent", step) once init_state restored
         self.skipped_steps: list[int] = []  # steps skipped for a non-finite loss or gradient norm (skip_nonfinite)
@@ -143,91 +129,10 @@ class Trainer:
             (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
 
     @classmethod
-    def for_compiling(cls, config: Config | Resolved, devices: list | None = None) -> "Trainer":
-        """The mesh, model and jitted programs only: no data, run directory, checkpoints or metrics (nothing to
-        close).  For compiling the train step ahead of time (:mod:`jaxdist.train.aot`)."""
-        self = cls.__new__(cls)
-        self._build_parallelism(config, devices)
-        self._build_comm()
-        self._build_model()
-        self._build_programs()
-        self._compiled_step = self._adopted_step()
-        return self
-
-    def _build_parallelism(self, config: Config | Resolved, devices: list | None) -> None:
-        """The devices (checked against the config), the cluster, the mesh and logical rules."""
-        # A Config built without resolve(): the same checks, here (a smaller mesh runs on the first devices).
-        self.resolved = settle(config, devices)
-        self.config = c = self.resolved.config
-        self.devices = list(self.resolved.devices)
-        self.cluster = load_cluster(c.mesh.cluster)
-        # Mesh, logical rules, expert layout (MoE weights on the expert view, mesh.expert_tensor), pipeline plan.
-        self.parallelism = Parallelism.build(c, self.devices)
-        self.mesh, self.rules = self.parallelism.mesh, self.parallelism.rules
-        self.expert_layout = self.parallelism.expert_layout
-
-    def _build_comm(self) -> None:
-        """The gradient collectives' buckets and issue points (jaxdist comm plan); per_block applies them, and on
-        GPUs the XLA options (``xla_options``) follow them (under either train.grad_sync)."""
-        c = self.config
-        dense = not c.model.moe.experts
-        self.comm_plan = (
-            plan_comm(c.model, dict(self.mesh.shape), self.cluster, c.train.grad_bucket_bytes) if dense else None
-        )
-        gpu = self.devices[0].platform == "gpu" and dense
-        self.xla_options = xla_gpu_options(self.comm_plan) if gpu else {}
-
-    def _adopted_step(self):
-        """The train step ``train.remat=auto``'s closed loop compiled as this run runs it (its chosen candidate,
-        for these devices with these options: jaxdist.train.aot.RunnableStep), or None (compiled on first use)."""
-        step = self.resolved.program
-        if step is None or step.devices != tuple(self.devices) or step.options != self.xla_options:
-            return None
-        return step.executable
-
-    def _build_model(self) -> None:
-        """The remat policy (``auto``: the plan resolve() selected), the abstract model, optimizer and shardings."""
-        c = self.config
-        remat = self.resolved.remat  # "auto" settled to the selector's plan by resolve()
-        self.remat_policy, self.remat_plan = remat_policy(remat), remat.plan
-        self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)
-        self.param_shardings = self.parallelism.param_shardings(names, abstract_params)
-        # The schedule's length: train.schedule_steps, else train.steps; a resumed run keeps the recorded one.
-        self.schedule_steps = c.train.schedule_steps or c.train.steps
-        self.optimizer, self.schedule = make_optimizer(c.train, self.schedule_steps)
-        self.state_shardings = self._state_shardings(abstract_params)
-        self.batch_sharding = self.parallelism.batch_sharding
-        self.replicated = self.parallelism.replicated
-
-    def _build_programs(self) -> None:
-        """The jitted init, train and eval functions, the model's sharding bound inside each."""
-        c = self.config
-        seed = c.train.seed
-        bind = self.parallelism.bind  # the model's sharding is entered inside each jitted function
-        self._init_fn = jax.jit(
-            bind(lambda: init_state(init_params(c.model, seed), self.optimizer, seed)),
-            out_shardings=self.state_shardings,
-        )
-        train_step = make_train_step(
-            self.graphdef, self.optimizer, self.schedule, c.train.microbatches, c.train.grad_clip, self._grads_fn()
-        )
-        if hooks_on():  # test-only: a step whose device program can be made to hang
-            train_step = with_device_hang(train_step, self.run_dir)
-        self._train_step = jax.jit(
-            bind(train_step),
-            in_shardings=(self.state_shardings, self.batch_sharding),
-            out_shardings=(self.state_shardings, self.replicated),
-            donate_argnums=(0,),
-        )
-        self._eval_step = jax.jit(
-            bind(make_eval_step(self.graphdef)),
-            in_shardings=(self.state_shardings["params"], self.batch_sharding),
-            out_shardings=self.replicated,
-        )
-
-    def _grads_fn(self):
-        """The gradient path Parallelism chooses for train.grad_sync (None: the model's own)."""
-        return self.parallelism.grads_fn(self.config, self.graphdef, self.param_shardings, self.comm_plan)
+    def for_compiling(cls, config: Config | Resolved, devices: list | None = None) -> Program:
+        """The compile-time half only (:class:`~jaxdist.train.program.Program`: mesh, model, optimizer and jitted
+        programs; no data, run directory, checkpoints or metrics, nothing to close), as the Trainer builds it."""
+        return Program(settle(config, devices))
 
     def _build_data(self) -> None:
         """The data source, the run's batch list (exact order across restarts) and the eval sampler."""
@@ -262,22 +167,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ sharding
 
-    def sharding(self, logical: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> NamedSharding:
-        """NamedSharding on this mesh for an array with these logical axis names."""
-        return self.parallelism.sharding(logical, shape)
-
-    def _state_shardings(self, abstract_params: dict) -> dict:
-        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
-        opt_shardings = optax.tree_utils.tree_map_params(
-            self.optimizer,
-            lambda _, s: s,
-            abstract_opt,
-            self.param_shardings,
-            transform_non_params=lambda _: self.parallelism.replicated,
-        )
-        rep = self.parallelism.replicated
-        return {"step": rep, "params": self.param_shardings, "opt_state": opt_shardings, "rng": rep}
-
     def __enter__(self) -> "Trainer":
         return self
 
@@ -285,13 +174,6 @@ class Trainer:
         self.close()
 
     # ------------------------------------------------------------------ state
-
-    def abstract_state(self) -> dict:
-        """The train state's shapes, dtypes and target shardings (nothing allocated)."""
-        shapes = jax.eval_shape(self._init_fn)
-        return jax.tree.map(
-            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
-        )
 
     def init_state(self) -> dict:
         """Restore the newest checkpoint of the run if allowed and present, else initialise."""
@@ -367,10 +249,7 @@ class Trainer:
         if notice and self.is_main:
             log.warning("%s", notice)
         if steps != self.schedule_steps:
-            self.schedule_steps = steps
-            self.optimizer, self.schedule = make_optimizer(self.config.train, steps)
-            self._build_programs()
-            self._compiled_step = None
+            self.set_schedule_steps(steps)
 
     def _checkpoint_meta(self, step: int) -> dict:
         """What a checkpoint of ``step`` records beside the state: the data position, the schedule, the config."""
@@ -399,40 +278,6 @@ class Trainer:
     def add_callback(self, callback: Callback) -> None:
         """Run ``callback`` in the loop when it is due (jaxdist.train.callbacks.Callback: ``syncs``, ``due``, call)."""
         self.callbacks.append(callback)
-
-    def train_step(self, state: dict, batch: jax.Array) -> tuple[dict, dict]:
-        """One optimizer step, the compiled program ``fit`` runs (donates ``state``)."""
-        return self.compiled_train_step()(state, batch)
-
-    def compile_train_step(self):
-        """The train step compiled ahead of time for this run's shapes (``jax.stages.Compiled``).
-
-        Its ``memory_analysis()`` and ``cost_analysis()`` give bytes and FLOPs per device.
-        """
-        batch = jax.ShapeDtypeStruct(
-            (self.config.train.batch_size, self.config.train.seq_len + 1), jax.numpy.int32, sharding=self.batch_sharding
-        )
-        lowered = self._train_step.lower(self.abstract_state(), batch)
-        return lowered.compile(compiler_options=self.xla_options) if self.xla_options else lowered.compile()
-
-    def compiled_train_step(self):
-        """The train step compiled for this run's shapes, compiled once and reused (what ``fit`` calls)."""
-        if self._compiled_step is None:
-            self._compiled_step = self.compile_train_step()
-        return self._compiled_step
-
-    def hardware_flops_per_step(self) -> float | None:
-        """FLOPs the compiled train step executes on all devices (programs.executed_flops), computed once."""
-        if self._hardware_flops is None:
-            self._hardware_flops = executed_flops(self.compiled_train_step(), len(self.devices))
-        return self._hardware_flops
-
-    def bf16_notice(self) -> str | None:
-        """One sentence when ``model.dtype=bfloat16`` but the compiled step multiplies mostly in float32
-        (jaxdist.train.programs.bf16_notice)."""
-        if self.config.model.dtype != "bfloat16":
-            return None
-        return bf16_notice(self.config.model.dtype, self.compiled_train_step().as_text(), self.devices[0].platform)
 
     def batch(self, step: int) -> jax.Array:
         """The global batch of training step ``step`` as one sharded array [B, T+1]."""

@@ -1,0 +1,179 @@
+"""The compile-time half of a training job: mesh, sharded abstract model, optimizer and the jitted init,
+train and eval programs, built from a :class:`~jaxdist.train.resolved.Resolved`.
+
+The Trainer is a Program with the run around it (data, checkpoints, metrics, the loop); ahead-of-time
+compiles (:mod:`jaxdist.train.aot`: the remat selector's and the planner's closed loops) build the Program
+alone, so what they compile is exactly what a run compiles.  Nothing here allocates device memory: the
+programs compile on first use.
+"""
+
+from __future__ import annotations
+
+import jax
+import optax
+from jax.sharding import NamedSharding
+
+from jaxdist.cluster import load_cluster
+from jaxdist.models import create_abstract, init_params
+from jaxdist.parallel.comm import plan_comm, xla_gpu_options
+from jaxdist.parallel.layout import Parallelism
+from jaxdist.remat.named import remat_policy
+from jaxdist.train.faults import hooks_on, with_device_hang
+from jaxdist.train.optimizer import make_optimizer
+from jaxdist.train.programs import bf16_notice, executed_flops
+from jaxdist.train.resolved import Resolved
+from jaxdist.train.step import init_state, make_eval_step, make_train_step
+
+
+class Program:
+    """Mesh, model and jitted programs of ``resolved`` (see the module docstring)."""
+
+    def __init__(self, resolved: Resolved):
+        self._build_parallelism(resolved)
+        self._build_comm()  # the gradient collectives' plan and the XLA options that follow it
+        self._build_model()  # remat policy, abstract sharded model, optimizer, state shardings
+        self._build_programs()  # the jitted init, train and eval functions (compiled on first use)
+        # compiled_train_step(): train.remat=auto's closed loop may have compiled it already, as this run will
+        # (jaxdist.remat.verify.VerifiedChoice.compiled: off CPU, the same program and options)
+        self._compiled_step = self._adopted_step()
+        self.adopted_step = self._compiled_step is not None  # the loop's compile is run, none of its own
+        self._hardware_flops: float | None = None  # hardware_flops_per_step()
+
+    def _build_parallelism(self, resolved: Resolved) -> None:
+        """The devices, the cluster, the mesh and logical rules."""
+        self.resolved = resolved
+        self.config = c = resolved.config
+        self.devices = list(self.resolved.devices)
+        self.cluster = load_cluster(c.mesh.cluster)
+        # Mesh, logical rules, expert layout (MoE weights on the expert view, mesh.expert_tensor), pipeline plan.
+        self.parallelism = Parallelism.build(c, self.devices)
+        self.mesh, self.rules = self.parallelism.mesh, self.parallelism.rules
+        self.expert_layout = self.parallelism.expert_layout
+
+    def _build_comm(self) -> None:
+        """The gradient collectives' buckets and issue points (jaxdist comm plan); per_block applies them, and on
+        GPUs the XLA options (``xla_options``) follow them (under either train.grad_sync)."""
+        c = self.config
+        dense = not c.model.moe.experts
+        self.comm_plan = (
+            plan_comm(c.model, dict(self.mesh.shape), self.cluster, c.train.grad_bucket_bytes) if dense else None
+        )
+        gpu = self.devices[0].platform == "gpu" and dense
+        self.xla_options = xla_gpu_options(self.comm_plan) if gpu else {}
+
+    def _adopted_step(self):
+        """The train step ``train.remat=auto``'s closed loop compiled as this run runs it (its chosen candidate,
+        for these devices with these options: jaxdist.train.aot.RunnableStep), or None (compiled on first use)."""
+        step = self.resolved.program
+        if step is None or step.devices != tuple(self.devices) or step.options != self.xla_options:
+            return None
+        return step.executable
+
+    def _build_model(self) -> None:
+        """The remat policy (``auto``: the plan resolve() selected), the abstract model, optimizer and shardings."""
+        c = self.config
+        remat = self.resolved.remat  # "auto" settled to the selector's plan by resolve()
+        self.remat_policy, self.remat_plan = remat_policy(remat), remat.plan
+        self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)
+        self.param_shardings = self.parallelism.param_shardings(names, abstract_params)
+        # The schedule's length: train.schedule_steps, else train.steps; a resumed run keeps the recorded one.
+        self.schedule_steps = c.train.schedule_steps or c.train.steps
+        self.optimizer, self.schedule = make_optimizer(c.train, self.schedule_steps)
+        self.state_shardings = self._state_shardings(abstract_params)
+        self.batch_sharding = self.parallelism.batch_sharding
+        self.replicated = self.parallelism.replicated
+
+    def _build_programs(self) -> None:
+        """The jitted init, train and eval functions, the model's sharding bound inside each."""
+        c = self.config
+        seed = c.train.seed
+        bind = self.parallelism.bind  # the model's sharding is entered inside each jitted function
+        self._init_fn = jax.jit(
+            bind(lambda: init_state(init_params(c.model, seed), self.optimizer, seed)),
+            out_shardings=self.state_shardings,
+        )
+        train_step = make_train_step(
+            self.graphdef, self.optimizer, self.schedule, c.train.microbatches, c.train.grad_clip, self._grads_fn()
+        )
+        if hooks_on():  # test-only: a step whose device program can be made to hang
+            train_step = with_device_hang(train_step, self.config.run_dir)
+        self._train_step = jax.jit(
+            bind(train_step),
+            in_shardings=(self.state_shardings, self.batch_sharding),
+            out_shardings=(self.state_shardings, self.replicated),
+            donate_argnums=(0,),
+        )
+        self._eval_step = jax.jit(
+            bind(make_eval_step(self.graphdef)),
+            in_shardings=(self.state_shardings["params"], self.batch_sharding),
+            out_shardings=self.replicated,
+        )
+
+    def _grads_fn(self):
+        """The gradient path Parallelism chooses for train.grad_sync (None: the model's own)."""
+        return self.parallelism.grads_fn(self.config, self.graphdef, self.param_shardings, self.comm_plan)
+
+    def sharding(self, logical: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> NamedSharding:
+        """NamedSharding on this mesh for an array with these logical axis names."""
+        return self.parallelism.sharding(logical, shape)
+
+    def _state_shardings(self, abstract_params: dict) -> dict:
+        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+        opt_shardings = optax.tree_utils.tree_map_params(
+            self.optimizer,
+            lambda _, s: s,
+            abstract_opt,
+            self.param_shardings,
+            transform_non_params=lambda _: self.parallelism.replicated,
+        )
+        rep = self.parallelism.replicated
+        return {"step": rep, "params": self.param_shardings, "opt_state": opt_shardings, "rng": rep}
+
+    def abstract_state(self) -> dict:
+        """The train state's shapes, dtypes and target shardings (nothing allocated)."""
+        shapes = jax.eval_shape(self._init_fn)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+        )
+
+    def train_step(self, state: dict, batch: jax.Array) -> tuple[dict, dict]:
+        """One optimizer step, the compiled program ``fit`` runs (donates ``state``)."""
+        return self.compiled_train_step()(state, batch)
+
+    def compile_train_step(self):
+        """The train step compiled ahead of time for this run's shapes (``jax.stages.Compiled``).
+
+        Its ``memory_analysis()`` and ``cost_analysis()`` give bytes and FLOPs per device.
+        """
+        batch = jax.ShapeDtypeStruct(
+            (self.config.train.batch_size, self.config.train.seq_len + 1), jax.numpy.int32, sharding=self.batch_sharding
+        )
+        lowered = self._train_step.lower(self.abstract_state(), batch)
+        return lowered.compile(compiler_options=self.xla_options) if self.xla_options else lowered.compile()
+
+    def compiled_train_step(self):
+        """The train step compiled for this run's shapes, compiled once and reused (what ``fit`` calls)."""
+        if self._compiled_step is None:
+            self._compiled_step = self.compile_train_step()
+        return self._compiled_step
+
+    def hardware_flops_per_step(self) -> float | None:
+        """FLOPs the compiled train step executes on all devices (programs.executed_flops), computed once."""
+        if self._hardware_flops is None:
+            self._hardware_flops = executed_flops(self.compiled_train_step(), len(self.devices))
+        return self._hardware_flops
+
+    def bf16_notice(self) -> str | None:
+        """One sentence when ``model.dtype=bfloat16`` but the compiled step multiplies mostly in float32
+        (jaxdist.train.programs.bf16_notice)."""
+        if self.config.model.dtype != "bfloat16":
+            return None
+        return bf16_notice(self.config.model.dtype, self.compiled_train_step().as_text(), self.devices[0].platform)
+
+    def set_schedule_steps(self, steps: int) -> None:
+        """Rebuild the optimizer and the train step for a learning-rate schedule of ``steps`` steps (the optimizer
+        state is the same for any length; the step compiles again on first use)."""
+        self.schedule_steps = steps
+        self.optimizer, self.schedule = make_optimizer(self.config.train, steps)
+        self._build_programs()
+        self._compiled_step = None
