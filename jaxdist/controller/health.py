@@ -332,8 +332,8 @@ def stuck_ranks(
         return named, f"{what} while {len(blocked)} rank(s) wait in the step; no step for {stalled_s:.1f} s"
     group_limit = GROUP_STUCK_FACTOR * (window_s or step_s) + heartbeat_timeout
     # How long every rank has waited: the youngest wait, not the time since the last step, which also counts
-    # the group's saves and evaluations before it (measured: after the first save, every rank waited 0.5 s
-    # at step 9's flush while the last step was 4.2 s old, 61 % of the limit on a quiet host).
+    # the group's saves and evaluations before it (after a fault-free run's first save every rank has waited
+    # a fraction of a second while the last step is seconds old).
     waited = min(stalled_s, min(p.age_s for p in positions))
     if len(blocked) == len(positions) and waited > group_limit:
         return sorted(p.rank for p in positions), (

@@ -188,8 +188,8 @@ class BatchList:
             "seq_len": self.seq_len,
             "sources": [s.to_dict() for s in self.sources],
             "n_batches": len(self.order),
-            # zlib level 1: a shuffled order barely compresses (3.55 MB vs 3.38 at level 6 for 10^6 ids) and
-            # level 6 took 0.69 s of a 0.91 s addition at 10^6 batches (benchmarks/scale.py); any level reads back.
+            # zlib level 1: a shuffled order barely compresses at any level, and higher levels cost most of an
+            # addition's time at a million batches (benchmarks/scale.py); any level reads back.
             "order": base64.b64encode(zlib.compress(raw, 1)).decode("ascii"),
             "order_sha256": self.order_sha256(),
             "created": self.created,

@@ -23,8 +23,8 @@ Why this and not one contention factor for the whole request (``L(s) = L1 (1
 ``a' = c a, p' = c p, b' = c b``): on a real sampler the parts scale
 differently with streams. The sampler on one CPU device (``tiny``) has a
 per-request part of a few ms that hardly grows with the batch and a step
-time that does; with one ``c`` for both, the fit missed the direct
-measurement by +15% at 1 stream and -12% at 8 (issue 16). On a GPU the step
+time that does; one ``c`` for both misses the direct measurement in both
+directions (benchmarks/README.md). On a GPU the step
 time is the familiar weights-read floor plus per-sequence work, and the
 prefill grows with the batch's prompt tokens: the same six numbers.
 The contention of a request size, ``c = D / L1``, is still reported.

@@ -58,7 +58,7 @@ __all__ = [
 MAX_FIT_ERROR = 0.15  # a fit further than this from its own logs is refused (see the module docstring)
 ROBUST_SCALE = 0.05  # relative error beyond which a request counts less than quadratically (soft L1)
 MIN_SERIAL = 3  # single-stream requests a fit needs
-PROFILE_VERSION = 2  # version 1: one contention factor per model (the model before issue 16's real-log table)
+PROFILE_VERSION = 2  # version 1: one contention factor per model (a file of it is refused: profile the logs again)
 
 
 def records_from_measurements(

@@ -28,8 +28,8 @@ from jaxdist.config import ModelConfig
 from jaxdist.errors import ConfigError
 from jaxdist.models import hooks
 
-# Without cuDNN, blockwise from this many key tokens on.  Measured on XLA:CPU (benchmarks/attention.py, small
-# model): at 1k blockwise ties xla's step time with 2.8x less memory, at 4k it is 1.9x faster with 11x less.
+# Without cuDNN, blockwise from this many key tokens on: from there it is at least as fast as xla's attention
+# and holds far less memory (benchmarks/attention.py; the figures are in benchmarks/README.md).
 # Shorter sequences keep xla: their scores are small, and their programs stay exactly what they were.
 BLOCKWISE_MIN_SEQ = 2048
 _MIN = float(jnp.finfo(jnp.float32).min)

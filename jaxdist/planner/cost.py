@@ -51,10 +51,9 @@ class MemoryCoefficients:
     :data:`XLA_CPU_MEMORY` is fitted by benchmarks/planner_fit.py (minimax LP,
     :mod:`jaxdist.planner.fit`) to XLA:CPU's buffer assignment for 144 random
     (model, batch, sequence, mesh, remat, microbatch) settings of byte-vocabulary
-    models on 8 devices: worst error 8.0 % in sample, 13.6 % held out in 3-fold
-    cross-validation (mean 3.2 %), 6.2 % on the 12 pairs tests/planner checks
-    (never in the fit).  Models with larger vocabularies are less well described
-    (4096 and 2048 tokens: worst 29.9 %, mean 11.3 %).
+    models on 8 devices; its errors in and out of the fit (3-fold cross-validation,
+    and the pairs tests/planner checks, never in the fit) are in benchmarks/README.md.
+    Models with larger vocabularies are less well described.
     """
 
     layer_working: tuple[tuple[str, float], ...] = (("full", 1.022), ("names", 0.8356), ("none", 0.6258))

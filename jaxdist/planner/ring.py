@@ -34,10 +34,8 @@ from jaxdist.planner.computation import ComputationView, computation_view
 
 # Score tiles (heads x block x block, float32) XLA keeps live at once while a layer's ring is
 # differentiated: about two for the device's own block and two per hop, with at most two hops live (the
-# middle hops run in a loop, jaxdist.parallel.context).  Read from the buffer assignment of the compiled
-# step (small model, seq 4096, blocks of 512: 6 tiles of 4 MiB for context 2; the loop took 4 off the
-# unrolled ring's 10 for context 4); tests/planner/test_context.py holds the whole prediction to the
-# compiled peak.
+# middle hops run in a loop, jaxdist.parallel.context), as the buffer assignment of the compiled step
+# shows; tests/planner/test_context.py holds the whole prediction to the compiled peak.
 
 
 def live_score_tiles(context: int) -> int:

@@ -16,7 +16,7 @@ Two things that compile ahead of time to check a prediction share this module:
   :func:`jaxdist.planner.calibrate.calibration_dir`), keyed by the setting (the last :data:`KEEP_SEEN` a
   setting's compiles showed), and the next selection starts from them (:class:`Working`): the same
   setting's median, least and largest when it was seen, else the device kind's median setting, its range
-  scaled alike.  XLA's working space moves by up to ~25 % between remat policies of one setting
+  scaled alike.  XLA's working space moves between remat policies of one setting
   (benchmarks/remat_budget.py), so the range, not only the middle, is what the next selection needs.
 """
 

@@ -11,12 +11,12 @@ with the policy, so the answer is closed by compiling:
    ``jaxdist remat`` prints), each with its predicted saved activations and recompute FLOPs; duplicates
    (the same saved set) and points another candidate beats on both are dropped.
 2. **Prediction** (:class:`PeakModel`): peak = parameters + gradients + optimizer state (exact arithmetic)
-   + saved activations (the profile) + working space.  XLA's working space moves by ~25 % between the
-   policies of one setting (75-137 MiB on the issue's setting), as much as the saved bytes of neighbouring
-   candidates differ, and nothing in the profile predicts it; a **probe** does: the temp of a compiled
+   + saved activations (the profile) + working space.  XLA's working space moves between the policies of
+   one setting by as much as the saved bytes of neighbouring candidates differ (benchmarks/README.md), and
+   nothing in the profile predicts it; a **probe** does: the temp of a compiled
    forward and backward of a two-step scan of the block under the candidate's policy, less its residuals
-   (:func:`jaxdist.train.aot.block_working`), follows the whole step's working space to a few per cent
-   (residual 2.6 MiB on the issue's setting).  Probed, the ratio is what the step adds beyond the probe
+   (:func:`jaxdist.train.aot.block_working`), follows the whole step's working space to a few per cent.
+   Probed, the ratio is what the step adds beyond the probe
    (about 0); unprobed (``probe=None``), a learned multiple (``ratio``, within a learned range
    ``low``..``high``) of a reference (three float32 logits of a microbatch and twice the values one block's
    backward pass reads) stands for every candidate.  The ratios are what compiles teach: they are kept per
@@ -57,8 +57,8 @@ FLOP_TOLERANCE = 0.005
 # compiled: one setting's policies spread further than the few compiled ones show.
 RANGE_MARGIN = 0.1
 # With the candidates' working space probed (Candidate.working, jaxdist.train.aot.block_working), the step's
-# working space follows the probe to a few per cent (residual 2.6 MiB of 75-137 MiB on the issue's setting,
-# 0.02 of 3.3-4.6 MiB on tiny): the uncompiled candidates' range is the compiles' ratios widened by this share
+# working space follows the probe to a few per cent: the uncompiled candidates' range is the compiles' ratios
+# widened by this share
 # of the compiled candidates' probed working space.
 PROBED_MARGIN = 0.05
 # The working-space range, as shares of the model's ratio, when none is given (jaxdist.planner.verify's).
@@ -155,8 +155,7 @@ def candidates(
 class PeakModel:
     """Predicted compiled peak per device: ``fixed`` (parameters, gradients, optimizer state, bytes) + saved
     activations + ``ratio`` x ``reference`` (working space, bytes); ``low`` and ``high``: the range of ratios
-    the candidates of this setting may show (XLA's working space moves with the policy: ~25 % either way
-    here), default ``DEFAULT_SHARES`` times ``ratio``."""
+    the candidates of this setting may show (XLA's working space moves with the policy), default ``DEFAULT_SHARES`` times ``ratio``."""
 
     fixed: float
     reference: float

@@ -111,8 +111,7 @@ def block_working(config: Config, devices: Sequence[Any], policy: Any, saved_byt
     mesh and activation shardings) less the residuals it holds (``saved_bytes_per_step`` each step).
 
     What the remat loop (:mod:`jaxdist.remat.verify`) reads beside its whole-step compiles: the step's working
-    space moves with the policy by ~25 % on XLA:CPU, and this probe follows it (a one-block compile takes about
-    as long as a tenth of the step's).  ``policy``: None (save everything), "full" or a jax.checkpoint policy.
+    space moves with the policy, and this probe follows it for a fraction of a whole-step compile.  ``policy``: None (save everything), "full" or a jax.checkpoint policy.
     """
     jnp = jax.numpy
     m, t = config.model, config.train
