@@ -83,9 +83,8 @@ def cmd_train(args) -> int:
     # JAX and what loads it, after the process group is set up (a JAX-free CLI until here)
     import jax
 
-    from jaxdist.models.attention import attention_note
-    from jaxdist.parallel.comm import describe_xla_options
     from jaxdist.resolve import resolve
+    from jaxdist.train.start_report import start_report
     from jaxdist.train.trainer import Trainer
 
     with Trainer(resolve(cfg, jax.devices())) as trainer:
@@ -96,32 +95,7 @@ def cmd_train(args) -> int:
 
                 trainer.add_callback(probe_for_agent(trainer, agent))
         if jax.process_index() == 0:
-            print(trainer.describe(), file=sys.stderr)
-            c = trainer.config
-            chosen = trainer.resolved.remat.plan
-            if hasattr(chosen, "trials"):  # train.remat=auto closed against the compiler: predicted vs compiled
-                reuse = (
-                    "the run executes the chosen candidate's compiled program"
-                    if trainer.adopted_step
-                    else "the train step is compiled once more to run (on CPU the loop's compiles are LLVM level 0)"
-                )
-                print(chosen.table() + "\n" + chosen.describe() + f"; {reuse}", file=sys.stderr)
-            if trainer.xla_options:  # GPUs: the options the gradient plan chose
-                print(describe_xla_options(trainer.xla_options), file=sys.stderr)
-            if c.train.grad_sync == "per_block":
-                p = trainer.comm_plan
-                print(
-                    f"gradients reduced per block: {len(p.buckets)} collectives per step, {p.layers_per_bucket} "
-                    "layer(s) per bucket (jaxdist comm plan prints them)",
-                    file=sys.stderr,
-                )
-            note = attention_note(c.model, c.train.seq_len, jax.devices()[0])
-            if c.mesh.context > 1:  # the sequence is split: attention is the ring of jaxdist/parallel/context.py
-                note = (
-                    f"attention: a ring over context={c.mesh.context} (blockwise blocks of {c.model.attention_block} "
-                    "tokens, load-balanced chunks)"
-                )
-            print(note, file=sys.stderr)
+            print("\n".join(start_report(trainer)), file=sys.stderr)
         trainer.init_state()
         start = int(jax.device_get(trainer.state["step"]))
         if start and jax.process_index() == 0:
