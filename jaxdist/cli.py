@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -575,6 +576,9 @@ def main(argv: list[str] | None = None) -> int:
         what = " ".join(w for w in (args.command, getattr(args, "action", None)) if isinstance(w, str))
         print(f"jaxdist: {what} interrupted (Ctrl-C); what it had finished is kept.", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader of stdout left (``jaxdist config --reference | head``): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's exit flush must not raise again
+        return 0
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import shutil
 import struct
 import subprocess
@@ -179,15 +180,24 @@ def test_console_script_is_installed(tmp_path):
     assert out.returncode == 0 and out.stdout.strip() == reference_markdown().strip()
 
 
-def test_readme_contains_the_config_reference(tmp_path):
+def test_a_reader_that_leaves_early_is_not_an_error(tmp_path):
+    """``jaxdist config --reference | head -1`` under ``pipefail``: a reader that closes the pipe before jaxdist
+    is done writing (here ``true``, which reads nothing and exits while Python starts) ends jaxdist without a
+    traceback, exit 0."""
+    cmd = f"set -o pipefail; {shlex.quote(sys.executable)} -m jaxdist.cli config --reference | true"
+    out = subprocess.run(["bash", "-c", cmd], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_docs_configuration_contains_the_config_reference(tmp_path):
     out = jaxdist("config", "--reference", cwd=tmp_path)
     assert out.returncode == 0, out.stderr
-    readme = (REPO / "README.md").read_text()
+    page = (REPO / "docs" / "configuration.md").read_text()
     start, end = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
-    assert start in readme and end in readme, f"README.md lacks the markers {start} ... {end}"
-    section = readme[readme.index(start) + len(start) : readme.index(end)]
+    assert start in page and end in page, f"docs/configuration.md lacks the markers {start} ... {end}"
+    section = page[page.index(start) + len(start) : page.index(end)]
     assert out.stdout.strip() in section, (
-        "README.md's configuration reference is out of date: replace the text between the markers "
+        "docs/configuration.md's configuration reference is out of date: replace the text between the markers "
         "with the output of `jaxdist config --reference`."
     )
 

@@ -281,7 +281,7 @@ def write_report() -> None:
     out = [
         "# Mutation testing of the core (issue 42)",
         "",
-        "Written by `tools/mutation.py` (mutmut 3.8.1; how to run it: README, *Mutation testing*).  Per module, every",
+        "Written by `tools/mutation.py` (mutmut 3.8.1; how to run it: docs/development.md, *Mutation testing*).  Per module, every",
         "recorded run (the first is the figure before this issue's tests, the last the figure now), then the",
         "mutants not killed at the last run, then the equivalent ones (they cannot change behaviour) and why.",
         "Score = (killed + timeout) / (mutants - equivalent); the target is 85 %.  Every row counts equivalents by",

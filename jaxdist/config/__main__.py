@@ -1,4 +1,4 @@
-"""``python -m jaxdist.config``: print the configuration reference (Markdown tables, as in the README)."""
+"""``python -m jaxdist.config``: print the configuration reference (Markdown tables, as in docs/configuration.md)."""
 
 from jaxdist.config.load import reference_markdown
 

@@ -2,7 +2,7 @@
 mesh.tensor=2``); ``model=NAME`` selects a model preset before any ``model.*`` override applies; a
 ``model.init_from`` directory's ``config.json`` fills the model fields not given.  Also the
 configuration reference (every field's help text, ``python -m jaxdist.config``), which a test keeps in
-step with the README.
+step with docs/configuration.md.
 
 Imports no JAX, so the CLI can read a config (and the number of simulated CPU devices it wants) before
 JAX starts.
@@ -74,7 +74,7 @@ def from_dict(d: dict[str, Any]) -> Config:
 
 
 def reference_markdown() -> str:
-    """The configuration reference as Markdown tables (embedded in README.md)."""
+    """The configuration reference as Markdown tables (embedded in docs/configuration.md)."""
     lines = []
     for section, cls in SECTION_CLASSES.items():
         lines.append(f"### `[{section}]` — {cls.__doc__.strip()}")

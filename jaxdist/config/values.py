@@ -55,7 +55,7 @@ def _unknown(key: str) -> ConfigError:
     if key in MOVED_KEYS:
         return ConfigError(f"config key '{key}' is now '{MOVED_KEYS[key]}': rename it.")
     close = difflib.get_close_matches(key, all_keys() + list(SECTION_CLASSES), n=1)
-    hint = f"; did you mean '{close[0]}'?" if close else "; see the configuration reference in README.md."
+    hint = f"; did you mean '{close[0]}'?" if close else "; see the configuration reference in docs/configuration.md."
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
