@@ -24,3 +24,31 @@ import jax  # noqa: E402  (imported here, after XLA_FLAGS: every test sees 8 CPU
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAXDIST_TEST_COMPILE_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)  # tiny programs: not worth a file
+
+# The modules that take longest (seconds on the 2-core machine, one process), started first when the suite runs
+# on several processes (pytest-xdist, ``-n 2 --dist loadfile``: a module is one unit): a long module that starts
+# last is the run's tail.  One process at a time keeps the collection order.
+LONGEST_FIRST = (
+    "controller/test_fault_injection.py",  # ~200
+    "checkpoint/test_local_multiprocess.py",  # ~155
+    "test_notebooks.py",  # ~150
+    "controller/test_stub_jobs.py",  # ~140
+    "slurm/test_train.py",  # ~120
+    "controller/test_health_jobs.py",  # ~105
+    "planner/test_measured.py",  # ~95
+    "test_docs.py",  # ~75
+    "parallel/test_pipeline.py",  # ~75
+    "remat/test_plan.py",  # ~75
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    tests = os.path.dirname(__file__)
+
+    def rank(item) -> int:
+        path = os.path.relpath(str(item.path), tests).replace(os.sep, "/")
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the order within a module, and of the other modules, is kept
