@@ -203,13 +203,13 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from jaxdist.gen.sample_config import check_request, check_texts, clamp_new_tokens, run_config  # no JAX
+    from jaxdist.sample.config import check_request, check_texts, clamp_new_tokens, run_config  # no JAX
 
     prepare_host_devices(run_config(args.run_dir, args.overrides))  # the run's cluster: its simulated devices
     check_request(args.max_new_tokens, args.temperature, args.top_k, args.top_p)
     prompts = args.prompt or [""]
     check_texts(prompts, args.stop or ())
-    from jaxdist.gen.sampler import Sampler, TextStream, describe  # JAX
+    from jaxdist.sample.sampler import Sampler, TextStream, describe  # JAX
 
     sampler = Sampler.from_run(args.run_dir, args.step, args.overrides)
     print(describe(sampler), file=sys.stderr)

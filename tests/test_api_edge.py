@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from jaxdist.config import ConfigError, load_config
-from jaxdist.gen.sample_config import check_request
-from jaxdist.gen.sampler import Sampler
+from jaxdist.sample.config import check_request
+from jaxdist.sample.sampler import Sampler
 from jaxdist.train.trainer import Trainer
 
 CFG = load_config(None, ["model=tiny"])

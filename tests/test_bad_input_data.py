@@ -411,7 +411,7 @@ def assert_one_sentence(rc: int, out: str, err: str, row: Row) -> None:
 
 @pytest.fixture(scope="module")
 def sampler(env):
-    from jaxdist.gen.sampler import Sampler
+    from jaxdist.sample.sampler import Sampler
 
     s = Sampler.from_run(env["run"])
     env["sampler"] = s
@@ -440,7 +440,7 @@ def test_bad_input_row(name, env, request):
 
 def test_clamped_new_tokens_are_the_room_left(env, sampler):
     """The clamp of ``sample_max_new_past_max_seq_len``: max_seq_len less the longest prompt's tokens."""
-    from jaxdist.gen.sample_config import clamp_new_tokens
+    from jaxdist.sample.config import clamp_new_tokens
 
     assert sampler.model.max_seq_len == 128 and [len(i) for i in sampler.prompt_ids(["ab", "abcd", ""])] == [2, 4, 1]
     assert clamp_new_tokens(10**9, 4, 128)[0] == 124

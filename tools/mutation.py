@@ -1,8 +1,8 @@
 """Mutation testing of one core module with mutmut 3 (issue 42): the module's fast tests against its mutants.
 
-    python tools/mutation.py --module gen.decode              # run (or resume) and rewrite the report
-    python tools/mutation.py --module gen.decode --fresh      # forget earlier verdicts: every mutant again
-    python tools/mutation.py --module gen.decode --report-only
+    python tools/mutation.py --module sample.decode              # run (or resume) and rewrite the report
+    python tools/mutation.py --module sample.decode --fresh      # forget earlier verdicts: every mutant again
+    python tools/mutation.py --module sample.decode --report-only
     python tools/mutation.py --list                           # the modules and the tests each one runs
 
 mutmut (3.8.1, ``pip install mutmut==3.8.1``) copies the package into a ``mutants/`` folder with every function of
@@ -72,27 +72,27 @@ MUTMUT_VERSION = "3.8.1"
 MODULES: dict[str, tuple[list[str], list[str]]] = {
     # The token choice against exact probabilities.  The sampler's decoding tests (the cache, the ring) compile the
     # model's prefill and decoding programs: minutes per mutant on a loaded 2-core host, so prefill, decode_step and
-    # the slot arithmetic show as "no tests" here; gen.sampler runs them.
-    "gen.decode": (
-        ["jaxdist/gen/decode.py"],
+    # the slot arithmetic show as "no tests" here; sample.sampler runs them.
+    "sample.decode": (
+        ["jaxdist/sample/decode.py"],
         [
-            "tests/gen/test_decode_distribution.py",
-            "tests/gen/test_sampler.py",
+            "tests/sample/test_decode_distribution.py",
+            "tests/sample/test_sampler.py",
             "-k",
             "test_decode_distribution or left_pad or ring_slots or next_token_ends",
         ],
     ),
-    "gen.sampler": (
-        ["jaxdist/gen/sampler.py"],
+    "sample.sampler": (
+        ["jaxdist/sample/sampler.py"],
         [
-            "tests/gen/test_sampler.py::test_cached_greedy_decoding_equals_recomputation",
-            "tests/gen/test_sampler.py::test_past_max_seq_len_the_cache_is_a_sliding_window",
-            "tests/gen/test_sampler.py::test_top_k_1_and_tiny_top_p_equal_greedy",
-            "tests/gen/test_sampler.py::test_seeds_repeat_and_differ_and_cuts_hold",
-            "tests/gen/test_sampler.py::test_ids_the_tokenizer_cannot_decode_are_never_chosen",
-            "tests/gen/test_sampler.py::test_stop_string_and_eos_end_a_prompt",
-            "tests/gen/test_sampler.py::test_text_stream_prints_as_it_comes_and_holds_back_a_possible_stop",
-            "tests/gen/test_sampler.py::test_bad_requests_raise_config_error",
+            "tests/sample/test_sampler.py::test_cached_greedy_decoding_equals_recomputation",
+            "tests/sample/test_sampler.py::test_past_max_seq_len_the_cache_is_a_sliding_window",
+            "tests/sample/test_sampler.py::test_top_k_1_and_tiny_top_p_equal_greedy",
+            "tests/sample/test_sampler.py::test_seeds_repeat_and_differ_and_cuts_hold",
+            "tests/sample/test_sampler.py::test_ids_the_tokenizer_cannot_decode_are_never_chosen",
+            "tests/sample/test_sampler.py::test_stop_string_and_eos_end_a_prompt",
+            "tests/sample/test_sampler.py::test_text_stream_prints_as_it_comes_and_holds_back_a_possible_stop",
+            "tests/sample/test_sampler.py::test_bad_requests_raise_config_error",
         ],
     ),
     "train.step": (["jaxdist/train/step.py"], ["tests/train/test_step.py"]),

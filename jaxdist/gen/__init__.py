@@ -1,10 +1,7 @@
-"""Generation: the sampler (``jaxdist sample``) and the data-generation workers that feed a training run.
+"""The generation cluster: data-generation workers that feed a training run, and the decisions of its schedule.
 
-Sampler modules: ``sample_config.py`` (a run's config and the checks of a
-request, no JAX), ``sample_load.py`` (a checkpoint's parameters onto a mesh),
-``decode.py`` (the jitted prefill and decoding-step programs, the key/value
-cache bookkeeping and the token choice), ``sampler.py`` (:class:`Sampler`).
-
-Nothing is imported here, so ``jaxdist.gen.sample_config`` stays JAX-free for
-the command line (it runs before XLA_FLAGS are set).
+The dispatcher and workers (``job.py``, ``worker.py``, ``tasks.py``, ``chain.py``), the CURVE channel
+(``channel.py``), the training run's receiver (``delivery.py``), and the scheduling decisions (``runlog.py``,
+``perfmodel.py``, ``profile.py``, ``schedule.py``, ``selection.py``, ``rounds.py``, ``job_plan.py``).  None of
+them imports JAX; a worker whose function is ``"sampler"`` loads :mod:`jaxdist.sample` when it starts one.
 """

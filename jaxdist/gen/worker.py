@@ -50,13 +50,13 @@ def generation_function(cfg: GenConfig, stage: int = 0) -> GenFn:
     function = cfg.functions[stage]
     if function == "sampler":
         from jaxdist.cluster import prepare_host_devices
-        from jaxdist.gen.sample_config import check_request, run_config  # JAX-free: devices are set up first
+        from jaxdist.sample.config import check_request, run_config  # JAX-free: devices are set up first
 
         s = cfg.sampler
         overrides = s.overrides.split()
         prepare_host_devices(run_config(s.run, overrides))  # the teacher run's cluster: its simulated devices
         check_request(s.max_new_tokens, s.temperature, s.top_k, s.top_p)
-        from jaxdist.gen.sampler import Sampler  # JAX
+        from jaxdist.sample.sampler import Sampler  # JAX
 
         sampler = Sampler.from_run(s.run, s.step or None, overrides)
         log.info("sampler: %s step %s", s.run, sampler.step)

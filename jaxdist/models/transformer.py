@@ -256,7 +256,7 @@ def forward_with_cache(
     (:func:`init_kv_cache`); ``slot``, ``visible``: see :func:`block_forward_kv`.
     The prefill of a prompt is one call with Tc = its length; each decoding
     step one call with Tc = 1.  Which slots a query sees is the caller's
-    bookkeeping (jaxdist.gen.sampler).  For a row whose tokens sit at slots
+    bookkeeping (jaxdist.sample.sampler).  For a row whose tokens sit at slots
     0..Tc-1 with positions 0..Tc-1 and a causal ``visible``, the logits equal
     :meth:`Transformer.forward`'s.
     """

@@ -114,7 +114,7 @@ def test_model_vocab_size_follows_the_tokenizer(bpe_json, sp_model, token_file):
 
 
 def test_the_sampler_decodes_with_the_runs_tokenizer(bpe_json, token_file):
-    from jaxdist.gen.sampler import Sampler  # JAX: only this test needs it
+    from jaxdist.sample.sampler import Sampler  # JAX: only this test needs it
     from jaxdist.models.transformer import create_abstract
     from jaxdist.parallel.layout import Parallelism
 

@@ -29,7 +29,7 @@ from jaxdist.convert import run_to_hf  # noqa: E402
 from jaxdist.convert_config import stored_config  # noqa: E402
 from jaxdist.data.manifest import settle_tokenizer  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
-from jaxdist.gen.sampler import Sampler  # noqa: E402
+from jaxdist.sample.sampler import Sampler  # noqa: E402
 from tests.test_cli import TRAIN_TIMEOUT, jaxdist  # noqa: E402
 
 PROMPT = "def dumps(obj, indent"
@@ -127,7 +127,7 @@ def test_sampler_from_run_with_tokenizer_override_equals_generate(hf_model, run_
 
 
 def test_vocabulary_mismatch_is_told_once(hf_model, run_dir, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="jaxdist.gen.sampler")
+    caplog.set_level(logging.WARNING, logger="jaxdist.sample.sampler")
     small = Sampler.from_run(run_dir, overrides=["data.tokenizer=bytes"], devices=jax.devices()[:1])
     d = small.decode([hf_model[2]], 8)
     small.decode([hf_model[2]], 8)

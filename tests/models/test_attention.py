@@ -179,7 +179,7 @@ def test_pipeline_chunks_blockwise_equal_xla():
 
 def test_sampler_cache_blockwise_equals_xla():
     from jaxdist.data.tokenizer import ByteTokenizer
-    from jaxdist.gen.sampler import Sampler
+    from jaxdist.sample.sampler import Sampler
     from jaxdist.parallel.layout import Parallelism
 
     prompts = [ByteTokenizer().encode(t).tolist() for t in ("Hello", "de", "import o")]

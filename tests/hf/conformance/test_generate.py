@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is not installed: the transformers conformance tests are skipped")
 pytest.importorskip("transformers", reason="transformers is not installed: the conformance tests are skipped")
 
-from jaxdist.gen.sampler import Sampler  # noqa: E402
+from jaxdist.sample.sampler import Sampler  # noqa: E402
 from tests.hf.conformance.hf_models import VOCAB, imported, reference_model  # noqa: E402
 
 NEW = 32

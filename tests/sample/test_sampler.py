@@ -1,4 +1,4 @@
-"""The sampler (jaxdist/gen/sampler.py, decode.py): cached decoding equals recomputation, the sampling
+"""The sampler (jaxdist/sample/sampler.py, decode.py): cached decoding equals recomputation, the sampling
 settings, stop strings and EOS, user errors, and ``jaxdist sample`` on a trained run.
 
 The reference is the training forward pass (``jaxdist.models.apply``) on one
@@ -23,7 +23,7 @@ import pytest
 from jaxdist.config import load_config
 from jaxdist.data.tokenizer import ByteTokenizer
 from jaxdist.errors import ConfigError
-from jaxdist.gen.sampler import Sampler, TextStream
+from jaxdist.sample.sampler import Sampler, TextStream
 from jaxdist.models.transformer import apply, create_abstract, forward_with_cache, init_kv_cache
 from jaxdist.parallel.layout import Parallelism
 
@@ -291,7 +291,7 @@ def test_cli_samples_a_trained_run_and_reports_errors(tmp_path):
 
 
 def test_left_pad_right_aligns_the_prompts_after_pad_ids():
-    from jaxdist.gen.decode import left_pad
+    from jaxdist.sample.decode import left_pad
 
     tokens, pads = left_pad([np.array([5, 6, 7]), np.array([8])], 3, pad=9)
     assert tokens.dtype == np.int32 and pads.dtype == np.int32
@@ -302,7 +302,7 @@ def test_left_pad_right_aligns_the_prompts_after_pad_ids():
 def test_ring_slots_and_visibility_equal_a_simulated_ring():
     """Writing time slot tau's token to cache slot tau mod S, step by step: at time t slot j holds the newest tau
     written there (none yet: a negative time), and a query of row b sees it when tau >= pads[b]."""
-    from jaxdist.gen.decode import slot_times, visible_slots
+    from jaxdist.sample.decode import slot_times, visible_slots
 
     length, pads = 4, np.array([0, 2, 5], np.int32)
     ring = [-1] * length
@@ -320,7 +320,7 @@ def test_ring_slots_and_visibility_equal_a_simulated_ring():
 def test_next_token_ends_rows_at_eos_and_pads_rows_already_done():
     """Greedy: the argmax per row; a done row gets the pad id; a row that drew EOS is done from now on.  Sampling:
     the key is folded with the time slot, so the same slot repeats its draws and another slot draws others."""
-    from jaxdist.gen.decode import Settings, _next
+    from jaxdist.sample.decode import Settings, _next
 
     logits = jnp.asarray(np.eye(6, dtype=np.float32)[[2, 4, 1]] * 5.0)
     key = jax.random.key(0)

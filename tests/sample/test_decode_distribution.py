@@ -1,4 +1,4 @@
-"""The sampler's token choice against the exact distribution it must draw from (jaxdist/gen/decode.py).
+"""The sampler's token choice against the exact distribution it must draw from (jaxdist/sample/decode.py).
 
 ``choose_tokens`` with temperature T, top-k K and top-p P must draw token i with probability
 softmax(logits / T) restricted to the top-K tokens and the smallest nucleus of mass >= P, renormalised.
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxdist.gen.decode import Settings, choose_tokens
+from jaxdist.sample.decode import Settings, choose_tokens
 
 LOGITS = np.array([2.0, 1.2, 0.5, 0.0, -1.0, -2.5], np.float32)
 DRAWS = 40_000

@@ -9,10 +9,10 @@ overrides such as ``mesh.tensor=2 mesh.data=-1`` change the mesh), builds
 the run's :class:`~jaxdist.parallel.Parallelism` (the same mesh, logical
 rules and expert layout as training) and restores the parameters of the
 newest (or a given) committed checkpoint directly sharded
-(:mod:`jaxdist.gen.sample_load`, read-only: safe beside a running trainer).
+(:mod:`jaxdist.sample.load`, read-only: safe beside a running trainer).
 
 :meth:`Sampler.decode` runs the prompts as one batch: the prefill program,
-then one decoding-step program per new token (:mod:`jaxdist.gen.decode`:
+then one decoding-step program per new token (:mod:`jaxdist.sample.decode`:
 left padding with per-row positions, a fixed-size key/value cache sharded
 like the activations, a ring past ``model.max_seq_len``).  Both programs
 are jitted with this parallelism bound (``Parallelism.bind``: the model's
@@ -49,9 +49,9 @@ import numpy as np
 from jaxdist.config import Config
 from jaxdist.data.tokenizer import Tokenizer, load_tokenizer
 from jaxdist.errors import ConfigError, expect, expect_strings
-from jaxdist.gen.decode import Settings, decode_step, left_pad, prefill
-from jaxdist.gen.sample_config import check_request, check_texts, run_config
-from jaxdist.gen.sample_load import abstract_params, restore_params
+from jaxdist.sample.decode import Settings, decode_step, left_pad, prefill
+from jaxdist.sample.config import check_request, check_texts, run_config
+from jaxdist.sample.load import abstract_params, restore_params
 from jaxdist.models.transformer import KV_CACHE_NAMES, create_abstract
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh
