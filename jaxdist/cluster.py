@@ -15,6 +15,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,3 +197,15 @@ def prepare_host_devices(cfg: Config) -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if n and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+
+
+def calibration_dir() -> Path:
+    """Where what is measured of a device kind lives (its calibration, the remat loop's working-space ratios):
+    ``$JAXDIST_CALIBRATION_DIR`` or ``~/.cache/jaxdist/calibration``."""
+    return Path(os.environ.get("JAXDIST_CALIBRATION_DIR") or Path.home() / ".cache" / "jaxdist" / "calibration")
+
+
+def calibration_path(device_kind: str) -> Path:
+    """The default calibration file for a device kind (e.g. ``.../nvidia-h100-80gb-hbm3.json``)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
+    return calibration_dir() / f"{slug}.json"

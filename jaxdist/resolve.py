@@ -32,7 +32,7 @@ from jaxdist.models.arithmetic import param_count, train_state_bytes
 from jaxdist.models.attention import attention_note, check_attention_platform
 from jaxdist.parallel.mesh import mesh_devices
 from jaxdist.planner.plan import resolve_auto
-from jaxdist.planner.verify import load_working, record_working
+from jaxdist.remat.working import load_working, record_working
 from jaxdist.remat.policy import HEADROOM, memory_breakdown, profile_for_config, resolve_remat_policy
 from jaxdist.remat.plan import plan_remat
 from jaxdist.remat.verify import PeakModel, VerifiedChoice, candidates, choose

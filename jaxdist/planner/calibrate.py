@@ -22,29 +22,17 @@ for clusters of the same device kind.
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 from scipy.optimize import nnls
 
+from jaxdist.cluster import calibration_path
 from jaxdist.planner.candidates import strategy_of
 from jaxdist.planner.cluster import Calibration, cluster_view, load_calibration
 from jaxdist.planner.computation import computation_view
 from jaxdist.planner.cost import estimate
-
-
-def calibration_dir() -> Path:
-    """Where calibrations live: ``$JAXDIST_CALIBRATION_DIR`` or ``~/.cache/jaxdist/calibration``."""
-    return Path(os.environ.get("JAXDIST_CALIBRATION_DIR") or Path.home() / ".cache" / "jaxdist" / "calibration")
-
-
-def calibration_path(device_kind: str) -> Path:
-    """The default calibration file for a device kind (e.g. ``.../nvidia-h100-80gb-hbm3.json``)."""
-    slug = re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-") or "device"
-    return calibration_dir() / f"{slug}.json"
 
 
 def default_calibration(device_kind: str) -> Calibration | None:

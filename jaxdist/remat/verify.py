@@ -20,7 +20,7 @@ with the policy, so the answer is closed by compiling:
    (about 0); unprobed (``probe=None``), a learned multiple (``ratio``, within a learned range
    ``low``..``high``) of a reference (three float32 logits of a microbatch and twice the values one block's
    backward pass reads) stands for every candidate.  The ratios are what compiles teach: they are kept per
-   device kind in the calibration cache (:mod:`jaxdist.planner.verify`) and reused by the next selection.
+   device kind in the calibration cache (:mod:`jaxdist.remat.working`) and reused by the next selection.
 3. **The loop** (:func:`choose`): compile (an injected function, so this module stays pure) the
    least-recompute candidate predicted to fit, then, once one fits, the candidate with the largest expected
    gain: FLOPs below the best fit (predicted: the compiles' base plus predicted recompute) times the share
@@ -45,6 +45,7 @@ from jaxdist.models.names import CHECKPOINT_NAMES
 from jaxdist.remat.named import ALL_NAMES, BUILTINS, RECIPES, remat_policy
 from jaxdist.remat.plan import RematPlan, budget_range, format_bytes, plan_remat
 from jaxdist.remat.profile import BlockProfile
+from jaxdist.remat.working import DEFAULT_SHARES  # the range, as shares of the ratio, when none is given
 
 # Compiles the loop spends in the normal course (the issue's target); beyond it only to reach a fit.
 MAX_COMPILES = 3
@@ -61,8 +62,6 @@ RANGE_MARGIN = 0.1
 # widened by this share
 # of the compiled candidates' probed working space.
 PROBED_MARGIN = 0.05
-# The working-space range, as shares of the model's ratio, when none is given (jaxdist.planner.verify's).
-DEFAULT_SHARES = (0.5, 2.0)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from jaxdist.config import ConfigError, Remat, load_config
-from jaxdist.planner.verify import Working, load_working, record_working, working_path
+from jaxdist.remat.working import Working, load_working, record_working, working_path
 from jaxdist.remat import profile_block
 from jaxdist.remat.verify import Candidate, PeakModel, candidates, choose, named_values
 from jaxdist.remat.policy import profile_for_config
