@@ -1,6 +1,6 @@
 """The Slurm launcher against the local one: start, first step, and recovery from a crash and a dead node.
 
-A real Slurm cluster on this machine (``jaxdist.slurm.local_cluster``: munged, slurmctld, 4 slurmd with 8
+A real Slurm cluster on this machine (``tests/slurm/local_cluster.py``: munged, slurmctld, 4 slurmd with 8
 fake GPUs each) and, in the same run, the same jobs under the local launcher (``LocalJob``).  Each job trains
 on 3 nodes with 1 standby (workers: the JAX-free stub of the controller tests, or ``--worker jax``: the tiny
 model on 2 simulated CPU devices per node).  Per repeat:
@@ -38,7 +38,9 @@ sys.path.insert(0, str(REPO))
 
 from jaxdist.controller.local import LocalJob  # noqa: E402
 from jaxdist.controller.slurm_job import SlurmJob  # noqa: E402
-from jaxdist.slurm.local_cluster import LocalSlurmCluster  # noqa: E402
+
+sys.path.insert(0, str(REPO / "tests" / "slurm"))
+from local_cluster import LocalSlurmCluster  # noqa: E402  (the test harness: a real Slurm cluster on this machine)
 
 STUB = REPO / "tests" / "controller" / "stub_worker.py"
 TIMEOUT = 600

@@ -13,7 +13,7 @@ import tempfile
 
 import pytest
 
-from jaxdist.slurm.local_cluster import LocalSlurmCluster, SlurmUnavailable
+from .local_cluster import LocalSlurmCluster, SlurmUnavailable
 
 NODES, GPUS_PER_NODE = 4, 8
 
