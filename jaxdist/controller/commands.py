@@ -14,7 +14,7 @@ from jaxdist.cluster import ClusterSpec, write_cluster
 from jaxdist.config import Config, ConfigError, load_config
 from jaxdist.controller import policy
 from jaxdist.controller.controller import Controller, cluster_shape, controller_dir
-from jaxdist.controller.launch import LocalLauncher, SSHLauncher, kubernetes_manifest, read_hosts
+from jaxdist.controller.launch import Launcher, LocalLauncher, SSHLauncher, kubernetes_manifest, read_hosts
 from jaxdist.controller.slurm import (
     SlurmLauncher,
     SlurmRequest,
@@ -82,12 +82,13 @@ def launch(
     hosts = read_hosts(cc.hosts_file) if cc.launcher == "ssh" else []
     ctl = Controller(cfg, args, echo=True)
     log_dir = ctl.dir / "logs"
+    launcher: Launcher
     if cc.launcher == "local":
-        launcher = LocalLauncher(ctl.endpoint.address, ctl.token, run_dir, log_dir, cc.heartbeat_interval)
-        launcher.start_all(_node_count(cfg))
-        procs, stop = list(launcher.procs.values()), launcher.stop
+        launcher = LocalLauncher(
+            ctl.endpoint.address, ctl.token, run_dir, log_dir, cc.heartbeat_interval, count=_node_count(cfg)
+        )
     else:
-        ssh = SSHLauncher(
+        launcher = SSHLauncher(
             hosts,
             ctl.endpoint.port,
             ctl.token,
@@ -95,13 +96,16 @@ def launch(
             run_dir,
             python=sys.executable,
             interval=cc.heartbeat_interval,
+            log_dir=log_dir,
         )
-        ssh.start_all(log_dir)
-        procs, stop = list(ssh.procs.values()), ssh.stop
-    return _serve(ctl, procs, stop, log_dir)
+    return _serve(ctl, launcher, log_dir)
 
 
-def _serve(ctl: Controller, procs: list[subprocess.Popen], stop: Callable[[], None], log_dir: Path) -> int:
+def _serve(ctl: Controller, launcher: Launcher, log_dir: Path) -> int:
+    """Start the node agents and run the controller until the job ends (or every agent exited); stop them."""
+    launcher.start_all()
+    procs = list(launcher.procs.values())
+
     def watch() -> str | None:
         if all(p.poll() is not None for p in procs):
             return f"every node agent exited: see their logs in {log_dir}"
@@ -110,7 +114,7 @@ def _serve(ctl: Controller, procs: list[subprocess.Popen], stop: Callable[[], No
     try:
         return ctl.run(watch)
     finally:
-        stop()
+        launcher.stop()
 
 
 # --------------------------------------------------------------------------- Slurm
@@ -229,6 +233,7 @@ def _run_in_allocation(cfg: Config, args: list[str]) -> int:
         ctl.dir / "logs",
         sys.executable,
         cc.heartbeat_interval,
+        nodes=nodes,
+        addresses=addresses,
     )
-    launcher.start_all(nodes, addresses)
-    return _serve(ctl, list(launcher.procs.values()), launcher.stop, ctl.dir / "logs")
+    return _serve(ctl, launcher, ctl.dir / "logs")

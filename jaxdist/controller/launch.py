@@ -11,6 +11,13 @@
 * Kubernetes: :func:`kubernetes_manifest` generates a Service and Pod for the
   controller and an indexed Job of node agents (the token is a Secret).
 
+:class:`LocalLauncher`, :class:`SSHLauncher` and
+:class:`jaxdist.controller.slurm.SlurmLauncher` are each a :class:`Launcher`: built with everything they need,
+``start_all()`` starts the node agents and names them, ``procs`` holds the local process standing for each
+(the agent itself, its ``ssh`` session, its ``srun`` step), ``stop()`` ends them; ``jaxdist launch`` serves the
+controller with whichever the config names.  Kubernetes starts its agents itself from the manifest, which
+``jaxdist launch --print`` writes.
+
 Node agents then start the workers themselves (``python -m jaxdist.cli train``
 plus the job's config arguments), so a restart never waits for SSH, Slurm or
 the Kubernetes scheduler.
@@ -25,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
 
 from jaxdist.config import ConfigError
 from jaxdist.controller.protocol import TOKEN_ENV
@@ -69,8 +77,22 @@ def node_command(
     ]
 
 
+class Launcher(Protocol):
+    """Where a job's node agents run: built with everything it needs, it starts them and stops them."""
+
+    procs: dict[str, subprocess.Popen]  # node name -> the local process standing for its agent
+
+    def start_all(self) -> list[str]:
+        """Start every node agent; their node names."""
+        ...
+
+    def stop(self) -> None:
+        """End every node agent still running (their workers end with them)."""
+        ...
+
+
 class LocalLauncher:
-    """Node agents ``local-0`` ... on this machine (loopback only)."""
+    """Node agents ``local-0`` ... ``local-{count-1}`` on this machine (loopback only); :meth:`start` adds one."""
 
     def __init__(
         self,
@@ -80,9 +102,10 @@ class LocalLauncher:
         log_dir: Path,
         interval: float = 0.25,
         env: dict[str, str] | None = None,
+        count: int = 0,
     ):
         self.controller, self.token, self.run_dir, self.log_dir = controller, token, run_dir, log_dir
-        self.interval, self.env = interval, env or {}
+        self.interval, self.env, self.count = interval, env or {}, count
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, node: str, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -102,8 +125,8 @@ class LocalLauncher:
         self.procs[node] = p
         return p
 
-    def start_all(self, n: int, prefix: str = "local") -> list[str]:
-        names = [f"{prefix}-{i}" for i in range(n)]
+    def start_all(self) -> list[str]:
+        names = [f"local-{i}" for i in range(self.count)]
         for name in names:
             self.start(name)
         return names
@@ -134,9 +157,10 @@ class SSHLauncher:
         python: str = "python3",
         ssh: str = "ssh",
         interval: float = 0.25,
+        log_dir: Path | None = None,
     ):
         self.hosts, self.port, self.token, self.cwd, self.run_dir = hosts, port, token, cwd, run_dir
-        self.python, self.ssh, self.interval = python, ssh, interval
+        self.python, self.ssh, self.interval, self.log_dir = python, ssh, interval, log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
     def command(self, host: str) -> list[str]:
@@ -155,7 +179,8 @@ class SSHLauncher:
             remote,
         ]
 
-    def start_all(self, log_dir: Path) -> list[str]:
+    def start_all(self) -> list[str]:
+        log_dir = self.log_dir or Path.cwd()
         log_dir.mkdir(parents=True, exist_ok=True)
         for host in self.hosts:
             with open(log_dir / f"ssh.{host}.log", "a") as out:

@@ -202,9 +202,12 @@ class SlurmLauncher:
         log_dir: Path,
         python: str,
         interval: float = 0.25,
+        nodes: list[str] | None = None,
+        addresses: dict[str, str] | None = None,
     ):
         self.controller, self.token, self.run_dir, self.log_dir = controller, token, run_dir, log_dir
         self.python, self.interval = python, interval
+        self.nodes, self.addresses = list(nodes or []), dict(addresses or {})  # Slurm's node names, their addresses
         self.procs: dict[str, subprocess.Popen] = {}
 
     def command(self, node: str, host: str) -> list[str]:
@@ -223,15 +226,15 @@ class SlurmLauncher:
             *agent,
         ]
 
-    def start_all(self, nodes: list[str], addresses: dict[str, str]) -> list[str]:
+    def start_all(self) -> list[str]:
         """Start every node's agent; the names (Slurm's node names)."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, TOKEN_ENV: self.token}
-        for node in nodes:
+        for node in self.nodes:
             self.procs[node] = subprocess.Popen(
-                self.command(node, addresses.get(node, node)), env=env, stdin=subprocess.DEVNULL
+                self.command(node, self.addresses.get(node, node)), env=env, stdin=subprocess.DEVNULL
             )
-        return nodes
+        return list(self.nodes)
 
     def stop(self, grace: float = 5.0, timeout: float = 10.0) -> None:
         """End every step: ``grace`` seconds for the agents to stop by themselves (the controller told them to),
