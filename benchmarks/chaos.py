@@ -106,12 +106,18 @@ def main(argv: list[str] | None = None) -> int:
         job.start(timeout=a.timeout)
         gen = 0
         for k, kind in enumerate(plan):
-            s = job.wait_until(lambda s: s["generation"] == gen and s["phase"] == "running", a.timeout, f"gen {gen}")
+            s = job.wait_until(
+                lambda s, gen=gen: s["generation"] == gen and s["phase"] == "running", a.timeout, f"gen {gen}"
+            )
             base = s["last_step"]
             target = base + 3
             if kind == "save":  # just after the next persistent save began
                 target = (base // every + 1) * every
-            job.wait_until(lambda s: s["last_step"] >= target or s["phase"] != "running", a.timeout, f"step {target}")
+            job.wait_until(
+                lambda s, target=target: s["last_step"] >= target or s["phase"] != "running",
+                a.timeout,
+                f"step {target}",
+            )
             s = job.state()
             assert s["phase"] == "running", f"the job ended before fault {k + 1}: raise --steps"
             members = s["members"]

@@ -148,7 +148,7 @@ def measured_ratio(steps: int) -> tuple[float, float]:
         ),
     }
     best = {k: float("inf") for k in fns}
-    for k, f in fns.items():
+    for _k, f in fns.items():
         jax.block_until_ready(f(state, tokens))  # compile
     for _ in range(steps):  # alternate, so load on the shared machine falls on both alike
         for k, f in fns.items():

@@ -55,8 +55,8 @@ from jaxdist.config import load_config  # noqa: E402
 from jaxdist.errors import ConfigError  # noqa: E402
 from jaxdist.gen.profile import MAX_FIT_ERROR, fit_profiles, format_table  # noqa: E402
 from jaxdist.gen.runlog import RunLogWriter, read_run_logs  # noqa: E402
-from jaxdist.sample.sampler import Sampler  # noqa: E402
 from jaxdist.models.transformer import init_params  # noqa: E402
+from jaxdist.sample.sampler import Sampler  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

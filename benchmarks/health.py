@@ -181,7 +181,7 @@ def _run(args: argparse.Namespace, hogs: list) -> int:
         step_s = statistics.median(r["step_s"] for r in rounds(job)[1:])
         nodes = sorted(job.state()["members"].values())
         print(f"fault-free: {quiet['seconds']:.0f} s, alarms {quiet['alarms']}, step {step_s * 1e3:.0f} ms", flush=True)
-        for k, inj in enumerate(plan(rng, args.injections, nodes, args.kinds.split(","))):
+        for _k, inj in enumerate(plan(rng, args.injections, nodes, args.kinds.split(","))):
             gen = job.state()["generation"]
             fault = dict(inj)
             if inj["kind"] in ("compute", "data"):
@@ -218,7 +218,7 @@ def _run(args: argparse.Namespace, hogs: list) -> int:
             results.append(row)
             print(json.dumps(row), flush=True)
             if inj["kind"] == "stuck":  # the group restarts: wait for it, its warm-up round and its history
-                job.wait_until(lambda s: s["generation"] > gen and s["phase"] == "running", 600, "the restart")
+                job.wait_until(lambda s, gen=gen: s["generation"] > gen and s["phase"] == "running", 600, "the restart")
                 n = len(rounds(job))
                 while len(rounds(job)) < n + 4:
                     time.sleep(0.3)

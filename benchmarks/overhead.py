@@ -105,8 +105,7 @@ def make_baseline(trainer):
     """
     import jax
     import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     from jaxdist.models import apply
 
@@ -306,9 +305,7 @@ def format_table(stats: dict) -> str:
         ("trainer", "hand", "ratio Trainer / same constraints"),
         ("trainer", "plain", "ratio Trainer / no constraints"),
     ):
-        rows.append(
-            [label] + ["{:.3f}".format(stats[num][k] / stats[den][k]) if stats[den][k] else "-" for _, k, _, _ in cols]
-        )
+        rows.append([label] + [f"{stats[num][k] / stats[den][k]:.3f}" if stats[den][k] else "-" for _, k, _, _ in cols])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
 
     def line(r):

@@ -88,7 +88,7 @@ def run_mode(cwd: Path, mode: str, args, rng: random.Random) -> list[dict]:
         job.start(late=1, timeout=args.timeout)
         for k in range(args.injections):
             job.wait_until(
-                lambda s: s.get("generation", -1) == k and s["phase"] == "running",
+                lambda s, k=k: s.get("generation", -1) == k and s["phase"] == "running",
                 args.timeout,
                 f"generation {k} running",
             )
@@ -97,7 +97,7 @@ def run_mode(cwd: Path, mode: str, args, rng: random.Random) -> list[dict]:
                 lambda s: len(s["warm_nodes"]) >= args.nodes + 1 - len(s["banned"]), args.timeout, "every node warm"
             )
             target = job.state()["last_step"] + rng.randint(1, 3)
-            job.wait_until(lambda s: s["last_step"] >= target, args.timeout, f"step {target}")
+            job.wait_until(lambda s, target=target: s["last_step"] >= target, args.timeout, f"step {target}")
             sig = signal.SIGSTOP if args.stop_every and (k + 1) % args.stop_every == 0 else signal.SIGKILL
             rec = job.inject(rng.randrange(args.nodes), sig)
             print(

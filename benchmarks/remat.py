@@ -50,9 +50,9 @@ def pareto_table(args) -> bool:
     import numpy as np
 
     from jaxdist.config import load_config
+    from jaxdist.measure.remat import dominated_by, measure_policies
     from jaxdist.parallel.mesh import build_mesh
     from jaxdist.remat import budget_range, named_policies, plan_remat, policy_point, profile_block
-    from jaxdist.measure.remat import dominated_by, measure_policies
 
     cfg = load_config(
         None,

@@ -42,9 +42,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxdist.config import load_config  # noqa: E402
-from jaxdist.sample.sampler import Sampler  # noqa: E402
 from jaxdist.models.transformer import KV_CACHE_NAMES, init_params  # noqa: E402
 from jaxdist.parallel.layout import Parallelism  # noqa: E402
+from jaxdist.sample.sampler import Sampler  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

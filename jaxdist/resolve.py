@@ -22,20 +22,20 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from jaxdist.cluster import load_cluster, memory_budget
-from jaxdist.config import Config, ConfigError
-from jaxdist.config import unused_devices_note, validate, validate_devices
+from jaxdist.config import Config, ConfigError, unused_devices_note, validate, validate_devices
 from jaxdist.data.manifest import settle_tokenizer
 from jaxdist.models.arithmetic import param_count, train_state_bytes
 from jaxdist.models.attention import attention_note, check_attention_platform
 from jaxdist.parallel.mesh import mesh_devices
 from jaxdist.planner.plan import resolve_auto
-from jaxdist.remat.working import load_working, record_working
-from jaxdist.remat.policy import HEADROOM, memory_breakdown, profile_for_config, resolve_remat_policy
 from jaxdist.remat.plan import plan_remat
+from jaxdist.remat.policy import HEADROOM, memory_breakdown, profile_for_config, resolve_remat_policy
 from jaxdist.remat.verify import PeakModel, VerifiedChoice, candidates, choose
+from jaxdist.remat.working import load_working, record_working
 from jaxdist.train.aot import block_working, compiled_peak
 from jaxdist.train.resolved import Resolved
 

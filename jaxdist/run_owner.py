@@ -67,7 +67,7 @@ class RunLock:
         self.path = self.run_dir / LOCK_NAME
         self._key: str | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         """Take the lock; ConfigError naming the holder if another process has it."""
         if self._key is not None:
             return self
@@ -119,7 +119,7 @@ class RunLock:
             fcntl.flock(entry[0], fcntl.LOCK_UN)
             os.close(entry[0])
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -12,8 +12,8 @@ from jaxdist.config import (
     load_config,
     parse_overrides,
     reference_markdown,
+    validate,
 )
-from jaxdist.config import validate
 from jaxdist.models.arithmetic import param_count
 
 

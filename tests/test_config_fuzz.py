@@ -12,8 +12,13 @@ import tomllib
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import (  # noqa: E402
+    HealthCheck,
+    given,
+    seed,
+    settings,
+    strategies as st,  # noqa: E402
+)
 
 from jaxdist.config import ConfigError, all_keys, load_config  # noqa: E402
 

@@ -24,7 +24,6 @@ from jaxdist.data.audit import read_records, verify
 from jaxdist.run_owner import LOCK_NAME, RunLock
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.trainer import Trainer
-
 from tests.test_reliability_edges import args, config, copy_run, train
 
 REPO = Path(__file__).resolve().parents[1]

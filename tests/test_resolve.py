@@ -1,6 +1,7 @@
 """resolve(): mesh=auto and train.remat=auto settled before the Trainer, validated once for the devices."""
 
 import dataclasses
+
 import jax
 import pytest
 

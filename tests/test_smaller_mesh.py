@@ -6,8 +6,7 @@ from types import SimpleNamespace
 import jax
 import pytest
 
-from jaxdist.config import ConfigError, MeshConfig, load_config
-from jaxdist.config import unused_devices_note, validate
+from jaxdist.config import ConfigError, MeshConfig, load_config, unused_devices_note, validate
 from jaxdist.parallel.mesh import mesh_devices
 from jaxdist.resolve import resolve
 from jaxdist.train.trainer import Trainer

@@ -208,7 +208,7 @@ def run(module: str, max_children: int, timeout: int, everything: bool) -> int:
     log = WORK / module / "mutmut.log"
     print(f"{module}: {' '.join(cmd[:4])} ({len(retest) or 'all'} mutants) in {WORK / module}; log {log}")
     with open(log, "a") as out:
-        out.write(f"\n==== {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n")
+        out.write(f"\n==== {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n")
         out.flush()
         try:
             r = subprocess.run(
@@ -239,7 +239,7 @@ def record(module: str, note: str) -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     rec = {
         "module": module,
-        "date": f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        "date": f"{dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
         "commit": commit.stdout.strip(),
         "note": note,
         "mutants": len(v),

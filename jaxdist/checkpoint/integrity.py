@@ -22,9 +22,10 @@ import json
 import os
 import re
 import zlib
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 COMMIT_FILE = "jaxdist_commit.json"
 CHECKSUM_DIR = "jaxdist_checksums"

@@ -107,7 +107,7 @@ def auto_dir(abstract_state: Any, keep: int) -> str:
 
 def run_tier(
     local_dir: str, keep: int, run_dir: Path, name: str, abstract_state: Any, not_before: float
-) -> "LocalTier | None":
+) -> LocalTier | None:
     """The run's tier for ``checkpoint.local_dir`` (``auto`` resolved by :func:`auto_dir` from
     ``abstract_state()``), or None when off; a hash of the run directory keeps runs of one name apart."""
     if local_dir == AUTO:

@@ -30,7 +30,7 @@ import dataclasses
 import heapq
 import math
 from collections import defaultdict
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

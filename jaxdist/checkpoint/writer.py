@@ -26,7 +26,8 @@ import functools
 import inspect
 import threading
 import types
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -72,8 +73,7 @@ def orbax_slices() -> tuple[Any, Any]:
     """
     try:
         # orbax's private modules, here only: a version without them gets OrbaxChanged, not an ImportError
-        from orbax.checkpoint._src.serialization import jax_array_handlers as handlers
-        from orbax.checkpoint._src.serialization import replica_slices as module
+        from orbax.checkpoint._src.serialization import jax_array_handlers as handlers, replica_slices as module
     except ImportError as e:
         module, handlers = None, e
     check_orbax_slices(module, handlers)

@@ -9,7 +9,6 @@ from typing import Any, Literal
 from jaxdist.config.fields import check_checkpoint_names, option
 from jaxdist.errors import ConfigError
 
-
 MESH_AXES = ("data", "fsdp", "context", "tensor", "expert", "pipeline")
 
 
@@ -122,7 +121,7 @@ class Remat:
     plan: Any = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def parse(cls, value: str) -> "Remat":
+    def parse(cls, value: str) -> Remat:
         """The value of a ``train.remat`` string; ConfigError (one sentence) for one that cannot be one."""
         if value in ("none", ""):
             return cls("none")

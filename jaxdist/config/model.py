@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxdist.config.fields import DType, Attention, Dispatch, RopeScaling, Router, choices, one_of, option
+from jaxdist.config.fields import Attention, Dispatch, DType, RopeScaling, Router, choices, one_of, option
 from jaxdist.errors import ConfigError
 
 
@@ -97,7 +97,7 @@ class ModelConfig:
         "a run without a checkpoint starts from its weights, and its tokenizer (tokenizer.json or tokenizer.model) "
         "is data.tokenizer for data.source=tokens unless that is set.",
     )
-    moe: "MoEConfig" = field(
+    moe: MoEConfig = field(
         default_factory=lambda: MoEConfig(), metadata={"help": "Mixture of experts: the `[model.moe]` table (below)."}
     )
 

@@ -57,14 +57,14 @@ class Config:
             table(section, values)
         return "\n".join(out)
 
-    def replace(self, **changes: Any) -> "Config":
+    def replace(self, **changes: Any) -> Config:
         """A copy with dotted keys changed, e.g. ``cfg.replace(**{"train.seq_len": 64})``, checked like overrides:
         each value for its type, then the whole config (ConfigError, one sentence)."""
         cfg = self.set(**changes)
         validate(cfg)
         return cfg
 
-    def set(self, **changes: Any) -> "Config":
+    def set(self, **changes: Any) -> Config:
         """Like :meth:`replace`, but only each value is checked, not the whole: for a stored run's config read
         by a command that uses a part of it (sampling reads the model, mesh and tokenizer, not the data)."""
         cfg = self

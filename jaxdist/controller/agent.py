@@ -36,9 +36,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from jaxdist.controller.protocol import START_ENV, TOKEN_ENV, Peer
 from jaxdist.controller.setup_cache import library_versions

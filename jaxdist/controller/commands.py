@@ -7,8 +7,8 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from jaxdist.cluster import ClusterSpec, write_cluster
 from jaxdist.config import Config, ConfigError, load_config

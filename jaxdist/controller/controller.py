@@ -35,8 +35,9 @@ import shlex
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from jaxdist.cluster import load_cluster
 from jaxdist.config import Config, ConfigError

@@ -42,8 +42,9 @@ slow as the slowest, which is why the parts are compared, not the totals.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 MAD_SCALE = 1.4826  # MAD x this estimates the standard deviation of normally distributed values
 PARTS = ("data_wait_s", "dispatch_s", "blocked_s", "checkpoint_s", "eval_s")
@@ -83,7 +84,7 @@ class Period:
         return getattr(self, part) / max(self.steps, 1)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Period":
+    def from_dict(cls, d: dict[str, Any]) -> Period:
         known = cls.__dataclass_fields__
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -72,7 +72,7 @@ def node_table(periods: list[Period], rounds: list[dict[str, Any]], probe: dict[
     rows = []
     for rank in sorted({p.rank for p in mine}):
         last = [p for p in mine if p.rank == rank][-RECENT_PERIODS:]
-        med = lambda f: statistics.median(f(p) for p in last)  # noqa: E731
+        med = lambda f: statistics.median(f(p) for p in last)  # noqa: E731, B023
         rows.append(
             {
                 "rank": rank,

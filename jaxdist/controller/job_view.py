@@ -14,8 +14,9 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from jaxdist.config import load_config
 from jaxdist.controller.controller import controller_dir

@@ -138,7 +138,7 @@ class LocalJob(JobView):
         if self.launcher is not None:
             self.launcher.stop()
 
-    def __enter__(self) -> "LocalJob":
+    def __enter__(self) -> LocalJob:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -16,12 +16,11 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from jaxdist.cluster import NODE_LOCAL_AXES
-from jaxdist.config import Config, ConfigError
-from jaxdist.config import validate
+from jaxdist.config import Config, ConfigError, validate
 
 
 def group_size_error(cfg: Config, n_nodes: int, devices_per_node: int) -> str | None:

@@ -52,8 +52,7 @@ from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from jaxdist.config import ConfigError
-from jaxdist.config import is_loopback
+from jaxdist.config import ConfigError, is_loopback
 
 log = logging.getLogger(__name__)
 

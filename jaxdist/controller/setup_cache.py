@@ -51,7 +51,7 @@ class SetupKey:
     @staticmethod
     def make(
         hosts, devices_per_host: int, device_kind: str, mesh: dict[str, int], versions: dict[str, str]
-    ) -> "SetupKey":
+    ) -> SetupKey:
         return SetupKey(
             tuple(hosts),
             int(devices_per_host),

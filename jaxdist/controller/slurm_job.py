@@ -138,7 +138,7 @@ class SlurmJob(JobView):
             except subprocess.TimeoutExpired:
                 self.salloc.kill()
 
-    def __enter__(self) -> "SlurmJob":
+    def __enter__(self) -> SlurmJob:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -71,7 +71,7 @@ class JobState:
     history: list[Generation] = field(default_factory=list)
     updated: float = 0.0
 
-    def in_new_allocation(self) -> "JobState":
+    def in_new_allocation(self) -> JobState:
         """This job in a new allocation (a Slurm requeue): no member, node or process of the old one is
         left; the generation count, history, restarts and step carry on (the run resumes from its checkpoints)."""
         g = self.current
@@ -105,7 +105,7 @@ class JobState:
         os.replace(tmp, path)
 
     @staticmethod
-    def load(path: Path) -> "JobState | None":
+    def load(path: Path) -> JobState | None:
         if not path.is_file():
             return None
         d = json.loads(path.read_text())

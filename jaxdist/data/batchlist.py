@@ -134,7 +134,7 @@ class SourceEntry:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "SourceEntry":
+    def from_dict(cls, d: dict[str, Any]) -> SourceEntry:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
 
 

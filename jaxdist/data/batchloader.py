@@ -127,7 +127,7 @@ class BatchLoader:
     def close(self) -> None:
         self._prefetch.close()
 
-    def __enter__(self) -> "BatchLoader":
+    def __enter__(self) -> BatchLoader:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -341,7 +341,7 @@ class RunBatchList:
 
     # ------------------------------------------------------------------ reading
 
-    def loader(self, start: int, sharding=None, depth: int = 2, poll_every: int = 1) -> "FollowingLoader":
+    def loader(self, start: int, sharding=None, depth: int = 2, poll_every: int = 1) -> FollowingLoader:
         """A loader from position ``start`` that adopts new versions at step boundaries.
 
         Additions are looked for at ``start`` and every ``poll_every``-th
@@ -380,7 +380,7 @@ class FollowingLoader:
     def close(self) -> None:
         self._inner.close()
 
-    def __enter__(self) -> "FollowingLoader":
+    def __enter__(self) -> FollowingLoader:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -38,7 +38,8 @@ import json
 import logging
 import secrets
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message

@@ -99,7 +99,7 @@ class GenConfig:
     def state_path(self) -> Path:
         return Path(self.state_dir or f"gen-state/{self.name}")
 
-    def check(self) -> "GenConfig":
+    def check(self) -> GenConfig:
         if not self.samples:
             raise ConfigError("gen.samples is not set: name the file or directory of samples to generate from.")
         if not self.deliver_to:

@@ -39,9 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from jaxdist.config import ConfigError
-from jaxdist.data.journal import atomic_write
 from jaxdist.controller.launch import read_hosts
 from jaxdist.controller.protocol import NONE, NUMBER
+from jaxdist.data.journal import atomic_write
 from jaxdist.gen.chain import Chain
 from jaxdist.gen.channel import Client, Server, split_address
 from jaxdist.gen.config import GenConfig

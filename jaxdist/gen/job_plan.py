@@ -23,8 +23,8 @@ reads the files it needs; :func:`place_workers` names the processes.
 from __future__ import annotations
 
 import glob
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 

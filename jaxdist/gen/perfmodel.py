@@ -37,8 +37,8 @@ The fit is :func:`jaxdist.gen.profile.fit_profile`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -95,7 +95,7 @@ class ModelProfile:
         contention: float,
         mean_tokens_in: float = 100.0,
         mean_tokens_out: float = 100.0,
-    ) -> "ModelProfile":
+    ) -> ModelProfile:
         """The profile whose every extra stream adds ``contention`` of the serial latency, whatever the request
         size: ``L(s) = L1 (1 + c (s - 1))`` (the special case a' = c a, p' = c p, b' = c b)."""
         c = contention

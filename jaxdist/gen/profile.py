@@ -39,9 +39,9 @@ import json
 import math
 import sys
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 from scipy.optimize import lsq_linear

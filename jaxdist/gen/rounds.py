@@ -25,8 +25,8 @@ The selection is :func:`jaxdist.gen.selection.select_nodes`' knapsack
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from jaxdist.gen.selection import NodeWork, Selection, select_nodes
 

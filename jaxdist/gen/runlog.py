@@ -28,9 +28,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from jaxdist.data.journal import append_lines
 from jaxdist.errors import ConfigError

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -142,7 +142,7 @@ def plan_streams(
         raise ConfigError(f"a pool of {nodes} nodes cannot hold {len(stages)} models: give at least one node each.")
     rates = _rates(profiles, stages, streams)
     feasible = []
-    for st, (u, lat) in zip(stages, rates):
+    for st, (_u, lat) in zip(stages, rates):
         ok = lat <= st.latency_target_s if check_latency else np.ones(len(streams), bool)
         if not ok.any():
             raise ConfigError(

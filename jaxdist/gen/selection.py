@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 

@@ -30,7 +30,7 @@ import logging
 import socket
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from jaxdist.config import ConfigError
 from jaxdist.gen.channel import Client, digest

@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from safetensors.numpy import save_file
 
 from jaxdist.config import ModelConfig
-from jaxdist.errors import ConfigError
 from jaxdist.config.hf import hf_from_model
+from jaxdist.errors import ConfigError
 from jaxdist.hf.safetensors_io import TORCH_DTYPES, plan_shards, shard_names, write_index
 from jaxdist.hf.tensors import hf_shape, tensor_maps, to_hf
 

@@ -9,7 +9,7 @@ fitted by :func:`jaxdist.planner.calibrate.calibration_from`.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 # (x, logical names) -> x with a sharding constraint.
 Constrain = Callable[[Any, Sequence["str | None"]], Any]

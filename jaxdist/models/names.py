@@ -8,8 +8,10 @@ block, in the order a block computes them; a remat policy saves a subset
 
 from __future__ import annotations
 
-from jaxdist.config import ModelConfig
-from jaxdist.config import CHECKPOINT_NAMES  # defined with the config checks (train.remat is checked at load)
+from jaxdist.config import (
+    CHECKPOINT_NAMES,  # defined with the config checks (train.remat is checked at load)
+    ModelConfig,
+)
 
 __all__ = ["CHECKPOINT_NAMES", "block_param_specs"]
 

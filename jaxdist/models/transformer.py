@@ -15,7 +15,8 @@ hooks`); which mesh axes those mean is decided outside this package
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,9 +25,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxdist.config import ModelConfig
-from jaxdist.models.attention import attention, cached_attention
-from jaxdist.models.attention import attention_over_cache, causal_attention  # noqa: F401  (re-exported)
 from jaxdist.models import hooks
+from jaxdist.models.attention import attention, attention_over_cache, cached_attention, causal_attention  # noqa: F401  (re-exported)
 from jaxdist.models.hooks import constrain
 from jaxdist.models.moe import (
     DENSE_MLP_KEYS,

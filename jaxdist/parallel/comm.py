@@ -31,8 +31,8 @@ Nothing here imports JAX: ``jaxdist comm plan`` prints the table before any devi
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from jaxdist.cluster import ClusterSpec
 from jaxdist.config import ConfigError, ModelConfig

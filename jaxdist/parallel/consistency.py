@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Callable
+from collections.abc import Callable
 
 from jaxdist.config import ConfigError
 from jaxdist.parallel.hlo import parse_collectives

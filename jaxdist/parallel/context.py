@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp

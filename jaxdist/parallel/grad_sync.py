@@ -27,8 +27,9 @@ tensor-split dimension before a collective over a manual axis, doubling its byte
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp

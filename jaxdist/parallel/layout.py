@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -64,7 +65,7 @@ class Parallelism:
     pipeline: PipelinePlan | None = None
 
     @classmethod
-    def build(cls, config, devices: Sequence[Any] | None = None) -> "Parallelism":
+    def build(cls, config, devices: Sequence[Any] | None = None) -> Parallelism:
         """The parallelism of a whole Config on ``devices`` (default all); ConfigError if the config cannot run."""
         # A mesh smaller than the devices (every axis size given) runs on the first ones, as resolve() chose.
         mesh = build_mesh(config.mesh, mesh_devices(config.mesh, devices if devices is not None else jax.devices()))
@@ -78,7 +79,7 @@ class Parallelism:
     @classmethod
     def for_mesh(
         cls, mesh: Mesh, rules: Rules = DEFAULT_RULES, expert_tensor: int = 0, pipeline: PipelinePlan | None = None
-    ) -> "Parallelism":
+    ) -> Parallelism:
         """The parallelism of an already built mesh, ``expert_tensor`` devices per expert (0: all of ``tensor``)."""
         return cls(mesh, rules, expert_layout(mesh, expert_tensor, rules), pipeline)
 

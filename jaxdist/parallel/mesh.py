@@ -17,7 +17,8 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np

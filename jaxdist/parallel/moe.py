@@ -37,14 +37,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.config import ConfigError, ModelConfig
 from jaxdist.models import hooks
@@ -56,8 +55,7 @@ from jaxdist.models.moe import (
     grouped_ffn,
     local_experts,
 )
-from jaxdist.parallel import hlo
-from jaxdist.parallel import rules as _rules
+from jaxdist.parallel import hlo, rules as _rules
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, logical_to_spec
 
 EXPERT_TENSOR_SPLIT_AXIS = "tensor_ep"

@@ -27,8 +27,8 @@ Dense models on the ``data`` and ``fsdp`` axes only; ``train.microbatches`` must
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.models import apply_with_aux
-from jaxdist.parallel.grad_sync import MANUAL, fsdp_dim, without_axes, keep_axes
+from jaxdist.parallel.grad_sync import MANUAL, fsdp_dim, keep_axes, without_axes
 from jaxdist.parallel.rules import Rules, activation_sharding
 
 

@@ -42,9 +42,9 @@ gradients equal the non-pipelined model's (tests compare to 1e-5).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp

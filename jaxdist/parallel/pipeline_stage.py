@@ -13,8 +13,8 @@ order over the ticks and the stages is decided here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import jax
 import jax.numpy as jnp

@@ -34,11 +34,11 @@ from jaxdist.parallel.grad_sync import (
     SCOPE,
     Site,
     Weight,
+    bucket_weights,
     gather_weight,
     keep_axes,
     on_tensor_shards,
     reduce_bucket,
-    bucket_weights,
 )
 
 PIPELINE = "pipeline"

@@ -18,8 +18,9 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import jax
 from flax import nnx

@@ -248,7 +248,7 @@ class ExecutorTables:
         """Rows of the tables (ticks, idle padding included)."""
         return self.branch.shape[0]
 
-    def padded(self, slots: int, act_buffers: int, grad_buffers: int, ticks: int) -> "ExecutorTables":
+    def padded(self, slots: int, act_buffers: int, grad_buffers: int, ticks: int) -> ExecutorTables:
         """The same schedule with more buffer slots and idle ticks at the end, so that several
         schedules can share one compiled executor (which takes the tables as arguments)."""
         assert slots >= self.slots and act_buffers >= self.act_buffers and grad_buffers >= self.grad_buffers

@@ -22,8 +22,8 @@ for clusters of the same device kind.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 from scipy.optimize import nnls

@@ -18,8 +18,8 @@ enumerates every strategy that the model, the batch and the cluster allow:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
 
 from jaxdist.config import MESH_AXES, Config
 from jaxdist.models.names import CHECKPOINT_NAMES

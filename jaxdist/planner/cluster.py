@@ -21,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import tomllib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from jaxdist.cluster import ClusterSpec
 from jaxdist.config import ConfigError

@@ -17,9 +17,10 @@ import dataclasses
 import itertools
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from jaxdist.cluster import ClusterSpec, cluster_path, load_cluster
 from jaxdist.config import MESH_AXES, Config, ConfigError, ModelConfig, load_config
@@ -28,7 +29,7 @@ from jaxdist.planner.calibrate import default_calibration
 from jaxdist.planner.candidates import REMAT_CHOICES, RematChoice, candidates, register_remat_choice, remat_choice
 from jaxdist.planner.cluster import Calibration, ClusterView, cluster_view, smaller_views
 from jaxdist.planner.computation import computation_view
-from jaxdist.planner.cost import Estimate, MemoryCoefficients, XLA_CPU_MEMORY, estimate
+from jaxdist.planner.cost import XLA_CPU_MEMORY, Estimate, MemoryCoefficients, estimate
 from jaxdist.planner.search import SearchResult, exhaustive, search
 
 GIB = 2**30
@@ -217,7 +218,7 @@ def plan(
         return estimate(comp, view, s, batch_size, memory_fraction, coefficients)
 
     space = None
-    for view in itertools.chain([view], smaller_views(view)):  # fewer devices only when no mesh of all of them suits
+    for view in itertools.chain([view], smaller_views(view)):  # fewer devices only when no mesh of all of them suits  # noqa: B020 (the chosen view is the loop's last)
         if enumerate_all:
             points = list(
                 candidates(
@@ -227,11 +228,11 @@ def plan(
             if not points:
                 continue
             space = len(points)
-            result: SearchResult = exhaustive(lambda s: evaluate(s, view), points)
+            result: SearchResult = exhaustive(lambda s, view=view: evaluate(s, view), points)
             break
         try:
             result = search(
-                lambda s: evaluate(s, view),
+                lambda s, view=view: evaluate(s, view),
                 comp,
                 view.nodes,
                 view.devices_per_node,

@@ -19,8 +19,8 @@ candidate: the reference the search is tested against.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Sequence
 
 from jaxdist.config import MESH_AXES
 from jaxdist.planner.candidates import (

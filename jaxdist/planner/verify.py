@@ -12,9 +12,8 @@ compiles teach is kept by :mod:`jaxdist.remat.working`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
-
 
 from jaxdist.config import ConfigError
 from jaxdist.planner.cost import Estimate

@@ -17,8 +17,7 @@ import re
 import sys
 
 from jaxdist.cluster import load_cluster
-from jaxdist.config import Config, ConfigError
-from jaxdist.config import unused_devices_note
+from jaxdist.config import Config, ConfigError, unused_devices_note
 from jaxdist.models.arithmetic import param_count
 from jaxdist.remat.plan import compare_policies, format_bytes, format_comparison, plan_remat
 from jaxdist.remat.policy import auto_budget, memory_breakdown, profile_for_config

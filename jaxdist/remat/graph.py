@@ -11,8 +11,8 @@ module and return their answers through :func:`make_selection`.
 from __future__ import annotations
 
 import time as _time
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import statistics
 import time as _time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import json
 import numbers
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from jaxdist.config import Config, from_dict, parse_overrides
-from jaxdist.config import validate_model_on_mesh
+from jaxdist.config import Config, from_dict, parse_overrides, validate_model_on_mesh
 from jaxdist.config.hf_dir import run_tokenizer
 from jaxdist.errors import ConfigError, expect
 

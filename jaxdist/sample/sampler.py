@@ -38,10 +38,11 @@ import math
 import numbers
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Callable, Sequence, TextIO
+from typing import TextIO
 
 import jax
 import numpy as np
@@ -49,13 +50,13 @@ import numpy as np
 from jaxdist.config import Config
 from jaxdist.data.tokenizer import Tokenizer, load_tokenizer
 from jaxdist.errors import ConfigError, expect, expect_strings
-from jaxdist.sample.decode import Settings, decode_step, left_pad, prefill
-from jaxdist.sample.config import check_request, check_texts, run_config
-from jaxdist.sample.load import abstract_params, restore_params
 from jaxdist.models.transformer import KV_CACHE_NAMES, create_abstract
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import describe_mesh
 from jaxdist.parallel.rules import logical_to_spec
+from jaxdist.sample.config import check_request, check_texts, run_config
+from jaxdist.sample.decode import Settings, decode_step, left_pad, prefill
+from jaxdist.sample.load import abstract_params, restore_params
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class Sampler:
         step: int | None = None,
         overrides: Sequence[str] = (),
         devices: Sequence | None = None,
-    ) -> "Sampler":
+    ) -> Sampler:
         """A sampler of the run at ``run_dir``: its config plus ``overrides``, the checkpoint of ``step``
         (default: the newest good one), on ``devices`` (default: all).  ConfigError (one sentence) if unusable."""
         expect(run_dir, (str, os.PathLike), "Sampler.from_run's run_dir", "a run directory path")

@@ -21,8 +21,9 @@ compiling again.  On CPU the level-0 program is not kept (it runs 2-3x slower): 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
@@ -33,8 +34,8 @@ from jaxdist.parallel.layout import sharded_tracing
 from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 from jaxdist.remat.profile import scan_unit
-from jaxdist.train.programs import executed_flops
 from jaxdist.train.program import Program
+from jaxdist.train.programs import executed_flops
 from jaxdist.train.resolved import Resolved, settle
 
 

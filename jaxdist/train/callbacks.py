@@ -35,9 +35,10 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import jax
 from tqdm.auto import tqdm
@@ -56,7 +57,7 @@ class Callback(Protocol):
     def due(self, step: int, last: bool) -> bool:
         """Whether to run after step ``step`` (1-based count of steps done); ``last``: the final step of fit."""
 
-    def __call__(self, ctx: "StepContext") -> None:
+    def __call__(self, ctx: StepContext) -> None:
         """Do the action; ``ctx`` gives the trainer, the step and the metrics."""
 
 
@@ -348,7 +349,7 @@ class Profile:
     tracing: bool = False
 
     @classmethod
-    def open(cls, steps: tuple[int, ...], start: int, end: int, log_dir: Path) -> "Profile | None":
+    def open(cls, steps: tuple[int, ...], start: int, end: int, log_dir: Path) -> Profile | None:
         """The callback for this fit (None if no profiled step falls in ``start+1..end``); starts the trace now
         when the first profiled step is this fit's first."""
         if not steps or steps[1] <= start or steps[0] > end:

@@ -25,7 +25,8 @@ numbers, so training after it is bit-identical to training without it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -171,7 +172,7 @@ class DeviceProbe:
                     ),
                     default=0.0,
                 )
-                t = self._timed(lambda: fn(x), extra, f"{unit}")
+                t = self._timed(lambda fn=fn: fn(x), extra, f"{unit}")
                 for i in ends:
                     out[i, 1 + r] = t
         ring = self._permute("ring", self.ring_perm())

@@ -15,7 +15,7 @@ starts the next.  The current part, the step dispatched and since when are reada
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 PART_FIELDS = {
     "data": "data_wait_s",

@@ -8,8 +8,9 @@ config cannot drop them, and a config saved with a run holds only what the user 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 
@@ -33,7 +34,7 @@ class Resolved:
     remat: Remat
     program: Any = None
 
-    def with_remat(self, plan: Any) -> "Resolved":
+    def with_remat(self, plan: Any) -> Resolved:
         """A copy whose remat is the selector's ``plan`` (a jaxdist.remat.plan.RematPlan or the closed loop's
         jaxdist.remat.verify.VerifiedChoice: both have ``policy()``), and the program it compiled, if any."""
         return Resolved(self.config, self.devices, Remat("selected", plan=plan), getattr(plan, "runnable", None))

@@ -11,7 +11,8 @@ Trainer jits them with explicit shardings and buffer donation.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -23,12 +23,11 @@ import numpy as np
 
 from jaxdist.checkpoint import RunCheckpointer
 from jaxdist.checkpoint.compat import layout_change
-from jaxdist.checkpoint.local import AUTO as LOCAL_AUTO
-from jaxdist.checkpoint.local import run_tier
+from jaxdist.checkpoint.local import AUTO as LOCAL_AUTO, run_tier
 from jaxdist.config import Config, ConfigError
-from jaxdist.errors import expect
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.data.sources import check_vocab
+from jaxdist.errors import expect
 from jaxdist.hf.load import load_params
 from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.parallel.consistency import check_same_collectives, coordination_store
@@ -52,11 +51,11 @@ from jaxdist.train.callbacks import (
 from jaxdist.train.efficiency import LoopClock
 from jaxdist.train.faults import fault_hooks
 from jaxdist.train.metrics import MetricsWriter
-from jaxdist.train.tracking import open_tracker
 from jaxdist.train.optimizer import resumed_schedule_steps
 from jaxdist.train.program import Program
 from jaxdist.train.resolved import Resolved, settle
 from jaxdist.train.step import init_state
+from jaxdist.train.tracking import open_tracker
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +166,7 @@ class Trainer(Program):
 
     # ------------------------------------------------------------------ sharding
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -65,7 +65,7 @@ class Group:
         self.procs: list[subprocess.Popen] = []
         self.logs = [self.workdir / f"{tag}.{i}.log" for i in range(num)]
 
-    def __enter__(self) -> "Group":
+    def __enter__(self) -> Group:
         port = free_port()
         for i in range(self.num):
             env = env_for(i, self.num, self.devices, port)

@@ -122,8 +122,9 @@ def test_restore_onto_two_processes_with_another_mesh(four):
 
 
 def test_restore_onto_one_process_with_another_mesh(four):
-    from jaxdist.checkpoint import RunCheckpointer
     from worker import matches, reference, trainer_for
+
+    from jaxdist.checkpoint import RunCheckpointer
 
     tmp, jobs, _ = four
     with trainer_for(common(tmp, "cpu-8") + ["mesh.fsdp=4", "mesh.tensor=2", "train.name=r1"]) as t:

@@ -52,7 +52,6 @@ if os.environ.get("JAXDIST_TEST_COMPILE_CACHE"):  # the test session's shared ca
 from jaxdist.checkpoint.writer import named_leaves  # noqa: E402
 from tests.trees import leaf_pairs  # noqa: E402
 
-
 _T0 = time.perf_counter()
 
 
@@ -209,9 +208,10 @@ def mode_fit(spec) -> None:
     import hashlib
     import os
 
+    from jax.experimental import multihost_utils
+
     from jaxdist.config import load_config
     from jaxdist.train.trainer import Trainer
-    from jax.experimental import multihost_utils
 
     cfg = load_config(
         None, ["train.progress=false", "train.tensorboard=false", "train.eval_every=0", *spec["overrides"]]

@@ -37,11 +37,11 @@ import time
 import numpy as np
 import pytest
 
+from jaxdist.config import DataConfig
 from jaxdist.controller.local import LocalJob
 from jaxdist.controller.policy import lineage
 from jaxdist.controller.state import read_events
 from jaxdist.controller.timeline import generations_trained
-from jaxdist.config import DataConfig
 from jaxdist.data import digest_problems, load_source
 
 from .helpers import listening
@@ -102,12 +102,16 @@ def _run_faulty(
     for k, (rank, sig) in enumerate(injections):
         gen = len(done)
         base = job.wait_until(
-            lambda s: s["generation"] == gen and s["phase"] == "running", JOB_TIMEOUT, f"generation {gen} running"
+            lambda s, gen=gen: s["generation"] == gen and s["phase"] == "running",
+            JOB_TIMEOUT,
+            f"generation {gen} running",
         )["last_step"]
         target = base + rng.randint(1, 2)
-        job.wait_until(lambda s: s["last_step"] >= target or s["phase"] != "running", JOB_TIMEOUT, f"step {target}")
         job.wait_until(
-            lambda s: (
+            lambda s, target=target: s["last_step"] >= target or s["phase"] != "running", JOB_TIMEOUT, f"step {target}"
+        )
+        job.wait_until(
+            lambda s, target=target: (
                 len(s["warm_nodes"]) >= 5 - len(s["banned"]) or s["last_step"] >= target + 3 or s["phase"] != "running"
             ),
             JOB_TIMEOUT,
@@ -120,7 +124,9 @@ def _run_faulty(
         done.append(job.inject(rank, sig))
         if kill_controller_after == k:
             job.wait_until(
-                lambda s: s["generation"] == gen + 1 and s["phase"] == "running", JOB_TIMEOUT, "the recovery"
+                lambda s, gen=gen: s["generation"] == gen + 1 and s["phase"] == "running",
+                JOB_TIMEOUT,
+                "the recovery",
             )
             job.kill_controller()
             time.sleep(2.0)

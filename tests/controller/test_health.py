@@ -118,7 +118,7 @@ def test_injected_slow_ranks_are_flagged_in_the_first_round():
     """10-30% of a step added to one rank's data wait or dispatch, under 10% noise: flagged at once, named."""
     rng = random.Random(2)
     hits = 0
-    for trial in range(40):
+    for _trial in range(40):
         h = HealthHistory(0, 4)
         for i in range(6):
             for r in range(4):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import shlex
 import subprocess
 
-from jaxdist.controller.node import worker_environ
 import pytest
 
 from jaxdist.cli import main
 from jaxdist.config import ConfigError
+from jaxdist.controller.node import worker_environ
 from jaxdist.controller.slurm import (
     SlurmLauncher,
     SlurmRequest,

@@ -75,7 +75,9 @@ def test_elastic_start_with_nodes_arriving_one_by_one(tmp_path):
         job.start_controller()
         for i in range(2):
             job.start_node(f"local-{i}")
-            job.wait_until(lambda s: len(events_of(job, "node_ready")) > i, 60, f"node {i} ready", need_state=False)
+            job.wait_until(
+                lambda s, i=i: len(events_of(job, "node_ready")) > i, 60, f"node {i} ready", need_state=False
+            )
             time.sleep(0.5)
         job.start_node("local-2")
         job.start_node("local-3")
@@ -252,7 +254,7 @@ def test_failures_hang_and_controller_restart(tmp_path):
     assert detect[0] < 1.6 and 0.5 <= detect[1] < 2.25
     assert all(l <= 1 for l in lost)
     # every process of a recovered generation was warm before the failure
-    for st, f in zip(starts, failures):
+    for st, _f in zip(starts, failures):
         assert min(st["warm_for_s"].values()) > 0, st
     assert set(starts[0]["members"].values()) != set(events_of(job, "start")[0]["members"].values())  # swapped
     assert events_of(job, "attached")[0]["gen"] == 2

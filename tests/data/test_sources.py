@@ -7,8 +7,7 @@ import numpy as np
 import pytest
 
 from jaxdist.config import ConfigError, DataConfig
-from jaxdist.data import EOS, ByteTokenizer, eval_file_mask, load_source, write_token_file
-from jaxdist.data import sources
+from jaxdist.data import EOS, ByteTokenizer, eval_file_mask, load_source, sources, write_token_file
 
 MAX_BYTES = 400_000  # a dozen or so stdlib files: fast, yet more than one per side
 

@@ -114,9 +114,9 @@ def test_model_vocab_size_follows_the_tokenizer(bpe_json, sp_model, token_file):
 
 
 def test_the_sampler_decodes_with_the_runs_tokenizer(bpe_json, token_file):
-    from jaxdist.sample.sampler import Sampler  # JAX: only this test needs it
     from jaxdist.models.transformer import create_abstract
     from jaxdist.parallel.layout import Parallelism
+    from jaxdist.sample.sampler import Sampler  # JAX: only this test needs it
 
     cfg = settle_tokenizer(_cfg(token_file, bpe_json, "mesh.data=1"))
     _, abstract, _ = create_abstract(cfg.model)

@@ -16,10 +16,10 @@ from jaxdist.config import ConfigError
 from jaxdist.gen.chain import Chain
 from jaxdist.gen.config import load_gen_config
 from jaxdist.gen.delivery import Ledger, Receiver
-from jaxdist.gen.status import format_status
 from jaxdist.gen.profile import ModelProfile, save_profiles
 from jaxdist.gen.rounds import NodeReport, decide_round
 from jaxdist.gen.runlog import RunLogWriter, RunRecord, read_run_logs
+from jaxdist.gen.status import format_status
 from jaxdist.gen.tasks import sample_digest
 
 from . import genfns

@@ -9,8 +9,8 @@ import pytest
 import zmq
 
 from jaxdist.config import ConfigError
-from jaxdist.data import Journal, RunBatchList
 from jaxdist.controller.protocol import curve_keys
+from jaxdist.data import Journal, RunBatchList
 from jaxdist.gen.channel import Client, Server
 from jaxdist.gen.config import load_gen_config
 from jaxdist.gen.delivery import Ledger, Receiver, run_status, run_token

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from data.test_batchlist_kills import Attempt, _env, _free_port
 
 from jaxdist.config import DataConfig
 from jaxdist.data import check_exactly_once, load_source, trained_batches
@@ -35,7 +36,6 @@ from jaxdist.data.batchlist import parse_id, unpack_ids
 from jaxdist.data.journal import Journal
 from jaxdist.gen.delivery import Ledger
 
-from data.test_batchlist_kills import Attempt, _env, _free_port
 from .genfns import SHARD_BYTES
 
 REPO = Path(__file__).resolve().parents[2]

@@ -194,9 +194,9 @@ def forward(c: dict, t: dict[str, np.ndarray], tokens: np.ndarray) -> np.ndarray
         hs = _rms(x, t[p + "input_layernorm.weight"], eps)
 
         def proj(name, heads):
-            y = hs @ t[p + f"self_attn.{name}.weight"].T
-            if p + f"self_attn.{name}.bias" in t:
-                y = y + t[p + f"self_attn.{name}.bias"]
+            y = hs @ t[p + f"self_attn.{name}.weight"].T  # noqa: B023 (used in this iteration)
+            if p + f"self_attn.{name}.bias" in t:  # noqa: B023 (used in this iteration)
+                y = y + t[p + f"self_attn.{name}.bias"]  # noqa: B023 (used in this iteration)
             return y.reshape(b, s, heads, hd).transpose(0, 2, 1, 3)  # [B, heads, S, hd]
 
         q, k, v = proj("q_proj", h), proj("k_proj", kv), proj("v_proj", kv)

@@ -14,8 +14,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxdist.cli import main
-from jaxdist.hf.export import export_params
 from jaxdist.config.hf import model_fields
+from jaxdist.hf.export import export_params
 from jaxdist.hf.load import load_params
 from jaxdist.resolve import resolve
 from jaxdist.train.trainer import Trainer

@@ -179,8 +179,8 @@ def test_pipeline_chunks_blockwise_equal_xla():
 
 def test_sampler_cache_blockwise_equals_xla():
     from jaxdist.data.tokenizer import ByteTokenizer
-    from jaxdist.sample.sampler import Sampler
     from jaxdist.parallel.layout import Parallelism
+    from jaxdist.sample.sampler import Sampler
 
     prompts = [ByteTokenizer().encode(t).tolist() for t in ("Hello", "de", "import o")]
     logits = []

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from jaxdist.config import ConfigError, load_config
-from jaxdist.models import apply, apply_with_aux, create_abstract, init_params
-from jaxdist.models import moe as M
+from jaxdist.models import apply, apply_with_aux, create_abstract, init_params, moe as M
+from jaxdist.models.arithmetic import param_count
 from jaxdist.models.transformer import block_forward, rms_norm, rotary_tables
 from jaxdist.parallel.moe import run_experts
-from jaxdist.models.arithmetic import param_count
 from tests.trees import leaf_pairs
 
 

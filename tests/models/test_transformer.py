@@ -7,8 +7,8 @@ import pytest
 
 from jaxdist.config import load_config
 from jaxdist.models import CHECKPOINT_NAMES, apply, create_abstract, init_params
-from jaxdist.models.transformer import apply_rotary, causal_attention, rotary_tables
 from jaxdist.models.arithmetic import param_count
+from jaxdist.models.transformer import apply_rotary, causal_attention, rotary_tables
 
 
 def naive_attention(q, k, v):
@@ -104,7 +104,7 @@ def test_compile_time_does_not_grow_with_depth():
         cfg = load_config(None, ["model=tiny", f"model.n_layers={layers}"]).model
         graphdef, abstract, _ = create_abstract(cfg)
         hlo = (
-            jax.jit(lambda p, t: apply(graphdef, p, t))
+            jax.jit(lambda p, t: apply(graphdef, p, t))  # noqa: B023 (used in this iteration)
             .lower(abstract, jax.ShapeDtypeStruct((1, 8), jnp.int32))
             .as_text()
         )

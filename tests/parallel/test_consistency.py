@@ -6,14 +6,13 @@ check; the slow test that repeated it here was removed, issue 42).
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import json
 
 import pytest
 

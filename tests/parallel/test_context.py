@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdist.config import load_config
-from jaxdist.config import validate
+from jaxdist.config import load_config, validate
 from jaxdist.errors import ConfigError
 from jaxdist.models.transformer import create_abstract
 from jaxdist.parallel.context import causal_work, chunk_order

@@ -10,8 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdist.parallel.moe as EP
 from jaxdist.config import load_config
-from jaxdist.models import create_abstract, init_params
-from jaxdist.models import moe as M
+from jaxdist.models import create_abstract, init_params, moe as M
 from jaxdist.models.hooks import dispatching_experts
 from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import DEFAULT_RULES, activation_sharding

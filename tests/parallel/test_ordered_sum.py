@@ -55,7 +55,7 @@ def test_the_gradients_have_the_same_bits_on_every_mesh():
         par = Parallelism.build(cfg)
         graphdef, abstract, names = create_abstract(cfg.model)
         shardings = par.param_shardings(names, abstract)
-        params = jax.jit(lambda: init_params(cfg.model, 0), out_shardings=shardings)()
+        params = jax.jit(lambda: init_params(cfg.model, 0), out_shardings=shardings)()  # noqa: B023 (used in this iteration)
         if tokens is None:
             tokens = np.random.default_rng(0).integers(0, cfg.model.vocab_size, (16, 17)).astype(np.int32)
         fn = ordered_grads_fn(graphdef, par.mesh, par.rules, shardings, unit_rows=2)
@@ -64,7 +64,7 @@ def test_the_gradients_have_the_same_bits_on_every_mesh():
         )
         if name != "one":
             end = jax.jit(
-                par.bind(lambda p, t: loss_metrics_and_grads(graphdef, p, t)),
+                par.bind(lambda p, t: loss_metrics_and_grads(graphdef, p, t)),  # noqa: B023 (used in this iteration)
                 in_shardings=(shardings, par.batch_sharding),
             )
             plain[name] = jax.device_get(end(params, tokens))

@@ -81,9 +81,8 @@ def test_smaller_views_most_devices_first_and_made_only_when_asked(monkeypatch):
     when a mesh of every free device suits: building them all first cost nodes^2 x devices per node
     (11 s of a 16 s plan on 2,048 nodes)."""
     import dataclasses
-    import itertools
-
     import importlib
+    import itertools
 
     from jaxdist.config import load_config
     from jaxdist.planner.cluster import smaller_views

@@ -5,10 +5,9 @@ import jax.numpy as jnp
 import pytest
 
 from jaxdist.config import MODEL_PRESETS, load_config
-from jaxdist.models.arithmetic import train_flops_per_token
+from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.models.transformer import CHECKPOINT_NAMES, block_forward, rotary_tables
 from jaxdist.planner.computation import computation_view
-from jaxdist.models.arithmetic import param_count
 
 
 @pytest.mark.parametrize("preset", list(MODEL_PRESETS))

@@ -119,8 +119,8 @@ def test_pipeline_closed_forms_match_the_schedules_module():
 
 
 def test_a_remat_choice_from_outside_is_costed_by_what_it_keeps():
-    from jaxdist.planner.candidates import REMAT_NAMES, RematChoice
     from jaxdist.planner import plan
+    from jaxdist.planner.candidates import REMAT_NAMES, RematChoice
 
     attention_only = RematChoice(
         "attention",

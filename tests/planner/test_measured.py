@@ -16,12 +16,12 @@ from scipy.stats import spearmanr
 
 from jaxdist.cluster import load_cluster
 from jaxdist.measure.calibrate import measure_links
+from jaxdist.measure.steps import RANKING_MODEL, RANKING_STRATEGIES, SMALL_CHECK, measure_strategies, measurement_config
 from jaxdist.planner.calibrate import calibration_from, reference_overrides
+from jaxdist.planner.candidates import strategy_of
 from jaxdist.planner.cluster import cluster_view
 from jaxdist.planner.computation import computation_view
 from jaxdist.planner.cost import estimate
-from jaxdist.measure.steps import RANKING_MODEL, RANKING_STRATEGIES, SMALL_CHECK, measure_strategies, measurement_config
-from jaxdist.planner.candidates import strategy_of
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxdist.config import load_config
-from jaxdist.config import validate
+from jaxdist.config import load_config, validate
 from jaxdist.planner import plan
 from jaxdist.planner.candidates import REMAT_CHOICES
 from jaxdist.planner.plan import trainable_axes

@@ -7,9 +7,9 @@ import pytest
 
 from jaxdist.cluster import ClusterSpec, load_cluster
 from jaxdist.config import ModelConfig, load_config
+from jaxdist.models.arithmetic import param_count
 from jaxdist.planner import PlanError, plan
 from jaxdist.planner.search import objective
-from jaxdist.models.arithmetic import param_count
 
 AXES = ("data", "fsdp", "tensor", "pipeline")
 

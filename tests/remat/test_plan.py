@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 from jaxdist.config import ConfigError, load_config
+from jaxdist.measure.remat import dominated_by, measure_policies
+from jaxdist.models.arithmetic import param_count
 from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import activation_sharding
 from jaxdist.remat import (
@@ -22,8 +24,6 @@ from jaxdist.remat import (
     profile_block,
     remat_policy,
 )
-from jaxdist.measure.remat import dominated_by, measure_policies
-from jaxdist.models.arithmetic import param_count
 from jaxdist.train.aot import peak_of
 from tests.trees import leaf_pairs
 

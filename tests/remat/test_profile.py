@@ -115,7 +115,7 @@ def test_plan_policy_saves_exactly_the_plan_inside_the_model(tiny):
         plan = plan_remat(prof, lo + frac * (hi - lo))
         assert model_saved(plan.policy()) - base == pytest.approx(cfg.n_layers * plan.block_bytes, rel=1e-12)
         assert model_saved(plan.policy(), True) - base == pytest.approx(cfg.n_layers * plan.block_bytes, rel=1e-12)
-    for name, policy in list(named_policies().items())[-3:]:  # the save:... recipes
+    for _name, policy in list(named_policies().items())[-3:]:  # the save:... recipes
         assert model_saved(policy) - base == pytest.approx(cfg.n_layers * prof.evaluate(policy).bytes, rel=1e-12)
 
 

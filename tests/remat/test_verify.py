@@ -14,10 +14,10 @@ import jax
 import pytest
 
 from jaxdist.config import ConfigError, Remat, load_config
-from jaxdist.remat.working import Working, load_working, record_working, working_path
 from jaxdist.remat import profile_block
-from jaxdist.remat.verify import Candidate, PeakModel, candidates, choose, named_values
 from jaxdist.remat.policy import profile_for_config
+from jaxdist.remat.verify import Candidate, PeakModel, candidates, choose, named_values
+from jaxdist.remat.working import Working, load_working, record_working, working_path
 from jaxdist.resolve import setting_key, verified_remat
 from jaxdist.train.aot import peak_of
 from jaxdist.train.resolved import Resolved
@@ -97,7 +97,10 @@ def test_recorded_xla_peaks_the_fastest_fit_within_three_compiles():
             for i in range(10):
                 budget = lo + (hi - lo) * (i + 0.5) / 10
                 got = choose(
-                    pool, budget, PeakModel(setting["fixed"], setting["ref"], start), lambda c: (*compiled[c.name], 0.0)
+                    pool,
+                    budget,
+                    PeakModel(setting["fixed"], setting["ref"], start),
+                    lambda c, compiled=compiled: (*compiled[c.name], 0.0),
                 )
                 best = min(f for p, f in compiled.values() if p <= budget)
                 assert got.trial.compiled <= budget and got.trial.compiled == compiled[got.chosen.name][0]
@@ -199,7 +202,7 @@ def test_probed_working_space_finds_the_optimum_the_unprobed_loop_misses(pool):
                     budget,
                     PeakModel(fixed, ref, 0.0),
                     compile_peak,
-                    probe=lambda c: asked.append(c) or true[c.saved] * noise[c.saved],
+                    probe=lambda c, asked=asked: asked.append(c) or true[c.saved] * noise[c.saved],
                 )
                 assert lazy.chosen.saved == got.chosen.saved and lazy.probes == len(asked) <= len(raw)
                 probes += lazy.probes

@@ -23,9 +23,9 @@ import pytest
 from jaxdist.config import load_config
 from jaxdist.data.tokenizer import ByteTokenizer
 from jaxdist.errors import ConfigError
-from jaxdist.sample.sampler import Sampler, TextStream
 from jaxdist.models.transformer import apply, create_abstract, forward_with_cache, init_kv_cache
 from jaxdist.parallel.layout import Parallelism
+from jaxdist.sample.sampler import Sampler, TextStream
 
 TEXTS = ["Hello", "de", "import o"]  # 5, 2 and 8 tokens: one batch of different lengths
 PROMPTS = [ByteTokenizer().encode(t).tolist() for t in TEXTS]

@@ -347,7 +347,7 @@ PartitionName={self.partition} Nodes={",".join(self.node_names)} Default=YES Max
                 p.kill()
                 p.wait(timeout=5)
 
-    def __enter__(self) -> "LocalSlurmCluster":
+    def __enter__(self) -> LocalSlurmCluster:
         self.start()
         return self
 

@@ -9,7 +9,6 @@ import pytest
 from jaxdist.controller.health import name_probe
 from jaxdist.train.device_probe import DeviceProbe, ProbeOnRequest, pair_rounds
 from jaxdist.train.trainer import Trainer
-
 from tests.train.test_callbacks import _config
 
 

@@ -8,10 +8,9 @@ import optax
 from jaxdist.config import load_config
 from jaxdist.data.batchlist import token_digest
 from jaxdist.models import apply, create_abstract, init_params
-from jaxdist.models.arithmetic import train_flops_per_token
+from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 from jaxdist.train.step import init_state, loss_and_grads, make_eval_step, make_train_step
-from jaxdist.models.arithmetic import param_count
 from tests.trees import leaf_pairs
 
 
