@@ -190,10 +190,17 @@ class SSHLauncher:
             self.procs[host] = p
         return list(self.hosts)
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 5.0) -> None:
+        """End every ssh session still running (SIGKILL; the remote agent loses its tunnel) and reap them."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()
+        deadline = time.monotonic() + timeout
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def kubernetes_manifest(

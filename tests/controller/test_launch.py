@@ -69,3 +69,41 @@ def test_cli_prints_slurm_script_and_refuses_print_for_local(tmp_path):
     assert out.returncode == 2 and "--print is for the slurm and kubernetes launchers, not 'local'" in out.stderr
     out = _cli("launch", "controller.launcher=ssh", "controller.hosts_file=nope", cwd=tmp_path)
     assert out.returncode == 2 and "hosts file 'nope' does not exist" in out.stderr
+
+
+def test_every_launcher_starts_its_agents_with_start_all_and_ends_them_with_stop(tmp_path, monkeypatch):
+    """The one launcher interface (controller/launch.py's Launcher): built with everything it needs, start_all()
+    starts the node agents and names them, procs holds a live process for each, stop() ends them.  ssh and srun
+    are stand-ins here (a script that sleeps), the local launcher's agents are real (their controller is absent)."""
+    import time
+    from pathlib import Path
+
+    from jaxdist.controller.launch import Launcher, LocalLauncher
+    from jaxdist.controller.slurm import SlurmLauncher
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("ssh", "srun"):
+        (bin_dir / name).write_text("#!/bin/sh\nexec sleep 60\n")
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    run, logs = tmp_path / "run", tmp_path / "logs"
+    launchers: list[tuple[Launcher, list[str]]] = [
+        (LocalLauncher("127.0.0.1:9", "tok", run, logs, count=2), ["local-0", "local-1"]),
+        (SSHLauncher(["h1", "h2"], 7470, "tok", tmp_path, run, python=sys.executable, log_dir=logs), ["h1", "h2"]),
+        (
+            SlurmLauncher(
+                "10.0.0.1:7470", "tok", run, logs, sys.executable, nodes=["n1"], addresses={"n1": "10.0.0.9"}
+            ),
+            ["n1"],
+        ),
+    ]
+    for launcher, names in launchers:
+        assert launcher.start_all() == names
+        assert sorted(launcher.procs) == sorted(names)
+        assert all(p.poll() is None for p in launcher.procs.values()), type(launcher).__name__
+        t0 = time.monotonic()
+        launcher.stop()
+        assert all(p.poll() is not None for p in launcher.procs.values()), type(launcher).__name__
+        assert time.monotonic() - t0 < 30
+    assert Path(logs).is_dir()
