@@ -6,11 +6,14 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
 from jaxdist.config import ConfigError
-from jaxdist.controller.launch import SSHLauncher, kubernetes_manifest, read_hosts
+from jaxdist.controller.launch import Launcher, LocalLauncher, SSHLauncher, kubernetes_manifest, read_hosts
+from jaxdist.controller.slurm import SlurmLauncher
 
 
 def test_hosts_file(tmp_path):
@@ -75,12 +78,6 @@ def test_every_launcher_starts_its_agents_with_start_all_and_ends_them_with_stop
     """The one launcher interface (controller/launch.py's Launcher): built with everything it needs, start_all()
     starts the node agents and names them, procs holds a live process for each, stop() ends them.  ssh and srun
     are stand-ins here (a script that sleeps), the local launcher's agents are real (their controller is absent)."""
-    import time
-    from pathlib import Path
-
-    from jaxdist.controller.launch import Launcher, LocalLauncher
-    from jaxdist.controller.slurm import SlurmLauncher
-
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name in ("ssh", "srun"):
