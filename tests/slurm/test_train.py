@@ -35,7 +35,8 @@ from jaxdist.planner.shared import plan_free
 from jaxdist.slurm.view import NodeGPUs, PartitionView
 from jaxdist.train.metrics import read_metrics
 
-STEPS, EVERY = 24, 3  # the cancel comes after step 4: 20 steps of headroom for scancel on a loaded host
+STEPS, EVERY = 24, 3  # the cancel comes after step 4: 19 paced steps of headroom for scancel on a loaded host
+PACE_S = 1.0  # seconds each node of the printed job waits for each batch until it is cancelled (below)
 COMMON = [
     "model=tiny",
     "train.batch_size=16",
@@ -70,7 +71,18 @@ def _gpus(job) -> dict[str, frozenset[int]]:
 def jobs(slurm, tmp_path_factory):
     cwd = tmp_path_factory.mktemp("slurm-train")
     allocated = SlurmJob([*COMMON, *GROUP, "mesh.cluster=slurm:gpu@cpu-4x2", "train.name=allocated"], cwd=cwd)
-    printed = SlurmJob([*COMMON, *GROUP, "mesh.cluster=slurm:gpu@cpu-4x2", "train.name=printed"], cwd=cwd)
+    # Until the cancel has landed, every node of `printed` waits PACE_S more for each batch (the test-only fault
+    # hooks, jaxdist/train/faults.py): the cancel after step EVERY + 1 then has (STEPS - EVERY - 1) x PACE_S
+    # seconds to land before the job could end by itself.  Unpaced, those 19 steps took ~4 s, and once, with
+    # another test beside it, the job completed before Slurm cancelled it.  A wait changes no number trained.
+    printed = SlurmJob(
+        [*COMMON, *GROUP, "mesh.cluster=slurm:gpu@cpu-4x2", "train.name=printed"],
+        cwd=cwd,
+        env={"JAXDIST_FAULT_HOOKS": "1"},
+    )
+    pace = printed.run_dir / "faults.json"
+    pace.parent.mkdir(parents=True)
+    pace.write_text(json.dumps([{"kind": "data", "node": f"n{i}", "delay_s": PACE_S} for i in range(1, 5)]))
     shared = SlurmJob([*COMMON, *SHARED], cwd=cwd)
     out = {"allocated": allocated, "printed": printed, "shared": shared}
     solo = None
@@ -94,6 +106,7 @@ def jobs(slurm, tmp_path_factory):
         printed.wait_until(lambda s: s.get("last_step", 0) > EVERY, TIMEOUT, f"step {EVERY + 1}")
         printed.cancel()
         printed.wait_state(("CANCELLED",), TIMEOUT)
+        pace.unlink()  # the requeued generation trains at full speed
         out["kept"] = last_committed_step(printed.run_dir)
         printed.requeue()
         printed.wait_state(("RUNNING", "COMPLETED"), TIMEOUT)
