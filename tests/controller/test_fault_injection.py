@@ -20,7 +20,7 @@ its generations must together have trained each batch exactly once.
 
 Settings other than the defaults, and why: ``train.log_every=1`` (every step's
 loss is logged and compared, the default logs every 10th); ``checkpoint.every=8``
-(persistent saves within the 56 steps); ``checkpoint.local_dir=local/{node}``
+(persistent saves within the 80 steps); ``checkpoint.local_dir=local/{node}``
 (the default ``auto`` tier, in the test's own directory so that it can look at
 the files); ``controller.crashed_rank=standby`` (the point: each killed process
 stands for a lost node, so that a standby takes the rank); the failure limits
@@ -46,7 +46,10 @@ from jaxdist.data import digest_problems, load_source
 
 from .helpers import listening
 
-STEPS = 56  # at most ~5 steps per injection and ~10 while the controller is away: room to spare
+# At most ~5 steps per injection, and the steps the job trains while the controller is away (killed, restarted,
+# attached): ~10 on a quiet host, 27 once beside another test (two processes), which ended the 56 steps before
+# the sixth injection.
+STEPS = 80
 INJECTIONS = 6  # both signals, rank 0 first, the controller killed midway (10 before: 100 s more, nothing more seen)
 COMMON = [
     "model=tiny",
