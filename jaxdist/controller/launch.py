@@ -31,6 +31,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -75,6 +76,20 @@ def node_command(
         "--interval",
         str(interval),
     ]
+
+
+def kill_and_reap(procs: Iterable[subprocess.Popen], timeout: float) -> None:
+    """SIGKILL each of ``procs`` still running, then wait for them all, at most ``timeout`` seconds in total."""
+    procs = list(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
 
 
 class Launcher(Protocol):
@@ -133,15 +148,7 @@ class LocalLauncher:
 
     def stop(self, timeout: float = 5.0) -> None:
         """SIGKILL every node agent still running (their workers die with them)."""
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        kill_and_reap(self.procs.values(), timeout)
 
 
 class SSHLauncher:
@@ -192,15 +199,7 @@ class SSHLauncher:
 
     def stop(self, timeout: float = 5.0) -> None:
         """End every ssh session still running (SIGKILL; the remote agent loses its tunnel) and reap them."""
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-        deadline = time.monotonic() + timeout
-        for p in self.procs.values():
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        kill_and_reap(self.procs.values(), timeout)
 
 
 def kubernetes_manifest(
