@@ -26,8 +26,9 @@ jax.config.update("jax_compilation_cache_dir", os.environ["JAXDIST_TEST_COMPILE_
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)  # tiny programs: not worth a file
 
 # The modules that take longest (seconds on the 2-core machine, one process), started first when the suite runs
-# on several processes (pytest-xdist, ``-n 2 --dist loadfile``: a module is one unit): a long module that starts
-# last is the run's tail.  One process at a time keeps the collection order.
+# on several processes (pytest-xdist, ``-n 2 --dist loadfile --no-loadscope-reorder``: a module is one unit; without
+# the last flag xdist reorders modules by test count, which starts these last): a long module that starts last is
+# the run's tail.  One process at a time keeps the collection order.
 LONGEST_FIRST = (
     "controller/test_fault_injection.py",  # ~200
     "checkpoint/test_local_multiprocess.py",  # ~155
