@@ -43,14 +43,14 @@ from pathlib import Path
 from jaxdist.cli_planner import add_parsers as add_planner_parsers  # plan, calibrate (JAX-free to register)
 from jaxdist.cluster import prepare_host_devices
 from jaxdist.config import PIPELINE_SCHEDULES, Config, ConfigError, load_config, reference_markdown
-from jaxdist.controller.agent import agent_from_env
-from jaxdist.controller.commands import controller, launch
 from jaxdist.controller.health_view import status as health_status
 from jaxdist.data import add_data, load_source
 from jaxdist.data.audit import describe, verify
+from jaxdist.optional import missing_package
 
 # The commands import JAX-heavy modules inside their functions: `jaxdist --help`, `jaxdist config`,
 # `jaxdist data` and the controller never load JAX, and `jaxdist train` sets XLA_FLAGS before it does.
+# The controller's modules (pyzmq, an optional package) are imported by the commands that use them too.
 
 
 def cmd_config(args) -> int:
@@ -73,7 +73,11 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.overrides)
     prepare_host_devices(cfg)
     # Started by a node agent: heartbeat from now on, warm up, then wait for a rank (sets JAX_* env).
-    agent = agent_from_env()
+    agent = None
+    if os.environ.get("JAXDIST_CONTROLLER"):
+        from jaxdist.controller.agent import agent_from_env  # pyzmq (optional): only a worker under a controller
+
+        agent = agent_from_env()
     if agent is not None:
         from jaxdist.train.compile_cache import configure_compile_cache  # JAX-free until JAX is loaded
 
@@ -315,6 +319,8 @@ def cmd_comm(args) -> int:
 
 
 def cmd_launch(args) -> int:
+    from jaxdist.controller.commands import launch  # pyzmq (optional): only the controller's commands need it
+
     return launch(args.config, args.overrides, print_only=args.print, image=args.image, shape_planner=_plan_shape)
 
 
@@ -338,6 +344,8 @@ def _plan_shape(cfg, view, figures):
 
 
 def cmd_controller(args) -> int:
+    from jaxdist.controller.commands import controller  # pyzmq (optional): only the controller's commands need it
+
     return controller(args.config, args.overrides)
 
 
@@ -571,6 +579,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.fn(args)
     except ConfigError as e:
         print(f"jaxdist: {e}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as e:  # an optional package this command needs (jaxdist.optional.PACKAGES)
+        sentence = missing_package(e)
+        if sentence is None:
+            raise
+        print(f"jaxdist: {sentence}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: what was committed stays (a run resumes from its newest checkpoint)
         what = " ".join(w for w in (args.command, getattr(args, "action", None)) if isinstance(w, str))

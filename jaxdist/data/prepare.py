@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
+from jaxdist import optional
 from jaxdist.data.corpus import Corpus, Piece, check_text_field, read_documents, scan_corpus
 from jaxdist.data.journal import append_lines, atomic_write
 from jaxdist.data.manifest import MANIFEST, TOKENS, build_manifest, read_manifest, same_inputs
@@ -206,7 +206,8 @@ def prepare(
     itemsize = np.dtype(dtype).itemsize
     done = _done_pieces(work, itemsize)
     todo = [p for p in corpus.pieces if p.index not in done]
-    bar = tqdm(
+    tqdm = optional.load("tqdm", "no progress bar") if progress else None
+    bar = (tqdm.tqdm if tqdm is not None else _NoBar)(
         total=sum(p.bytes for p in corpus.pieces),
         initial=sum(p.bytes for p in corpus.pieces if p.index in done),
         unit="B",
@@ -261,3 +262,16 @@ def _finish(corpus, out: Path, work: Path, tok, dtype, text_field, plan, done) -
     atomic_write(out / MANIFEST, json.dumps(manifest, indent=1).encode())
     shutil.rmtree(work, ignore_errors=True)
     return manifest
+
+
+class _NoBar:
+    """What ``prepare`` updates and closes where there is no progress bar (none asked for, or no tqdm)."""
+
+    def __init__(self, **_: Any):
+        pass
+
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

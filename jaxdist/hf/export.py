@@ -14,8 +14,8 @@ from pathlib import Path
 import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
-from safetensors.numpy import save_file
 
+from jaxdist import optional
 from jaxdist.config import ModelConfig
 from jaxdist.config.hf import hf_from_model
 from jaxdist.errors import ConfigError
@@ -55,6 +55,7 @@ def export_params(
     # generations' rotary and dtype keys among them) comes from ``m``, so none of the source's can go stale.
     config = {**(base_config or {}), **hf_from_model(m, torch_dtype, base_config)}
     hf_dir = Path(hf_dir)
+    save_file = optional.require("safetensors.numpy", "writing a Hugging Face checkpoint").save_file
     main = jax.process_index() == 0
     if main:
         hf_dir.mkdir(parents=True, exist_ok=True)

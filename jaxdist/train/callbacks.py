@@ -36,13 +36,13 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import jax
-from tqdm.auto import tqdm
 
+from jaxdist import optional
 from jaxdist.errors import ConfigError
 from jaxdist.train.efficiency import LoopClock
 
@@ -237,14 +237,16 @@ class LogMetrics:
 class ProgressBar:
     """A tqdm bar: advances every step, shows loss / tokens/s / step time when a window is flushed."""
 
-    total: int
-    initial: int
-    desc: str
+    bar: Any  # a tqdm.auto.tqdm
     syncs: bool = False
-    bar: Any = field(default=None, init=False)
 
-    def __post_init__(self):
-        self.bar = tqdm(total=self.total, initial=self.initial, desc=self.desc, unit="step", dynamic_ncols=True)
+    @classmethod
+    def start(cls, total: int, initial: int, desc: str) -> ProgressBar | None:
+        """A bar from step ``initial`` to ``total``, or None (one warning) where tqdm is not installed."""
+        tqdm = optional.load("tqdm.auto", "no progress bar", "train.progress=false")
+        if tqdm is None:
+            return None
+        return cls(tqdm.tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True))
 
     def due(self, step: int, last: bool) -> bool:
         return True

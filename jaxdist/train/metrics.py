@@ -7,8 +7,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from tensorboardX import SummaryWriter
-
+from jaxdist import optional
 from jaxdist.data.audit import read_records
 from jaxdist.train.tracking import scalars
 
@@ -36,8 +35,13 @@ class MetricsWriter:
         self._file = open(self.path, "a", buffering=1)
         if torn:
             self._file.write("\n")
-        if tensorboard:
-            self._tb = SummaryWriter(str(Path(run_dir) / "tb"))
+        tensorboardx = (
+            optional.load("tensorboardX", "no TensorBoard event files", "train.tensorboard=false")
+            if tensorboard
+            else None
+        )
+        if tensorboardx is not None:
+            self._tb = tensorboardx.SummaryWriter(str(Path(run_dir) / "tb"))
 
     def write(self, kind: str, step: int, values: dict[str, Any]) -> None:
         if not self.enabled:

@@ -321,7 +321,7 @@ class Trainer(Program):
             self.skipped_steps,
             self.loop_clock,
         )
-        bar = ProgressBar(c.train.steps, start, c.train.name) if c.train.progress and self.is_main else None
+        bar = ProgressBar.start(c.train.steps, start, c.train.name) if c.train.progress and self.is_main else None
         saving = SaveCheckpoint(c.checkpoint.every) if self.checkpointer is not None else None
         callbacks = (
             [LogMetrics(c.train.log_every)]
