@@ -25,7 +25,6 @@ bucket collectives in the backward) on 8 simulated CPU devices, same process, al
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import time
 
@@ -56,7 +55,8 @@ def measured_efficiency() -> float:
     n = 1024
     a = jnp.ones((n, n), jnp.float32)
     peak = 2 * n**3 / _best(jax.jit(lambda x: x @ x), a)
-    m = dataclasses.replace(Config().model, d_model=512, n_heads=8, n_kv_heads=8, head_dim=64, d_ff=1536)
+    sizes = {"d_model": 512, "n_heads": 8, "n_kv_heads": 8, "head_dim": 64, "d_ff": 1536}
+    m = Config().replace(**{f"model.{k}": v for k, v in sizes.items()}).model
     t = 256
     key = jax.random.key(0)
     shapes = {

@@ -249,17 +249,21 @@ def fit_loop(cfg, args: argparse.Namespace, chunk: int = 5) -> dict[str, dict[st
     """Seconds per step of ``Trainer.fit`` (callbacks included) with and without the controller agent's
     heartbeat callback attached: two Trainers, ``chunk`` steps of fit() each in turn, the logged step
     times (the device finished, evaluation excluded) summed per chunk; medians per step."""
-    import dataclasses
-
     from jaxdist.controller.agent import WorkerAgent
     from jaxdist.train.trainer import Trainer
 
     runs = tempfile.mkdtemp(prefix="jaxdist-overhead-fit-")
     steps = args.warmup * chunk + args.steps
-    train = dataclasses.replace(
-        cfg.train, steps=steps + chunk, runs_dir=runs, eval_batches=1, eval_every=0, log_every=10
+    base = cfg.replace(
+        **{
+            "train.steps": steps + chunk,
+            "train.runs_dir": runs,
+            "train.eval_batches": 1,
+            "train.eval_every": 0,
+            "train.log_every": 10,
+        }
     )
-    trainers = {k: Trainer(dataclasses.replace(cfg, train=dataclasses.replace(train, name=k))) for k, _ in FIT_VARIANTS}
+    trainers = {k: Trainer(base.replace(**{"train.name": k})) for k, _ in FIT_VARIANTS}
     # A real worker agent (rank 0: it records every flushed step), heartbeating to a port nobody listens on.
     agent = WorkerAgent("127.0.0.1:9", "overhead-benchmark-token", "bench", interval=0.25)
     agent.update(rank=0, gen=0)

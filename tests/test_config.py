@@ -133,6 +133,18 @@ def test_sections_are_frozen_and_replace_is_checked_like_overrides():
         cfg.replace(**{"train.seq_len": 4096})
 
 
+def test_a_section_key_takes_a_whole_section_and_the_whole_config_is_still_checked():
+    cfg, tiny = Config(), load_config(None, ["model=tiny"]).model
+    changed = cfg.replace(model=tiny, **{"train.seq_len": 32})
+    assert changed.model == tiny and changed.train.seq_len == 32 and changed.mesh == cfg.mesh
+    assert cfg.replace(model="tiny").model == tiny  # a preset's name, as on the command line
+    short = cfg.replace(model=tiny, **{"train.seq_len": 32}).model.max_seq_len
+    with pytest.raises(ConfigError, match="is longer than model.max_seq_len"):
+        cfg.replace(model=tiny, **{"train.seq_len": short * 2})
+    with pytest.raises(ConfigError, match="model.moe"):  # the wrong section's type is a value, checked as one
+        cfg.replace(**{"model.moe": cfg.mesh})
+
+
 @pytest.mark.parametrize(
     "old, new, value",
     [

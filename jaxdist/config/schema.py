@@ -59,7 +59,8 @@ class Config:
 
     def replace(self, **changes: Any) -> Config:
         """A copy with dotted keys changed, e.g. ``cfg.replace(**{"train.seq_len": 64})``, checked like overrides:
-        each value for its type, then the whole config (ConfigError, one sentence)."""
+        each value for its type, then the whole config (ConfigError, one sentence).  The one way to derive a
+        config in code; a section's key takes a whole section too (``cfg.replace(model=model_config)``)."""
         cfg = self.set(**changes)
         validate(cfg)
         return cfg

@@ -148,7 +148,12 @@ def apply_preset(model: ModelConfig, name: str) -> ModelConfig:
 
 
 def set_key(cfg: T, key: str, value: Any) -> T:
-    """``cfg`` with dotted ``key`` set to ``value`` (coerced to the field's type); ConfigError for a bad key."""
+    """``cfg`` with dotted ``key`` set to ``value`` (coerced to the field's type); ConfigError for a bad key.
+
+    A section's key takes a whole section (``model=`` a ModelConfig); ``model`` also takes a preset's name.
+    """
+    if key in SECTION_CLASSES and isinstance(value, SECTION_CLASSES[key]):
+        return _with_section(cfg, key, value)
     if key in ("model", "model.preset"):
         return dataclasses.replace(cfg, model=apply_preset(cfg.model, str(value)))
     if key == "mesh" and str(value).lower() == "auto":  # mesh=auto: the planner picks the mesh

@@ -120,15 +120,19 @@ class Plan:
         cluster = self.cluster_source or self.cluster.spec.name
         if cluster == "live":  # no file describes the live devices: keep the base config's cluster
             cluster = cfg.mesh.cluster
-        mesh = dataclasses.replace(cfg.mesh, cluster=cluster, **{a: getattr(s, a) for a in MESH_AXES})
-        mesh = dataclasses.replace(mesh, auto=False)
-        train = dataclasses.replace(
-            cfg.train, batch_size=self.batch_size, seq_len=self.seq_len, microbatches=s.microbatches, remat=remat
-        )
-        pipeline = cfg.pipeline
+        changes = {
+            "model": self.model,
+            "mesh.cluster": cluster,
+            **{f"mesh.{a}": getattr(s, a) for a in MESH_AXES},
+            "mesh.auto": False,
+            "train.batch_size": self.batch_size,
+            "train.seq_len": self.seq_len,
+            "train.microbatches": s.microbatches,
+            "train.remat": remat,
+        }
         if s.pipeline > 1:
-            pipeline = dataclasses.replace(pipeline, schedule=s.schedule, chunks=max(1, s.chunks))
-        return dataclasses.replace(cfg, model=self.model, mesh=mesh, train=train, pipeline=pipeline)
+            changes.update({"pipeline.schedule": s.schedule, "pipeline.chunks": max(1, s.chunks)})
+        return cfg.set(**changes)
 
     def to_toml(self, base: Config | None = None) -> str:
         """The config of :meth:`to_config` as TOML, headed by a comment with the plan."""
@@ -285,5 +289,4 @@ def resolve_auto(cfg: Config, devices: Sequence[Any]) -> Config:
     spec = load_cluster(cfg.mesh.cluster)
     spec = dataclasses.replace(spec, nodes=len(per_process), devices_per_node=len(devices) // len(per_process))
     p = plan(cfg.model, spec, batch_size=cfg.train.batch_size, seq_len=cfg.train.seq_len)
-    planned = p.to_config(cfg)
-    return dataclasses.replace(planned, mesh=dataclasses.replace(planned.mesh, cluster=cfg.mesh.cluster))
+    return p.to_config(cfg).set(**{"mesh.cluster": cfg.mesh.cluster})
