@@ -27,6 +27,7 @@ PACKAGES = {
     "tokenizers": "tokenizers",
     "sentencepiece": "sentencepiece",
     "pyarrow": "pyarrow",
+    "jinja2": "jinja2",
 }
 
 _warned: set[str] = set()

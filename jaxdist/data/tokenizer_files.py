@@ -108,6 +108,12 @@ class HFTokenizer:
         """Token ids of each text (no specials), encoded by the library's batch path."""
         return [np.array(e.ids, dtype=np.uint32) for e in self._tok.encode_batch(texts, add_special_tokens=False)]
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, list[tuple[int, int]]]:
+        """Token ids of ``text`` (no specials added; special tokens written in it are recognised) and each
+        token's [start, end) characters in it."""
+        e = self._tok.encode(text, add_special_tokens=False)
+        return np.array(e.ids, dtype=np.uint32), list(e.offsets)
+
     def decode(self, ids) -> str:
         """The text of ``ids``: special tokens and ids outside the vocabulary dropped."""
         return self._tok.decode(_keep_known(ids, self.vocab_size), skip_special_tokens=True)
