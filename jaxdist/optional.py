@@ -33,19 +33,23 @@ PACKAGES = {
 _warned: set[str] = set()
 
 
-def _missing(e: ModuleNotFoundError, module: str) -> bool:
-    """Whether ``e`` says ``module``'s package is absent (not a module missing inside an installed one)."""
-    return e.name == module.split(".")[0] and e.name in PACKAGES
+def _import(module: str) -> ModuleType | None:
+    """``module``, or None when its optional package is absent (a module missing inside an installed package, or
+    any other error, is raised)."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module.split(".")[0] and e.name in PACKAGES:
+            return None
+        raise
 
 
 def load(module: str, skipped: str, setting: str | None = None) -> ModuleType | None:
     """``module``, or None with one warning (once per package) naming what is ``skipped`` and the ``setting``
     that silences it."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if not _missing(e, module):
-            raise
+    found = _import(module)
+    if found is not None:
+        return found
     package = PACKAGES[module.split(".")[0]]
     if package not in _warned:
         _warned.add(package)
@@ -58,15 +62,13 @@ def load(module: str, skipped: str, setting: str | None = None) -> ModuleType | 
 
 def require(module: str, purpose: str) -> ModuleType:
     """``module``, or a ConfigError that says ``purpose`` needs its package and how to install it."""
-    try:
-        return importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if not _missing(e, module):
-            raise
+    found = _import(module)
+    if found is None:
         package = PACKAGES[module.split(".")[0]]
         raise ConfigError(
             f"{purpose} needs the Python package {package}, which is not installed: pip install {package}."
-        ) from None
+        )
+    return found
 
 
 def missing_package(e: ModuleNotFoundError) -> str | None:

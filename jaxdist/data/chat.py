@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from jaxdist import optional
+from jaxdist.data.tokenizer_files import read_settings, token_text
 from jaxdist.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -94,8 +95,8 @@ class ChatTemplate:
         """The template saved with the tokenizer: ``chat_template.jinja`` beside it, else ``chat_template`` in its
         ``tokenizer_config.json`` (the ``default`` one of a list of named templates)."""
         folder = Path(tokenizer_json).parent
-        settings = _read_settings(folder / "tokenizer_config.json")
-        specials = {k: v for k in SPECIAL_KEYS if (v := _token_text(settings.get(k))) is not None}
+        settings = read_settings(folder / "tokenizer_config.json")
+        specials = {k: v for k in SPECIAL_KEYS if (v := token_text(settings.get(k))) is not None}
         jinja_file = folder / "chat_template.jinja"
         if jinja_file.is_file():
             return cls(jinja_file.read_text(encoding="utf-8"), specials)
@@ -170,22 +171,6 @@ def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[Message],
             break
         targets[t] = end > spans[k][0]
     return ids, targets
-
-
-def _token_text(value: Any) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _read_settings(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"'{path}' is not readable JSON ({e}): fix it or remove it.") from None
-    return data if isinstance(data, dict) else {}
 
 
 _COMPILED: dict[str, Any] = {}

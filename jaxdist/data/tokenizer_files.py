@@ -41,7 +41,18 @@ def _keep_known(ids, vocab_size: int) -> list[int]:
     return arr[(arr >= 0) & (arr < vocab_size)].tolist()
 
 
-def _token_text(value) -> str | None:
+def read_settings(path: Path) -> dict:
+    """A ``tokenizer_config.json`` as a dict ({} when there is none); ConfigError when it is not readable JSON."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"'{path}' is not readable JSON ({e}): fix it or remove it.") from None
+    return data if isinstance(data, dict) else {}
+
+
+def token_text(value) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
     if isinstance(value, dict):
         value = value.get("content")
@@ -69,11 +80,11 @@ class HFTokenizer:
         self.name, self.fingerprint = path, file_sha256(path)
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(self._tok.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
-        settings = self._settings(Path(path).with_name("tokenizer_config.json"))
+        settings = read_settings(Path(path).with_name("tokenizer_config.json"))
         specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
 
         def pick(key: str, names: tuple[str, ...]) -> int | None:
-            text = _token_text(settings.get(key))
+            text = token_text(settings.get(key))
             candidates = [text] if text else [n for n in names if n in specials]
             for c in candidates:
                 i = self._tok.token_to_id(c)
@@ -89,16 +100,6 @@ class HFTokenizer:
         else:  # the post-processor's template says whether encoding starts with BOS
             first = self._tok.encode("a", add_special_tokens=True).ids[:1]
             self.add_bos = self.bos_id is not None and first == [self.bos_id]
-
-    @staticmethod
-    def _settings(path: Path) -> dict:
-        if not path.is_file():
-            return {}
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"'{path}' is not readable JSON ({e}): fix it or remove it.") from None
-        return data if isinstance(data, dict) else {}
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> np.ndarray:
         """Token ids of ``text`` [n] uint32; ``bos``/``eos`` add this tokenizer's BOS before / EOS after."""
