@@ -9,14 +9,15 @@ from jaxdist.slurm.parse import SINFO_FORMAT, parse_jobs, parse_nodes, parse_sin
 from .conftest import GPUS_PER_NODE, NODES
 
 
-def wait_for(pred, timeout: float, what: str, poll: float = 0.1):
+def wait_for(pred, timeout: float, what: str, poll: float = 0.1, why=None):
+    """``pred()``'s first true value within ``timeout`` s; else TimeoutError, with ``why()`` (the state) if given."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = pred()
         if got:
             return got
         time.sleep(poll)
-    raise TimeoutError(f"waited {timeout} s for {what}")
+    raise TimeoutError(f"waited {timeout} s for {what}" + (f": {why()}" if why else ""))
 
 
 def test_a_batch_job_runs_and_its_gpus_are_accounted(slurm, tmp_path):

@@ -41,7 +41,10 @@ def holders(slurm):
         for node, g in (("n1", 4), ("n3", 8))
     ]
     try:
-        wait_for(lambda: slurm.run(["squeue", "-h", "-t", "R", "-o", "%i"]).split() == sorted(jobs), 60, "holders")
+        # as sets: squeue lists by number, and "10" sorts before "9" as text
+        ids = ",".join(jobs)
+        running = lambda: set(slurm.run(["squeue", "-h", "-t", "R", "-j", ids, "-o", "%i"]).split()) == set(jobs)  # noqa: E731
+        wait_for(running, 120, "holders", why=lambda: slurm.run(["squeue", "-h", "-j", ids, "-o", "%i %T %r"]))
         yield jobs
     finally:
         slurm.run(["scancel", *jobs], check=False)
