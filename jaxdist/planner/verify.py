@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from jaxdist.compile_check import Trial, Verified, least_peak
 from jaxdist.config import ConfigError
 from jaxdist.planner.cost import Estimate
 
@@ -24,29 +25,9 @@ class VerifyError(ConfigError):
 
 
 @dataclass(frozen=True)
-class PlanTrial:
-    """One compiled plan: predicted and compiled peak (bytes per device), compile seconds."""
-
-    estimate: Estimate
-    predicted: float
-    compiled: float
-    seconds: float
-    fits: bool
-
-
-@dataclass(frozen=True)
-class VerifiedPlan:
-    """The fastest plan whose compiled peak fits the budget, and every compile it took."""
-
-    chosen: Estimate
-    trial: PlanTrial
-    trials: tuple[PlanTrial, ...]
-    budget_bytes: float
-
-    @property
-    def compile_seconds(self) -> float:
-        """Seconds spent compiling."""
-        return sum(t.seconds for t in self.trials)
+class VerifiedPlan(Verified[Estimate]):
+    """The fastest plan whose compiled peak fits the budget, and every compile it took (:class:`Trial` of
+    :class:`Estimate`)."""
 
     def table(self) -> str:
         """Each compiled plan: predicted vs compiled peak, error, fits."""
@@ -54,14 +35,14 @@ class VerifiedPlan:
         rows = [f"{'compiled plan':<52} {'predicted':>12} {'compiled':>12} {'error':>7}  fits"]
         for t in self.trials:
             rows.append(
-                f"{t.estimate.strategy.describe()[:52]:<52} {t.predicted / gib:>8.2f} MiB {t.compiled / gib:>8.2f} MiB "
-                f"{t.predicted / t.compiled - 1:>+7.1%}  {'yes' if t.fits else 'no'}"
+                f"{t.candidate.strategy.describe()[:52]:<52} {t.predicted / gib:>8.2f} MiB {t.compiled / gib:>8.2f} MiB "
+                f"{t.error:>+7.1%}  {'yes' if t.fits else 'no'}"
             )
         t = self.trial
         rows.append(
-            f"verified: {t.estimate.strategy.describe()}, compiled peak {t.compiled / gib:.2f} MiB per device of "
+            f"verified: {t.candidate.strategy.describe()}, compiled peak {t.compiled / gib:.2f} MiB per device of "
             f"{self.budget_bytes / gib:.2f} MiB (predicted {t.predicted / gib:.2f} MiB, "
-            f"{t.predicted / t.compiled - 1:+.1%}); {len(self.trials)} compile(s) in {self.compile_seconds:.1f} s"
+            f"{t.error:+.1%}); {len(self.trials)} compile(s) in {self.compile_seconds:.1f} s"
         )
         return "\n".join(rows)
 
@@ -77,21 +58,21 @@ def verify_plan(
     those the latest compile's correction (compiled / predicted) says will not fit.  Raises VerifyError when
     none fits.
     """
-    trials: list[PlanTrial] = []
+    trials: list[Trial[Estimate]] = []
     scale = 1.0
     for e in ranked:
         predicted = e.memory.total
         if predicted * scale > budget_bytes and (trials or predicted > budget_bytes):
             continue  # corrected by the compiles so far, it does not fit: no compile spent on it
         peak, secs = compile_peak(e)
-        t = PlanTrial(e, predicted, float(peak), secs, peak <= budget_bytes)
+        t = Trial(e, predicted, float(peak), secs, peak <= budget_bytes)
         trials.append(t)
         if t.fits:
             return VerifiedPlan(e, t, tuple(trials), float(budget_bytes))
         scale = peak / predicted
-    least = min(trials, key=lambda t: t.compiled, default=None)
+    least = least_peak(trials)
     seen = (
-        f"; the least compiled peak was {least.compiled / 2**30:.3f} GiB ({least.estimate.strategy.describe()})"
+        f"; the least compiled peak was {least.compiled / 2**30:.3f} GiB ({least.candidate.strategy.describe()})"
         if least
         else ""
     )

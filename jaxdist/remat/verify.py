@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxdist.compile_check import Trial, Verified, least_peak
 from jaxdist.config import ConfigError, Remat
 from jaxdist.models.names import CHECKPOINT_NAMES
 from jaxdist.remat.named import ALL_NAMES, BUILTINS, RECIPES, remat_policy
@@ -185,25 +186,10 @@ class PeakModel:
 
 
 @dataclass(frozen=True)
-class Trial:
-    """One compiled candidate: predicted and compiled peak (bytes per device), compiled FLOPs, compile seconds."""
+class VerifiedChoice(Verified[Candidate]):
+    """The candidate chosen against the compiler, with every trial (:class:`Trial` of :class:`Candidate`)
+    and the model it was predicted with."""
 
-    candidate: Candidate
-    predicted: float
-    compiled: float
-    flops: float | None
-    seconds: float
-    fits: bool
-
-
-@dataclass(frozen=True)
-class VerifiedChoice:
-    """The candidate chosen against the compiler, with every trial and the model it was predicted with."""
-
-    chosen: Candidate
-    trial: Trial
-    trials: tuple[Trial, ...]
-    budget_bytes: float
     model: PeakModel
     seen_ratios: tuple[float, ...]  # the working-space ratio each compile showed (what the store learns)
     # The chosen candidate's train step compiled as the run will run it (jaxdist.train.aot.RunnableStep: off
@@ -229,11 +215,6 @@ class VerifiedChoice:
         """Predicted saved activations of the chosen candidate (bytes per device, all blocks)."""
         return self.chosen.activation_bytes
 
-    @property
-    def compile_seconds(self) -> float:
-        """Seconds the loop spent compiling."""
-        return sum(t.seconds for t in self.trials)
-
     def policy(self) -> Any:
         """The chosen candidate's jax.checkpoint policy (what the Trainer applies)."""
         return self.chosen.policy()
@@ -241,12 +222,11 @@ class VerifiedChoice:
     def describe(self) -> str:
         """One line: what was chosen, predicted vs compiled peak against the budget, the compiles it took."""
         t = self.trial
-        err = t.predicted / t.compiled - 1 if t.compiled else 0.0
         value = self.chosen.name if self.plan is None or self.plan.names_equivalent else "the selector's plan"
         return (
             f"remat {value}: saves {format_bytes(self.activation_bytes)}, recomputes "
             f"{self.chosen.recompute_flops / 1e9:.3g} GFLOP per step; peak per device predicted "
-            f"{format_bytes(t.predicted)}, compiled {format_bytes(t.compiled)} ({err:+.1%}) of a "
+            f"{format_bytes(t.predicted)}, compiled {format_bytes(t.compiled)} ({t.error:+.1%}) of a "
             f"{format_bytes(self.budget_bytes)} budget; {len(self.trials)} compile(s) in {self.compile_seconds:.1f} s"
             + (f", {self.probes} one-block probe(s) in {self.probe_seconds:.1f} s" if self.probes else "")
         )
@@ -269,7 +249,7 @@ class VerifiedChoice:
             flops = f"{t.flops / 1e9:8.3f}" if t.flops is not None else f"{'n/a':>8}"
             rows.append(
                 f"{t.candidate.name[:36]:<36} {format_bytes(t.predicted):>11} {format_bytes(t.compiled):>11} "
-                f"{t.predicted / t.compiled - 1:>+7.1%} {flops}  {'yes' if t.fits else 'no'}"
+                f"{t.error:>+7.1%} {flops}  {'yes' if t.fits else 'no'}"
             )
         return "\n".join(rows)
 
@@ -345,7 +325,7 @@ def choose(
         )
     pool = sorted(pool, key=lambda c: (c.recompute_flops, c.activation_bytes))
     held = _Held(pool, probe)
-    trials: list[Trial] = []
+    trials: list[Trial[Candidate]] = []
     while True:
         seen = [model.observed_ratio(held(t.candidate), t.compiled) for t in trials]
         counted = [t.flops - t.candidate.recompute_flops for t in trials if t.flops is not None]
@@ -354,7 +334,7 @@ def choose(
         def step(c: Candidate, base: float = base) -> float:
             return base + c.recompute_flops
 
-        def rank(t: Trial, base: float = base) -> float:
+        def rank(t: Trial[Candidate], base: float = base) -> float:
             return t.flops if t.flops is not None else step(t.candidate, base)
 
         fitting = [t for t in trials if t.fits]
@@ -373,10 +353,10 @@ def choose(
             break
         peak, flops, secs = compile_peak(nxt)
         predicted = model.peak(held(nxt), float(np.median(seen)) if seen else None)
-        trials.append(Trial(nxt, predicted, float(peak), flops, secs, peak <= budget_bytes))
+        trials.append(Trial(nxt, predicted, float(peak), secs, peak <= budget_bytes, flops))
     seen = tuple(model.observed_ratio(held(t.candidate), t.compiled) for t in trials)
     if best is None:
-        least = min(trials, key=lambda t: t.compiled) if trials else None
+        least = least_peak(trials)
         where = (
             f"; the least compiled peak was {format_bytes(least.compiled)} ({least.candidate.name})" if least else ""
         )

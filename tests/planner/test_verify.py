@@ -25,7 +25,7 @@ def test_optimistic_predictions_are_repaired_and_the_result_fits(ranked):
     budget = 1.2 * ranked[0].memory.total
     v = verify_plan(ranked, budget, compile_peak)
     assert v.trial.compiled <= budget and v.trial.fits and all(not t.fits for t in v.trials[:-1])
-    assert v.chosen is not ranked[0] and v.chosen is v.trials[-1].estimate
+    assert v.chosen is not ranked[0] and v.chosen is v.trials[-1].candidate
     # brute force: the first plan (in the planner's order) whose compiled peak fits
     truth = next(e for e in ranked if e.memory.total * (1.30 if id(e) in first_two else 1.05) <= budget)
     assert v.chosen is truth and len(calls) <= 3
