@@ -199,6 +199,12 @@ def prepare_host_devices(cfg: Config) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
+def without_device_count(flags: str) -> str:
+    """``XLA_FLAGS`` as a process started for a job gets them: the user's flags without the simulated device
+    count, which the job's cluster file sets again in that process (:func:`prepare_host_devices`)."""
+    return " ".join(f for f in flags.split() if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def calibration_dir() -> Path:
     """Where what is measured of a device kind lives (its calibration, the remat loop's working-space ratios):
     ``$JAXDIST_CALIBRATION_DIR`` or ``~/.cache/jaxdist/calibration``."""

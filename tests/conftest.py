@@ -3,7 +3,15 @@ import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+# 8 CPU devices for every test (and every process a test starts: they inherit the environment).  The test
+# programs are tiny, so compiling them costs more than running them: XLA's CPU backend skips LLVM's
+# optimisation passes (level 0, no expensive passes), as the remat loop's and the pipeline tests' own compiles
+# do.  It changes how fast the generated code runs, not what it computes; every bit-for-bit comparison is
+# between programs compiled alike.  Benchmarks and users compile at XLA's defaults.
+os.environ["XLA_FLAGS"] = (
+    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    " --xla_llvm_disable_expensive_passes=true"
+)
 # One persistent compilation cache per test session.  Many tests compile the same programs (the tiny model's
 # train step on the same mesh, built by a new Trainer each time), and each group of the multi-process
 # checkpoint tests (tests/checkpoint/worker.py reads $JAXDIST_TEST_COMPILE_CACHE) compiles what the previous

@@ -1,8 +1,8 @@
 """``jaxdist`` end to end: a real training run and resume, the config commands, user errors.
 
 Every command runs as a subprocess (``python -m jaxdist.cli``, cwd a temporary
-directory, bounded by a timeout that kills it) with XLA_FLAGS unset, so the CLI
-itself must turn ``mesh.cluster=cpu-8`` into 8 simulated devices.
+directory, bounded by a timeout that kills it) with no device count in XLA_FLAGS, so
+the CLI itself must turn ``mesh.cluster=cpu-8`` into 8 simulated devices.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxdist.cluster import without_device_count
 from jaxdist.config import load_config, reference_markdown
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +46,7 @@ def _env() -> dict[str, str]:
         and not k.startswith("SLURM_")
     }
     env["JAX_PLATFORMS"] = "cpu"
+    env["XLA_FLAGS"] = without_device_count(os.environ["XLA_FLAGS"])  # conftest's compile flags, no device count
     return env
 
 

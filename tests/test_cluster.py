@@ -15,6 +15,7 @@ from jaxdist.cluster import (
     prepare_host_devices,
     preset_for_kind,
     simulated_devices,
+    without_device_count,
 )
 from jaxdist.config import ConfigError, load_config
 
@@ -63,6 +64,9 @@ def test_simulated_devices_only_for_cpu_clusters(monkeypatch):
     assert os.environ["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
     prepare_host_devices(load_config(None, ["mesh.cluster=cpu-8"]))  # a count already chosen is kept
     assert os.environ["XLA_FLAGS"] == "--xla_foo=1 --xla_force_host_platform_device_count=4"
+    # a job's processes get the user's flags without the count, which their cluster file sets again
+    assert without_device_count(os.environ["XLA_FLAGS"] + " --xla_bar") == "--xla_foo=1 --xla_bar"
+    assert without_device_count("") == ""
 
 
 def test_the_cluster_module_and_the_controller_do_not_import_jax():

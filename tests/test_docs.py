@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxdist.cluster import without_device_count
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
@@ -71,7 +73,7 @@ def _env(bin_dir: Path) -> dict[str, str]:
         for k, v in os.environ.items()
         if k not in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID") and not k.startswith("SLURM_")
     }
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = f"{without_device_count(os.environ['XLA_FLAGS'])} --xla_force_host_platform_device_count=8"
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env["PATH"] = os.pathsep.join((str(bin_dir), env.get("PATH", "")))

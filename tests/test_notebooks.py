@@ -10,12 +10,15 @@ with this interpreter (``sys.executable``), so it sees the same installed jaxdis
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nbformat
 import pytest
 from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
 from nbclient import NotebookClient
+
+from jaxdist.cluster import without_device_count
 
 NOTEBOOKS_DIR = Path(__file__).parents[1] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
@@ -57,8 +60,8 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("JAXDIST_NB_STEPS", str(SMALL_STEPS))
     monkeypatch.setenv("JAXDIST_NB_RUNS", str(tmp_path))
     monkeypatch.setenv("JAXDIST_NB_SMALL", "1")
-    # The notebook sets the device count itself before importing jax; start from a clean slate.
-    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    # The notebook sets the device count itself before importing jax; conftest's compile flags stay.
+    monkeypatch.setenv("XLA_FLAGS", without_device_count(os.environ["XLA_FLAGS"]))
 
     nb = nbformat.read(path, as_version=4)
     client = NotebookClient(

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from jaxdist import optional
+from jaxdist.cluster import without_device_count
 from jaxdist.errors import ConfigError
 from jaxdist.train.callbacks import ProgressBar
 from jaxdist.train.metrics import MetricsWriter
@@ -41,7 +42,8 @@ def _run(args: list[str], tmp_path: Path, timeout: float) -> subprocess.Complete
     hide = tmp_path / "hide"
     hide.mkdir(exist_ok=True)
     (hide / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",) and not k.startswith("JAX_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+    env["XLA_FLAGS"] = without_device_count(os.environ["XLA_FLAGS"])  # conftest's compile flags
     env["PYTHONPATH"] = os.pathsep.join([str(hide), str(REPO), env.get("PYTHONPATH", "")])
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.run(

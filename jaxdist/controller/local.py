@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxdist.cluster import without_device_count
 from jaxdist.controller.job_view import JobView
 from jaxdist.controller.launch import LocalLauncher
 from jaxdist.controller.protocol import TOKEN_ENV, new_token
@@ -60,6 +61,8 @@ class LocalJob(JobView):
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith("JAX_")}
+        if flags := without_device_count(os.environ.get("XLA_FLAGS", "")):
+            env["XLA_FLAGS"] = flags  # the user's XLA flags reach the workers; the device count is the cluster's
         env.update(self.env)
         env["PYTHONUNBUFFERED"] = "1"
         return env

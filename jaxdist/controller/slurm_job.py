@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from jaxdist.cluster import without_device_count
 from jaxdist.controller.job_view import JobView
 from jaxdist.slurm.parse import JobRecord, parse_jobs
 
@@ -38,6 +39,8 @@ class SlurmJob(JobView):
 
     def _env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(("JAX_", "SLURM_JOB"))}
+        if flags := without_device_count(os.environ.get("XLA_FLAGS", "")):
+            env["XLA_FLAGS"] = flags  # the user's XLA flags reach the workers; the device count is the cluster's
         env.update(self.env)
         env["PYTHONUNBUFFERED"] = "1"
         return env

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from jaxdist.cluster import without_device_count
 from jaxdist.controller.local import LocalJob
 from jaxdist.controller.policy import lineage
 from jaxdist.controller.protocol import Peer, Signer, curve_client
@@ -315,7 +316,8 @@ def test_launch_over_ssh(tmp_path):
     fake_ssh(bindir)
     (tmp_path / "hosts").write_text("host-a\nhost-b\nhost-c\n")
     steps = 20
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAXDIST_JOB_TOKEN")}
+    env = {k: v for k, v in os.environ.items() if k != "JAXDIST_JOB_TOKEN"}
+    env["XLA_FLAGS"] = without_device_count(os.environ["XLA_FLAGS"])  # conftest's compile flags
     env["PATH"] = f"{bindir}:{env['PATH']}"
     out = subprocess.run(
         [

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from jaxdist.cluster import without_device_count
 from jaxdist.config import DataConfig
 from jaxdist.data import (
     add_data,
@@ -54,6 +55,7 @@ _DROP = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCE
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith("SLURM_")}
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+    env.setdefault("XLA_FLAGS", without_device_count(os.environ["XLA_FLAGS"]))  # conftest's compile flags
     return env
 
 

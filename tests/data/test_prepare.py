@@ -22,6 +22,7 @@ import pytest
 import sentencepiece
 from tokenizers import Tokenizer as HFLibTokenizer
 
+from jaxdist.cluster import without_device_count
 from jaxdist.config import load_config
 from jaxdist.data.manifest import settle_tokenizer
 from jaxdist.data.prepare import prepare
@@ -36,7 +37,7 @@ DOCS = stdlib_texts(("json", "email", "http"))  # ~55 documents, ~0.9 MB
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": without_device_count(os.environ["XLA_FLAGS"])}  # conftest's compile flags
     env["JAX_PLATFORMS"] = "cpu"
     return env
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from jaxdist.cluster import without_device_count
 from jaxdist.config import ConfigError
 from jaxdist.parallel.consistency import check_same_collectives, collective_sequence, first_difference
 
@@ -105,6 +106,7 @@ def _group(cwd: Path, name: str, per_process: list[list[str]]) -> list[tuple[int
     try:
         for i, extra in enumerate(per_process):
             env = {k: v for k, v in os.environ.items() if k not in _DROP}
+            env["XLA_FLAGS"] = without_device_count(os.environ["XLA_FLAGS"])  # conftest's compile flags
             env.update(
                 JAX_PLATFORMS="cpu",
                 JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",

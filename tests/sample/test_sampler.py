@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxdist.cluster import without_device_count
 from jaxdist.config import load_config
 from jaxdist.data.tokenizer import ByteTokenizer
 from jaxdist.errors import ConfigError
@@ -263,7 +264,8 @@ def test_runs_without_a_checkpoint_raise_config_error(tmp_path):
 
 
 def _jaxdist(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets up the run's devices itself
+    # the CLI sets up the run's devices itself; conftest's compile flags stay
+    env = {**os.environ, "XLA_FLAGS": without_device_count(os.environ["XLA_FLAGS"])}
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.run(
         [sys.executable, "-m", "jaxdist.cli", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=240

@@ -25,7 +25,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxdist.cluster import load_cluster
+from jaxdist.cluster import load_cluster, without_device_count
 from jaxdist.config import load_config
 from jaxdist.controller.generations import last_committed_step
 from jaxdist.controller.policy import lineage
@@ -115,6 +115,7 @@ def jobs(slurm, tmp_path_factory):
             next((cwd / "runs" / ".setup_cache" / "layout").glob(f"{shared_key(shared)}*/*.json")).read_text()
         )
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS" and not k.startswith(("JAX_", "SLURM_J"))}
+        env["XLA_FLAGS"] = without_device_count(os.environ["XLA_FLAGS"])  # conftest's compile flags
         env.update(
             JAX_COMPILATION_CACHE_DIR=entry["compile_cache"],
             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from jaxdist.cluster import without_device_count
+
 # Every child is bounded by this (seconds); a healthy run takes ~10 s.
 RUN_TIMEOUT = 120
 REL_TOL = 1e-6
@@ -57,6 +59,7 @@ _DROP = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCE
 def _child_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in _DROP and not k.startswith("SLURM_")}
     env["JAX_PLATFORMS"] = "cpu"  # simulated CPU devices even where a GPU is present
+    env["XLA_FLAGS"] = without_device_count(os.environ["XLA_FLAGS"])  # conftest's compile flags
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
