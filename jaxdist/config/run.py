@@ -12,6 +12,7 @@ from jaxdist.config.fields import (
     ChunkSplit,
     DataSource,
     GradSync,
+    Packing,
     PipelineSchedule,
     TokenDType,
     Tracker,
@@ -153,6 +154,11 @@ class DataConfig:
         "bytes (one token per UTF-8 byte, 260 ids) or the path of a Hugging Face tokenizer.json or a SentencePiece .model; with a file, model.vocab_size follows its vocabulary unless set, and text is tokenized with `jaxdist data prepare` (data.source=tokens).",
     )
 
+    packing: Packing = option(
+        "stream",
+        "How training rows are cut: stream (windows of train.seq_len+1 tokens of the concatenated documents; a token attends across document ends) or documents (rows packed from whole documents, a document longer than a row cut into overlapping pieces; a token attends only within its document, positions restart per document, no loss across a boundary or on padding; needs the document boundaries: a text source's files, or the documents.bin `jaxdist data prepare` writes; so far model.attention=xla, no context or pipeline axis, train.grad_sync=end).",
+    )
+
     def check(self) -> None:
         """ConfigError (one sentence) for data settings that cannot work by themselves."""
         check_data(self)
@@ -262,6 +268,8 @@ def check_data(d: DataConfig) -> None:
         )
     if not 0 < d.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction} must lie strictly between 0 and 1.")
+    if d.packing not in choices(d, "packing"):
+        raise ConfigError(f"data.packing='{d.packing}' is unknown: use {one_of(choices(d, 'packing'))}.")
     if d.tokenizer != "bytes":
         t = Path(d.tokenizer)
         if not t.is_file():

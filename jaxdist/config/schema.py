@@ -100,8 +100,37 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
     _pipeline_on_model(cfg, sizes["pipeline"])
     _context_on_model(cfg, sizes)
     _grad_sync_on_model(cfg, sizes)
+    _documents_on_model(cfg, sizes)
     if n_devices is not None:
         validate_devices(cfg, n_devices)
+
+
+def _documents_on_model(cfg: Config, sizes: dict[str, int]) -> None:
+    """data.packing=documents's reach so far (ConfigError, one sentence): the xla attention's document mask, on
+    the data, fsdp, tensor and expert axes, with the model's own gradients."""
+    if cfg.data.packing != "documents":
+        return
+    if cfg.model.vocab_size > 1 << 29:  # a packed row's flags sit above the ids (jaxdist.data.documents.ID_MASK)
+        raise ConfigError(
+            f"data.packing=documents keeps token ids below 2**29, but model.vocab_size={cfg.model.vocab_size}: use "
+            "data.packing=stream."
+        )
+    if cfg.model.attention != "xla":
+        raise ConfigError(
+            f"data.packing=documents masks documents in the xla attention only so far, but model.attention="
+            f"{cfg.model.attention}: set model.attention=xla, or data.packing=stream."
+        )
+    for axis in ("context", "pipeline"):
+        if sizes[axis] > 1:
+            raise ConfigError(
+                f"data.packing=documents does not run with mesh.{axis}={sizes[axis]} yet: set mesh.{axis}=1, or "
+                "data.packing=stream."
+            )
+    if cfg.train.grad_sync != "end":
+        raise ConfigError(
+            f"data.packing=documents runs with train.grad_sync=end only so far, not {cfg.train.grad_sync}: set "
+            "train.grad_sync=end, or data.packing=stream."
+        )
 
 
 def validate_model_on_mesh(cfg: Config) -> dict[str, int]:

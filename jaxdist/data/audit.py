@@ -25,7 +25,8 @@ import numpy as np
 
 from jaxdist.data.batchlist import BatchList, BatchListError, derive, format_id, parse_id, token_digest, unpack_ids
 from jaxdist.data.batchloader import BatchReader
-from jaxdist.data.catalog import fingerprint, read_source
+from jaxdist.data.catalog import fingerprint, pack_source, read_source
+from jaxdist.data.documents import PackedStream
 from jaxdist.data.journal import Journal
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def check_exactly_once(run_dir: str | Path, version: int | None = None) -> dict[
     return out
 
 
-def digest_problems(run_dir: str | Path, config_tokens: np.ndarray | None = None) -> list[str]:
+def digest_problems(run_dir: str | Path, config_tokens: np.ndarray | PackedStream | None = None) -> list[str]:
     """Steps whose logged ``batch_digest`` is not the digest of the tokens their ``batch_id`` names.
 
     The tokens are read again from the journal's sources (``config_tokens``: the configured data's train split,
@@ -177,7 +178,16 @@ def digest_problems(run_dir: str | Path, config_tokens: np.ndarray | None = None
     bl = journal.load()  # the newest version's sources include every older version's
     if config_tokens is None and any(s.kind == "config" for s in bl.sources):
         raise ValueError("the run's batches come from the configured data: pass its train split as config_tokens")
-    tokens = {s.id: read_source(s, config_tokens) for s in bl.sources}
+    tokens: dict[int, Any] = {}
+    for s in bl.sources:  # data.packing=documents: config_tokens is the train split's PackedStream
+        if isinstance(config_tokens, PackedStream) and s.kind == "config":
+            read_source(s, config_tokens.tokens)
+            tokens[s.id] = config_tokens
+        elif s.packing == "documents" and s.kind == "config":
+            raise ValueError("the run packs the configured data by documents: pass its train split's PackedStream")
+        else:
+            t = read_source(s, config_tokens)
+            tokens[s.id] = pack_source(s, t, bl.seq_len) if s.packing == "documents" else t
     reader = BatchReader(bl, tokens)
     problems = []
     for r in trained_batches(run_dir):

@@ -33,6 +33,7 @@ import hashlib
 import json
 import time
 import zlib
+from dataclasses import MISSING
 from typing import Any
 
 import numpy as np
@@ -121,9 +122,13 @@ class SourceEntry:
     quick: str
     seed: int
     added_in: int  # the version that registered it
+    packing: str = "stream"  # data.packing; a list written before it existed is a stream
+    rows: int = 0  # packing=documents: the rows packed from its documents at the list's seq_len
 
     def n_windows(self, seq_len: int) -> int:
-        """Windows of ``seq_len + 1`` tokens (neighbours share one token)."""
+        """Windows of ``seq_len + 1`` tokens (neighbours share one token), or the packed rows."""
+        if self.packing == "documents":
+            return self.rows
         return max(0, (self.n_tokens - 1) // seq_len)
 
     def batches_per_epoch(self, batch_size: int, seq_len: int) -> int:
@@ -135,7 +140,7 @@ class SourceEntry:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SourceEntry:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or f.default is MISSING})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ JAX is imported only for multi-process agreement and global arrays.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from pathlib import Path
@@ -25,7 +26,8 @@ import numpy as np
 
 from jaxdist.config import ConfigError
 from jaxdist.data.batchlist import BatchList, BatchListError, SourceEntry, epoch_seed, make_version, unpack_ids
-from jaxdist.data.catalog import config_entry, read_source
+from jaxdist.data.catalog import config_entry, pack_source, read_source
+from jaxdist.data.documents import PackedStream, Packing
 from jaxdist.data.journal import Journal
 from jaxdist.data.loader import Prefetcher, global_batch_array
 
@@ -97,8 +99,11 @@ class BatchReader:
         return self._read(*self._windows_of(batch_id))
 
     def _read(self, s: int, windows: np.ndarray) -> np.ndarray:
+        src = self._tokens[s]
+        if isinstance(src, PackedStream):  # data.packing=documents: window w is packed row w
+            return src.read(windows)
         idx = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
-        return np.asarray(self._tokens[s][idx], dtype=np.int32)
+        return np.asarray(src[idx], dtype=np.int32)
 
     def batch(self, position: int) -> np.ndarray:
         """All rows of the batch at ``position``: int32 [batch_size, seq_len + 1]."""
@@ -155,8 +160,10 @@ class RunBatchList:
         *,
         is_main: bool = True,
         process_count: int = 1,
+        packing: Packing | None = None,
     ):
         self.journal = Journal(run_dir)
+        self._packing = packing  # data.packing=documents: the rows of the configured data's train split
         self.seed, self.batch_size, self.seq_len = int(seed), int(batch_size), int(seq_len)
         self.is_main, self.process_count = is_main, process_count
         self._config_tokens, self._source_name = train_tokens, source_name
@@ -172,11 +179,12 @@ class RunBatchList:
         self._adopt(bl)
 
     def _first_version(self) -> BatchList:
-        base = config_entry(self._config_tokens, self._source_name, self.seed)
+        base = config_entry(self._config_tokens, self._source_name, self.seed, self._packing)
         if base.batches_per_epoch(self.batch_size, self.seq_len) < 1:
+            packed = f" ({base.rows:,} rows packed from its documents)" if self._packing is not None else ""
             raise ConfigError(
-                f"the training data ({self._source_name}) holds {base.n_tokens:,} tokens, fewer than one batch of "
-                f"{self.batch_size} sequences of {self.seq_len + 1} tokens: lower train.batch_size or "
+                f"the training data ({self._source_name}) holds {base.n_tokens:,} tokens{packed}, fewer than one "
+                f"batch of {self.batch_size} sequences of {self.seq_len + 1} tokens: lower train.batch_size or "
                 "train.seq_len, or give it more data."
             )
         return make_version(
@@ -196,6 +204,12 @@ class RunBatchList:
             raise ConfigError(
                 f"the batch list in {where} was made with data.seed={base.seed} but the config has "
                 f"{self.seed}: restore it, or use a new train.name."
+            )
+        packing = "stream" if self._packing is None else "documents"
+        if base.packing != packing:
+            raise ConfigError(
+                f"the batch list in {where} was made with data.packing={base.packing} but the config has "
+                f"{packing}: restore it, or use a new train.name."
             )
         if base.name != self._source_name:
             raise ConfigError(
@@ -217,6 +231,10 @@ class RunBatchList:
         for s in bl.sources:
             if s.id not in self._tokens:
                 self._tokens[s.id] = read_source(s, self._config_tokens)
+                if s.id == 0 and self._packing is not None:
+                    self._tokens[0] = PackedStream(self._tokens[0], self._packing)
+                elif s.packing == "documents":
+                    self._tokens[s.id] = pack_source(s, self._tokens[s.id], self.seq_len)
         self.reader = BatchReader(bl, dict(self._tokens), self._perms)
 
     def _sync(self, what: str) -> None:
@@ -323,7 +341,14 @@ class RunBatchList:
                 )
                 for s in new:
                     read_source(s)  # missing or changed since it was requested: refuse it here
-            except (ValueError, KeyError, TypeError, BatchListError) as e:
+                if self._packing is not None:  # a documents run packs what it adds too
+                    new = tuple(
+                        dataclasses.replace(
+                            s, packing="documents", rows=pack_source(s, read_source(s), self.seq_len).packing.rows
+                        )
+                        for s in new
+                    )
+            except (ValueError, KeyError, TypeError, BatchListError, ConfigError) as e:
                 log.warning("batch list: addition %s rejected: %s", name, e)
                 self.journal.settle(name, "rejected")
                 continue

@@ -29,6 +29,7 @@ import numpy as np
 from jaxdist.config import ConfigError
 from jaxdist.data import sources as _sources
 from jaxdist.data.batchlist import BatchListError, SourceEntry
+from jaxdist.data.documents import PackedStream, Packing, eos_starts, pack, read_documents
 from jaxdist.data.journal import Journal
 from jaxdist.data.tokenizer import EOS
 
@@ -54,8 +55,8 @@ def quick_fingerprint(tokens: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def config_entry(tokens: np.ndarray, name: str, seed: int) -> SourceEntry:
-    """Source 0 of a run: the train split of its ``data.*`` source."""
+def config_entry(tokens: np.ndarray, name: str, seed: int, packing: Packing | None = None) -> SourceEntry:
+    """Source 0 of a run: the train split of its ``data.*`` source (``packing``: its rows packed from documents)."""
     return SourceEntry(
         id=0,
         kind="config",
@@ -67,6 +68,8 @@ def config_entry(tokens: np.ndarray, name: str, seed: int) -> SourceEntry:
         quick=quick_fingerprint(tokens),
         seed=int(seed),
         added_in=1,
+        packing="stream" if packing is None else "documents",
+        rows=0 if packing is None else packing.rows,
     )
 
 
@@ -248,3 +251,11 @@ def add_data(
     seed = secrets.randbits(63) if seed is None else int(seed)
     name = journal.submit({"sources": entries, "seed": seed, "created": time.time()})
     return {"request": name, "seed": seed, "sources": entries, "batches": total}
+
+
+def pack_source(entry: SourceEntry, tokens: np.ndarray, seq_len: int) -> PackedStream:
+    """An added source's tokens with rows packed from its documents (data.packing=documents): a text source's
+    documents end with the byte tokenizer's EOS, a token file's are in the documents.bin beside it (ConfigError
+    when it has none)."""
+    starts = read_documents(entry.path, len(tokens)) if entry.kind == "tokens" else eos_starts(tokens, EOS)
+    return PackedStream(tokens, pack(starts, len(tokens), seq_len))

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from jaxdist.config import ConfigError
+from jaxdist.data.documents import Packing
 
 # Eval batches use their own fixed seed so eval loss is comparable between runs
 # that differ only in data.seed.
@@ -36,7 +37,16 @@ class SequenceSampler:
     a batch may straddle two epochs. Thread-safe.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, seed: int, *, name: str = "train"):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        *,
+        name: str = "train",
+        packing: Packing | None = None,
+    ):
         if seq_len <= 0 or batch_size <= 0:
             raise ConfigError(f"seq_len={seq_len} and batch_size={batch_size} must both be positive.")
         if tokens.ndim != 1:
@@ -46,7 +56,8 @@ class SequenceSampler:
         self.batch_size = int(batch_size)
         self.seed = int(seed)
         self.name = name
-        self.n_windows = (len(tokens) - 1) // self.seq_len
+        self.packing = packing  # data.packing=documents: window w is packed row w
+        self.n_windows = packing.rows if packing is not None else (len(tokens) - 1) // self.seq_len
         if self.n_windows < 1:
             raise ConfigError(
                 f"the {name} split has {len(tokens)} tokens, fewer than one window of seq_len+1 = "
@@ -102,6 +113,8 @@ class SequenceSampler:
         Reads only those windows (from a memmap, only their pages), so each
         process or device pays for its own slice of the batch.
         """
+        if self.packing is not None:
+            return self.packing.read(self.tokens, self.window_ids(step, rows))
         starts = self.window_ids(step, rows) * self.seq_len
         idx = starts[:, None] + np.arange(self.seq_len + 1, dtype=np.int64)
         return np.asarray(self.tokens[idx], dtype=np.int32)
@@ -111,13 +124,13 @@ class SequenceSampler:
         return self.rows(step)
 
 
-def eval_sampler(tokens: np.ndarray, seq_len: int, batch_size: int) -> SequenceSampler:
+def eval_sampler(tokens: np.ndarray, seq_len: int, batch_size: int, packing: Packing | None = None) -> SequenceSampler:
     """Sampler over held-out tokens; eval batch ``i`` is ``.batch(i)``, the same in every run.
 
     Uses the fixed ``EVAL_SEED``; if more batches are asked for than the split
-    holds, later batches repeat windows in a new order.
+    holds, later batches repeat windows in a new order.  ``packing``: rows packed from its documents.
     """
-    return SequenceSampler(tokens, seq_len, batch_size, EVAL_SEED, name="eval")
+    return SequenceSampler(tokens, seq_len, batch_size, EVAL_SEED, name="eval", packing=packing)
 
 
 def global_batch_array(sampler: SequenceSampler, step: int, sharding) -> Any:

@@ -7,6 +7,9 @@ The result, in the directory ``OUT``:
   else uint32; each document is ``[BOS] text EOS`` (BOS only where the
   tokenizer's convention starts documents with it, see
   :mod:`jaxdist.data.tokenizer_files`), in corpus order;
+* ``documents.bin``: the offset (uint64) of each document's first token in
+  ``tokens.bin``, what ``data.packing=documents`` packs rows from
+  (:mod:`jaxdist.data.documents`);
 * ``manifest.json`` (:mod:`jaxdist.data.manifest`): the source files with
   their SHA-256, documents and tokens each, the tokenizer's file hash,
   vocabulary size, BOS/EOS ids, the dtype and the token count.  ``jaxdist
@@ -38,6 +41,7 @@ import numpy as np
 
 from jaxdist import optional
 from jaxdist.data.corpus import Corpus, Piece, check_text_field, read_documents, scan_corpus
+from jaxdist.data.documents import DOCUMENTS
 from jaxdist.data.journal import append_lines, atomic_write
 from jaxdist.data.manifest import MANIFEST, TOKENS, build_manifest, read_manifest, same_inputs
 from jaxdist.data.tokenizer import Tokenizer, load_tokenizer
@@ -122,7 +126,13 @@ def _tokenize_piece(job: tuple[Corpus, Piece, str, str, str]) -> dict[str, Any]:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, final)
-    return {"piece": piece.index, "documents": len(texts), "tokens": int(tokens.size), "files": files}
+    return {
+        "piece": piece.index,
+        "documents": len(texts),
+        "tokens": int(tokens.size),
+        "files": files,
+        "lengths": [int(n) for n in lengths],  # each document's tokens: documents.bin
+    }
 
 
 def _done_pieces(work: Path, itemsize: int) -> dict[int, dict[str, Any]]:
@@ -137,7 +147,8 @@ def _done_pieces(work: Path, itemsize: int) -> dict[int, dict[str, Any]]:
         except ValueError:
             continue
         p = work / "pieces" / f"{rec['piece']:06d}.bin"
-        if p.is_file() and p.stat().st_size == rec["tokens"] * itemsize:
+        # a record without its documents' lengths (an older prepare's) is done again
+        if p.is_file() and p.stat().st_size == rec["tokens"] * itemsize and "lengths" in rec:
             done[rec["piece"]] = rec
     return done
 
@@ -255,6 +266,9 @@ def _finish(corpus, out: Path, work: Path, tok, dtype, text_field, plan, done) -
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out / TOKENS)
+    lengths = np.asarray([n for p in corpus.pieces for n in done[p.index]["lengths"]], dtype=np.uint64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64) if len(lengths) else lengths
+    atomic_write(out / DOCUMENTS, starts.tobytes())  # data.packing=documents reads the boundaries here
     n_tokens = sum(r["tokens"] for r in done.values())
     if n_tokens == 0:
         raise ConfigError(f"corpus '{corpus.root}' holds no text: check --text-field and the files.")

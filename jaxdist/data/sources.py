@@ -16,6 +16,7 @@ every run no matter how many files are added beside it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import sysconfig
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdist.config import ConfigError, DataConfig
+from jaxdist.data.documents import eos_starts, read_documents, split_starts
 from jaxdist.data.tokenizer import EOS
 
 # Hash buckets for the by-file split; eval_fraction is resolved to 1e-4.
@@ -52,6 +54,9 @@ class TokenSplit:
     name: str  # e.g. "stdlib", "text_dir:/data/books", "tokens:/data/t.bin"
     n_files: int  # files read (1 for a token file)
     n_eval_files: int = 0  # of which held out (0 for a token file: its tail is held out)
+    # data.packing=documents: the offset of each document's first token in train and eval (None: a stream)
+    train_starts: np.ndarray | None = None
+    eval_starts: np.ndarray | None = None
 
     def summary(self) -> str:
         """One line for logs: source, files and token counts."""
@@ -82,6 +87,30 @@ def load_source(cfg: DataConfig) -> TokenSplit:
         raise ConfigError(f"data.eval_fraction={cfg.eval_fraction} must lie strictly between 0 and 1.")
     if cfg.max_bytes < 0:
         raise ConfigError(f"data.max_bytes={cfg.max_bytes} must be 0 (no limit) or positive.")
+    split = _load_split(cfg)
+    if cfg.packing != "documents":
+        return split
+    if cfg.source == "tokens":  # a prepared corpus: documents.bin beside the token file; eval is whole documents
+        n = len(split.train) + len(split.eval)
+        starts = read_documents(cfg.path, n)
+        i = int(np.searchsorted(starts, len(split.train)))
+        if i == 0 or i == len(starts):
+            raise ConfigError(
+                f"token file '{cfg.path}' holds {len(starts)} document(s), too few to hold out "
+                f"data.eval_fraction={cfg.eval_fraction} as whole documents: use a larger corpus or "
+                "data.packing=stream."
+            )
+        whole = np.memmap(cfg.path, dtype=cfg.token_dtype, mode="r")
+        train, eval_ = whole[: starts[i]], whole[starts[i] :]
+        tr, ev = split_starts(starts, int(starts[i]))
+        return dataclasses.replace(split, train=train, eval=eval_, train_starts=tr, eval_starts=ev)
+    # text sources: each file's bytes then EOS, an id no byte has
+    return dataclasses.replace(
+        split, train_starts=eos_starts(split.train, EOS), eval_starts=eos_starts(split.eval, EOS)
+    )
+
+
+def _load_split(cfg: DataConfig) -> TokenSplit:
     if cfg.source == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         entries = _stdlib_files(root)

@@ -84,12 +84,20 @@ def _implementation(cfg: ModelConfig, seq_len: int) -> str:
     return choose_attention(cfg, seq_len, platform)[0]
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig, q_offset: int = 0) -> jax.Array:
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig, q_offset: int = 0, segments: jax.Array | None = None
+) -> jax.Array:
     """Causal grouped-query attention with ``cfg.attention``'s implementation.
 
     q: [B, Tq, H, D]; k, v: [B, Tk, KV, D], H a multiple of KV; query i sits at position q_offset + i and
-    sees keys 0..q_offset + i.  Returns [B, Tq, H, D] in q's dtype.
+    sees keys 0..q_offset + i.  Returns [B, Tq, H, D] in q's dtype.  ``segments`` [B, T] (packed documents,
+    Tq = Tk, q_offset 0): a query sees only the keys of its own segment; the ``xla`` implementation
+    (jaxdist.config.schema refuses the others with data.packing=documents).
     """
+    if segments is not None:
+        if _implementation(cfg, k.shape[1]) != "xla" or hooks.sequence_attention() is not None:
+            raise ValueError("packed documents run on the xla attention, one device along the sequence")
+        return causal_attention(q, k, v, q_offset, segments)
     ring = hooks.sequence_attention()
     if ring is not None and q_offset == 0 and q.shape[1] == k.shape[1]:  # tokens split over mesh.context
         return ring(q, k, v, cfg)
@@ -117,12 +125,14 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
 # --------------------------------------------------------------------------- xla (whole score matrix)
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: int = 0) -> jax.Array:
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_offset: int = 0, segments: jax.Array | None = None
+) -> jax.Array:
     """Grouped-query causal attention.
 
     q: [B, Tq, H, D]; k, v: [B, Tk, KV, D] with H a multiple of KV.  Query i sits
-    at absolute position q_offset + i and sees keys 0..q_offset + i.
-    Returns [B, Tq, H, D].  Softmax in float32.
+    at absolute position q_offset + i and sees keys 0..q_offset + i, and with ``segments`` [B, T]
+    (Tq = Tk) only those of its own segment.  Returns [B, Tq, H, D].  Softmax in float32.
     """
     b, tq, h, dh = q.shape
     kv = k.shape[2]
@@ -132,7 +142,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_offset: int = 0
     scores = scores / jnp.sqrt(jnp.float32(dh))
     tk = k.shape[1]
     mask = (jnp.arange(tq)[:, None] + q_offset) >= jnp.arange(tk)[None, :]
-    scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
+    if segments is None:
+        scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
+    else:  # [B, Tq, Tk]: causal and within the query's segment
+        mask = mask[None] & (segments[:, :, None] == segments[:, None, :])
+        scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
     return out.reshape(b, tq, h, dh).astype(q.dtype)

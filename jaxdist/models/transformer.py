@@ -138,18 +138,25 @@ def _mlp_residual(w: dict[str, jax.Array], x: jax.Array, h: jax.Array) -> jax.Ar
 
 
 def block_forward(
-    p: dict[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array, cfg: ModelConfig, with_aux: bool = False
+    p: dict[str, jax.Array],
+    x: jax.Array,
+    cos: jax.Array,
+    sin: jax.Array,
+    cfg: ModelConfig,
+    with_aux: bool = False,
+    segments: jax.Array | None = None,
 ) -> jax.Array:
     """One transformer block on activations x [B, T, d_model]; p holds one layer's weights.
 
     A block whose weights include a ``router`` runs the MoE (jaxdist.models.moe)
     in place of the MLP.  ``with_aux=True`` returns (x, aux): the MoE's router
-    losses and load per block, ``{}`` for a dense block.
+    losses and load per block, ``{}`` for a dense block.  ``segments`` [B, T] (packed documents,
+    jaxdist.data.documents): a token attends only to earlier tokens of its own segment.
     """
     dt = x.dtype
     w = {k: v.astype(dt) for k, v in p.items()}
     q, k, v = _attention_inputs(w, x, cos, sin, cfg)
-    x = _attention_residual(w, x, attention(q, k, v, cfg))
+    x = _attention_residual(w, x, attention(q, k, v, cfg, segments=segments))
     h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
     if "router" in p:  # MoE block: routed experts (with their own dtype handling) replace the MLP
         out, aux = moe_forward(p, h, cfg)
@@ -374,19 +381,28 @@ class Transformer(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return self.forward(tokens)[0]
 
-    def forward(self, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def forward(
+        self, tokens: jax.Array, segments: jax.Array | None = None, positions: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         """(logits [B, T, V] float32, aux): aux is ``{}`` for a dense model, else
-        jaxdist.models.moe.summarize_aux's router losses, drop rate and expert load."""
+        jaxdist.models.moe.summarize_aux's router losses, drop rate and expert load.
+
+        Packed documents (jaxdist.data.documents): ``segments`` [B, T] int32, a token attends only within its
+        segment; ``positions`` [B, T] int32, each token's position in its document (the rotary angle)."""
         cfg = self.cfg
         t = tokens.shape[1]
-        cos, sin = rotary_tables(jnp.arange(t), cfg.head_dim, cfg.rope_theta, cfg)
+        if positions is None:
+            cos, sin = rotary_tables(jnp.arange(t), cfg.head_dim, cfg.rope_theta, cfg)
+        else:  # per-row tables [B, T, head_dim/2]
+            cos, sin = rotary_tables(positions.reshape(-1), cfg.head_dim, cfg.rope_theta, cfg)
+            cos, sin = (a.reshape(*positions.shape, -1) for a in (cos, sin))
 
         sync = hooks.grad_sync()  # the parallelism layer's gradient reduction points (None: none)
         table = self.embed[...] if sync is None else sync({"embed": self.embed[...]}, "embed")["embed"]
         x = embed_tokens(table, tokens, cfg)
 
         def body(x, p):
-            return block_forward(p, x, cos, sin, cfg), None
+            return block_forward(p, x, cos, sin, cfg, segments=segments), None
 
         stacked = {k: v[...] for k, v in self.layers.items()}
         if sync is not None:  # scan steps of k blocks, each group's weights through the sync (dense models)
@@ -395,7 +411,7 @@ class Transformer(nnx.Module):
             def body(x, group):
                 group = sync(group, "layers")
                 for j in range(k):
-                    x = block_forward({n: w[j] for n, w in group.items()}, x, cos, sin, cfg)
+                    x = block_forward({n: w[j] for n, w in group.items()}, x, cos, sin, cfg, segments=segments)
                 return x, None
 
             stacked = {n: w.reshape(cfg.n_layers // k, k, *w.shape[1:]) for n, w in stacked.items()}
@@ -404,7 +420,7 @@ class Transformer(nnx.Module):
             def body(x, group):
                 aux = {}
                 for j in range(cfg.moe.every):
-                    x, a = block_forward(group_member(group, j, cfg), x, cos, sin, cfg, with_aux=True)
+                    x, a = block_forward(group_member(group, j, cfg), x, cos, sin, cfg, True, segments)
                     aux = a or aux
                 return x, aux
 
@@ -462,6 +478,9 @@ def apply(graphdef, params: dict, tokens: jax.Array) -> jax.Array:
     return nnx.merge(graphdef, params)(tokens)
 
 
-def apply_with_aux(graphdef, params: dict, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(logits [B, T, V] float32, aux) for tokens [B, T]; aux is ``{}`` for a dense model (see Transformer.forward)."""
-    return nnx.merge(graphdef, params).forward(tokens)
+def apply_with_aux(
+    graphdef, params: dict, tokens: jax.Array, segments: jax.Array | None = None, positions: jax.Array | None = None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(logits [B, T, V] float32, aux) for tokens [B, T]; aux is ``{}`` for a dense model (see Transformer.forward,
+    also for ``segments`` and ``positions``)."""
+    return nnx.merge(graphdef, params).forward(tokens, segments, positions)

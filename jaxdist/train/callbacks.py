@@ -156,6 +156,9 @@ class MetricsWindow:
             )
             if self.hardware_flops_per_step is not None:
                 r["hfu"] = self.hardware_flops_per_step / dt / self.peak_flops
+            if "targets" in r:  # data.packing=documents: the predictions the loss counted, apart from computed ones
+                r["target_tokens_per_s"] = r["targets"] / dt
+                r["target_share"] = r["targets"] / self.tokens_per_step
             finite = math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])
             # The log names the batch each step trained (hooks and history keep floats only).
             logged = r if batch is None else {**r, "batch_id": batch[0], "batch_version": batch[1]}

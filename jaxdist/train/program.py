@@ -92,8 +92,15 @@ class Program:
             bind(lambda: init_state(init_params(c.model, seed), self.optimizer, seed)),
             out_shardings=self.state_shardings,
         )
+        packed = c.data.packing == "documents"  # rows packed from documents (jaxdist.data.documents)
         train_step = make_train_step(
-            self.graphdef, self.optimizer, self.schedule, c.train.microbatches, c.train.grad_clip, self._grads_fn()
+            self.graphdef,
+            self.optimizer,
+            self.schedule,
+            c.train.microbatches,
+            c.train.grad_clip,
+            self._grads_fn(),
+            packed=packed,
         )
         if hooks_on():  # test-only: a step whose device program can be made to hang
             train_step = with_device_hang(train_step, self.config.run_dir)
@@ -104,7 +111,7 @@ class Program:
             donate_argnums=(0,),
         )
         self._eval_step = jax.jit(
-            bind(make_eval_step(self.graphdef)),
+            bind(make_eval_step(self.graphdef, packed)),
             in_shardings=(self.state_shardings["params"], self.batch_sharding),
             out_shardings=self.replicated,
         )

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdist.data.batchlist import token_digest
+from jaxdist.data.documents import ID_MASK, NO_LOSS, START
 from jaxdist.models import apply, apply_with_aux
 from jaxdist.models.moe import MOE_METRICS
 from jaxdist.parallel.rules import constrain
@@ -26,47 +27,85 @@ from jaxdist.parallel.rules import constrain
 TrainState = dict[str, Any]
 
 
-def next_token_loss(graphdef, params: dict, tokens: jax.Array) -> jax.Array:
-    """Mean cross-entropy (nats per token) of predicting tokens[:, 1:] from tokens[:, :-1]."""
+def documents(words: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Packed rows ``words`` [B, T+1] (jaxdist.data.documents) as (input ids [B, T], segments, positions, label
+    ids [B, T], targets [B, T] bool): a token's segment counts the START flags up to it, its position restarts at
+    each; prediction j is a target unless token j+1 starts a segment or carries NO_LOSS."""
+    inp, labels = words[:, :-1], words[:, 1:]
+    start = (inp & START) != 0
+    index = jnp.broadcast_to(jnp.arange(inp.shape[1], dtype=jnp.int32), inp.shape)
+    segments = jnp.cumsum(start.astype(jnp.int32), axis=1)
+    positions = index - jax.lax.cummax(jnp.where(start, index, 0), axis=1)
+    targets = (labels & (START | NO_LOSS)) == 0
+    return inp & ID_MASK, segments, positions, labels & ID_MASK, targets
+
+
+def target_count(words: jax.Array) -> jax.Array:
+    """The targets of packed rows ``words`` [B, T+1] (float32, at least 1)."""
+    return jnp.maximum(jnp.sum((words[:, 1:] & (START | NO_LOSS)) == 0, dtype=jnp.float32), 1.0)
+
+
+def next_token_loss(graphdef, params: dict, tokens: jax.Array, packed: bool = False) -> jax.Array:
+    """Mean cross-entropy (nats per token) of predicting tokens[:, 1:] from tokens[:, :-1]; ``packed``: rows
+    packed from documents, the mean over their targets (:func:`documents`)."""
+    if packed:
+        ids, segments, positions, labels, targets = documents(tokens)
+        logits, _ = apply_with_aux(graphdef, params, ids, segments, positions)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return jnp.sum(jnp.where(targets, ce, 0.0)) / target_count(tokens)
     logits = apply(graphdef, params, tokens[:, :-1])
     labels = tokens[:, 1:]
     return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
-def objective(graphdef, params: dict, tokens: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+def objective(
+    graphdef, params: dict, tokens: jax.Array, packed: bool = False, scale: jax.Array | None = None
+) -> tuple[jax.Array, dict[str, jax.Array]]:
     """(training objective, metrics) for tokens [B, T+1].
 
     Dense model: (cross-entropy, {}).  MoE model: cross-entropy plus the
     weighted router losses (``moe.aux_loss_coef`` x load-balancing loss +
     ``moe.z_loss_coef`` x z-loss), and metrics ``loss`` (the cross-entropy,
     nats/token) and the scalars of jaxdist.models.moe.MOE_METRICS.
+
+    ``packed`` (data.packing=documents): rows packed from documents, the cross-entropy summed over their
+    targets and divided by ``scale`` (default: their count; the microbatch loop passes the whole batch's count
+    over the number of microbatches, so the mean of the microbatches' values is the batch's mean).
     """
-    logits, aux = apply_with_aux(graphdef, params, tokens[:, :-1])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+    if packed:
+        ids, segments, positions, labels, targets = documents(tokens)
+        logits, aux = apply_with_aux(graphdef, params, ids, segments, positions)
+        per_token = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        ce = jnp.sum(jnp.where(targets, per_token, 0.0)) / (target_count(tokens) if scale is None else scale)
+    else:
+        logits, aux = apply_with_aux(graphdef, params, tokens[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
     if not aux:
         return ce, {}
     return ce + aux["moe_loss"], {"loss": ce, **{k: aux[k] for k in MOE_METRICS}}
 
 
-def loss_and_grads(graphdef, params: dict, tokens: jax.Array, microbatches: int = 1):
+def loss_and_grads(graphdef, params: dict, tokens: jax.Array, microbatches: int = 1, packed: bool = False):
     """(loss, grads) of the global batch, accumulated over ``microbatches`` equal slices.
 
     ``loss`` is the objective the gradients belong to (the cross-entropy for a
     dense model; see :func:`objective`).
     """
-    loss, _, grads = loss_metrics_and_grads(graphdef, params, tokens, microbatches)
+    loss, _, grads = loss_metrics_and_grads(graphdef, params, tokens, microbatches, packed)
     return loss, grads
 
 
-def loss_metrics_and_grads(graphdef, params: dict, tokens: jax.Array, microbatches: int = 1):
+def loss_metrics_and_grads(graphdef, params: dict, tokens: jax.Array, microbatches: int = 1, packed: bool = False):
     """(objective, metrics, grads) of the global batch, accumulated over ``microbatches`` equal slices.
 
     Every microbatch has the same token count, so the mean of the microbatch
     means is the mean over the global batch (metrics too are microbatch means).
     Microbatch k holds rows k, k+m, k+2m, ...: each device keeps working on
-    rows it already holds.
+    rows it already holds.  ``packed`` rows (data.packing=documents) hold different numbers of targets: each
+    microbatch's sum is divided by the batch's count over ``microbatches``, so the mean is the batch's.
     """
-    grad_fn = jax.value_and_grad(lambda p, t: objective(graphdef, p, t), has_aux=True)
+    scale = target_count(tokens) / microbatches if packed and microbatches > 1 else None
+    grad_fn = jax.value_and_grad(lambda p, t: objective(graphdef, p, t, packed, scale), has_aux=True)
     if microbatches == 1:
         (loss, metrics), grads = grad_fn(params, tokens)
         return loss, metrics, grads
@@ -85,7 +124,8 @@ def loss_metrics_and_grads(graphdef, params: dict, tokens: jax.Array, microbatch
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     metric_zeros = jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(lambda p, t: objective(graphdef, p, t)[1], params, mb[0])
+        lambda s: jnp.zeros(s.shape, s.dtype),
+        jax.eval_shape(lambda p, t: objective(graphdef, p, t, packed, scale)[1], params, mb[0]),
     )
     (loss_sum, metric_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), metric_zeros, zeros), mb)
     scale = 1.0 / microbatches
@@ -113,6 +153,7 @@ def make_train_step(
     microbatches: int = 1,
     grad_clip: float = 0.0,
     grads_fn: Callable | None = None,
+    packed: bool = False,
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """``train_step(state, tokens[B, T+1]) -> (state, metrics)``; metrics: loss, grad_norm, lr, batch_digest
     (the tokens' uint32 digest, jaxdist.data.batchlist.token_digest)
@@ -123,6 +164,8 @@ def make_train_step(
     they were (the step count and the RNG advance); the host skips or stops on it (train.skip_nonfinite).
     ``grads_fn(params, tokens) -> (loss, metrics, grads)`` replaces the model's own
     (the pipeline executor does this, jaxdist.parallel.pipeline); a ``grad_norm`` in its metrics is the norm used.
+    ``packed``: the rows are packed from documents (data.packing=documents; :func:`objective`), and the
+    metrics add ``targets``, the predictions the loss counts.
     """
 
     def train_step(state: TrainState, tokens: jax.Array):
@@ -130,7 +173,7 @@ def make_train_step(
         if grads_fn is not None:
             loss, model_metrics, grads = grads_fn(params, tokens)
         else:
-            loss, model_metrics, grads = loss_metrics_and_grads(graphdef, params, tokens, microbatches)
+            loss, model_metrics, grads = loss_metrics_and_grads(graphdef, params, tokens, microbatches, packed)
         # Clip here rather than in optax so the norm is computed (and all-reduced) once; a grads_fn may bring its
         # own (train.grad_sync=ordered computes it from the whole gradients, the same bits on every mesh).
         model_metrics = dict(model_metrics)
@@ -148,6 +191,8 @@ def make_train_step(
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **model_metrics}
         # The tokens this step trained on, as the log records them beside the batch id (jaxdist.data.audit).
         metrics["batch_digest"] = token_digest(tokens, jnp)
+        if packed:
+            metrics["targets"] = target_count(tokens)
         ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         new_params, opt_state = jax.tree.map(
             lambda new, old: jnp.where(ok, new, old), (new_params, opt_state), (params, state["opt_state"])
@@ -160,6 +205,6 @@ def make_train_step(
     return train_step
 
 
-def make_eval_step(graphdef) -> Callable[[dict, jax.Array], jax.Array]:
-    """``eval_step(params, tokens[B, T+1]) -> mean loss``."""
-    return lambda params, tokens: next_token_loss(graphdef, params, tokens)
+def make_eval_step(graphdef, packed: bool = False) -> Callable[[dict, jax.Array], jax.Array]:
+    """``eval_step(params, tokens[B, T+1]) -> mean loss`` (``packed``: over the targets of packed rows)."""
+    return lambda params, tokens: next_token_loss(graphdef, params, tokens, packed)

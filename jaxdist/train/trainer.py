@@ -26,6 +26,7 @@ from jaxdist.checkpoint.compat import layout_change
 from jaxdist.checkpoint.local import AUTO as LOCAL_AUTO, run_tier
 from jaxdist.config import Config, ConfigError
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
+from jaxdist.data.documents import pack
 from jaxdist.data.sources import check_vocab
 from jaxdist.errors import expect
 from jaxdist.hf.load import load_params
@@ -139,6 +140,11 @@ class Trainer(Program):
         self.data = load_source(c.data)
         for split, tokens in (("train", self.data.train), ("held-out", self.data.eval)):  # one pass over the ids
             check_vocab(tokens, c.model.vocab_size, f"the {split} split of {self.data.name}")
+        # data.packing=documents: rows packed from whole documents (jaxdist.data.documents), train and eval alike
+        self.packing = eval_packing = None
+        if self.data.train_starts is not None:
+            self.packing = pack(self.data.train_starts, len(self.data.train), c.train.seq_len)
+            eval_packing = pack(self.data.eval_starts, len(self.data.eval), c.train.seq_len)
         # Training batches come in batch-list order (exact across restarts, resizes and additions).
         self.batches = RunBatchList(
             self.run_dir,
@@ -149,8 +155,9 @@ class Trainer(Program):
             c.train.seq_len,
             is_main=self.is_main,
             process_count=jax.process_count(),
+            packing=self.packing,
         )
-        self.eval_sampler = eval_sampler(self.data.eval, c.train.seq_len, c.train.batch_size)
+        self.eval_sampler = eval_sampler(self.data.eval, c.train.seq_len, c.train.batch_size, eval_packing)
 
     def _build_checkpoints(self) -> None:
         """The persistent checkpointer and the node-local tier (None when off)."""
@@ -419,5 +426,16 @@ class Trainer(Program):
         return (
             f"mesh {describe_mesh(self.mesh)}; model {c.model.preset} "
             f"({param_count(c.model) / 1e6:.2f}M params, {c.model.dtype}); "
-            f"batch {c.train.batch_size}x{c.train.seq_len} tokens; data {self.data.name}; run {self.run_dir}"
+            f"batch {c.train.batch_size}x{c.train.seq_len} tokens; data {self.data.name}{self.packing_note()}; "
+            f"run {self.run_dir}"
+        )
+
+    def packing_note(self) -> str:
+        """With data.packing=documents: its rows and packing efficiency (the share of real tokens), else ''."""
+        p = self.packing
+        if p is None:
+            return ""
+        return (
+            f", packed by documents: {len(self.data.train_starts):,} documents in {p.rows:,} rows, "
+            f"{p.efficiency:.1%} real tokens"
         )

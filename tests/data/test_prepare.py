@@ -26,7 +26,7 @@ from jaxdist.cluster import without_device_count
 from jaxdist.config import load_config
 from jaxdist.data.manifest import settle_tokenizer
 from jaxdist.data.prepare import prepare
-from jaxdist.data.sources import concat_files, scan_files
+from jaxdist.data.sources import concat_files, load_source, scan_files
 from jaxdist.data.tokenizer_files import file_sha256
 from jaxdist.errors import ConfigError
 
@@ -107,6 +107,21 @@ def test_jsonl_parquet_and_text_dir_give_the_reference_tokens(corpus, bpe_json, 
     assert prepare(corpus / "docs.jsonl", tmp_path / "j", str(bpe_json), progress=False) == m
     with pytest.raises(ConfigError, match="already holds a corpus prepared from other sources"):
         prepare(corpus / "text", tmp_path / "j", str(bpe_json), progress=False)
+
+
+def test_prepare_records_where_each_document_starts_and_a_packed_run_reads_them(corpus, bpe_json, tmp_path):
+    """documents.bin holds the offset of each document's first token (the reference: each document's ids and EOS,
+    by the tokenizer library), whatever the pieces; data.packing=documents packs rows from exactly those."""
+    want = [len(_bpe_reference(bpe_json, [d])) for d in DOCS]
+    prepare(corpus / "docs.jsonl", tmp_path / "j", str(bpe_json), piece_bytes=64 << 10, progress=False)
+    starts = np.fromfile(tmp_path / "j" / "documents.bin", dtype=np.uint64)
+    np.testing.assert_array_equal(starts, np.concatenate([[0], np.cumsum(want)[:-1]]))
+    over = ["data.source=tokens", f"data.path={tmp_path / 'j' / 'tokens.bin'}", "data.packing=documents"]
+    over.append("model.attention=xla")
+    split = load_source(load_config(None, [*over, "train.seq_len=64"]).data)
+    cut = len(split.train)  # the held-out tail is whole documents
+    assert cut in starts.tolist() and split.train_starts.tolist() == [s for s in starts.tolist() if s < cut]
+    assert split.eval_starts.tolist() == [s - cut for s in starts.tolist() if s >= cut]
 
 
 def test_bytes_on_a_text_dir_equals_the_text_dir_source(corpus, tmp_path):
