@@ -106,8 +106,8 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
 
 
 def _documents_on_model(cfg: Config, sizes: dict[str, int]) -> None:
-    """data.packing=documents's reach so far (ConfigError, one sentence): the xla attention's document mask, on
-    the data, fsdp, tensor and expert axes, with the model's own gradients."""
+    """data.packing=documents's reach so far (ConfigError, one sentence): the xla and blockwise attention's
+    document masks, on the data, fsdp, tensor and expert axes, with the model's own gradients."""
     if cfg.data.packing != "documents":
         return
     if cfg.model.vocab_size > 1 << 29:  # a packed row's flags sit above the ids (jaxdist.data.documents.ID_MASK)
@@ -115,10 +115,10 @@ def _documents_on_model(cfg: Config, sizes: dict[str, int]) -> None:
             f"data.packing=documents keeps token ids below 2**29, but model.vocab_size={cfg.model.vocab_size}: use "
             "data.packing=stream."
         )
-    if cfg.model.attention != "xla":
+    if cfg.model.attention == "cudnn":
         raise ConfigError(
-            f"data.packing=documents masks documents in the xla attention only so far, but model.attention="
-            f"{cfg.model.attention}: set model.attention=xla, or data.packing=stream."
+            "data.packing=documents masks documents in the xla and blockwise attention, not cudnn: set "
+            "model.attention=auto (it runs blockwise with documents where it would pick cudnn), xla or blockwise."
         )
     for axis in ("context", "pipeline"):
         if sizes[axis] > 1:

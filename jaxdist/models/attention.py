@@ -91,12 +91,15 @@ def attention(
 
     q: [B, Tq, H, D]; k, v: [B, Tk, KV, D], H a multiple of KV; query i sits at position q_offset + i and
     sees keys 0..q_offset + i.  Returns [B, Tq, H, D] in q's dtype.  ``segments`` [B, T] (packed documents,
-    Tq = Tk, q_offset 0): a query sees only the keys of its own segment; the ``xla`` implementation
-    (jaxdist.config.schema refuses the others with data.packing=documents).
+    Tq = Tk, q_offset 0): a query sees only the keys of its own segment, in the ``xla`` or ``blockwise``
+    implementation (``auto``'s cudnn runs blockwise; jaxdist.config.schema refuses model.attention=cudnn).
     """
     if segments is not None:
-        if _implementation(cfg, k.shape[1]) != "xla" or hooks.sequence_attention() is not None:
-            raise ValueError("packed documents run on the xla attention, one device along the sequence")
+        impl = _implementation(cfg, k.shape[1])  # auto's cudnn takes no document mask here: blockwise does
+        if hooks.sequence_attention() is not None or q_offset:
+            raise ValueError("packed documents run with one device along the sequence and whole rows")
+        if impl in ("blockwise", "cudnn"):
+            return blockwise_document_attention(q, k, v, segments, cfg.attention_block)
         return causal_attention(q, k, v, q_offset, segments)
     ring = hooks.sequence_attention()
     if ring is not None and q_offset == 0 and q.shape[1] == k.shape[1]:  # tokens split over mesh.context
@@ -184,21 +187,34 @@ def _blocks(tq: int, tk: int, block: int) -> tuple[int, int, int, int]:
     return bq, bk, -(-tq // bq), -(-tk // bk)
 
 
-def _scores(qi, kj, d, rows, cols, tk, q_offset, visible):
-    """(scaled scores [B, KV, G, bq, bk] float32, mask) of one query block against one key block."""
+def _scores(qi, kj, d, rows, cols, tk, q_offset, visible, seg_q=None, seg_k=None):
+    """(scaled scores [B, KV, G, bq, bk] float32, mask) of one query block against one key block; ``seg_q`` [B, bq]
+    and ``seg_k`` [B, bk]: packed documents' segments, a query sees only its own segment's keys."""
     s = jnp.einsum("btkgd,bskd->bkgts", qi, kj, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(d))
     if visible is None:  # causal, and the zero padding past the last key hidden
         mask = ((rows[:, None] + q_offset) >= cols[None, :]) & (cols < tk)[None, :]
         mask = mask[None, None, None]
+        if seg_q is not None:
+            mask = mask & (seg_q[:, :, None] == seg_k[:, None, :])[:, None, None]
     else:
         mask = visible[:, None, None]
     return s, mask
 
 
-def _blockwise_forward(q, k, v, block, q_offset=0, visible=None):
+def segment_starts(segments: jax.Array) -> jax.Array:
+    """[B, T] int32: the index of the first token of each token's segment (segments are runs along a row)."""
+    t = segments.shape[1]
+    index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segments.shape)
+    new = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(new, index, 0), axis=1)
+
+
+def _blockwise_forward(q, k, v, block, q_offset=0, visible=None, segments=None):
     """(out [B, Tq, H, D], lse [B, KV, G, Tq padded] float32): the online-softmax forward.
 
     ``visible`` [B, Tq, S] replaces the causal mask (the sampler's cache); then every key block is visited.
+    ``segments`` [B, T] (packed documents, Tq = Tk, q_offset 0): a query sees only its segment's keys, and a key
+    block before the segment of every row's first query of the block is skipped (neither computed nor masked).
     """
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
@@ -208,19 +224,25 @@ def _blockwise_forward(q, k, v, block, q_offset=0, visible=None):
     kp, vp = _pad_seq(k, nk * bk), _pad_seq(v, nk * bk)
     if visible is not None:
         visible = jnp.pad(visible, [(0, 0), (0, nq * bq - tq), (0, nk * bk - tk)])
+    if segments is not None:
+        starts = segment_starts(segments)
+        segp = jnp.pad(segments, [(0, 0), (0, max(nq * bq, nk * bk) - tq)], constant_values=-1)
 
     def query_block(i):
         qi = jax.lax.dynamic_slice_in_dim(qg, i * bq, bq, axis=1)
         rows = i * bq + jnp.arange(bq)
+        seg_q = None if segments is None else jax.lax.dynamic_slice_in_dim(segp, i * bq, bq, axis=1)
 
         def key_block(j, carry):
             m, l, acc = carry
             kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
             vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
-            vis = None
+            vis = seg_k = None
             if visible is not None:
                 vis = jax.lax.dynamic_slice(visible, (0, i * bq, j * bk), (b, bq, bk))
-            s, mask = _scores(qi, kj, d, rows, j * bk + jnp.arange(bk), tk, q_offset, vis)
+            if segments is not None:
+                seg_k = jax.lax.dynamic_slice_in_dim(segp, j * bk, bk, axis=1)
+            s, mask = _scores(qi, kj, d, rows, j * bk + jnp.arange(bk), tk, q_offset, vis, seg_q, seg_k)
             m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _MIN), axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
             alpha = jnp.exp(m - m_new)
@@ -230,12 +252,14 @@ def _blockwise_forward(q, k, v, block, q_offset=0, visible=None):
 
         # Causal: only the key blocks holding keys <= the block's last query position.
         n = nk if visible is not None else jnp.minimum(nk, (q_offset + (i + 1) * bq - 1) // bk + 1)
+        # Documents: from the key block holding the earliest segment start of the block's first queries.
+        lo = 0 if segments is None else jnp.min(starts[:, i * bq]) // bk
         init = (
             jnp.full((b, kvh, g, bq), _MIN, jnp.float32),
             jnp.zeros((b, kvh, g, bq), jnp.float32),
             jnp.zeros((b, kvh, g, bq, d), jnp.float32),
         )
-        m, l, acc = jax.lax.fori_loop(0, n, key_block, init)
+        m, l, acc = jax.lax.fori_loop(lo, n, key_block, init)
         l = jnp.where(l == 0.0, 1.0, l)  # a row that sees nothing (only the sampler's padding rows): zeros
         return acc / l[..., None], m + jnp.log(l)
 
@@ -264,6 +288,12 @@ def _blockwise_fwd(q, k, v, q_offset, block):
 
 
 def _blockwise_bwd(q_offset, block, res, dout):
+    return _blockwise_grads(q_offset, block, res, dout)
+
+
+def _blockwise_grads(q_offset, block, res, dout, segments=None):
+    """(dq, dk, dv) of the blockwise forward from its residuals; ``segments`` as in :func:`_blockwise_forward`
+    (a query block none of whose queries sees a key block is skipped for it)."""
     q, k, v, out, lse = res
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
@@ -276,11 +306,15 @@ def _blockwise_bwd(q_offset, block, res, dout):
     # delta_i = sum_d dout * out: the softmax's own term of dscores, per row [B, KV, G, Tq padded]
     delta = jnp.sum(dog.astype(jnp.float32) * og.astype(jnp.float32), axis=-1).transpose(0, 2, 3, 1)
     scale = 1.0 / math.sqrt(d)
+    if segments is not None:
+        starts = segment_starts(segments)
+        segp = jnp.pad(segments, [(0, 0), (0, max(nq * bq, nk * bk) - tq)], constant_values=-1)
 
     def key_block(dq, j):
         kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
         vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
         cols = j * bk + jnp.arange(bk)
+        seg_k = None if segments is None else jax.lax.dynamic_slice_in_dim(segp, j * bk, bk, axis=1)
 
         def query_block(i, carry):
             dq, dk, dv = carry
@@ -288,7 +322,8 @@ def _blockwise_bwd(q_offset, block, res, dout):
             doi = jax.lax.dynamic_slice_in_dim(dog, i * bq, bq, axis=1)
             lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
             delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
-            s, mask = _scores(qi, kj, d, i * bq + jnp.arange(bq), cols, tk, q_offset, None)
+            seg_q = None if segments is None else jax.lax.dynamic_slice_in_dim(segp, i * bq, bq, axis=1)
+            s, mask = _scores(qi, kj, d, i * bq + jnp.arange(bq), cols, tk, q_offset, None, seg_q, seg_k)
             p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
             dv = dv + jnp.einsum("bkgts,btkgd->bskd", p.astype(dout.dtype), doi, preferred_element_type=jnp.float32)
             dp = jnp.einsum("btkgd,bskd->bkgts", doi, vj, preferred_element_type=jnp.float32)
@@ -302,8 +337,14 @@ def _blockwise_bwd(q_offset, block, res, dout):
 
         # Causal: only the query blocks whose last position reaches this block's first key.
         first = jnp.maximum(0, (j * bk - q_offset) // bq)
+        # Documents: up to the query block holding the last query whose segment starts at or before this block's
+        # last key (segment starts grow along a row).
+        last = nq
+        if segments is not None:
+            reach = jnp.max(jnp.sum(starts <= (j + 1) * bk - 1, axis=1))
+            last = jnp.minimum(nq, -(-reach // bq))
         zeros = jnp.zeros((b, bk, kvh, d), jnp.float32)
-        dq, dk, dv = jax.lax.fori_loop(first, nq, query_block, (dq, zeros, zeros))
+        dq, dk, dv = jax.lax.fori_loop(first, last, query_block, (dq, zeros, zeros))
         return dq, (dk, dv)
 
     dq0 = jnp.zeros((b, nq * bq, kvh, g, d), jnp.float32)
@@ -317,6 +358,27 @@ def _blockwise_bwd(q_offset, block, res, dout):
 
 
 blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def blockwise_document_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, block: int = 512):
+    """:func:`blockwise_attention` of packed documents: a query sees the earlier keys of its own segment
+    (``segments`` [B, T]) and key/value blocks holding none of them are skipped, forward and backward."""
+    return _blockwise_forward(q, k, v, block, 0, None, segments)[0]
+
+
+def _document_fwd(q, k, v, segments, block):
+    out, lse = _blockwise_forward(q, k, v, block, 0, None, segments)
+    out, lse = checkpoint_name(out, "attn_context"), checkpoint_name(lse, "attn_context")
+    return out, (q, k, v, out, lse, segments)
+
+
+def _document_bwd(block, res, dout):
+    *res, segments = res
+    return (*_blockwise_grads(0, block, tuple(res), dout, segments), None)
+
+
+blockwise_document_attention.defvjp(_document_fwd, _document_bwd)
 
 
 # --------------------------------------------------------------------------- pieces for ring attention

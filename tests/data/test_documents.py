@@ -89,11 +89,15 @@ def test_segments_and_positions_restart_at_each_document():
     np.testing.assert_array_equal(tgt, [[True, True, False, True, False, False]])
 
 
-@pytest.mark.parametrize("remat", ["none", "full"])
-def test_a_packed_batch_gives_each_documents_own_losses_and_gradients(remat):
-    """Seven documents packed into rows of 33 tokens (xla attention, fp32): the per-token losses at the targets
-    equal each document's alone and the gradients of their sum too, to 1e-5; with train.remat=full as well."""
-    cfg = load_config(None, ["model=tiny", "model.attention=xla"])
+@pytest.mark.parametrize(
+    "attention,remat", [("xla", "none"), ("xla", "full"), ("blockwise", "none"), ("blockwise", "full")]
+)
+def test_a_packed_batch_gives_each_documents_own_losses_and_gradients(attention, remat):
+    """Seven documents packed into rows of 33 tokens (fp32): the per-token losses at the targets equal each
+    document's alone and the gradients of their sum too, to 1e-5, for the xla attention and the blockwise one
+    (blocks of 8 tokens: documents span blocks, and blocks before a query block's documents are skipped), with
+    train.remat=full as well."""
+    cfg = load_config(None, ["model=tiny", f"model.attention={attention}", "model.attention_block=8"])
     graphdef, _, _ = create_abstract(cfg.model, remat_policy=None if remat == "none" else "full")
     params = init_params(cfg.model, seed=2)
     stream, starts, docs = _stream([5, 9, 3, 12, 7, 14, 8], cfg.model.vocab_size, seed=3)
@@ -152,7 +156,6 @@ def _config(tmp_path, extra=()):
         None,
         [
             "model=tiny",
-            "model.attention=xla",
             "data.packing=documents",
             "train.steps=6",
             "train.seq_len=64",
@@ -194,12 +197,12 @@ def test_a_documents_run_trains_resumes_and_trains_each_row_once(tmp_path):
     split = load_source(cfg.data)
     assert digest_problems(run, PackedStream(split.train, pack(split.train_starts, len(split.train), 64))) == []
     with pytest.raises(ConfigError, match="data.packing=documents but the config has stream"):
-        Trainer(_config(tmp_path, ["data.packing=stream", "model.attention=auto"]))
+        Trainer(_config(tmp_path, ["data.packing=stream"]))
 
 
 def test_what_documents_cannot_run_on_yet_and_files_without_boundaries_are_one_sentence(tmp_path):
     for extra, says in (
-        (["model.attention=blockwise"], "set model.attention=xla"),
+        (["model.attention=cudnn", "model.dtype=bfloat16"], "set model.attention=auto"),
         (["mesh.context=2"], "set mesh.context=1"),
         (["train.grad_sync=per_block"], "set train.grad_sync=end"),
     ):

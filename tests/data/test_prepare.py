@@ -117,7 +117,6 @@ def test_prepare_records_where_each_document_starts_and_a_packed_run_reads_them(
     starts = np.fromfile(tmp_path / "j" / "documents.bin", dtype=np.uint64)
     np.testing.assert_array_equal(starts, np.concatenate([[0], np.cumsum(want)[:-1]]))
     over = ["data.source=tokens", f"data.path={tmp_path / 'j' / 'tokens.bin'}", "data.packing=documents"]
-    over.append("model.attention=xla")
     split = load_source(load_config(None, [*over, "train.seq_len=64"]).data)
     cut = len(split.train)  # the held-out tail is whole documents
     assert cut in starts.tolist() and split.train_starts.tolist() == [s for s in starts.tolist() if s < cut]
