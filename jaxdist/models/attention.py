@@ -209,12 +209,13 @@ def segment_starts(segments: jax.Array) -> jax.Array:
     return jax.lax.cummax(jnp.where(new, index, 0), axis=1)
 
 
-def _blockwise_forward(q, k, v, block, q_offset=0, visible=None, segments=None):
+def _blockwise_forward(q, k, v, block, q_offset=0, visible=None, segments=None, skip=True):
     """(out [B, Tq, H, D], lse [B, KV, G, Tq padded] float32): the online-softmax forward.
 
     ``visible`` [B, Tq, S] replaces the causal mask (the sampler's cache); then every key block is visited.
     ``segments`` [B, T] (packed documents, Tq = Tk, q_offset 0): a query sees only its segment's keys, and a key
-    block before the segment of every row's first query of the block is skipped (neither computed nor masked).
+    block before the segment of every row's first query of the block is skipped (neither computed nor masked;
+    ``skip=False`` visits every causal block and masks: benchmarks/documents.py's comparison).
     """
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
@@ -253,7 +254,7 @@ def _blockwise_forward(q, k, v, block, q_offset=0, visible=None, segments=None):
         # Causal: only the key blocks holding keys <= the block's last query position.
         n = nk if visible is not None else jnp.minimum(nk, (q_offset + (i + 1) * bq - 1) // bk + 1)
         # Documents: from the key block holding the earliest segment start of the block's first queries.
-        lo = 0 if segments is None else jnp.min(starts[:, i * bq]) // bk
+        lo = 0 if segments is None or not skip else jnp.min(starts[:, i * bq]) // bk
         init = (
             jnp.full((b, kvh, g, bq), _MIN, jnp.float32),
             jnp.zeros((b, kvh, g, bq), jnp.float32),
@@ -291,7 +292,7 @@ def _blockwise_bwd(q_offset, block, res, dout):
     return _blockwise_grads(q_offset, block, res, dout)
 
 
-def _blockwise_grads(q_offset, block, res, dout, segments=None):
+def _blockwise_grads(q_offset, block, res, dout, segments=None, skip=True):
     """(dq, dk, dv) of the blockwise forward from its residuals; ``segments`` as in :func:`_blockwise_forward`
     (a query block none of whose queries sees a key block is skipped for it)."""
     q, k, v, out, lse = res
@@ -340,7 +341,7 @@ def _blockwise_grads(q_offset, block, res, dout, segments=None):
         # Documents: up to the query block holding the last query whose segment starts at or before this block's
         # last key (segment starts grow along a row).
         last = nq
-        if segments is not None:
+        if segments is not None and skip:
             reach = jnp.max(jnp.sum(starts <= (j + 1) * bk - 1, axis=1))
             last = jnp.minimum(nq, -(-reach // bq))
         zeros = jnp.zeros((b, bk, kvh, d), jnp.float32)
@@ -360,22 +361,25 @@ def _blockwise_grads(q_offset, block, res, dout, segments=None):
 blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def blockwise_document_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, block: int = 512):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def blockwise_document_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, block: int = 512, skip: bool = True
+):
     """:func:`blockwise_attention` of packed documents: a query sees the earlier keys of its own segment
-    (``segments`` [B, T]) and key/value blocks holding none of them are skipped, forward and backward."""
-    return _blockwise_forward(q, k, v, block, 0, None, segments)[0]
+    (``segments`` [B, T]) and key/value blocks holding none of them are skipped, forward and backward
+    (``skip=False``: visited and masked, the comparison benchmarks/documents.py makes)."""
+    return _blockwise_forward(q, k, v, block, 0, None, segments, skip)[0]
 
 
-def _document_fwd(q, k, v, segments, block):
-    out, lse = _blockwise_forward(q, k, v, block, 0, None, segments)
+def _document_fwd(q, k, v, segments, block, skip):
+    out, lse = _blockwise_forward(q, k, v, block, 0, None, segments, skip)
     out, lse = checkpoint_name(out, "attn_context"), checkpoint_name(lse, "attn_context")
     return out, (q, k, v, out, lse, segments)
 
 
-def _document_bwd(block, res, dout):
+def _document_bwd(block, skip, res, dout):
     *res, segments = res
-    return (*_blockwise_grads(0, block, tuple(res), dout, segments), None)
+    return (*_blockwise_grads(0, block, tuple(res), dout, segments, skip), None)
 
 
 blockwise_document_attention.defvjp(_document_fwd, _document_bwd)
