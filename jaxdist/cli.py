@@ -6,7 +6,7 @@
     jaxdist ckpt list|inspect|verify|plan RUN_DIR    checkpoints of a run: steps, contents, checksums, write plan
     jaxdist data show|verify RUN_DIR                 a run's batch list: versions, sources, cursor; checks
     jaxdist data add RUN_DIR PATH...                 mix new data into a run (running or stopped)
-    jaxdist data prepare SRC OUT --tokenizer T [--workers N] [--text-field text]
+    jaxdist data prepare SRC OUT --tokenizer T [--workers N] [--text-field text] [--chat [--all-targets]]
                                                      tokenize JSONL / Parquet / text into OUT/tokens.bin
     jaxdist sample RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
                    [--seed S] [--step STEP] [--stop STRING] [KEY=VALUE ...]
@@ -197,11 +197,17 @@ def cmd_prepare(args) -> int:
         raise ConfigError("jaxdist data prepare takes SRC OUT: the corpus and the output directory.")
     out = Path(args.paths[0])
     piece_bytes = piece_bytes_of(args.piece_mb)
-    m = prepare(args.run_dir, out, args.tokenizer, args.workers, args.text_field, piece_bytes, force=args.force)
+    if args.all_targets and not args.chat:
+        raise ConfigError("--all-targets is for chat data: add --chat, or leave --all-targets out.")
+    chat = "all" if args.all_targets else "assistant" if args.chat else ""
+    m = prepare(
+        args.run_dir, out, args.tokenizer, args.workers, args.text_field, piece_bytes, force=args.force, chat=chat
+    )
+    what = "conversations" if chat else "documents"
     print(
-        f"{m['n_tokens']:,} tokens ({m['token_dtype']}) of {m['n_documents']:,} documents from "
+        f"{m['n_tokens']:,} tokens ({m['token_dtype']}) of {m['n_documents']:,} {what} from "
         f"{len(m['sources'])} file(s) in {out / 'tokens.bin'}; train with data.source=tokens "
-        f"data.path={out / 'tokens.bin'} data.tokenizer={args.tokenizer}"
+        f"data.path={out / 'tokens.bin'} data.tokenizer={args.tokenizer}" + (" data.packing=documents" if chat else "")
     )
     return 0
 
@@ -486,6 +492,13 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=1, help="prepare: tokenizing processes (default: 1)")
     d.add_argument("--text-field", default="text", help="prepare: JSONL field / Parquet column of the text")
     d.add_argument("--piece-mb", type=float, default=8.0, help="prepare: input MiB per piece of work (default: 8)")
+    d.add_argument(
+        "--chat",
+        action="store_true",
+        help="prepare: JSONL conversations rendered with the tokenizer's chat template; the assistant's tokens are "
+        "the targets (targets.bin); train with data.packing=documents",
+    )
+    d.add_argument("--all-targets", action="store_true", help="prepare --chat: every token is a target")
     d.add_argument("--seed", type=int, help="add: shuffle seed (default: random, recorded in the journal)")
     d.add_argument(
         "--kind",

@@ -29,7 +29,7 @@ import numpy as np
 from jaxdist.config import ConfigError
 from jaxdist.data import sources as _sources
 from jaxdist.data.batchlist import BatchListError, SourceEntry
-from jaxdist.data.documents import PackedStream, Packing, eos_starts, pack, read_documents
+from jaxdist.data.documents import PackedStream, Packing, eos_starts, pack, read_documents, read_targets
 from jaxdist.data.journal import Journal
 from jaxdist.data.tokenizer import EOS
 
@@ -257,5 +257,8 @@ def pack_source(entry: SourceEntry, tokens: np.ndarray, seq_len: int) -> PackedS
     """An added source's tokens with rows packed from its documents (data.packing=documents): a text source's
     documents end with the byte tokenizer's EOS, a token file's are in the documents.bin beside it (ConfigError
     when it has none)."""
-    starts = read_documents(entry.path, len(tokens)) if entry.kind == "tokens" else eos_starts(tokens, EOS)
-    return PackedStream(tokens, pack(starts, len(tokens), seq_len))
+    if entry.kind == "tokens":
+        starts, targets = read_documents(entry.path, len(tokens)), read_targets(entry.path, len(tokens))
+    else:
+        starts, targets = eos_starts(tokens, EOS), None
+    return PackedStream(tokens, pack(starts, len(tokens), seq_len, targets))

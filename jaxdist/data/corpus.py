@@ -22,6 +22,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from jaxdist.data.sources import scan_files
 from jaxdist.data.tokenizer_files import file_sha256
@@ -238,3 +239,21 @@ def read_documents(corpus: Corpus, piece: Piece, text_field: str) -> tuple[list[
             if text:
                 texts.append(text)
     return texts, [piece.first] * len(texts)
+
+
+def read_records(corpus: Corpus, piece: Piece) -> tuple[list[tuple[Any, str]], list[int]]:
+    """The JSON value of each non-blank line of a JSONL ``piece`` with where it is (file and line, for errors),
+    and the file index of each; ConfigError naming the line that is not JSON."""
+    f = corpus.files[piece.first]
+    with open(f.path, "rb") as fh:
+        fh.seek(piece.start)
+        data = fh.read(piece.stop - piece.start)
+    records = []
+    for k, line in enumerate(data.split(b"\n")):
+        if line.strip():
+            where = f"line {k + 1} after byte {piece.start} of '{f.rel}'"
+            try:
+                records.append((json.loads(line), where))
+            except ValueError as e:
+                raise ConfigError(f"{where} is not JSON ({e}): fix or remove it.") from None
+    return records, [piece.first] * len(records)

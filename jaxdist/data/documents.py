@@ -34,6 +34,7 @@ NO_LOSS = 1 << 30  # never a target: padding, the non-assistant tokens of a conv
 ID_MASK = START - 1  # token ids stay below 2**29
 PAD_ID = 0  # the id under the padding (never a target, attended only by padding)
 DOCUMENTS = "documents.bin"  # beside a prepared token file: uint64 offset of every document's first token
+TARGETS = "targets.bin"  # beside prepared chat data: uint8 per token, 1 where the token is a target
 PACKINGS = ("stream", "documents")
 
 
@@ -49,6 +50,7 @@ class Packing:
     piece_start: np.ndarray  # int64
     piece_len: np.ndarray  # int64
     row_ptr: np.ndarray  # int64 [rows + 1]
+    targets: np.ndarray | None = None  # chat data: uint8 per stream token, 0 where it is not a target (NO_LOSS)
 
     @property
     def rows(self) -> int:
@@ -73,6 +75,8 @@ class Packing:
             for i in range(self.row_ptr[r], self.row_ptr[r + 1]):
                 s, n = int(self.piece_start[i]), int(self.piece_len[i])
                 out[k, at : at + n] = tokens[s : s + n]
+                if self.targets is not None:
+                    out[k, at : at + n] |= np.where(self.targets[s : s + n] == 0, NO_LOSS, 0).astype(np.int32)
                 out[k, at] |= START
                 at += n
             if at < width:
@@ -92,9 +96,10 @@ class PackedStream:
         return self.packing.read(self.tokens, rows)
 
 
-def pack(doc_starts: np.ndarray, n_tokens: int, seq_len: int) -> Packing:
+def pack(doc_starts: np.ndarray, n_tokens: int, seq_len: int, targets: np.ndarray | None = None) -> Packing:
     """Next-fit packing of the documents starting at ``doc_starts`` (sorted offsets, the first 0) of a stream of
-    ``n_tokens`` into rows of ``seq_len + 1`` tokens (see the module docstring).  Linear in the documents."""
+    ``n_tokens`` into rows of ``seq_len + 1`` tokens (see the module docstring).  Linear in the documents.
+    ``targets`` (chat data, uint8 per token): a token marked 0 is read with NO_LOSS."""
     width = seq_len + 1
     starts = np.asarray(doc_starts, dtype=np.int64)
     ends = np.append(starts[1:], n_tokens)
@@ -123,6 +128,7 @@ def pack(doc_starts: np.ndarray, n_tokens: int, seq_len: int) -> Packing:
         np.asarray(piece_start, dtype=np.int64),
         np.asarray(piece_len, dtype=np.int64),
         np.asarray(row_ptr, dtype=np.int64),
+        targets,
     )
 
 
@@ -155,6 +161,20 @@ def read_documents(token_file: str | Path, n_tokens: int) -> np.ndarray:
             "from another corpus; prepare the corpus again, or set data.packing=stream."
         )
     return starts
+
+
+def read_targets(token_file: str | Path, n_tokens: int) -> np.ndarray | None:
+    """The target flags recorded beside ``token_file`` (chat data; uint8 per token), None where there are none;
+    ConfigError when they do not describe that file."""
+    p = Path(token_file).with_name(TARGETS)
+    if not p.is_file():
+        return None
+    if p.stat().st_size != n_tokens:
+        raise ConfigError(
+            f"'{p}' holds {p.stat().st_size:,} target flags but '{token_file}' {n_tokens:,} tokens: it is damaged or "
+            "from another corpus; prepare the corpus again."
+        )
+    return np.memmap(p, dtype=np.uint8, mode="r")
 
 
 def split_starts(starts: np.ndarray, cut: int) -> tuple[np.ndarray, np.ndarray]:

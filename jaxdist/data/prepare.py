@@ -40,8 +40,9 @@ from typing import Any
 import numpy as np
 
 from jaxdist import optional
-from jaxdist.data.corpus import Corpus, Piece, check_text_field, read_documents, scan_corpus
-from jaxdist.data.documents import DOCUMENTS
+from jaxdist.data.chat import ChatTemplate, conversation, encode_chat
+from jaxdist.data.corpus import Corpus, Piece, check_text_field, read_documents, read_records, scan_corpus
+from jaxdist.data.documents import DOCUMENTS, TARGETS
 from jaxdist.data.journal import append_lines, atomic_write
 from jaxdist.data.manifest import MANIFEST, TOKENS, build_manifest, read_manifest, same_inputs
 from jaxdist.data.tokenizer import Tokenizer, load_tokenizer
@@ -102,40 +103,68 @@ def encode_documents(tok: Tokenizer, texts: list[str], dtype: str) -> tuple[np.n
     return (np.concatenate(parts) if parts else np.zeros((0,), dtype=dtype)), lengths
 
 
-def _init_worker(spec: str, single_threaded: bool) -> None:
+def encode_conversations(
+    tok: Tokenizer, template: ChatTemplate, records: list[tuple[Any, str]], dtype: str, every: bool
+):
+    """The ids ``apply_chat_template`` gives each conversation, concatenated as ``dtype``; whether each token is a
+    target (uint8: the assistant's tokens, or all with ``every``); each conversation's length."""
+    ids, targets, lengths = [], [], []
+    for record, where in records:
+        i, t = encode_chat(tok, template, conversation(record, where), all_targets=every)
+        ids.append(np.asarray(i, dtype=dtype))
+        targets.append(t.astype(np.uint8))
+        lengths.append(len(i))
+    if not ids:
+        return np.zeros((0,), dtype=dtype), np.zeros((0,), np.uint8), lengths
+    return np.concatenate(ids), np.concatenate(targets), lengths
+
+
+def _init_worker(spec: str, single_threaded: bool, chat: str = "") -> None:
     if single_threaded:  # the processes are the parallelism: one core each, no oversubscription
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         os.environ["RAYON_NUM_THREADS"] = "1"
     _worker["tok"] = load_tokenizer(spec)
+    _worker["template"] = ChatTemplate.beside(spec) if chat else None
 
 
-def _tokenize_piece(job: tuple[Corpus, Piece, str, str, str]) -> dict[str, Any]:
-    """Tokenize one piece into its file (atomically); returns its journal record."""
-    corpus, piece, text_field, dtype, pieces_dir = job
-    texts, owners = read_documents(corpus, piece, text_field)
-    tokens, lengths = encode_documents(_worker["tok"], texts, dtype)
+def _write(final: Path, data: bytes) -> None:
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")  # per process: an orphaned worker cannot clash
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+
+
+def _tokenize_piece(job: tuple[Corpus, Piece, str, str, str, str]) -> dict[str, Any]:
+    """Tokenize one piece into its file (atomically); returns its journal record.  Chat data (``chat``:
+    ``assistant`` or ``all``) also writes each token's target flag beside it (``.tgt``, before the ``.bin``)."""
+    corpus, piece, text_field, dtype, pieces_dir, chat = job
+    if chat:
+        records, owners = read_records(corpus, piece)
+        tokens, targets, lengths = encode_conversations(
+            _worker["tok"], _worker["template"], records, dtype, chat == "all"
+        )
+        _write(Path(pieces_dir) / f"{piece.index:06d}.tgt", targets.tobytes())
+    else:
+        texts, owners = read_documents(corpus, piece, text_field)
+        tokens, lengths = encode_documents(_worker["tok"], texts, dtype)
     files: dict[str, list[int]] = {}  # file index -> [documents, tokens]
     for owner, n in zip(owners, lengths):
         counts = files.setdefault(str(owner), [0, 0])
         counts[0] += 1
         counts[1] += n
-    final = Path(pieces_dir) / f"{piece.index:06d}.bin"
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")  # per process: an orphaned worker cannot clash
-    with open(tmp, "wb") as f:
-        f.write(tokens.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
+    _write(Path(pieces_dir) / f"{piece.index:06d}.bin", tokens.tobytes())
     return {
         "piece": piece.index,
-        "documents": len(texts),
+        "documents": len(lengths),
         "tokens": int(tokens.size),
         "files": files,
         "lengths": [int(n) for n in lengths],  # each document's tokens: documents.bin
     }
 
 
-def _done_pieces(work: Path, itemsize: int) -> dict[int, dict[str, Any]]:
+def _done_pieces(work: Path, itemsize: int, chat: bool = False) -> dict[int, dict[str, Any]]:
     """Pieces the journal records whose file is there with the recorded size (a torn last line is skipped)."""
     done: dict[int, dict[str, Any]] = {}
     journal = work / "journal.jsonl"
@@ -148,6 +177,9 @@ def _done_pieces(work: Path, itemsize: int) -> dict[int, dict[str, Any]]:
             continue
         p = work / "pieces" / f"{rec['piece']:06d}.bin"
         # a record without its documents' lengths (an older prepare's) is done again
+        tgt = p.with_suffix(".tgt")  # chat data: the targets, one byte per token
+        if chat and not (tgt.is_file() and tgt.stat().st_size == rec["tokens"]):
+            continue
         if p.is_file() and p.stat().st_size == rec["tokens"] * itemsize and "lengths" in rec:
             done[rec["piece"]] = rec
     return done
@@ -162,13 +194,20 @@ def prepare(
     piece_bytes: int = 8 << 20,
     progress: bool = True,
     force: bool = False,
+    chat: str = "",
 ) -> dict[str, Any]:
     """Tokenize the corpus ``src`` into ``out/tokens.bin`` + ``out/manifest.json`` (see the module docstring);
     returns the manifest.  Resumes an interrupted prepare of the same inputs; a finished one is not redone.
     ConfigError (one sentence) for a bad corpus, tokenizer or output directory (see :func:`check_output`;
-    ``force`` writes beside files it did not write)."""
+    ``force`` writes beside files it did not write).
+
+    ``chat``: JSONL conversations (:mod:`jaxdist.data.chat`), each rendered with the tokenizer's chat template as
+    ``apply_chat_template`` does and written as one document, with ``targets.bin`` (uint8 per token) marking the
+    targets: the assistant's tokens (``assistant``) or every token (``all``)."""
     if workers < 1:
         raise ConfigError(f"--workers={workers} must be at least 1.")
+    if chat not in ("", "assistant", "all"):
+        raise ConfigError(f"chat={chat!r} is unknown: use 'assistant' (the assistant's tokens are targets) or 'all'.")
     out = Path(out)
     check_output(src, out, force)
     tok = load_tokenizer(tokenizer)
@@ -178,7 +217,12 @@ def prepare(
             "or put a tokenizer_config.json with eos_token beside its tokenizer.json."
         )
     corpus = scan_corpus(src, piece_bytes)
-    check_text_field(corpus, text_field)
+    if chat:
+        if corpus.kind != "jsonl":
+            raise ConfigError(f"--chat reads JSONL conversations, but '{src}' is {corpus.kind}: pass .jsonl files.")
+        ChatTemplate.beside(tokenizer)  # no template: one sentence now, not in a worker
+    else:
+        check_text_field(corpus, text_field)
     dtype = token_dtype_for(tok.vocab_size)
     plan = {
         "sources": [[f.rel, f.size, f.sha256] for f in corpus.files],
@@ -188,6 +232,7 @@ def prepare(
         "token_dtype": dtype,
         "pieces": len(corpus.pieces),
         "piece_bytes": piece_bytes,
+        "chat": chat,
     }
     work = out / WORK
     if (out / MANIFEST).is_file():
@@ -215,7 +260,7 @@ def prepare(
     atomic_write(plan_file, json.dumps(plan, indent=1).encode())
 
     itemsize = np.dtype(dtype).itemsize
-    done = _done_pieces(work, itemsize)
+    done = _done_pieces(work, itemsize, bool(chat))
     todo = [p for p in corpus.pieces if p.index not in done]
     tqdm = optional.load("tqdm", "no progress bar") if progress else None
     bar = (tqdm.tqdm if tqdm is not None else _NoBar)(
@@ -227,7 +272,7 @@ def prepare(
         file=sys.stderr,
         disable=not progress,
     )
-    jobs = [(corpus, p, text_field, dtype, str(work / "pieces")) for p in todo]
+    jobs = [(corpus, p, text_field, dtype, str(work / "pieces"), chat) for p in todo]
 
     def commit(rec: dict[str, Any]) -> None:
         append_lines(work / "journal.jsonl", (json.dumps(rec) + "\n").encode(), fsync=True)
@@ -236,13 +281,13 @@ def prepare(
 
     try:
         if workers == 1 or len(jobs) <= 1:
-            _init_worker(tokenizer, single_threaded=False)
+            _init_worker(tokenizer, False, chat)
             for job in jobs:
                 commit(_tokenize_piece(job))
         elif jobs:
             # spawn, not fork: the caller may have started threads (JAX, the tokenizers pool) that fork would break.
             ctx = multiprocessing.get_context("spawn")
-            with ctx.Pool(min(workers, len(jobs)), _init_worker, (tokenizer, True)) as pool:
+            with ctx.Pool(min(workers, len(jobs)), _init_worker, (tokenizer, True, chat)) as pool:
                 for rec in pool.imap_unordered(_tokenize_piece, jobs):
                     commit(rec)
     finally:
@@ -269,6 +314,10 @@ def _finish(corpus, out: Path, work: Path, tok, dtype, text_field, plan, done) -
     lengths = np.asarray([n for p in corpus.pieces for n in done[p.index]["lengths"]], dtype=np.uint64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.uint64) if len(lengths) else lengths
     atomic_write(out / DOCUMENTS, starts.tobytes())  # data.packing=documents reads the boundaries here
+    if plan.get("chat"):  # which tokens are targets, beside the tokens
+        atomic_write(
+            out / TARGETS, b"".join((work / "pieces" / f"{p.index:06d}.tgt").read_bytes() for p in corpus.pieces)
+        )
     n_tokens = sum(r["tokens"] for r in done.values())
     if n_tokens == 0:
         raise ConfigError(f"corpus '{corpus.root}' holds no text: check --text-field and the files.")

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxdist.config import ConfigError, DataConfig
-from jaxdist.data.documents import eos_starts, read_documents, split_starts
+from jaxdist.data.documents import eos_starts, read_documents, read_targets, split_starts
 from jaxdist.data.tokenizer import EOS
 
 # Hash buckets for the by-file split; eval_fraction is resolved to 1e-4.
@@ -57,6 +57,9 @@ class TokenSplit:
     # data.packing=documents: the offset of each document's first token in train and eval (None: a stream)
     train_starts: np.ndarray | None = None
     eval_starts: np.ndarray | None = None
+    # chat data (targets.bin beside the token file): 0 where a token is not a target
+    train_targets: np.ndarray | None = None
+    eval_targets: np.ndarray | None = None
 
     def summary(self) -> str:
         """One line for logs: source, files and token counts."""
@@ -89,6 +92,11 @@ def load_source(cfg: DataConfig) -> TokenSplit:
         raise ConfigError(f"data.max_bytes={cfg.max_bytes} must be 0 (no limit) or positive.")
     split = _load_split(cfg)
     if cfg.packing != "documents":
+        if cfg.source == "tokens" and read_targets(cfg.path, len(split.train) + len(split.eval)) is not None:
+            raise ConfigError(
+                f"'{cfg.path}' is chat data whose targets are marked (targets.bin beside it), which stream windows "
+                "would ignore: set data.packing=documents."
+            )
         return split
     if cfg.source == "tokens":  # a prepared corpus: documents.bin beside the token file; eval is whole documents
         n = len(split.train) + len(split.eval)
@@ -103,7 +111,10 @@ def load_source(cfg: DataConfig) -> TokenSplit:
         whole = np.memmap(cfg.path, dtype=cfg.token_dtype, mode="r")
         train, eval_ = whole[: starts[i]], whole[starts[i] :]
         tr, ev = split_starts(starts, int(starts[i]))
-        return dataclasses.replace(split, train=train, eval=eval_, train_starts=tr, eval_starts=ev)
+        targets = read_targets(cfg.path, n)
+        if targets is not None:
+            targets = {"train_targets": targets[: starts[i]], "eval_targets": targets[starts[i] :]}
+        return dataclasses.replace(split, train=train, eval=eval_, train_starts=tr, eval_starts=ev, **(targets or {}))
     # text sources: each file's bytes then EOS, an id no byte has
     return dataclasses.replace(
         split, train_starts=eos_starts(split.train, EOS), eval_starts=eos_starts(split.eval, EOS)

@@ -143,8 +143,9 @@ class Trainer(Program):
         # data.packing=documents: rows packed from whole documents (jaxdist.data.documents), train and eval alike
         self.packing = eval_packing = None
         if self.data.train_starts is not None:
-            self.packing = pack(self.data.train_starts, len(self.data.train), c.train.seq_len)
-            eval_packing = pack(self.data.eval_starts, len(self.data.eval), c.train.seq_len)
+            d = self.data
+            self.packing = pack(d.train_starts, len(d.train), c.train.seq_len, d.train_targets)
+            eval_packing = pack(d.eval_starts, len(d.eval), c.train.seq_len, d.eval_targets)
         # Training batches come in batch-list order (exact across restarts, resizes and additions).
         self.batches = RunBatchList(
             self.run_dir,

@@ -177,3 +177,71 @@ def test_bad_conversations_and_templates_are_one_sentence(tmp_path, tokenizer_di
         ChatTemplate.beside(tmp_path / "tokenizer.json")
     with pytest.raises(ConfigError, match="chat data needs a Hugging Face tokenizer.json"):
         encode_chat(load_tokenizer("bytes"), drifting, conv)
+
+
+def test_prepare_chat_writes_the_reference_ids_and_targets_and_a_documents_run_trains_on_them(tokenizer_dirs, tmp_path):
+    """``jaxdist data prepare --chat``: each conversation's ids are apply_chat_template's, targets.bin its
+    assistant_masks, documents.bin where each starts (several pieces); packed by documents, the targets the step
+    counts are the assistant tokens; a tiny model trains on them.  Bad conversations stop it, nothing written."""
+    from jaxdist.config import load_config
+    from jaxdist.data import load_source
+    from jaxdist.data.documents import pack, targets
+    from jaxdist.data.prepare import prepare
+    from jaxdist.train.trainer import Trainer
+
+    d = tokenizer_dirs["llama3"]
+    ref = transformers.AutoTokenizer.from_pretrained(str(d))
+    convs = _conversations() * 3
+    src = tmp_path / "chat.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs), encoding="utf-8")
+    m = prepare(src, tmp_path / "c", str(d / "tokenizer.json"), piece_bytes=2048, progress=False, chat="assistant")
+    assert m["plan"]["pieces"] > 2 and m["n_documents"] == len(convs)
+    want = [
+        ref.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True) for c in convs
+    ]
+    out = tmp_path / "c"
+    np.testing.assert_array_equal(
+        np.fromfile(out / "tokens.bin", m["token_dtype"]), [i for w in want for i in w["input_ids"]]
+    )
+    mask = np.fromfile(out / "targets.bin", np.uint8)
+    np.testing.assert_array_equal(mask, [t for w in want for t in w["assistant_masks"]])
+    lengths = [len(w["input_ids"]) for w in want]
+    np.testing.assert_array_equal(np.fromfile(out / "documents.bin", np.uint64), np.cumsum([0, *lengths[:-1]]))
+
+    over = [
+        "model=tiny",
+        "model.vocab_size=640",
+        "data.source=tokens",
+        f"data.path={out / 'tokens.bin'}",
+        f"data.tokenizer={d / 'tokenizer.json'}",
+    ]
+    over += [
+        "data.packing=documents",
+        "train.seq_len=64",
+        "train.batch_size=8",
+        "train.steps=3",
+        "train.progress=false",
+    ]
+    over += ["train.tensorboard=false", "train.eval_every=0", "checkpoint.enabled=false", f"train.runs_dir={tmp_path}"]
+    cfg = load_config(None, over)
+    split = load_source(cfg.data)
+    p = pack(split.train_starts, len(split.train), 64, split.train_targets)
+    rows = p.read(split.train, np.arange(p.rows))
+    # every assistant token but a conversation's first token is a target once; nothing else is
+    starts = np.zeros(len(split.train), bool)
+    starts[split.train_starts] = True
+    assert targets(rows).sum() == int((np.asarray(split.train_targets, bool) & ~starts).sum()) > 0
+    with Trainer(cfg) as t:
+        records = t.fit()
+    assert [r["step"] for r in records] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in records)
+    assert all(0 < r["targets"] < 8 * 64 for r in records)  # the assistant's tokens only
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"messages": convs[0]}) + "\n" + json.dumps({"messages": [{"role": "robot", "content": "x"}]}) + "\n"
+    )
+    with pytest.raises(ConfigError, match="role 'robot'"):
+        prepare(bad, tmp_path / "b", str(d / "tokenizer.json"), progress=False, chat="assistant")
+    assert not (tmp_path / "b" / "tokens.bin").exists()
+    with pytest.raises(ConfigError, match="--chat reads JSONL conversations"):
+        prepare(tokenizer_dirs["qwen"], tmp_path / "q", str(d / "tokenizer.json"), progress=False, chat="assistant")
