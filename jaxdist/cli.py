@@ -9,7 +9,7 @@
     jaxdist data prepare SRC OUT --tokenizer T [--workers N] [--text-field text] [--chat [--all-targets]]
                                                      tokenize JSONL / Parquet / text into OUT/tokens.bin
     jaxdist sample RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-                   [--seed S] [--step STEP] [--stop STRING] [KEY=VALUE ...]
+                   [--seed S] [--step STEP] [--stop STRING] [--chat] [KEY=VALUE ...]
                                                      continue prompts with a run's checkpoint (streamed)
     jaxdist remat [--model M] [--mesh CLUSTER] [--budget 20GiB] [KEY=VALUE ...]
                                                      the remat plan for a block and the named policies beside it
@@ -223,22 +223,32 @@ def cmd_sample(args) -> int:
 
     sampler = Sampler.from_run(args.run_dir, args.step, args.overrides)
     print(describe(sampler), file=sys.stderr)
-    longest = max(len(ids) for ids in sampler.prompt_ids(prompts))
+    longest = max(len(ids) for ids in sampler.prompt_ids(prompts, args.chat))
     max_new_tokens, notice = clamp_new_tokens(args.max_new_tokens, longest, sampler.model.max_seq_len)
     if notice:
         print(f"jaxdist: {notice}", file=sys.stderr)
     # One prompt: its text printed as it comes; several: each printed whole at the end.
+    # --chat: each prompt is a user message, and what is printed is the assistant's answer.
     stream = TextStream(sampler.tokenizer, sys.stdout, args.stop) if len(prompts) == 1 else None
-    if stream is not None:
+    if stream is not None and not args.chat:
         print(prompts[0], end="", flush=True)
     results = sampler.generate(
-        prompts, max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.stop, on_token=stream
+        prompts,
+        max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.seed,
+        args.stop,
+        on_token=stream,
+        chat=args.chat,
     )
     for i, g in enumerate(results):
         if stream is not None:
             stream.finish(g.text)
         else:
-            print(f"--- prompt {i} ({g.finish})\n{g.prompt}{g.text}", flush=True)
+            shown = "" if args.chat else g.prompt
+            print(f"--- prompt {i} ({g.finish})\n{shown}{g.text}", flush=True)
     return 0
 
 
@@ -523,6 +533,12 @@ def build_parser() -> argparse.ArgumentParser:
     sa.add_argument("--seed", type=int, default=0, help="seed of the sampling key")
     sa.add_argument("--step", type=int, help="checkpoint step (default: the newest good one)")
     sa.add_argument("--stop", action="append", help="end a prompt's text at this string (repeatable)")
+    sa.add_argument(
+        "--chat",
+        action="store_true",
+        help="each prompt is a user message, rendered with the chat template beside the run's tokenizer; prints "
+        "the assistant's answer",
+    )
     sa.set_defaults(fn=cmd_sample)
 
     r = sub.add_parser("remat", help="plan remat for a model on a cluster: what to save, what to recompute")

@@ -149,16 +149,23 @@ class ChatTemplate:
         return text, spans
 
 
-def encode_chat(tokenizer: Any, template: ChatTemplate, messages: list[Message], all_targets: bool = False):
+def encode_chat(
+    tokenizer: Any,
+    template: ChatTemplate,
+    messages: list[Message],
+    all_targets: bool = False,
+    generation_prompt: bool = False,
+):
     """``(ids, targets)`` of one conversation: the ids ``apply_chat_template`` gives (uint32 [n]) and whether
-    each token is a target (bool [n]: assistant tokens, or all with ``all_targets``)."""
+    each token is a target (bool [n]: assistant tokens, or all with ``all_targets``).  ``generation_prompt``:
+    ended by the template's generation prompt (what a model answers after), every token a target."""
     if not hasattr(tokenizer, "encode_offsets"):
         raise ConfigError(
             "chat data needs a Hugging Face tokenizer.json (its chat template and character offsets): "
             "point --tokenizer at one."
         )
-    if all_targets:
-        ids, _ = tokenizer.encode_offsets(template.render(messages))
+    if all_targets or generation_prompt:
+        ids, _ = tokenizer.encode_offsets(template.render(messages, add_generation_prompt=generation_prompt))
         return ids, np.ones(len(ids), bool)
     text, spans = template.assistant_spans(messages)
     ids, offsets = tokenizer.encode_offsets(text)

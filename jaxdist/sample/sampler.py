@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from jaxdist.config import Config
+from jaxdist.data.chat import ChatTemplate, encode_chat
 from jaxdist.data.tokenizer import Tokenizer, load_tokenizer
 from jaxdist.errors import ConfigError, expect, expect_strings
 from jaxdist.models.transformer import KV_CACHE_NAMES, create_abstract
@@ -323,9 +324,21 @@ class Sampler:
             if r.min() < 0 or r.max() >= self.model.vocab_size:
                 raise ConfigError(f"prompt {i} has token ids outside 0..{self.model.vocab_size - 1}: fix its ids.")
 
-    def prompt_ids(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """The token ids :meth:`generate` feeds for each prompt text."""
+    def prompt_ids(self, texts: Sequence[str], chat: bool = False) -> list[np.ndarray]:
+        """The token ids :meth:`generate` feeds for each prompt text; ``chat``: each text is a user message,
+        rendered with the chat template saved beside the tokenizer and its generation prompt, with the ids
+        ``apply_chat_template`` gives (jaxdist.data.chat)."""
         tok = self.tokenizer
+        if chat:
+            if not hasattr(tok, "encode_offsets"):
+                raise ConfigError(
+                    f"chat prompts need a Hugging Face tokenizer.json with a chat template, but the tokenizer is "
+                    f"'{tok.name}': sample a run trained with one, or set data.tokenizer=PATH/tokenizer.json."
+                )
+            template = ChatTemplate.beside(tok.name)
+            return [
+                encode_chat(tok, template, [{"role": "user", "content": t}], generation_prompt=True)[0] for t in texts
+            ]
         # Documents were trained as [BOS] text EOS: a prompt starts like one (BOS only where the tokenizer's
         # convention has it; never for bytes).
         start = [tok.bos_id] if tok.add_bos else []
@@ -342,12 +355,14 @@ class Sampler:
         stop: str | Sequence[str] | None = None,
         on_token: OnToken | None = None,
         stop_at_eos: bool = True,
+        chat: bool = False,
     ) -> list[Generation]:
         """Continue each prompt (text) by up to ``max_new_tokens`` tokens; see :meth:`decode` for the settings.
 
         A prompt ends at EOS or once its continuation contains a ``stop``
         string (cut off in ``text``).  An empty prompt starts from EOS, the
-        boundary between files in the training data (the model begins a new one).
+        boundary between files in the training data (the model begins a new one).  ``chat``: each prompt is a
+        user message and the text is the assistant's answer (:meth:`prompt_ids`).
         """
         texts = [prompts] if isinstance(prompts, str) else list(prompts)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
@@ -355,7 +370,7 @@ class Sampler:
             raise ConfigError("a stop string is empty: give stop strings of at least one character.")
         check_texts(texts, stops)
         tok = self.tokenizer
-        ids = self.prompt_ids(texts)
+        ids = self.prompt_ids(texts, chat)
         for i, row in enumerate(ids):
             if len(row) and int(row.max()) >= self.model.vocab_size:
                 raise ConfigError(

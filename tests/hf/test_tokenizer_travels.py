@@ -194,3 +194,31 @@ def test_export_writes_the_tokenizer_back(hf_model, run_dir, tmp_path):
     with torch.no_grad():
         again = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert again[0, len(prompt_ids) :].tolist() == new_ids
+
+
+def test_chat_prompts_are_apply_chat_template_and_the_answer_is_generate(hf_model, run_dir):
+    """``generate(..., chat=True)`` (``jaxdist sample --chat``): the prompt is the user message rendered by the
+    chat template saved with the model, with the ids ``apply_chat_template(add_generation_prompt=True)`` gives, and
+    the answer is ``transformers``' greedy ``generate()`` from them."""
+    d, fast, _, _ = hf_model
+    message = [{"role": "user", "content": "def dumps"}]
+    ids = list(
+        fast.apply_chat_template(message, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    )
+    model = transformers.LlamaForCausalLM.from_pretrained(d).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    want = out[0, len(ids) :].tolist()
+    sampler = Sampler.from_run(run_dir, devices=jax.devices()[:1])
+    assert [p.tolist() for p in sampler.prompt_ids(["def dumps"], chat=True)] == [list(ids)]
+    (g,) = sampler.generate("def dumps", NEW_TOKENS, temperature=0.0, chat=True)
+    assert g.tokens == want[: len(g.tokens)] and g.prompt == "def dumps"
+    r = jaxdist(
+        "sample", str(run_dir), "--chat", "--prompt", "def dumps", "--temperature", "0",
+        "--max-new-tokens", str(NEW_TOKENS), cwd=run_dir.parent, timeout=TRAIN_TIMEOUT,
+    )  # fmt: skip
+    assert r.returncode == 0 and r.stdout == g.text + "\n", r.stderr  # the answer only
+    with pytest.raises(ConfigError, match="chat prompts need a Hugging Face tokenizer.json"):
+        Sampler.from_run(run_dir, overrides=["data.tokenizer=bytes"], devices=jax.devices()[:1]).prompt_ids(
+            ["x"], chat=True
+        )
