@@ -77,7 +77,10 @@ def check_output(src: str | Path, out: Path, force: bool) -> None:
     if not out.is_dir():
         return
     names = {e.name for e in out.iterdir()}
-    ours = {WORK, f".{TOKENS}.tmp"} | ({TOKENS, MANIFEST} if names & {WORK, MANIFEST} else set())
+    outputs = (TOKENS, MANIFEST, DOCUMENTS, TARGETS)
+    ours = {WORK, f".{TOKENS}.tmp"} | (set(outputs) if names & {WORK, MANIFEST} else set())
+    # a temporary file of an output, left by a killed prepare (jaxdist.data.journal.atomic_write's names)
+    ours |= {n for n in names if n.endswith(".tmp") and any(n.startswith(f".{o}.") for o in outputs)}
     foreign = sorted(names - ours)
     if foreign and not force:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
