@@ -153,8 +153,8 @@ def poison(monkeypatch):
         rows = jnp.asarray(np.stack([np.asarray(jax.device_get(b))[0] for b in batches]))
         real = step_module.objective
 
-        def objective(graphdef, params, tokens):
-            loss, metrics = real(graphdef, params, tokens)
+        def objective(graphdef, params, tokens, *packing):  # packing: the packed-documents arguments, passed on
+            loss, metrics = real(graphdef, params, tokens, *packing)
             bad = jnp.any(jnp.all(tokens[0][None, :] == rows, axis=1))
             return loss * jnp.where(bad, jnp.nan, 1.0), metrics
 
