@@ -35,7 +35,6 @@ ID_MASK = START - 1  # token ids stay below 2**29
 PAD_ID = 0  # the id under the padding (never a target, attended only by padding)
 DOCUMENTS = "documents.bin"  # beside a prepared token file: uint64 offset of every document's first token
 TARGETS = "targets.bin"  # beside prepared chat data: uint8 per token, 1 where the token is a target
-PACKINGS = ("stream", "documents")
 
 
 @dataclass(frozen=True)

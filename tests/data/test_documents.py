@@ -16,7 +16,7 @@ import optax
 import pytest
 
 from jaxdist.config import ConfigError, load_config, validate
-from jaxdist.data import check_exactly_once, digest_problems, load_source
+from jaxdist.data import add_data, check_exactly_once, digest_problems, load_source
 from jaxdist.data.documents import (
     DOCUMENTS,
     ID_MASK,
@@ -198,6 +198,31 @@ def test_a_documents_run_trains_resumes_and_trains_each_row_once(tmp_path):
     assert digest_problems(run, PackedStream(split.train, pack(split.train_starts, len(split.train), 64))) == []
     with pytest.raises(ConfigError, match="data.packing=documents but the config has stream"):
         Trainer(_config(tmp_path, ["data.packing=stream"]))
+
+
+def test_data_added_to_a_documents_run_is_packed_too(tmp_path):
+    """A text file added while a documents run trains joins at the next step boundary as packed rows (its lines
+    of bytes end with EOS: one document), and every step's tokens are still the rows its batch id names."""
+    new = tmp_path / "new.txt"
+    rng = np.random.default_rng(0)
+    new.write_bytes(bytes(rng.integers(97, 123, 40 * 8 * 64, dtype=np.uint8)))
+    cfg = _config(tmp_path, ["train.steps=8"])
+
+    def add_once(trainer, step, metrics):
+        if step == 3 and trainer.batches.version == 1:
+            add_data(trainer.run_dir, [new], seed=7)
+
+    with Trainer(cfg) as t:
+        t.add_hook(add_once, every=1)
+        t.fit()
+        bl = t.batches.current
+    added = bl.sources[1]
+    assert bl.version == 2 and added.packing == "documents"
+    assert added.rows == pack(np.array([0]), added.n_tokens, 64).rows  # one document, cut into overlapping rows
+    run = tmp_path / "docs"
+    assert check_exactly_once(run)["ok"]
+    split = load_source(cfg.data)
+    assert digest_problems(run, PackedStream(split.train, pack(split.train_starts, len(split.train), 64))) == []
 
 
 def test_what_documents_cannot_run_on_yet_and_files_without_boundaries_are_one_sentence(tmp_path):
