@@ -229,31 +229,30 @@ def read_documents(corpus: Corpus, piece: Piece, text_field: str) -> tuple[list[
             ) from None
         texts = [t for t in table.column(text_field).to_pylist() if t]
         return texts, [piece.first] * len(texts)
+    texts = [t for line, where in _jsonl_lines(corpus, piece) if (t := _text_of(line, text_field, where))]
+    return texts, [piece.first] * len(texts)
+
+
+def _jsonl_lines(corpus: Corpus, piece: Piece) -> list[tuple[bytes, str]]:
+    """The non-blank lines of a JSONL ``piece``, each with where it is (file and line, for errors)."""
+    f = corpus.files[piece.first]
     with open(f.path, "rb") as fh:
         fh.seek(piece.start)
         data = fh.read(piece.stop - piece.start)
-    texts = []
-    for k, line in enumerate(data.split(b"\n")):
-        if line.strip():
-            text = _text_of(line, text_field, f"line {k + 1} after byte {piece.start} of '{f.rel}'")
-            if text:
-                texts.append(text)
-    return texts, [piece.first] * len(texts)
+    return [
+        (line, f"line {k + 1} after byte {piece.start} of '{f.rel}'")
+        for k, line in enumerate(data.split(b"\n"))
+        if line.strip()
+    ]
 
 
 def read_records(corpus: Corpus, piece: Piece) -> tuple[list[tuple[Any, str]], list[int]]:
     """The JSON value of each non-blank line of a JSONL ``piece`` with where it is (file and line, for errors),
     and the file index of each; ConfigError naming the line that is not JSON."""
-    f = corpus.files[piece.first]
-    with open(f.path, "rb") as fh:
-        fh.seek(piece.start)
-        data = fh.read(piece.stop - piece.start)
     records = []
-    for k, line in enumerate(data.split(b"\n")):
-        if line.strip():
-            where = f"line {k + 1} after byte {piece.start} of '{f.rel}'"
-            try:
-                records.append((json.loads(line), where))
-            except ValueError as e:
-                raise ConfigError(f"{where} is not JSON ({e}): fix or remove it.") from None
+    for line, where in _jsonl_lines(corpus, piece):
+        try:
+            records.append((json.loads(line), where))
+        except ValueError as e:
+            raise ConfigError(f"{where} is not JSON ({e}): fix or remove it.") from None
     return records, [piece.first] * len(records)

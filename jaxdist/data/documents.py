@@ -17,7 +17,7 @@ tokens ``0..j``) is a target unless token ``j + 1`` carries either flag: no loss
 none on padding.  A stream window carries no flag, so it trains exactly as before.
 
 The model sees, per row, the segment of each token (the count of START flags up to it: a token attends only
-within its segment) and its position in its segment (:func:`segments_and_positions`).
+within its segment) and its position in its segment (:func:`jaxdist.train.step.documents`).
 """
 
 from __future__ import annotations
@@ -180,15 +180,6 @@ def split_starts(starts: np.ndarray, cut: int) -> tuple[np.ndarray, np.ndarray]:
     """Document starts of the two sides of a stream cut at ``cut`` (a document start): (before, after - cut)."""
     i = int(np.searchsorted(starts, cut))
     return starts[:i], starts[i:] - cut
-
-
-def segments_and_positions(words: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per row of ``words`` [B, T]: each token's segment (1, 2, ...: START flags counted up to it) and its position
-    in its segment (0 at each START).  NumPy; the train step's JAX form is :func:`jaxdist.train.step.documents`."""
-    start = (words & START) != 0
-    index = np.broadcast_to(np.arange(words.shape[-1], dtype=np.int32), words.shape)
-    seg = np.cumsum(start, axis=-1, dtype=np.int32)
-    return seg, index - np.maximum.accumulate(np.where(start, index, 0), axis=-1)
 
 
 def targets(words):

@@ -24,7 +24,6 @@ from jaxdist.data.documents import (
     START,
     PackedStream,
     pack,
-    segments_and_positions,
     targets,
 )
 from jaxdist.models import apply, create_abstract, init_params
@@ -79,12 +78,9 @@ def test_every_prediction_inside_a_document_is_made_once_and_none_across():
 
 def test_segments_and_positions_restart_at_each_document():
     words = np.array([[5 | START, 6, 7, 8 | START, 9, 0 | START | NO_LOSS, 0 | NO_LOSS]], np.int32)
-    seg, pos = segments_and_positions(words)
-    np.testing.assert_array_equal(seg, [[1, 1, 1, 2, 2, 3, 3]])
-    np.testing.assert_array_equal(pos, [[0, 1, 2, 0, 1, 0, 1]])
-    ids, jseg, jpos, labels, tgt = (np.asarray(a) for a in documents(jnp.asarray(words)))
-    np.testing.assert_array_equal(jseg, seg[:, :-1])
-    np.testing.assert_array_equal(jpos, pos[:, :-1])
+    ids, seg, pos, labels, tgt = (np.asarray(a) for a in documents(jnp.asarray(words)))  # the inputs: all but the last
+    np.testing.assert_array_equal(seg, [[1, 1, 1, 2, 2, 3]])
+    np.testing.assert_array_equal(pos, [[0, 1, 2, 0, 1, 0]])
     np.testing.assert_array_equal(ids, [[5, 6, 7, 8, 9, 0]])
     np.testing.assert_array_equal(labels, [[6, 7, 8, 9, 0, 0]])
     np.testing.assert_array_equal(tgt, [[True, True, False, True, False, False]])
