@@ -156,7 +156,7 @@ class DataConfig:
 
     packing: Packing = option(
         "stream",
-        "How training rows are cut: stream (windows of train.seq_len+1 tokens of the concatenated documents; a token attends across document ends) or documents (rows packed from whole documents, a document longer than a row cut into overlapping pieces; a token attends only within its document, positions restart per document, no loss across a boundary or on padding; needs the document boundaries: a text source's files, or the documents.bin `jaxdist data prepare` writes; so far the xla or blockwise attention (auto runs blockwise where it would pick cudnn), no context or pipeline axis, train.grad_sync=end).",
+        "How training rows are cut: stream (windows of train.seq_len+1 tokens of the concatenated documents; a token attends across document ends) or documents (rows packed from whole documents, a document longer than a row cut into overlapping pieces; a token attends only within its document, positions restart per document, no loss across a boundary or on padding; needs the document boundaries: a text source's files, or the documents.bin `jaxdist data prepare` writes; the xla, blockwise or ring attention (auto runs blockwise where it would pick cudnn), train.grad_sync=end).",
     )
 
     def check(self) -> None:

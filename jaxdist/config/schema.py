@@ -106,8 +106,8 @@ def validate(cfg: Config, n_devices: int | None = None) -> None:
 
 
 def _documents_on_model(cfg: Config, sizes: dict[str, int]) -> None:
-    """data.packing=documents's reach so far (ConfigError, one sentence): the xla and blockwise attention's
-    document masks, on the data, fsdp, tensor and expert axes, with the model's own gradients."""
+    """data.packing=documents's reach so far (ConfigError, one sentence): the xla, blockwise and ring attention's
+    document masks, on every mesh axis (pipeline stages too), with train.grad_sync=end."""
     if cfg.data.packing != "documents":
         return
     if cfg.model.vocab_size > 1 << 29:  # a packed row's flags sit above the ids (jaxdist.data.documents.ID_MASK)
@@ -120,12 +120,6 @@ def _documents_on_model(cfg: Config, sizes: dict[str, int]) -> None:
             "data.packing=documents masks documents in the xla and blockwise attention, not cudnn: set "
             "model.attention=auto (it runs blockwise with documents where it would pick cudnn), xla or blockwise."
         )
-    for axis in ("context", "pipeline"):
-        if sizes[axis] > 1:
-            raise ConfigError(
-                f"data.packing=documents does not run with mesh.{axis}={sizes[axis]} yet: set mesh.{axis}=1, or "
-                "data.packing=stream."
-            )
     if cfg.train.grad_sync != "end":
         raise ConfigError(
             f"data.packing=documents runs with train.grad_sync=end only so far, not {cfg.train.grad_sync}: set "

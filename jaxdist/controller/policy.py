@@ -105,6 +105,12 @@ class Failure:
 
 
 STARTUP_STATES = ("warming", "warm", "joining", "restoring")
+SIGTERM = 15
+# How long a worker's exit by SIGTERM waits before it is a failure.  scancel or a preemption signals every
+# process of the job at once; the worker's exit, reported by its node agent, can reach the controller before the
+# controller's own SIGTERM handler has stopped its loop (seen in tests/slurm/test_launch.py on a loaded machine).
+# A SIGTERM of one worker alone is rare, and its recovery starts this much later.
+TERM_GRACE_S = 2.0
 
 
 def find_failures(
@@ -118,6 +124,7 @@ def find_failures(
     start_timeout: float,
     heartbeat_grace: float | None = None,
     disconnect_grace: float = 0.25,
+    term_grace: float = TERM_GRACE_S,
 ) -> list[Failure]:
     """Failures of a generation at time ``now`` (seconds).
 
@@ -130,7 +137,10 @@ def find_failures(
     advanced for ``progress_timeout`` since ``progress_at`` (its last new
     step), or that has not made a first step ``start_timeout`` after
     ``started_at``, fails without blaming a node.  A worker that reported
-    "done" or exited with 0 has finished training: no failure.
+    "done" or exited with 0 has finished training: no failure.  An exit by
+    SIGTERM is blamed only ``term_grace`` after it: a whole job being stopped
+    (scancel, preemption) sends it to the controller too, whose own stop must
+    not be recorded as its workers' failure (:data:`TERM_GRACE_S`).
     """
     out = []
     grace = heartbeat_timeout if heartbeat_grace is None else heartbeat_grace
@@ -139,6 +149,8 @@ def find_failures(
             continue
         silent_s = now - w.last_heartbeat
         if w.exit_code is not None:
+            if w.exit_code == -SIGTERM and w.exited_at is not None and now - w.exited_at < term_grace:
+                continue  # the job may be stopping as a whole: the controller's own SIGTERM comes within the grace
             how = f"killed by signal {-w.exit_code}" if w.exit_code < 0 else f"exit code {w.exit_code}"
             out.append(Failure("exit", w.node, w.rank, f"rank {w.rank} on {w.node}: {how}"))
         elif w.disconnected_at is not None:

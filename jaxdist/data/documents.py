@@ -17,7 +17,7 @@ tokens ``0..j``) is a target unless token ``j + 1`` carries either flag: no loss
 none on padding.  A stream window carries no flag, so it trains exactly as before.
 
 The model sees, per row, the segment of each token (the count of START flags up to it: a token attends only
-within its segment) and its position in its segment (:func:`jaxdist.train.step.documents`).
+within its segment) and its position in its segment (:func:`jaxdist.models.packed.unpack`).
 """
 
 from __future__ import annotations
@@ -28,10 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from jaxdist.errors import ConfigError
+from jaxdist.packed_row import ID_MASK, NO_LOSS, START
 
-START = 1 << 29  # first token of a document (or piece of one), and of a row's padding
-NO_LOSS = 1 << 30  # never a target: padding, the non-assistant tokens of a conversation
-ID_MASK = START - 1  # token ids stay below 2**29
 PAD_ID = 0  # the id under the padding (never a target, attended only by padding)
 DOCUMENTS = "documents.bin"  # beside a prepared token file: uint64 offset of every document's first token
 TARGETS = "targets.bin"  # beside prepared chat data: uint8 per token, 1 where the token is a target

@@ -85,25 +85,31 @@ def _implementation(cfg: ModelConfig, seq_len: int) -> str:
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig, q_offset: int = 0, segments: jax.Array | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cfg: ModelConfig,
+    q_offset: int = 0,
+    segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention with ``cfg.attention``'s implementation.
 
     q: [B, Tq, H, D]; k, v: [B, Tk, KV, D], H a multiple of KV; query i sits at position q_offset + i and
-    sees keys 0..q_offset + i.  Returns [B, Tq, H, D] in q's dtype.  ``segments`` [B, T] (packed documents,
-    Tq = Tk, q_offset 0): a query sees only the keys of its own segment, in the ``xla`` or ``blockwise``
-    implementation (``auto``'s cudnn runs blockwise; jaxdist.config.schema refuses model.attention=cudnn).
+    sees keys 0..q_offset + i.  Returns [B, Tq, H, D] in q's dtype.  ``segments`` [B, Tq] (packed documents)
+    and ``kv_segments`` [B, Tk] (default ``segments``): a query sees only the keys of its own segment, in the
+    ``xla``, ``blockwise`` and ring implementations (``auto``'s cudnn runs blockwise; jaxdist.config.schema
+    refuses model.attention=cudnn with documents).
     """
-    if segments is not None:
-        impl = _implementation(cfg, k.shape[1])  # auto's cudnn takes no document mask here: blockwise does
-        if hooks.sequence_attention() is not None or q_offset:
-            raise ValueError("packed documents run with one device along the sequence and whole rows")
-        if impl in ("blockwise", "cudnn"):
-            return blockwise_document_attention(q, k, v, segments, cfg.attention_block)
-        return causal_attention(q, k, v, q_offset, segments)
     ring = hooks.sequence_attention()
     if ring is not None and q_offset == 0 and q.shape[1] == k.shape[1]:  # tokens split over mesh.context
-        return ring(q, k, v, cfg)
+        return ring(q, k, v, cfg) if segments is None else ring(q, k, v, cfg, segments)
+    if segments is not None:
+        impl = _implementation(cfg, k.shape[1])  # auto's cudnn takes no document mask here: blockwise does
+        if impl in ("blockwise", "cudnn"):
+            kv_segments = segments if kv_segments is None else kv_segments
+            return _document_attention(q, k, v, segments, kv_segments, q_offset, cfg.attention_block, True)
+        return causal_attention(q, k, v, q_offset, segments, kv_segments)
     impl = _implementation(cfg, k.shape[1])
     if impl == "cudnn" and q_offset == 0 and q.shape[1] == k.shape[1]:
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
@@ -129,13 +135,19 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, visible: jax.Arra
 
 
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, q_offset: int = 0, segments: jax.Array | None = None
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    q_offset: int = 0,
+    segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query causal attention.
 
     q: [B, Tq, H, D]; k, v: [B, Tk, KV, D] with H a multiple of KV.  Query i sits
-    at absolute position q_offset + i and sees keys 0..q_offset + i, and with ``segments`` [B, T]
-    (Tq = Tk) only those of its own segment.  Returns [B, Tq, H, D].  Softmax in float32.
+    at absolute position q_offset + i and sees keys 0..q_offset + i, and with ``segments`` [B, Tq]
+    only those of its own segment (``kv_segments`` [B, Tk], default ``segments``).  Returns [B, Tq, H, D].
+    Softmax in float32.
     """
     b, tq, h, dh = q.shape
     kv = k.shape[2]
@@ -148,7 +160,8 @@ def causal_attention(
     if segments is None:
         scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
     else:  # [B, Tq, Tk]: causal and within the query's segment
-        mask = mask[None] & (segments[:, :, None] == segments[:, None, :])
+        kv_segments = segments if kv_segments is None else kv_segments
+        mask = mask[None] & (segments[:, :, None] == kv_segments[:, None, :])
         scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
@@ -201,20 +214,23 @@ def _scores(qi, kj, d, rows, cols, tk, q_offset, visible, seg_q=None, seg_k=None
     return s, mask
 
 
-def segment_starts(segments: jax.Array) -> jax.Array:
-    """[B, T] int32: the index of the first token of each token's segment (segments are runs along a row)."""
-    t = segments.shape[1]
-    index = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segments.shape)
-    new = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
-    return jax.lax.cummax(jnp.where(new, index, 0), axis=1)
+def _segment_blocks(segments, kv_segments, tq, tk, bq, bk, nq, nk):
+    """Padded query and key segments [B, nq*bq], [B, nk*bk] (-1 past the end) and each key block's last real key's
+    segment [B, nk]: what the document skip compares (segments grow along a row, so a key block whose last
+    segment is below a query's holds none of that query's document, nor does any block before it)."""
+    seg_q = jnp.pad(segments, [(0, 0), (0, nq * bq - tq)], constant_values=-1)
+    seg_k = jnp.pad(kv_segments, [(0, 0), (0, nk * bk - tk)], constant_values=-1)
+    last = kv_segments[:, jnp.minimum((jnp.arange(nk) + 1) * bk, tk) - 1]
+    return seg_q, seg_k, last
 
 
-def _blockwise_forward(q, k, v, block, q_offset=0, visible=None, segments=None, skip=True):
+def _blockwise_forward(q, k, v, block, q_offset=0, visible=None, segments=None, skip=True, kv_segments=None):
     """(out [B, Tq, H, D], lse [B, KV, G, Tq padded] float32): the online-softmax forward.
 
     ``visible`` [B, Tq, S] replaces the causal mask (the sampler's cache); then every key block is visited.
-    ``segments`` [B, T] (packed documents, Tq = Tk, q_offset 0): a query sees only its segment's keys, and a key
-    block before the segment of every row's first query of the block is skipped (neither computed nor masked;
+    ``segments`` [B, Tq] (packed documents): a query sees only the keys of its own segment, ``kv_segments``
+    [B, Tk] (default ``segments``: Tq = Tk); segment ids never decrease along a row.  A key block whose
+    segments all lie before every row's first query of the block is skipped (neither computed nor masked;
     ``skip=False`` visits every causal block and masks: benchmarks/documents.py's comparison).
     """
     b, tq, h, d = q.shape
@@ -226,13 +242,13 @@ def _blockwise_forward(q, k, v, block, q_offset=0, visible=None, segments=None, 
     if visible is not None:
         visible = jnp.pad(visible, [(0, 0), (0, nq * bq - tq), (0, nk * bk - tk)])
     if segments is not None:
-        starts = segment_starts(segments)
-        segp = jnp.pad(segments, [(0, 0), (0, max(nq * bq, nk * bk) - tq)], constant_values=-1)
+        kv_segments = segments if kv_segments is None else kv_segments
+        segq, segk, last_seg = _segment_blocks(segments, kv_segments, tq, tk, bq, bk, nq, nk)
 
     def query_block(i):
         qi = jax.lax.dynamic_slice_in_dim(qg, i * bq, bq, axis=1)
         rows = i * bq + jnp.arange(bq)
-        seg_q = None if segments is None else jax.lax.dynamic_slice_in_dim(segp, i * bq, bq, axis=1)
+        seg_q = None if segments is None else jax.lax.dynamic_slice_in_dim(segq, i * bq, bq, axis=1)
 
         def key_block(j, carry):
             m, l, acc = carry
@@ -242,7 +258,7 @@ def _blockwise_forward(q, k, v, block, q_offset=0, visible=None, segments=None, 
             if visible is not None:
                 vis = jax.lax.dynamic_slice(visible, (0, i * bq, j * bk), (b, bq, bk))
             if segments is not None:
-                seg_k = jax.lax.dynamic_slice_in_dim(segp, j * bk, bk, axis=1)
+                seg_k = jax.lax.dynamic_slice_in_dim(segk, j * bk, bk, axis=1)
             s, mask = _scores(qi, kj, d, rows, j * bk + jnp.arange(bk), tk, q_offset, vis, seg_q, seg_k)
             m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _MIN), axis=-1))
             p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
@@ -253,8 +269,8 @@ def _blockwise_forward(q, k, v, block, q_offset=0, visible=None, segments=None, 
 
         # Causal: only the key blocks holding keys <= the block's last query position.
         n = nk if visible is not None else jnp.minimum(nk, (q_offset + (i + 1) * bq - 1) // bk + 1)
-        # Documents: from the key block holding the earliest segment start of the block's first queries.
-        lo = 0 if segments is None or not skip else jnp.min(starts[:, i * bq]) // bk
+        # Documents: from the first key block that reaches the segment of some row's first query of the block.
+        lo = 0 if segments is None or not skip else jnp.min(jnp.sum(last_seg < segq[:, i * bq, None], axis=1))
         init = (
             jnp.full((b, kvh, g, bq), _MIN, jnp.float32),
             jnp.zeros((b, kvh, g, bq), jnp.float32),
@@ -292,9 +308,9 @@ def _blockwise_bwd(q_offset, block, res, dout):
     return _blockwise_grads(q_offset, block, res, dout)
 
 
-def _blockwise_grads(q_offset, block, res, dout, segments=None, skip=True):
-    """(dq, dk, dv) of the blockwise forward from its residuals; ``segments`` as in :func:`_blockwise_forward`
-    (a query block none of whose queries sees a key block is skipped for it)."""
+def _blockwise_grads(q_offset, block, res, dout, segments=None, skip=True, kv_segments=None):
+    """(dq, dk, dv) of the blockwise forward from its residuals; ``segments`` and ``kv_segments`` as in
+    :func:`_blockwise_forward` (a query block none of whose queries sees a key block is skipped for it)."""
     q, k, v, out, lse = res
     b, tq, h, d = q.shape
     tk, kvh = k.shape[1], k.shape[2]
@@ -308,14 +324,15 @@ def _blockwise_grads(q_offset, block, res, dout, segments=None, skip=True):
     delta = jnp.sum(dog.astype(jnp.float32) * og.astype(jnp.float32), axis=-1).transpose(0, 2, 3, 1)
     scale = 1.0 / math.sqrt(d)
     if segments is not None:
-        starts = segment_starts(segments)
-        segp = jnp.pad(segments, [(0, 0), (0, max(nq * bq, nk * bk) - tq)], constant_values=-1)
+        kv_segments = segments if kv_segments is None else kv_segments
+        segq, segk, last_seg = _segment_blocks(segments, kv_segments, tq, tk, bq, bk, nq, nk)
+        real = jnp.arange(nq * bq) < tq
 
     def key_block(dq, j):
         kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1)
         vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1)
         cols = j * bk + jnp.arange(bk)
-        seg_k = None if segments is None else jax.lax.dynamic_slice_in_dim(segp, j * bk, bk, axis=1)
+        seg_k = None if segments is None else jax.lax.dynamic_slice_in_dim(segk, j * bk, bk, axis=1)
 
         def query_block(i, carry):
             dq, dk, dv = carry
@@ -323,7 +340,7 @@ def _blockwise_grads(q_offset, block, res, dout, segments=None, skip=True):
             doi = jax.lax.dynamic_slice_in_dim(dog, i * bq, bq, axis=1)
             lse_i = jax.lax.dynamic_slice_in_dim(lse, i * bq, bq, axis=3)
             delta_i = jax.lax.dynamic_slice_in_dim(delta, i * bq, bq, axis=3)
-            seg_q = None if segments is None else jax.lax.dynamic_slice_in_dim(segp, i * bq, bq, axis=1)
+            seg_q = None if segments is None else jax.lax.dynamic_slice_in_dim(segq, i * bq, bq, axis=1)
             s, mask = _scores(qi, kj, d, i * bq + jnp.arange(bq), cols, tk, q_offset, None, seg_q, seg_k)
             p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
             dv = dv + jnp.einsum("bkgts,btkgd->bskd", p.astype(dout.dtype), doi, preferred_element_type=jnp.float32)
@@ -338,11 +355,10 @@ def _blockwise_grads(q_offset, block, res, dout, segments=None, skip=True):
 
         # Causal: only the query blocks whose last position reaches this block's first key.
         first = jnp.maximum(0, (j * bk - q_offset) // bq)
-        # Documents: up to the query block holding the last query whose segment starts at or before this block's
-        # last key (segment starts grow along a row).
+        # Documents: up to the query block holding the last query whose segment is not past this block's last.
         last = nq
         if segments is not None and skip:
-            reach = jnp.max(jnp.sum(starts <= (j + 1) * bk - 1, axis=1))
+            reach = jnp.max(jnp.sum(real & (segq <= last_seg[:, j, None]), axis=1))
             last = jnp.minimum(nq, -(-reach // bq))
         zeros = jnp.zeros((b, bk, kvh, d), jnp.float32)
         dq, dk, dv = jax.lax.fori_loop(first, last, query_block, (dq, zeros, zeros))
@@ -361,46 +377,62 @@ def _blockwise_grads(q_offset, block, res, dout, segments=None, skip=True):
 blockwise_attention.defvjp(_blockwise_fwd, _blockwise_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def blockwise_document_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array, block: int = 512, skip: bool = True
-):
+) -> jax.Array:
     """:func:`blockwise_attention` of packed documents: a query sees the earlier keys of its own segment
     (``segments`` [B, T]) and key/value blocks holding none of them are skipped, forward and backward
     (``skip=False``: visited and masked, the comparison benchmarks/documents.py makes)."""
-    return _blockwise_forward(q, k, v, block, 0, None, segments, skip)[0]
+    return _document_attention(q, k, v, segments, segments, 0, block, skip)
 
 
-def _document_fwd(q, k, v, segments, block, skip):
-    out, lse = _blockwise_forward(q, k, v, block, 0, None, segments, skip)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _document_attention(q, k, v, segments, kv_segments, q_offset, block, skip):
+    """Blockwise attention of queries in ``segments`` [B, Tq] at positions q_offset.. over keys in
+    ``kv_segments`` [B, Tk] at 0.. (the sequence-chunked pipeline's chunks: q_offset > 0, Tk = q_offset + Tq)."""
+    return _blockwise_forward(q, k, v, block, q_offset, None, segments, skip, kv_segments)[0]
+
+
+def _document_fwd(q, k, v, segments, kv_segments, q_offset, block, skip):
+    out, lse = _blockwise_forward(q, k, v, block, q_offset, None, segments, skip, kv_segments)
     out, lse = checkpoint_name(out, "attn_context"), checkpoint_name(lse, "attn_context")
-    return out, (q, k, v, out, lse, segments)
+    return out, (q, k, v, out, lse, segments, kv_segments)
 
 
-def _document_bwd(block, skip, res, dout):
-    *res, segments = res
-    return (*_blockwise_grads(0, block, tuple(res), dout, segments, skip), None)
+def _document_bwd(q_offset, block, skip, res, dout):
+    *res, segments, kv_segments = res
+    return (*_blockwise_grads(q_offset, block, tuple(res), dout, segments, skip, kv_segments), None, None)
 
 
-blockwise_document_attention.defvjp(_document_fwd, _document_bwd)
+_document_attention.defvjp(_document_fwd, _document_bwd)
 
 
 # --------------------------------------------------------------------------- pieces for ring attention
 
 
 def blockwise_partial(
-    q: jax.Array, k: jax.Array, v: jax.Array, block: int, q_offset: int
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    block: int,
+    q_offset: int,
+    segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """(out [B, Tq, H, D] in q's dtype, lse [B, KV, G, Tq padded to the block] float32) of q against one
     key/value block only, query i at position q_offset + i (keys at 0..Tk-1).  Partial results over disjoint
-    key blocks combine by their log-sum-exp (context parallelism's ring, jaxdist.parallel.context)."""
-    return _blockwise_forward(q, k, v, block, q_offset)
+    key blocks combine by their log-sum-exp (context parallelism's ring, jaxdist.parallel.context).  Packed
+    documents: the queries' ``segments`` [B, Tq] and the keys' ``kv_segments`` [B, Tk]; a row that sees no key
+    of this block gets output 0 and log-sum-exp float32 min (it adds nothing when combined)."""
+    return _blockwise_forward(q, k, v, block, q_offset, None, segments, True, kv_segments)
 
 
-def blockwise_partial_grads(q, k, v, out, lse, dout, block: int, q_offset: int):
+def blockwise_partial_grads(
+    q, k, v, out, lse, dout, block: int, q_offset: int, segments=None, kv_segments=None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) of one key/value block's share of attention, as :func:`blockwise_partial`'s arguments.
 
     ``out`` and ``lse`` are those of the attention over *every* key block (the combined result), ``dout`` its
     cotangent: with them the block's gradients are independent of the other blocks (flash attention's
     backward), so a ring can compute them one block at a time."""
-    return _blockwise_bwd(q_offset, block, (q, k, v, out, lse), dout)
+    return _blockwise_grads(q_offset, block, (q, k, v, out, lse), dout, segments, True, kv_segments)

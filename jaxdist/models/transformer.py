@@ -174,6 +174,8 @@ def block_forward_cached(
     cfg: ModelConfig,
     k_prefix: jax.Array | None = None,
     v_prefix: jax.Array | None = None,
+    segments: jax.Array | None = None,
+    kv_segments: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One dense block on a chunk of a sequence whose earlier positions' keys and values are cached.
 
@@ -185,7 +187,9 @@ def block_forward_cached(
     prefix, y equals ``block_forward(p, x, cos, sin, cfg)``.  Same checkpoint
     names and constraints as block_forward; the sequence-chunked pipeline
     (``parallel/pipeline.py``) runs it.  Weights already in x's dtype are used
-    as they are (no copy, so remat residuals can refer to them).
+    as they are (no copy, so remat residuals can refer to them).  Packed documents: ``segments`` [B, Tc] are the
+    chunk's tokens' segments, ``kv_segments`` [B, P+Tc] those of positions 0..P+Tc-1, and cos, sin per row
+    [B, Tc, head_dim/2].
     """
     dt = x.dtype
     w = {k: v if v.dtype == dt else v.astype(dt) for k, v in p.items()}
@@ -193,7 +197,7 @@ def block_forward_cached(
     offset = 0 if k_prefix is None else k_prefix.shape[1]
     keys = k if k_prefix is None else jnp.concatenate([k_prefix, k], axis=1)
     values = v if v_prefix is None else jnp.concatenate([v_prefix, v], axis=1)
-    x = _attention_residual(w, x, attention(q, keys, values, cfg, offset))
+    x = _attention_residual(w, x, attention(q, keys, values, cfg, offset, segments, kv_segments))
     h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
     return _mlp_residual(w, x, h), k, v
 

@@ -95,8 +95,8 @@ def _rows(lse: jax.Array) -> jax.Array:
     return lse.transpose(0, 3, 1, 2).reshape(b, t, kv * g)[..., None]
 
 
-def _partial(q, k, v, block, offset):
-    out, lse = blockwise_partial(q, k, v, block, offset)
+def _partial(q, k, v, block, offset, sq=None, sk=None):
+    out, lse = blockwise_partial(q, k, v, block, offset, sq, sk)
     return out.astype(jnp.float32), lse[..., : q.shape[1]]
 
 
@@ -110,31 +110,40 @@ def _ring_perm(context: int) -> list[tuple[int, int]]:
     return [(i, (i + 1) % context) for i in range(context)]
 
 
-def _ring_forward(q, k, v, context, block):
-    """(out [b, 2h, H, D] float32, lse [b, KV, G, 2h]) of the local queries (balanced order) over every key."""
+def _halves(seg, h):
+    """A segments block [b, 2h] (or None: no documents) as its two chunks."""
+    return (None, None) if seg is None else (seg[:, :h], seg[:, h:])
+
+
+def _ring_forward(q, k, v, seg, context, block):
+    """(out [b, 2h, H, D] float32, lse [b, KV, G, 2h]) of the local queries (balanced order) over every key;
+    ``seg`` [b, 2h]: the local tokens' document segments (None: no documents), travelling with k and v."""
     h = q.shape[1] // 2
     me = jax.lax.axis_index(AXIS)
     qa, qb = q[:, :h], q[:, h:]
+    sa, sb = _halves(seg, h)
 
-    def lower(o, lse, kb, vb):  # a block from an earlier device: its first chunk, seen whole by every query
-        return _merge(o, lse, *_partial(q, kb[:, :h], vb[:, :h], block, h))
+    def lower(o, lse, kb, vb, skb):  # a block from an earlier device: its first chunk, seen whole by every query
+        return _merge(o, lse, *_partial(q, kb[:, :h], vb[:, :h], block, h, seg, _halves(skb, h)[0]))
 
-    def upper(o, lse, kb, vb):  # a later device: both its chunks, seen whole by the later local chunk only
-        o2, l2 = _merge(o[:, h:], lse[..., h:], *_partial(qb, kb, vb, block, 2 * h))
+    def upper(o, lse, kb, vb, skb):  # a later device: both its chunks, seen whole by the later local chunk only
+        o2, l2 = _merge(o[:, h:], lse[..., h:], *_partial(qb, kb, vb, block, 2 * h, sb, skb))
         return jnp.concatenate([o[:, :h], o2], axis=1), jnp.concatenate([lse[..., :h], l2], axis=3)
 
     def hop(t, o, lse, cur):
-        kb, vb = cur
-        return jax.lax.cond((me - t) % context < me, lower, upper, o, lse, kb, vb)
+        kb, vb, skb = cur
+        return jax.lax.cond((me - t) % context < me, lower, upper, o, lse, kb, vb, skb)
 
     # Each hop sends its block on before computing with it: the transfer has no dependency on the compute, so
     # XLA can overlap the next block's ppermute with this block's attention.  The middle hops run in a loop
     # (not unrolled) so that one hop's score tiles are live at a time, whatever the ring's size.
-    cur = (k, v)
+    cur = (k, v, seg)
     nxt = jax.lax.ppermute(cur, AXIS, _ring_perm(context)) if context > 1 else None
-    kb, vb = cur  # the device's own block: chunk a causal, chunk b sees a whole and b causally
-    o_a, l_a = _partial(qa, kb[:, :h], vb[:, :h], block, 0)
-    o_b, l_b = _merge(*_partial(qb, kb[:, :h], vb[:, :h], block, h), *_partial(qb, kb[:, h:], vb[:, h:], block, 0))
+    # The device's own block: chunk a causal, chunk b sees a whole and b causally.
+    o_a, l_a = _partial(qa, k[:, :h], v[:, :h], block, 0, sa, sa)
+    o_b, l_b = _merge(
+        *_partial(qb, k[:, :h], v[:, :h], block, h, sb, sa), *_partial(qb, k[:, h:], v[:, h:], block, 0, sb, sb)
+    )
     o, lse = jnp.concatenate([o_a, o_b], axis=1), jnp.concatenate([l_a, l_b], axis=3)
 
     def middle(t, carry):
@@ -149,43 +158,47 @@ def _ring_forward(q, k, v, context, block):
     return o, lse
 
 
-def _ring_backward(q, k, v, out, lse, dout, context, block):
-    """(dq, dk, dv) of :func:`_ring_forward`'s attention; k/v and their gradients travel the ring together."""
+def _ring_backward(q, k, v, seg, out, lse, dout, context, block):
+    """(dq, dk, dv) of :func:`_ring_forward`'s attention; k/v (and their segments) and their gradients travel the
+    ring together."""
     h = q.shape[1] // 2
     me = jax.lax.axis_index(AXIS)
     f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    sa, sb = _halves(seg, h)
 
-    def grads(qs, kb, vb, rows, offset):
-        dq, dk, dv = blockwise_partial_grads(qs, kb, vb, out[:, rows], lse[..., rows], dout[:, rows], block, offset)
+    def grads(qs, kb, vb, rows, offset, sq, sk):
+        dq, dk, dv = blockwise_partial_grads(
+            qs, kb, vb, out[:, rows], lse[..., rows], dout[:, rows], block, offset, sq, sk
+        )
         return f32(dq), f32(dk), f32(dv)
 
     first, second, whole = slice(0, h), slice(h, 2 * h), slice(0, 2 * h)
 
-    def lower(kb, vb):
-        dq, dk, dv = grads(q, kb[:, :h], vb[:, :h], whole, h)
+    def lower(kb, vb, skb):
+        dq, dk, dv = grads(q, kb[:, :h], vb[:, :h], whole, h, seg, _halves(skb, h)[0])
         pad = jnp.zeros_like(dk)
         return dq, jnp.concatenate([dk, pad], axis=1), jnp.concatenate([dv, pad], axis=1)
 
-    def upper(kb, vb):
-        dq, dk, dv = grads(q[:, h:], kb, vb, second, 2 * h)
+    def upper(kb, vb, skb):
+        dq, dk, dv = grads(q[:, h:], kb, vb, second, 2 * h, sb, skb)
         return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), dk, dv
 
     def own(kb, vb):  # the device's own block (hop 0)
-        dqa, dka, dva = grads(q[:, :h], kb[:, :h], vb[:, :h], first, 0)
-        dqb1, dka1, dva1 = grads(q[:, h:], kb[:, :h], vb[:, :h], second, h)
-        dqb2, dkb2, dvb2 = grads(q[:, h:], kb[:, h:], vb[:, h:], second, 0)
+        dqa, dka, dva = grads(q[:, :h], kb[:, :h], vb[:, :h], first, 0, sa, sa)
+        dqb1, dka1, dva1 = grads(q[:, h:], kb[:, :h], vb[:, :h], second, h, sb, sa)
+        dqb2, dkb2, dvb2 = grads(q[:, h:], kb[:, h:], vb[:, h:], second, 0, sb, sb)
         ddq = jnp.concatenate([dqa, dqb1 + dqb2], axis=1)
         ddk = jnp.concatenate([dka + dka1, dkb2], axis=1)
         ddv = jnp.concatenate([dva + dva1, dvb2], axis=1)
         return ddq, ddk, ddv
 
     def hop(t, dq, dkv, kv):
-        kb, vb = kv
-        ddq, ddk, ddv = jax.lax.cond((me - t) % context < me, lower, upper, kb, vb)
+        kb, vb, skb = kv
+        ddq, ddk, ddv = jax.lax.cond((me - t) % context < me, lower, upper, kb, vb, skb)
         # The gradient of the block held now goes on with it; after `context` moves it is back with its owner.
         return dq + ddq, jax.lax.ppermute((dkv[0] + ddk, dkv[1] + ddv), AXIS, _ring_perm(context))
 
-    kv = (k, v)
+    kv = (k, v, seg)
     nxt = jax.lax.ppermute(kv, AXIS, _ring_perm(context)) if context > 1 else None  # overlaps the compute
     ddq, ddk, ddv = own(k, v)
     dq = ddq
@@ -203,27 +216,28 @@ def _ring_backward(q, k, v, out, lse, dout, context, block):
     return dq.astype(q.dtype), dkv[0].astype(k.dtype), dkv[1].astype(v.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _ring(q, k, v, context, block):
-    return _ring_forward(q, k, v, context, block)[0].astype(q.dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ring(q, k, v, seg, context, block):
+    return _ring_forward(q, k, v, seg, context, block)[0].astype(q.dtype)
 
 
-def _ring_fwd(q, k, v, context, block):
-    out, lse = _ring_forward(q, k, v, context, block)
+def _ring_fwd(q, k, v, seg, context, block):
+    out, lse = _ring_forward(q, k, v, seg, context, block)
     out = out.astype(q.dtype)
-    return out, (q, k, v, out, lse)
+    return out, (q, k, v, seg, out, lse)
 
 
 def _ring_bwd(context, block, res, dout):
-    return _ring_backward(*res, dout, context, block)
+    return (*_ring_backward(*res, dout, context, block), None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _local(q, k, v, context, block):
+def _local(q, k, v, seg, context, block):
     q, k, v = (_to_balanced(x, context) for x in (q, k, v))
-    return _to_plain(_ring(q, k, v, context, block), context)
+    seg = None if seg is None else _to_balanced(seg, context)
+    return _to_plain(_ring(q, k, v, seg, context, block), context)
 
 
 # --------------------------------------------------------------------------- installing it
@@ -236,12 +250,22 @@ def _block_size(half: int, block: int) -> int:
     return block if half % block == 0 else math.gcd(half, block)
 
 
-def ring_attention(mesh: Mesh, rules: _rules.Rules, q: jax.Array, k: jax.Array, v: jax.Array, cfg: ModelConfig):
+def ring_attention(
+    mesh: Mesh,
+    rules: _rules.Rules,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    cfg: ModelConfig,
+    segments: jax.Array | None = None,
+):
     """Causal attention of q [B, T, H, D] over k, v [B, T, KV, D] (global arrays) as a ring over ``context``.
 
     T must divide into ``2 * mesh.context`` chunks (jaxdist.config.schema refuses other lengths).  Batch and heads keep
     their own shardings (data/fsdp, tensor); when tensor splits the query heads but not the key/value heads
-    (fewer KV heads than tensor), k and v are repeated to one per query head first.
+    (fewer KV heads than tensor), k and v are repeated to one per query head first.  ``segments`` [B, T] (packed
+    documents, never decreasing along a row): a query sees only its own segment's keys; the segments travel the
+    ring with the keys, and a key block with none of a query block's documents is skipped.
     """
     context = dict(mesh.shape)[AXIS]
     t = q.shape[1]
@@ -252,17 +276,23 @@ def ring_attention(mesh: Mesh, rules: _rules.Rules, q: jax.Array, k: jax.Array, 
         k, v = (jnp.repeat(x, q.shape[2] // k.shape[2], axis=2) for x in (k, v))
         kv_spec = q_spec
     assert q_spec[1] == AXIS, f"attention's sequence is not split over {AXIS}: {q_spec}"
+    local = functools.partial(_local, context=context, block=_block_size(t // (2 * context), cfg.attention_block))
+    specs, args = (q_spec, kv_spec, kv_spec), (q, k, v)
+    if segments is None:
+        local = functools.partial(local, seg=None)
+    else:
+        specs, args = (*specs, jax.sharding.PartitionSpec(*q_spec[:2])), (*args, segments)
     fn = jax.shard_map(
-        functools.partial(_local, context=context, block=_block_size(t // (2 * context), cfg.attention_block)),
+        local,
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec),
+        in_specs=specs,
         out_specs=q_spec,
         # The blockwise loops start their carries from constants, which the varying-axes check rejects; the
         # body's collectives are all explicit ppermutes over context, and the exactness tests check the result.
         check_vma=False,
     )
     with _rules.activation_sharding(None):  # whole-mesh constraints do not apply inside shard_map
-        return fn(q, k, v)
+        return fn(*args)
 
 
 @contextlib.contextmanager

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import ConfigError, ModelConfig, Remat
+from jaxdist.models.packed import target_count
 from jaxdist.parallel.chunks import chunk_boundaries, chunk_cost_model
 from jaxdist.parallel.pipeline_stage import AXIS, run_stage, stage_remat_policy
 from jaxdist.parallel.pipeline_sync import STAGE_MANUAL, StageSync
@@ -109,6 +110,7 @@ def pipeline_loss_and_grads(
     with_trace: bool = False,
     tables: tuple[jax.Array, jax.Array] | None = None,
     sync: StageSync | None = None,
+    packed: bool = False,
 ):
     """(mean next-token loss, grads) of ``tokens`` [B, T+1], run as a pipeline over ``mesh``'s pipeline axis.
 
@@ -127,6 +129,10 @@ def pipeline_loss_and_grads(
 
     ``sync``: ``train.grad_sync=per_block``'s :class:`~jaxdist.parallel.pipeline_sync.StageSync`: the stages
     run manual over ``data`` and ``fsdp`` too and reduce their gradients once, after their last backward.
+
+    ``packed``: rows packed from documents (data.packing=documents, jaxdist.models.packed): the loss is the mean
+    over their targets, and each chunk attends within its documents (the key/value cache of the earlier chunks
+    carries their segments).
     """
     sch = plan.schedule
     p, m = sch.stages, sch.microbatches
@@ -145,16 +151,17 @@ def pipeline_loss_and_grads(
     else:  # per_block: data and fsdp manual too (the rules inside name only the automatic axes)
         specs, manual = sync.in_specs(), set(STAGE_MANUAL)
         rules = tuple((name, tuple(a for a in axes if a not in manual)) for name, axes in rules)
-    body = partial(run_stage, model=model, plan=plan, remat=remat, rules=rules, n_tokens=b * (t1 - 1), sync=sync)
+    n_tokens = target_count(tokens) if packed else jnp.float32(b * (t1 - 1))
+    body = partial(run_stage, model=model, plan=plan, remat=remat, rules=rules, packed=packed, sync=sync)
     fn = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(*specs, P()),
+        in_specs=(*specs, P(), P()),
         out_specs=(P(), specs[0], specs[1], P(AXIS)),
         axis_names=manual,
         check_vma=False,
     )
-    loss, g_layers, g_shared, trace = fn(params["layers"], shared, mb_tokens, tables)
+    loss, g_layers, g_shared, trace = fn(params["layers"], shared, mb_tokens, tables, n_tokens)
     grads = dict(g_shared, layers=g_layers)
     return (loss, grads, trace) if with_trace else (loss, grads)
 
@@ -185,7 +192,15 @@ def pipeline_grads_fn(
 
     def fn(params, tokens):
         loss, grads = pipeline_loss_and_grads(
-            params, tokens, model=config.model, mesh=mesh, plan=plan, remat=t.remat_spec, rules=rules, sync=sync
+            params,
+            tokens,
+            model=config.model,
+            mesh=mesh,
+            plan=plan,
+            remat=t.remat_spec,
+            rules=rules,
+            sync=sync,
+            packed=config.data.packing == "documents",
         )
         return loss, {}, grads
 

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.config import ModelConfig, Remat
+from jaxdist.models.packed import unpack
 from jaxdist.models.transformer import (
     CHECKPOINT_NAMES,
     array_dtype,
@@ -30,6 +31,7 @@ from jaxdist.models.transformer import (
     rotary_tables,
     token_cross_entropy,
 )
+from jaxdist.packed_row import ID_MASK
 from jaxdist.parallel.pipeline_sync import STAGE_MANUAL
 from jaxdist.parallel.rules import Rules, activation_sharding
 
@@ -122,12 +124,13 @@ def run_stage(
     shared: dict,
     tokens: jax.Array,
     tables,
+    n_tokens: jax.Array,
     *,
     model: ModelConfig,
     plan,
     remat: str | Remat,
     rules: Rules,
-    n_tokens: int,
+    packed: bool = False,
     sync=None,
 ):
     """One stage's program, inside ``shard_map`` manual over ``pipeline`` (and ``data``, ``fsdp`` with ``sync``).
@@ -135,21 +138,25 @@ def run_stage(
     ``layers``: this stage's blocks [L/p, ...]; ``shared``: embedding, final norm
     (and lm_head); ``tokens`` [m, B/m, T+1]; ``tables``: (``ExecutorTables.
     stacked()``, ``unit_slot``); ``plan``: a PipelinePlan (static shapes);
-    ``n_tokens``: predicted tokens of the global batch (the loss is their mean).
+    ``n_tokens``: the predictions the global batch's loss counts (float32 scalar; the loss is their mean).
+    ``packed``: rows packed from documents (jaxdist.models.packed): a chunk's tokens attend within their
+    documents, their positions restart at each, and only the targets count in the loss.
     ``sync``: a :class:`~jaxdist.parallel.pipeline_sync.StageSync` (``train.grad_sync=per_block``: the
     weights arrive as fsdp shards and the gradients leave reduced, see that module), or None.
     Returns (loss summed over stages, this stage's layer grads, shared grads
     summed over stages, trace [1, ticks]).
     """
     with activation_sharding(jax.sharding.get_abstract_mesh(), rules):
-        return _StageRun(layers, shared, tokens, tables, model, plan, remat, n_tokens, sync).run()
+        return _StageRun(layers, shared, tokens, tables, model, plan, remat, n_tokens, sync, packed).run()
 
 
 class _StageRun:
     """Traces one stage's tick loop; a class only to share the many static pieces between branches."""
 
-    def __init__(self, layers, shared, tokens, tables, cfg: ModelConfig, plan, remat: str | Remat, n_tokens: int, sync):
-        self.cfg, self.plan, self.n_tokens, self.sync = cfg, plan, n_tokens, sync
+    def __init__(
+        self, layers, shared, tokens, tables, cfg: ModelConfig, plan, remat: str | Remat, n_tokens, sync, packed
+    ):
+        self.cfg, self.plan, self.n_tokens, self.sync, self.packed = cfg, plan, n_tokens, sync, packed
         self.layer_shards = {k: (v.shape, v.dtype) for k, v in layers.items()}  # what leaves reduced (per_block)
         if sync is not None:  # per_block: the stage's weights whole along fsdp, once per step
             layers, shared = sync.gather_layers(layers), sync.gather_shared(shared)
@@ -181,19 +188,33 @@ class _StageRun:
 
     def _block(self, c: int) -> Callable:
         cfg = self.cfg
-        if c == 0:
-            fn = lambda p, x, cos, sin: block_forward_cached(p, x, cos, sin, cfg)  # noqa: E731
+        if c == 0:  # packed rows: one segments argument, the queries' and the keys' (one array, one residual)
+            fn = lambda p, x, cos, sin, *seg: block_forward_cached(p, x, cos, sin, cfg, None, None, *seg, *seg)  # noqa: E731
         else:
-            fn = lambda p, x, cos, sin, kp, vp: block_forward_cached(p, x, cos, sin, cfg, kp, vp)  # noqa: E731
+            fn = lambda p, x, cos, sin, kp, vp, *seg: block_forward_cached(p, x, cos, sin, cfg, kp, vp, *seg)  # noqa: E731
         return jax.checkpoint(fn, policy=self.policy)
 
-    def _rotary(self, c: int):
-        a, e = self.plan.bounds[c], self.plan.bounds[c + 1]
-        return rotary_tables(jnp.arange(a, e), self.cfg.head_dim, self.cfg.rope_theta, self.cfg)
+    def _rotary(self, c: int, positions=None):
+        """cos, sin of chunk c: [Tc, head_dim/2] at positions bounds[c].., or per row [B, Tc, head_dim/2] from the
+        packed rows' ``positions`` [B, Tc] (each restarting at its document's first token)."""
+        if positions is None:
+            a, e = self.plan.bounds[c], self.plan.bounds[c + 1]
+            return rotary_tables(jnp.arange(a, e), self.cfg.head_dim, self.cfg.rope_theta, self.cfg)
+        cos, sin = rotary_tables(positions.reshape(-1), self.cfg.head_dim, self.cfg.rope_theta, self.cfg)
+        return cos.reshape(*positions.shape, -1), sin.reshape(*positions.shape, -1)
 
-    def _args(self, c: int, p_l, x, cos, sin, kp, vp):
-        full = (p_l, x, cos, sin) if c == 0 else (p_l, x, cos, sin, kp, vp)
-        again = (p_l, cos, sin) if c == 0 else (p_l, cos, sin, kp, vp)
+    def _documents(self, c: int, mb):
+        """Packed rows: (positions [B, Tc], (segments of chunk c's tokens [B, Tc], of positions 0..end [B, e])) of
+        microbatch mb (chunk 0: its tokens' segments only, the same for keys); otherwise (None, ())."""
+        if not self.packed:
+            return None, ()
+        a, e = self.plan.bounds[c], self.plan.bounds[c + 1]
+        seg = _take(self.segments, mb)
+        return _take(self.positions, mb)[:, a:e], (seg[:, :e],) if c == 0 else (seg[:, a:e], seg[:, :e])
+
+    def _args(self, c: int, p_l, x, cos, sin, kp, vp, seg=()):
+        full = (p_l, x, cos, sin, *seg) if c == 0 else (p_l, x, cos, sin, kp, vp, *seg)
+        again = (p_l, cos, sin, *seg) if c == 0 else (p_l, cos, sin, kp, vp, *seg)
         return full, again
 
     def _residual_layout(self, c: int) -> dict:
@@ -205,14 +226,18 @@ class _StageRun:
         kv = sd((bsz, a, cfg.n_kv_heads, cfg.head_dim))
         out = {}
 
-        def trace(p_l, x, kp, vp):
-            cos, sin = self._rotary(c)
-            full, again = self._args(c, p_l, x, cos, sin, kp, vp)
+        def trace(p_l, x, kp, vp, positions, seg):
+            cos, sin = self._rotary(c, positions)
+            full, again = self._args(c, p_l, x, cos, sin, kp, vp, seg)
             _, kept, treedef, layout = _vjp_split(self._block(c), full, again)
             out.update(treedef=treedef, layout=layout)
             return kept
 
-        kept = jax.eval_shape(trace, p_l, sd((bsz, n, cfg.d_model)), kv, kv)
+        positions, seg = None, ()
+        if self.packed:
+            i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+            positions, seg = i32((bsz, n)), (i32((bsz, n)),) if c == 0 else (i32((bsz, n)), i32((bsz, a + n)))
+        kept = jax.eval_shape(trace, p_l, sd((bsz, n, cfg.d_model)), kv, kv, positions, seg)
         out.update(shapes=[k.shape for k in kept], dtypes=[k.dtype for k in kept])
         return out
 
@@ -239,7 +264,8 @@ class _StageRun:
 
         def branch(carry, row, x_in):
             mb, slot = row[1], row[3]
-            cos, sin = self._rotary(c)
+            positions, seg = self._documents(c, mb)
+            cos, sin = self._rotary(c, positions)
 
             # The stash travels through the block loop so that each block's residuals are
             # written into their slot in place (no stacked copy of a whole unit).
@@ -247,9 +273,13 @@ class _StageRun:
                 x, carry = state
                 p_l, l = xs
                 kp, vp = self._prefix_kv(carry, mb, c, l)
-                full, again = self._args(c, p_l, x, cos, sin, kp, vp)
+                full, again = self._args(c, p_l, x, cos, sin, kp, vp, seg)
                 (y, k, v), kept, _, layout = _vjp_split(block, full, again)
-                assert layout == self.res[c]["layout"], "residual layout differs from the plan"
+                assert layout == self.res[c]["layout"], (
+                    "residual layout differs from the plan",
+                    layout,
+                    self.res[c]["layout"],
+                )
                 carry = dict(
                     carry,
                     stash=[
@@ -275,7 +305,8 @@ class _StageRun:
 
         def branch(carry, row, dy_in):
             mb, slot = row[1], row[3]
-            cos, sin = self._rotary(c)
+            positions, seg = self._documents(c, mb)
+            cos, sin = self._rotary(c, positions)
 
             def layer(state, xs):
                 dx, carry = state
@@ -287,7 +318,7 @@ class _StageRun:
                     dve = _at(carry["dkv_v"], (l,), (self.batch, n), (0, a))
                 else:
                     dke = dve = jnp.zeros(kv_shape, self.dt)
-                _, again = self._args(c, p_l, None, cos, sin, kp, vp)
+                _, again = self._args(c, p_l, None, cos, sin, kp, vp, seg)
                 vjp = jax.tree.unflatten(treedef, _merge(kept, again, layout))
                 cts = vjp((dx, dke, dve))
                 carry = dict(carry, g_layers={k: _add(g, (l,), cts[0][k]) for k, g in carry["g_layers"].items()})
@@ -303,13 +334,16 @@ class _StageRun:
 
         return branch
 
-    def _head(self, carry, y, tok, n):
-        """Last stage, after a forward: loss of the unit and the gradient of its output (padded tokens masked)."""
-        mask = jnp.arange(self.tmax) < n
+    def _head(self, carry, y, tok, n, targets=None):
+        """Last stage, after a forward: loss of the unit and the gradient of its output (padded tokens masked, and
+        with packed rows every prediction that is not a target, ``targets`` [B, tmax])."""
+        mask = (jnp.arange(self.tmax) < n)[None]
+        if targets is not None:
+            mask = mask & targets
 
         def loss_fn(y, weights):
             ce = token_cross_entropy(head(weights, y, self.cfg), tok[:, 1:])
-            return jnp.sum(jnp.where(mask[None], ce, 0.0)) / self.n_tokens
+            return jnp.sum(jnp.where(mask, ce, 0.0)) / self.n_tokens
 
         loss, vjp = jax.vjp(loss_fn, y, head_params(self.shared, self.cfg))
         dy, dw = vjp(jnp.ones((), jnp.float32))
@@ -373,8 +407,15 @@ class _StageRun:
         branches = [self._idle] + [self._forward(c) for c in range(s)] + [self._backward(c) for c in range(s)]
         starts = jnp.asarray(self.plan.bounds[:-1], jnp.int32)  # first token of each chunk
         lengths = jnp.asarray(self.lengths, jnp.int32)
+        tokens, targets = self.tokens, None
+        if self.packed:  # the ids, and per microbatch row the segments, positions and targets of the whole row
+            m, b, t1 = tokens.shape
+            _, seg, pos, _, targets = (x.reshape(m, b, t1 - 1) for x in unpack(tokens.reshape(m * b, t1)))
+            self.segments, self.positions = seg, pos
+            tokens = tokens & ID_MASK
+            targets = jnp.pad(targets, ((0, 0), (0, 0), (0, tm)))
         # Tokens padded so that a chunk's window [start, start + tmax + 1) never runs off the end.
-        tokens = jnp.pad(self.tokens, ((0, 0), (0, 0), (0, tm)))
+        tokens = jnp.pad(tokens, ((0, 0), (0, 0), (0, tm)))
 
         # The tick of this stage's last backward (per_block reduces the stage's gradients right after it).
         ticks = jnp.arange(self.table.shape[0])
@@ -403,9 +444,12 @@ class _StageRun:
             )
             x_b = jnp.where(self.is_last, _take(carry["dy"], slot), _take(carry["grad_in"], row[4]))
             carry, out = jax.lax.switch(op, branches, carry, row, jnp.where(is_f, x_f, x_b))
+            tgt = (
+                None if targets is None else jax.lax.dynamic_slice_in_dim(_take(targets, mb), starts[chunk], tm, axis=1)
+            )
             carry, dy = jax.lax.cond(
                 self.is_last & is_f,
-                partial(self._head, tok=tok, n=lengths[chunk]),
+                partial(self._head, tok=tok, n=lengths[chunk], targets=tgt),
                 lambda carry, y: (carry, jnp.zeros_like(y)),
                 carry,
                 out,

@@ -19,37 +19,19 @@ import jax.numpy as jnp
 import optax
 
 from jaxdist.data.batchlist import token_digest
-from jaxdist.data.documents import ID_MASK, NO_LOSS, START
 from jaxdist.models import apply, apply_with_aux
 from jaxdist.models.moe import MOE_METRICS
+from jaxdist.models.packed import target_count, unpack
 from jaxdist.parallel.rules import constrain
 
 TrainState = dict[str, Any]
 
 
-def documents(words: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Packed rows ``words`` [B, T+1] (jaxdist.data.documents) as (input ids [B, T], segments, positions, label
-    ids [B, T], targets [B, T] bool): a token's segment counts the START flags up to it, its position restarts at
-    each; prediction j is a target unless token j+1 starts a segment or carries NO_LOSS."""
-    inp, labels = words[:, :-1], words[:, 1:]
-    start = (inp & START) != 0
-    index = jnp.broadcast_to(jnp.arange(inp.shape[1], dtype=jnp.int32), inp.shape)
-    segments = jnp.cumsum(start.astype(jnp.int32), axis=1)
-    positions = index - jax.lax.cummax(jnp.where(start, index, 0), axis=1)
-    targets = (labels & (START | NO_LOSS)) == 0
-    return inp & ID_MASK, segments, positions, labels & ID_MASK, targets
-
-
-def target_count(words: jax.Array) -> jax.Array:
-    """The targets of packed rows ``words`` [B, T+1] (float32, at least 1)."""
-    return jnp.maximum(jnp.sum((words[:, 1:] & (START | NO_LOSS)) == 0, dtype=jnp.float32), 1.0)
-
-
 def next_token_loss(graphdef, params: dict, tokens: jax.Array, packed: bool = False) -> jax.Array:
     """Mean cross-entropy (nats per token) of predicting tokens[:, 1:] from tokens[:, :-1]; ``packed``: rows
-    packed from documents, the mean over their targets (:func:`documents`)."""
+    packed from documents, the mean over their targets (:func:`jaxdist.models.packed.unpack`)."""
     if packed:
-        ids, segments, positions, labels, targets = documents(tokens)
+        ids, segments, positions, labels, targets = unpack(tokens)
         logits, _ = apply_with_aux(graphdef, params, ids, segments, positions)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return jnp.sum(jnp.where(targets, ce, 0.0)) / target_count(tokens)
@@ -73,7 +55,7 @@ def objective(
     over the number of microbatches, so the mean of the microbatches' values is the batch's mean).
     """
     if packed:
-        ids, segments, positions, labels, targets = documents(tokens)
+        ids, segments, positions, labels, targets = unpack(tokens)
         logits, aux = apply_with_aux(graphdef, params, ids, segments, positions)
         per_token = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         ce = jnp.sum(jnp.where(targets, per_token, 0.0)) / (target_count(tokens) if scale is None else scale)

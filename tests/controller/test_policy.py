@@ -9,6 +9,7 @@ import pytest
 
 from jaxdist.config import load_config
 from jaxdist.controller.policy import (
+    TERM_GRACE_S,
     Failure,
     WorkerView,
     choose_group_size,
@@ -90,6 +91,17 @@ def test_find_failures_blames_exits_and_silence():
     )
     # exactly at the timeout: still alive
     assert find_failures(11.5, [_w(0, 10.0)], started_at=0.0, progress_at=11.0, **TIMEOUTS) == []
+
+
+def test_an_exit_by_sigterm_is_a_failure_only_after_the_grace():
+    """scancel or a preemption signals the workers and the controller together: a worker's SIGTERM exit that
+    reaches the controller first is not blamed until TERM_GRACE_S later (by then the controller has stopped)."""
+    term = [_w(0, 10.0, exit_code=-15, exited_at=10.0)]
+    assert find_failures(10.0 + TERM_GRACE_S - 0.1, term, started_at=0.0, progress_at=9.0, **TIMEOUTS) == []
+    got = find_failures(10.0 + TERM_GRACE_S, term, started_at=0.0, progress_at=9.0, **TIMEOUTS)
+    assert [(f.kind, f.rank) for f in got] == [("exit", 0)] and "killed by signal 15" in got[0].detail
+    kill = [_w(0, 10.0, exit_code=-9, exited_at=10.0)]  # any other signal is blamed at once
+    assert [f.kind for f in find_failures(10.0, kill, started_at=0.0, progress_at=9.0, **TIMEOUTS)] == ["exit"]
 
 
 def test_find_failures_tells_a_busy_process_from_a_stopped_one():

@@ -27,10 +27,11 @@ from jaxdist.data.documents import (
     targets,
 )
 from jaxdist.models import apply, create_abstract, init_params
+from jaxdist.models.packed import unpack
 from jaxdist.models.transformer import apply_with_aux
 from jaxdist.resolve import resolve
 from jaxdist.train.metrics import read_metrics
-from jaxdist.train.step import documents, init_state, make_train_step
+from jaxdist.train.step import init_state, make_train_step
 from jaxdist.train.trainer import Trainer
 from tests.trees import leaf_pairs
 
@@ -78,7 +79,7 @@ def test_every_prediction_inside_a_document_is_made_once_and_none_across():
 
 def test_segments_and_positions_restart_at_each_document():
     words = np.array([[5 | START, 6, 7, 8 | START, 9, 0 | START | NO_LOSS, 0 | NO_LOSS]], np.int32)
-    ids, seg, pos, labels, tgt = (np.asarray(a) for a in documents(jnp.asarray(words)))  # the inputs: all but the last
+    ids, seg, pos, labels, tgt = (np.asarray(a) for a in unpack(jnp.asarray(words)))  # the inputs: all but the last
     np.testing.assert_array_equal(seg, [[1, 1, 1, 2, 2, 3]])
     np.testing.assert_array_equal(pos, [[0, 1, 2, 0, 1, 0]])
     np.testing.assert_array_equal(ids, [[5, 6, 7, 8, 9, 0]])
@@ -103,7 +104,7 @@ def test_a_packed_batch_gives_each_documents_own_losses_and_gradients(attention,
     words = jnp.asarray(p.read(stream, np.arange(p.rows)))
 
     def packed(params):
-        ids, seg, pos, labels, tgt = documents(words)
+        ids, seg, pos, labels, tgt = unpack(words)
         logits, _ = apply_with_aux(graphdef, params, ids, seg, pos)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return jnp.sum(jnp.where(tgt, ce, 0.0)), ce
@@ -245,7 +246,6 @@ def test_data_added_to_a_documents_run_is_packed_too(tmp_path):
 def test_what_documents_cannot_run_on_yet_and_files_without_boundaries_are_one_sentence(tmp_path):
     for extra, says in (
         (["model.attention=cudnn", "model.dtype=bfloat16"], "set model.attention=auto"),
-        (["mesh.context=2"], "set mesh.context=1"),
         (["train.grad_sync=per_block"], "set train.grad_sync=end"),
     ):
         with pytest.raises(ConfigError, match=says) as e:
