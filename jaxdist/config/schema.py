@@ -227,11 +227,6 @@ def _context_on_model(cfg: Config, sizes: dict[str, int]) -> None:
             f"mesh.context={c} does not run with pipeline stages yet (mesh.pipeline={sizes['pipeline']}): "
             "set mesh.pipeline=1 or mesh.context=1."
         )
-    if cfg.model.moe.experts:
-        raise ConfigError(
-            f"mesh.context={c} does not run MoE models yet (model.moe.experts={cfg.model.moe.experts}): "
-            "set mesh.context=1 or use a dense model."
-        )
     if cfg.train.seq_len % (2 * c):
         raise ConfigError(
             f"train.seq_len={cfg.train.seq_len} does not split into 2*mesh.context={2 * c} equal chunks: "

@@ -141,7 +141,10 @@ def expert_layout(
     ep = _rule_axes(rules, "expert", view)
     etp_axes = _rule_axes(rules, "expert_mlp", view)
     batch = _rule_axes(rules, "batch", view)
-    tokens = tuple(a for a in batch if a not in etp_axes) + tuple(a for a in ep if a not in batch)
+    seq = tuple(a for a in _rule_axes(rules, "seq", view) if a not in batch)
+    # The layer's tokens [B*T] split as the activations [B, T] are (rows, then each row's sequence chunk over
+    # context), then further over the expert axes the rows are not split over.
+    tokens = tuple(a for a in batch + seq if a not in etp_axes) + tuple(a for a in ep if a not in batch)
     assert not set(ep) & set(etp_axes), f"expert axes {ep} and expert tensor axes {etp_axes} overlap"
     if exchange is None:
         exchange = "ragged" if jax.default_backend() == "gpu" else "padded"
@@ -226,7 +229,24 @@ def run_experts(
     with _rules.activation_sharding(None):  # whole-mesh constraints do not apply inside shard_map
         y, keep = fn(x, experts, weights, params)
     # Back onto the model's mesh: tokens split over tensor_ep exist only in the expert view.
-    return _rules.constrain(y, ("batch", "embed")), _rules.constrain(keep, ("batch", None))
+    return _tokens_on_model_mesh(y), _tokens_on_model_mesh(keep)
+
+
+def _tokens_on_model_mesh(y: jax.Array) -> jax.Array:
+    """Tokens [B*T, ...] constrained as the model's activations [B, T, ...] are split: rows over the batch axes,
+    then (with mesh.context > 1) each row's sequence over context, so reshaping back to [B, T] moves nothing."""
+    active = _rules.active_sharding()
+    names = ("batch",) + (None,) * (y.ndim - 1)
+    if active is None:
+        return _rules.constrain(y, names)
+    mesh, rules = active
+    seq = tuple(a for a in _rule_axes(rules, "seq", mesh) if a not in _rule_axes(rules, "batch", mesh))
+    rows = logical_to_spec(names, rules, mesh, y.shape)[0]
+    rows = () if rows is None else (rows,) if isinstance(rows, str) else tuple(rows)
+    axes = rows + seq
+    if not seq or y.shape[0] % math.prod(mesh.shape[a] for a in axes):
+        return _rules.constrain(y, names)
+    return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(axes, *(None,) * (y.ndim - 1))))
 
 
 def _dispatch(x, experts, weights, params, *, cfg: ModelConfig, ep_axes, ep_size, etp_axes, exchange):

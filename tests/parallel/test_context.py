@@ -109,7 +109,6 @@ def test_the_chunk_order_balances_causal_work(context):
     "overrides,message",
     [
         (["mesh.context=2", "mesh.pipeline=2", "model.n_layers=2"], "does not run with pipeline stages yet"),
-        (["model=moe-tiny", "mesh.context=2"], "does not run MoE models yet"),
         (["mesh.context=4", "train.seq_len=36"], "does not split into 2*mesh.context=8 equal chunks"),
     ],
 )

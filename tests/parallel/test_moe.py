@@ -9,9 +9,10 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxdist.parallel.moe as EP
-from jaxdist.config import load_config
+from jaxdist.config import load_config, validate
 from jaxdist.models import create_abstract, init_params, moe as M
 from jaxdist.models.hooks import dispatching_experts
+from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import build_mesh
 from jaxdist.parallel.rules import DEFAULT_RULES, activation_sharding
 from jaxdist.train.step import loss_and_grads
@@ -134,9 +135,12 @@ def test_capacity_dispatch_keeps_per_device_slots_and_counts_drops():
 # --------------------------------------------------------------------------- whole model
 
 
+_MODEL_REFERENCE = ["model=moe-tiny", "model.d_model=32", "model.moe.d_ff=16", "model.moe.shared_d_ff=16"]
+
+
 @pytest.fixture(scope="module")
 def model_reference():
-    cfg = load_config(None, ["model=moe-tiny", "model.d_model=32", "model.moe.d_ff=16", "model.moe.shared_d_ff=16"])
+    cfg = load_config(None, _MODEL_REFERENCE)
     graphdef, abstract, names = create_abstract(cfg.model)
     params = jax.jit(lambda: init_params(cfg.model, seed=3))()
     tokens = jax.random.randint(jax.random.key(5), (8, 17), 0, cfg.model.vocab_size)
@@ -162,6 +166,34 @@ def test_sharded_moe_model_equals_single_device(model_reference, mesh_overrides,
     )
     with activation_sharding(mesh), EP.expert_parallelism(layout):
         loss, grads = fn(jax.device_put(params, p_sh), jax.device_put(tokens, t_sh))
+    assert rel_err(loss, loss_ref) < 1e-5
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        assert rel_err(g, _at(grads_ref, path)) < 1e-5, jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize(
+    "mesh_overrides",
+    [["mesh.context=2", "mesh.expert=2", "mesh.data=2"], ["mesh.context=2", "mesh.data=2", "mesh.tensor=2"]],
+    ids=["context=2,expert=2,data=2", "context=2,data=2,tensor=2"],
+)
+def test_moe_with_the_sequence_split_over_context_equals_single_device(model_reference, mesh_overrides):
+    """MoE x context (the Trainer's path: Parallelism.build, its bound loss): attention runs as the ring, and each
+    device routes the tokens of its own sequence chunk through the expert axis (context is one of the MoE layer's
+    token axes: the chunks are not gathered); loss and gradients equal one device's to 1e-5."""
+    cfg, graphdef, names, params, tokens, loss_ref, grads_ref = model_reference
+    cfg = load_config(None, _MODEL_REFERENCE + mesh_overrides + ["train.seq_len=16", "train.batch_size=8"])
+    validate(cfg, 8)
+    par = Parallelism.build(cfg, jax.devices())
+    assert "context" in EP.expert_layout(par.mesh).token_axes
+    p_sh = par.param_shardings(names, params)
+    fn = jax.jit(
+        par.bind(lambda p, t: loss_and_grads(graphdef, p, t)),
+        in_shardings=(p_sh, par.batch_sharding),
+        out_shardings=(par.replicated, p_sh),
+    )
+    loss, grads = fn(jax.device_put(params, p_sh), jax.device_put(np.asarray(tokens), par.batch_sharding))
+    text = fn.lower(params, np.asarray(tokens)).as_text()
+    assert "collective_permute" in text or "ppermute" in text  # the ring ran
     assert rel_err(loss, loss_ref) < 1e-5
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         assert rel_err(g, _at(grads_ref, path)) < 1e-5, jax.tree_util.keystr(path)
