@@ -1,4 +1,5 @@
-"""`jaxdist status RUN_DIR`: the job's health per node, from ``<run>/controller/health.jsonl`` (no JAX).
+"""`jaxdist status RUN_DIR`: the job's health per node, from ``<run>/controller/health.jsonl``, and an MoE run's
+router per block, from ``<run>/metrics.jsonl`` (no JAX).
 
 :func:`node_table` summarises the newest generation's last periods per rank; :func:`plot_heatmap`
 draws step time per node and period (matplotlib, imported only there), with the periods that raised a
@@ -152,9 +153,48 @@ def plot_heatmap(periods: list[Period], rounds: list[dict[str, Any]], path: str 
     return path
 
 
+def router_lines(run_dir: str | Path, tail_bytes: int = 1 << 20) -> list[str]:
+    """An MoE run's router per block at its newest train record (``<run>/metrics.jsonl``, its last
+    ``tail_bytes``): tokens per expert (least loaded / mean / most loaded), the load-balancing and z losses and the
+    dropped share; [] when the run has no such record (a dense model, or no step logged yet)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    with open(path, "rb") as f:
+        f.seek(max(0, path.stat().st_size - tail_bytes))
+        text = f.read().decode(errors="replace")
+    last = None
+    for line in reversed(text.splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # a torn line, or the first one of the tail
+        if rec.get("kind") == "train" and any(str(k).startswith("moe/") for k in rec):
+            last = rec
+            break
+    if last is None:
+        return []
+    blocks = sorted({k.split("/")[1] for k in last if k.startswith("moe/")}, key=lambda b: int(b.removeprefix("block")))
+    lines = [f"router at step {last['step']} (tokens per expert: least loaded / mean / most loaded):"]
+    for b in blocks:
+        v = {k.split("/")[2]: last[k] for k in last if k.startswith(f"moe/{b}/")}
+        lines.append(
+            f"  {b}: {v['tokens_min']:.0f} / {v['tokens_mean']:.0f} / {v['tokens_max']:.0f} tokens, "
+            f"load-balancing loss {v['aux_loss']:.4f}, z-loss {v['z_loss']:.4f}, dropped {v['drop_rate']:.2%}"
+        )
+    return lines
+
+
 def status(run_dir: str | Path, heatmap: str | Path | None = None) -> int:
-    """`jaxdist status RUN_DIR`: print the per-node table and write the heat map (default
-    ``<run>/controller/health.png``); 0."""
+    """`jaxdist status RUN_DIR`: print an MoE run's router per block (:func:`router_lines`), the per-node table
+    and write the heat map (default ``<run>/controller/health.png``); 0.  A run without the controller's health
+    record but with router figures prints those and says where the health table comes from."""
+    router = router_lines(run_dir)
+    for line in router:
+        print(line)
+    if router and not (Path(run_dir) / "controller" / "health.jsonl").is_file():
+        print("no per-node health: a run started by `jaxdist launch` with controller.health_every > 0 records it")
+        return 0
     periods, rounds = read_health(run_dir)
     if not periods:
         print(f"{run_dir}: no efficiency record yet (each rank sends one per controller.health_every steps)")

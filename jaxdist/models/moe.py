@@ -120,11 +120,13 @@ def expert_counts(experts: jax.Array, n_experts: int) -> jax.Array:
 
 
 def router_losses(r: Routing, n_experts: int) -> dict[str, jax.Array]:
-    """Load-balancing loss, z-loss (scalars) and the per-expert share of assignments [E] (sums to 1)."""
-    share = expert_counts(r.experts, n_experts) / r.experts.size
+    """Load-balancing loss, z-loss (scalars), the per-expert share of assignments [E] (sums to 1) and their counts
+    ``tokens`` [E] (float32: the tokens routed to each expert, before any capacity drop)."""
+    tokens = expert_counts(r.experts, n_experts).astype(jnp.float32)
+    share = tokens / r.experts.size
     balance = n_experts * jnp.sum(jax.lax.stop_gradient(share) * jnp.mean(r.probs, axis=0))
     z = jnp.mean(jnp.square(jax.nn.logsumexp(r.logits, axis=-1)))
-    return {"balance": balance, "z": z, "share": share}
+    return {"balance": balance, "z": z, "share": share, "tokens": tokens}
 
 
 # --------------------------------------------------------------------------- expert kernels
@@ -279,11 +281,24 @@ def summarize_aux(per_layer: dict[str, jax.Array], cfg: ModelConfig) -> dict[str
     Returns the scalars of MOE_METRICS (means over MoE layers; load_max and
     load_min are the largest / smallest expert share times E, 1 = even),
     ``moe_loss`` = aux_coef * moe_aux_loss + z_coef * moe_z_loss (the term the
-    train step adds to the cross-entropy) and ``moe_expert_share`` [E].
+    train step adds to the cross-entropy), ``moe_expert_share`` [E] and ``moe_layers``: per MoE block
+    (``block<i>``, i its 0-based index), the tokens routed to each expert [E], its load-balancing and z losses and
+    its drop rate (:func:`router_metrics` turns them into the step's scalars).
     """
     share = jnp.mean(per_layer["share"], axis=0)
     e = cfg.moe.experts
+    blocks = [g * cfg.moe.every + cfg.moe.every - 1 for g in range(moe_layer_count(cfg))]
+    layers = {
+        f"block{b}": {
+            "tokens": per_layer["tokens"][i],
+            "aux_loss": per_layer["balance"][i],
+            "z_loss": per_layer["z"][i],
+            "drop_rate": per_layer["drop_rate"][i],
+        }
+        for i, b in enumerate(blocks)
+    }
     out = {
+        "moe_layers": layers,
         "moe_aux_loss": jnp.mean(per_layer["balance"]),
         "moe_z_loss": jnp.mean(per_layer["z"]),
         "moe_drop_rate": jnp.mean(per_layer["drop_rate"]),
@@ -292,6 +307,21 @@ def summarize_aux(per_layer: dict[str, jax.Array], cfg: ModelConfig) -> dict[str
         "moe_expert_share": share,
     }
     out["moe_loss"] = cfg.moe.aux_loss_coef * out["moe_aux_loss"] + cfg.moe.z_loss_coef * out["moe_z_loss"]
+    return out
+
+
+def router_metrics(layers: dict[str, dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """Per MoE block, the step's router figures as scalars named ``moe/block<i>/<figure>``: ``tokens_max``,
+    ``tokens_min``, ``tokens_mean`` (tokens routed to one expert: the most and least loaded expert, and the mean
+    over experts), ``aux_loss``, ``z_loss`` and ``drop_rate`` (the share of assignments capacity dispatch
+    dropped; 0 for dropless).  ``layers``: :func:`summarize_aux`'s ``moe_layers`` with each block's ``tokens``
+    summed over the step's microbatches (the other figures their mean)."""
+    out = {}
+    for name, d in layers.items():
+        t = d["tokens"]
+        out.update({f"moe/{name}/tokens_max": jnp.max(t), f"moe/{name}/tokens_min": jnp.min(t)})
+        out[f"moe/{name}/tokens_mean"] = jnp.mean(t)
+        out.update({f"moe/{name}/{k}": d[k] for k in ("aux_loss", "z_loss", "drop_rate")})
     return out
 
 

@@ -20,7 +20,7 @@ import optax
 
 from jaxdist.data.batchlist import token_digest
 from jaxdist.models import apply, apply_with_aux
-from jaxdist.models.moe import MOE_METRICS
+from jaxdist.models.moe import MOE_METRICS, router_metrics
 from jaxdist.models.packed import target_count, unpack
 from jaxdist.parallel.rules import constrain
 
@@ -48,7 +48,8 @@ def objective(
     Dense model: (cross-entropy, {}).  MoE model: cross-entropy plus the
     weighted router losses (``moe.aux_loss_coef`` x load-balancing loss +
     ``moe.z_loss_coef`` x z-loss), and metrics ``loss`` (the cross-entropy,
-    nats/token) and the scalars of jaxdist.models.moe.MOE_METRICS.
+    nats/token), the scalars of jaxdist.models.moe.MOE_METRICS and ``moe_layers`` (per MoE block: the tokens
+    routed to each expert and the block's router losses and drop rate).
 
     ``packed`` (data.packing=documents): rows packed from documents, the cross-entropy summed over their
     targets and divided by ``scale`` (default: their count; the microbatch loop passes the whole batch's count
@@ -64,7 +65,7 @@ def objective(
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
     if not aux:
         return ce, {}
-    return ce + aux["moe_loss"], {"loss": ce, **{k: aux[k] for k in MOE_METRICS}}
+    return ce + aux["moe_loss"], {"loss": ce, **{k: aux[k] for k in MOE_METRICS}, "moe_layers": aux["moe_layers"]}
 
 
 def loss_and_grads(graphdef, params: dict, tokens: jax.Array, microbatches: int = 1, packed: bool = False):
@@ -111,11 +112,10 @@ def loss_metrics_and_grads(graphdef, params: dict, tokens: jax.Array, microbatch
     )
     (loss_sum, metric_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), metric_zeros, zeros), mb)
     scale = 1.0 / microbatches
-    return (
-        loss_sum * scale,
-        jax.tree.map(lambda m: m * scale, metric_sum),
-        jax.tree.map(lambda g: g * scale, grad_sum),
-    )
+    metrics = jax.tree.map(lambda m: m * scale, metric_sum)
+    for name, layer in metrics.get("moe_layers", {}).items():  # counts: the step's, summed over microbatches
+        layer["tokens"] = metric_sum["moe_layers"][name]["tokens"]
+    return loss_sum * scale, metrics, jax.tree.map(lambda g: g * scale, grad_sum)
 
 
 def init_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
@@ -139,7 +139,8 @@ def make_train_step(
 ) -> Callable[[TrainState, jax.Array], tuple[TrainState, dict]]:
     """``train_step(state, tokens[B, T+1]) -> (state, metrics)``; metrics: loss, grad_norm, lr, batch_digest
     (the tokens' uint32 digest, jaxdist.data.batchlist.token_digest)
-    (and for an MoE model the cross-entropy as loss plus MOE_METRICS, see :func:`objective`).
+    (and for an MoE model the cross-entropy as loss plus MOE_METRICS, see :func:`objective`, and per MoE block
+    the router's figures, jaxdist.models.moe.router_metrics).
 
     ``grad_clip`` > 0 scales the gradients to at most that global norm before the optimizer.
     A step whose loss or gradient norm is not finite leaves the parameters and the optimizer state as
@@ -159,6 +160,7 @@ def make_train_step(
         # Clip here rather than in optax so the norm is computed (and all-reduced) once; a grads_fn may bring its
         # own (train.grad_sync=ordered computes it from the whole gradients, the same bits on every mesh).
         model_metrics = dict(model_metrics)
+        model_metrics.update(router_metrics(model_metrics.pop("moe_layers", {})))  # per MoE block, scalars
         grad_norm = model_metrics.pop("grad_norm", None)
         if grad_norm is None:
             grad_norm = optax.global_norm(grads)

@@ -205,9 +205,24 @@ def test_train_step_objective_and_metrics_over_microbatches(every2):
     halves = [obj(params, tokens[i::2]) for i in range(2)]  # microbatch k = rows k, k+2
     loss, metrics, _ = jax.jit(lambda p, t: loss_metrics_and_grads(graphdef, p, t, microbatches=2))(params, tokens)
     assert float(loss) == pytest.approx(float(np.mean([h[0] for h in halves])), rel=1e-5)
-    assert set(metrics) == {"loss", *M.MOE_METRICS}
-    for k in metrics:
+    assert set(metrics) == {"loss", *M.MOE_METRICS, "moe_layers"}
+    for k in M.MOE_METRICS + ("loss",):
         assert float(metrics[k]) == pytest.approx(float(np.mean([h[1][k] for h in halves])), rel=1e-5), k
+    # Per MoE block (blocks 1 and 3): the tokens each expert got in the whole step (summed over microbatches,
+    # equal to the routing of the whole batch at once) and the block's losses (the microbatches' mean).
+    _, whole = jax.jit(lambda p, t: apply_with_aux(graphdef, p, t))(params, tokens[:, :-1])
+    assert set(metrics["moe_layers"]) == {"block1", "block3"}
+    for name, layer in metrics["moe_layers"].items():
+        np.testing.assert_array_equal(layer["tokens"], whole["moe_layers"][name]["tokens"])
+        assert float(np.sum(layer["tokens"])) == 4 * 8 * cfg.moe.top_k  # every assignment of 4 rows x 8 tokens
+        for k in ("aux_loss", "z_loss", "drop_rate"):
+            want = np.mean([h[1]["moe_layers"][name][k] for h in halves])
+            assert float(layer[k]) == pytest.approx(float(want), rel=1e-5), (name, k)
+    # The step's scalars, as metrics.jsonl and TensorBoard get them.
+    flat = M.router_metrics(metrics["moe_layers"])
+    t = np.asarray(metrics["moe_layers"]["block3"]["tokens"])
+    assert [float(flat[f"moe/block3/tokens_{k}"]) for k in ("max", "min", "mean")] == [t.max(), t.min(), t.mean()]
+    assert len(flat) == 2 * 6 and float(flat["moe/block1/tokens_mean"]) == 4 * 8 * cfg.moe.top_k / cfg.moe.experts
     # The objective is the cross-entropy plus the weighted router losses.
     ce, m = halves[0][1]["loss"], halves[0][1]
     expect = ce + cfg.moe.aux_loss_coef * m["moe_aux_loss"] + cfg.moe.z_loss_coef * m["moe_z_loss"]

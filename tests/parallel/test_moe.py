@@ -297,8 +297,10 @@ def train_config(tmp_path, name, extra=()):
     )
 
 
-def test_moe_trains_balanced_and_resumes_bit_identical(tmp_path):
+def test_moe_trains_balanced_and_resumes_bit_identical(tmp_path, capsys):
+    from jaxdist.cli import main
     from jaxdist.models import apply_with_aux
+    from jaxdist.train.metrics import read_metrics
     from jaxdist.train.trainer import Trainer
 
     with Trainer(train_config(tmp_path, "full")) as t:
@@ -317,6 +319,22 @@ def test_moe_trains_balanced_and_resumes_bit_identical(tmp_path):
     # idlest 0.2x; with moe.aux_loss_coef=0.01 they are about 3.4x and 0.004x at this step.
     assert last["moe_load_max"] < 2.4 and last["moe_load_min"] > 0.1 and last["moe_aux_loss"] < 1.03
     assert all(r["moe_drop_rate"] == 0.0 for r in history)  # dropless
+    # The router per MoE block, in the run's metrics.jsonl (and so TensorBoard): the tokens of the busiest,
+    # idlest and mean expert in the step, whose mean is the step's assignments over the experts.
+    logged = read_metrics(tmp_path / "full")[-1]
+    c, t1 = load_config(None, ["model=moe-tiny"]).model, train_config(tmp_path, "full").train
+    blocks = [k.split("/")[1] for k in logged if k.startswith("moe/") and k.endswith("/tokens_max")]
+    assert blocks == [f"block{i}" for i in range(c.n_layers)]  # every block is an MoE block in moe-tiny
+    for b in blocks:
+        mean = t1.batch_size * t1.seq_len * c.moe.top_k / c.moe.experts
+        assert logged[f"moe/{b}/tokens_min"] <= logged[f"moe/{b}/tokens_mean"] == mean <= logged[f"moe/{b}/tokens_max"]
+        assert logged[f"moe/{b}/drop_rate"] == 0.0 and logged[f"moe/{b}/aux_loss"] > 0
+    # `jaxdist status` shows the same figures (this run has no controller: the router alone, and why)
+    assert main(["status", str(tmp_path / "full")]) == 0
+    out = capsys.readouterr().out
+    b = blocks[-1]
+    want = f"{logged[f'moe/{b}/tokens_min']:.0f} / {mean:.0f} / {logged[f'moe/{b}/tokens_max']:.0f} tokens"
+    assert f"router at step {logged['step']}" in out and f"  {b}: {want}" in out and "no per-node health" in out
 
     with Trainer(train_config(tmp_path, "split")) as t:
         t.fit(steps=12)
