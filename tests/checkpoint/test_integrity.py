@@ -204,3 +204,145 @@ def test_a_marker_that_does_not_parse_or_match_is_damage_not_an_unfinished_save(
     got, meta = ck.restore(abstract_like(state(0)))
     assert meta["step"] == 2 and same(got, state(2))  # the previous good step
     ck.close()
+
+
+# --------------------------------------------------------------------------- the parts, on files made here
+
+
+def _step_with_two_writers(tmp_path, step="7"):
+    """A step folder as orbax leaves it for 2 processes (process 1's part under ocdbt.process_1), its checksums
+    recorded by both, and the commit marker written: (step folder, marker)."""
+    d = tmp_path / step
+    for rel, data in {
+        "state/manifest.ocdbt": b"m" * 10,
+        "state/ocdbt.process_0/d/aa": b"a" * 30,
+        "state/ocdbt.process_1/d/bb": b"b" * 20,
+        "state/array_metadatas/process_1": b"{}",
+    }.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data)
+    for p in (0, 1):
+        integrity.record_own_checksums(d, p)  # the second call finds jaxdist_checksums/ already there
+    return d, integrity.commit(d, 2, {"step": int(step)})
+
+
+def test_which_process_wrote_a_file_follows_orbax_layout():
+    assert integrity.writer_of("state/ocdbt.process_3/d/abc") == 3
+    assert integrity.writer_of("state/array_metadatas/process_12") == 12
+    assert integrity.writer_of("state/manifest.ocdbt") == 0 and integrity.writer_of("meta/metadata") == 0
+
+
+def test_a_file_longer_than_the_read_buffer_is_checksummed_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(integrity, "_CHUNK", 7)  # 100 bytes: 15 reads, the last one short
+    data = bytes(range(100))
+    (tmp_path / "f").write_bytes(data)
+    assert integrity.file_crc32(tmp_path / "f") == (100, f"{zlib.crc32(data):08x}")
+
+
+def test_data_files_leave_out_jaxdist_files_and_temporaries(tmp_path):
+    d, _ = _step_with_two_writers(tmp_path)
+    (d / "state" / "half.tmp").write_bytes(b"x")
+    assert integrity.data_files(d) == [
+        "state/array_metadatas/process_1",
+        "state/manifest.ocdbt",
+        "state/ocdbt.process_0/d/aa",
+        "state/ocdbt.process_1/d/bb",
+    ]
+
+
+def test_commit_merges_each_writers_checksums_and_counts_bytes_per_process(tmp_path):
+    d, marker = _step_with_two_writers(tmp_path)
+    assert marker["bytes_written_per_process"] == [10 + 30, 20 + 2]
+    assert {rel: f["process"] for rel, f in marker["files"].items()} == {
+        "state/manifest.ocdbt": 0,
+        "state/ocdbt.process_0/d/aa": 0,
+        "state/ocdbt.process_1/d/bb": 1,
+        "state/array_metadatas/process_1": 1,
+    }
+    assert integrity.read_marker(d) == (json.loads((d / integrity.COMMIT_FILE).read_text()), None)
+
+
+def test_commit_refuses_a_missing_writer_or_an_unrecorded_file(tmp_path):
+    d, _ = _step_with_two_writers(tmp_path)
+    (d / "state" / "late.bin").write_bytes(b"z")
+    with pytest.raises(RuntimeError, match=rf"^1 files of {d} have no checksum, e.g. state/late.bin$"):
+        integrity.commit(d, 2, {"step": 7})
+    (d / integrity.CHECKSUM_DIR / "process_1.json").unlink()
+    with pytest.raises(RuntimeError, match=rf"^process 1 recorded no checksums in {d}$"):
+        integrity.commit(d, 2, {"step": 7})
+
+
+def test_a_file_gone_while_checksummed_is_named(tmp_path, monkeypatch):
+    d, _ = _step_with_two_writers(tmp_path)
+    real = integrity.files_crc32
+    monkeypatch.setattr(integrity, "files_crc32", lambda step, rels: {**real(step, rels), "state/manifest.ocdbt": None})
+    with pytest.raises(FileNotFoundError, match=rf"^{d}/state/manifest.ocdbt disappeared while its checksum"):
+        integrity.record_own_checksums(d, 0)
+
+
+def _resealed(marker, **changes):
+    m = {**marker, **changes}
+    m["marker_crc32"] = integrity.marker_crc32(m)
+    return m
+
+
+def test_each_way_a_marker_can_be_wrong_is_named(tmp_path):
+    d, good = _step_with_two_writers(tmp_path)
+    problem = lambda m: integrity.marker_problem(d, m)  # noqa: E731
+    assert problem(good) is None
+    assert problem([1]) == "the commit marker is a JSON list, not an object"
+    assert problem({**good, "format": "x" * 60}) == (
+        f"the commit marker has format '{'x' * 40}', not one of jaxdist-checkpoint-v1, jaxdist-checkpoint-v2"
+    )
+    written = "0123456789abcdef"
+    assert problem({**good, "marker_crc32": written}) == (
+        f"the commit marker's CRC-32 is {good['marker_crc32']}, 0123456789ab was written"
+    )
+    lacks = "the commit marker lacks its files, num_processes or bytes_written_per_process"
+    for field, value in (("files", []), ("num_processes", "2"), ("bytes_written_per_process", 40)):
+        assert problem(_resealed(good, **{field: value})) == lacks, field
+    assert problem(_resealed(good, step="9" * 30)) == f"the commit marker is of step {'9' * 20}, not 7"
+    name = "n" * 100
+    malformed = f"the commit marker's entry of {'n' * 80} is malformed"
+    for entry in (
+        [1],  # not an object
+        {"crc32": "00000000", "process": 0},  # no size
+        {"size": 1, "crc32": "00000000", "process": "0"},  # the process not a number
+        {"size": 1, "crc32": "00000000", "process": 2},  # no such process
+    ):
+        assert problem(_resealed(good, files={**good["files"], name: entry})) == malformed, entry
+    assert problem(_resealed(good, bytes_written_per_process=[40, 0])) == (
+        "the commit marker records [40, 0] bytes per process, its files sum to [40, 22]"
+    )
+    empty = _resealed(good, files={}, num_processes=0, bytes_written_per_process=[])
+    assert problem(empty) is None  # nothing written by nobody is consistent
+    (d / integrity.COMMIT_FILE).write_text("{")
+    marker, why = integrity.read_marker(d)
+    assert marker is None and why.startswith(f"the commit marker {integrity.COMMIT_FILE} does not parse (Expecting")
+
+
+def test_verify_names_every_bad_file_and_only_those_asked_for(tmp_path):
+    d, marker = _step_with_two_writers(tmp_path)
+    (d / "state/ocdbt.process_0/d/aa").unlink()
+    (d / "state/manifest.ocdbt").unlink()
+    (d / "state/ocdbt.process_1/d/bb").write_bytes(b"c" * 20)
+    files = marker["files"]
+    assert integrity.verify_files(d, files) == [
+        "state/manifest.ocdbt is missing",
+        "state/ocdbt.process_0/d/aa is missing",
+        f"state/ocdbt.process_1/d/bb has CRC-32 {zlib.crc32(b'c' * 20):08x}, {files['state/ocdbt.process_1/d/bb']['crc32']} was written",
+    ]
+    assert integrity.verify_files(d, files, ["state/array_metadatas/process_1"]) == []  # one file, asked alone
+
+
+def test_scan_sees_every_step_folder_among_other_files_and_set_aside_numbers_repeats(tmp_path):
+    for i in range(20):
+        (tmp_path / f"{i}").mkdir()
+        (tmp_path / f"{i}.log").write_text("not a folder")
+    assert [s.step for s in integrity.scan(tmp_path)] == list(range(20))
+    names = []
+    for _ in range(3):
+        (tmp_path / "30").mkdir()
+        names.append(integrity.set_aside(tmp_path / "30").name)
+    assert names == ["30.damaged", "30.damaged-2", "30.damaged-3"]
+    assert [s.state for s in integrity.scan(tmp_path) if s.step == 30] == ["damaged"] * 3
