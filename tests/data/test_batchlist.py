@@ -1,7 +1,9 @@
 """The batch list without a model: ids, operations, journal files, reader, additions, resume checks, CLI."""
 
+import hashlib
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -377,3 +379,119 @@ def test_verify_still_names_a_version_whose_order_is_not_its_replay(tmp_path):
     assert "BAD: replaying its operations gives another order" in v["version 2"]
     assert ": ok (" in v["version 1"]
     assert "version 3" in v and "version 4" in v
+
+
+# --------------------------------------------------------------------------- the format and its pieces, directly
+
+
+def _entry(**kw):
+    from jaxdist.data.batchlist import SourceEntry
+
+    base = dict(id=0, kind="tokens", name="t", path="t.bin", token_dtype="uint16", n_tokens=201, fingerprint="f")
+    return SourceEntry(**{**base, "quick": "q", "seed": 5, "added_in": 1, **kw})
+
+
+def test_the_token_digest_is_murmurs_finaliser_summed_over_positions():
+    """Against a per-token reference in Python integers (mod 2**32), and the same bits from jax.numpy."""
+    import jax.numpy as jnp
+
+    from jaxdist.data.batchlist import token_digest
+
+    tokens = np.random.default_rng(0).integers(0, 70000, (3, 5)).astype(np.int32)
+    m = 0xFFFFFFFF
+    want = 0
+    for r in range(3):
+        for c in range(5):
+            x = int(tokens[r, c]) ^ (((r * 5 + c) * 0x9E3779B9) & m)
+            x ^= x >> 16
+            x = (x * 0x85EBCA6B) & m
+            x ^= x >> 13
+            x = (x * 0xC2B2AE35) & m
+            x ^= x >> 16
+            want = (want + x) & m
+    got = token_digest(tokens)
+    assert got.dtype == np.uint32 and int(got) == want
+    assert int(token_digest(jnp.asarray(tokens), jnp)) == want
+
+
+def test_ids_out_of_range_are_refused():
+    for s, e, i in ((1 << 15, 0, 0), (0, 1 << 16, 0), (0, 0, 1 << 32), (-1, 0, 0), (0, -1, 0), (0, 0, -1)):
+        with pytest.raises(AssertionError):
+            pack_ids(s, e, i)
+    top = pack_ids((1 << 15) - 1, (1 << 16) - 1, (1 << 32) - 1)
+    assert [int(a) for a in unpack_ids(top)] == [(1 << 15) - 1, (1 << 16) - 1, (1 << 32) - 1]
+
+
+def test_windows_and_rows_per_source():
+    assert _entry(n_tokens=201).n_windows(100) == 2  # 3 windows would need 301 tokens: neighbours share one
+    assert _entry(n_tokens=200).n_windows(100) == 1
+    assert _entry(n_tokens=1).n_windows(100) == 0
+    assert _entry(n_tokens=201, packing="documents", rows=7).n_windows(100) == 7  # packed rows, not windows
+
+
+def test_a_version_file_round_trips_and_its_checksum_is_over_compact_sorted_json(tmp_path):
+    from jaxdist.data.batchlist import FORMAT, decode, encode
+
+    t0 = time.time()
+    bl = make_version(None, {"kind": "create", "seed": [1, 2]}, (_entry(),), 4, 10)
+    assert t0 <= bl.created <= time.time()
+    with pytest.raises(ValueError):
+        bl.order[0] = 1  # a version's order is read-only
+    data, checksum = encode(bl)
+    body = json.loads(data)
+    body.pop("checksum")
+    assert checksum == hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    back = decode(data, "v1")
+    assert back.order.dtype == np.int64 and np.array_equal(back.order, bl.order) and back.created == bl.created
+    assert (back.version, back.parent, back.op, back.sources, back.checksum) == (1, None, bl.op, bl.sources, checksum)
+    with pytest.raises(ValueError):
+        back.order[0] = 1
+    with pytest.raises(IndexError, match=f"position {len(bl)} is outside batch list version 1 of {len(bl)} batches"):
+        bl.id_at(len(bl))
+    assert bl.id_at(len(bl) - 1) == bl.order[-1]
+
+    def sealed(doc):
+        doc = {k: v for k, v in doc.items() if k != "checksum"}
+        sha = hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return json.dumps({**doc, "checksum": sha}).encode()
+
+    with pytest.raises(ValueError, match=f"^not a {FORMAT} file$"):
+        decode(b"[1, 2]", "v")
+    with pytest.raises(ValueError, match="checksum does not match"):
+        decode(json.dumps(body).encode(), "v")  # no checksum at all
+    with pytest.raises(ValueError, match="^its order does not match its recorded hash$"):
+        decode(sealed({**body, "order_sha256": "0" * 64}), "v")
+
+
+def test_an_epoch_starts_every_source_at_its_next_epoch_and_a_new_one_at_0():
+    from jaxdist.data.batchlist import epoch_seed
+
+    a, b = _entry(id=0, n_tokens=801), _entry(id=1, n_tokens=401)
+    parent = create_order(a, 2, 100, 1)  # epoch 0 of a only
+    order = epoch_order(parent, (a, b), 2, 100, 3)
+    src, ep, _ = unpack_ids(order[len(parent) :])
+    assert sorted(zip(src.tolist(), ep.tolist())) == [(0, 1)] * 4 + [(1, 0)] * 2
+    assert epoch_seed(7, 3) == [7, 0x45504F43, 3]  # fixed: a run's replayed epochs must not change
+
+
+def test_an_added_source_keeps_its_ids_exact_whatever_its_number():
+    """Ids are int64 up to 2**63 (source << 48): a source numbered 40 is past float64's exact integers."""
+    a, b = _entry(id=0, n_tokens=801), _entry(id=40, n_tokens=401)
+    v1 = make_version(None, {"kind": "create", "seed": 1}, (a,), 2, 100)
+    v2 = make_version(v1, {"kind": "add", "seed": 3, "splice": 1, "sources": [1]}, (a, b), 2, 100)
+    assert v2.order.dtype == np.int64 and v2.order[0] == v1.order[0]
+    assert sorted(int(x) for x in v2.order[1:]) == sorted(
+        [int(x) for x in v1.order[1:]] + [int(pack_ids(40, 0, i)) for i in range(2)]
+    )
+
+
+def test_a_source_entry_round_trips_and_an_unknown_operation_is_named():
+    from jaxdist.data.batchlist import SourceEntry, derive
+
+    e = _entry(packing="documents", rows=7)
+    assert SourceEntry.from_dict(e.to_dict()) == e
+    old = {k: v for k, v in e.to_dict().items() if k not in ("packing", "rows")}  # a list written before them
+    assert SourceEntry.from_dict(old) == _entry()
+    v1 = make_version(None, {"kind": "create", "seed": 1}, (e,), 2, 100)
+    with pytest.raises(ValueError, match="^unknown batch list operation 'merge'$"):
+        derive(v1, {"kind": "merge", "seed": 1}, (e,), 2, 100)
