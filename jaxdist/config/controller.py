@@ -69,6 +69,10 @@ class ControllerConfig:
     health_min_share: float = option(
         0.08, "A rank stands out only by more than this fraction of the job's step time per step (seconds/seconds)."
     )
+    health_min_ratio: float = option(
+        1.5,
+        "A rank stands out only when its part of the loop takes more than this many times the other ranks' median (a busy host's scheduling moves one rank's share by tens of percent).",
+    )
     health_min_change: float = option(
         0.25,
         "The job is slower than its recent history only by more than this fraction of its recent median step time.",
@@ -152,11 +156,18 @@ def check_controller(c: ControllerConfig) -> None:
             "controller.standbys and controller.warm_spares must be >= 0, controller.max_failures and "
             "controller.max_process_failures >= 1."
         )
-    if c.health_every < 0 or not c.health_z > 0 or not c.health_min_share >= 0 or not c.health_min_change >= 0:
+    if (
+        c.health_every < 0
+        or not c.health_z > 0
+        or not c.health_min_share >= 0
+        or not c.health_min_change >= 0
+        or not c.health_min_ratio >= 1
+    ):
         raise ConfigError(
             f"controller.health_every={c.health_every}, health_z={c.health_z}, health_min_share="
-            f"{c.health_min_share} and health_min_change={c.health_min_change} are out of range: use "
-            "health_every >= 0 steps (0: no efficiency records), health_z > 0 and the fractions >= 0."
+            f"{c.health_min_share}, health_min_change={c.health_min_change} and health_min_ratio="
+            f"{c.health_min_ratio} are out of range: use health_every >= 0 steps (0: no efficiency records), "
+            "health_z > 0, the fractions >= 0 and health_min_ratio >= 1."
         )
     if not c.heartbeat_interval > 0 or not c.heartbeat_timeout >= 2 * c.heartbeat_interval:
         raise ConfigError(

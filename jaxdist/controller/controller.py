@@ -178,7 +178,7 @@ class Controller(GenerationLifecycle, HealthActions):
         self.killed: dict[tuple[str, int], float] = {}
         self.kill_sent_at = 0.0
         self.health: HealthHistory | None = None  # this generation's efficiency records, by rounds
-        self.thresholds = Thresholds(cc.health_z, cc.health_min_change, cc.health_min_share)
+        self.thresholds = Thresholds(cc.health_z, cc.health_min_change, cc.health_min_share, cc.health_min_ratio)
         self.rtt: dict[tuple[str, str], float] = {}
         self.anomaly_probe: set[str] = set()
         self.start_failures = 0

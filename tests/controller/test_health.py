@@ -61,6 +61,17 @@ def test_a_change_below_min_share_names_no_rank():
     assert assess(8, ps, history()) == []
 
 
+def test_a_busy_hosts_uneven_share_of_the_cores_names_no_rank():
+    """The CI round that named rank 0 (stop 49): on CPU the dispatch holds the device's compute, so one rank's
+    smaller share of a loaded host's cores shows as 17% more dispatch -- over min_share of the step and many
+    MADs of the two others, but under min_ratio.  Half again as slow (1.5x) is named."""
+    ps = [period(0, 8, step_s=0.1, dispatch=0.059), period(1, 8, dispatch=0.0504), period(2, 8, dispatch=0.0505)]
+    assert assess(8, ps, history()) == []
+    ps[0] = period(0, 8, step_s=0.1, dispatch=0.076)
+    assert [(f.kind, f.rank) for f in assess(8, ps, history())] == [("compute", 0)]
+    assert [(f.kind, f.rank) for f in assess(8, ps, history(), Thresholds(min_ratio=1.6))] == []
+
+
 def test_a_slower_device_step_is_a_job_wide_slowdown():
     ps = [period(r, 8, step_s=0.2) for r in range(4)]  # every rank blocked longer: device or link
     found = assess(8, ps, history())
@@ -271,7 +282,7 @@ def test_thresholds_follow_the_config_defaults():
     from jaxdist.config import load_config
 
     c = load_config(None, []).controller
-    assert Thresholds(c.health_z, c.health_min_change, c.health_min_share) == Thresholds()
+    assert Thresholds(c.health_z, c.health_min_change, c.health_min_share, c.health_min_ratio) == Thresholds()
 
 
 def _probe_record(compute, pair_s, seed=0):
