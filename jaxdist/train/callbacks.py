@@ -98,7 +98,7 @@ class MetricsWindow:
         self,
         writer: Any,
         tokens_per_step: int,
-        model_flops_per_step: float,
+        model_flops_per_step: float | None,
         hardware_flops_per_step: float | None,
         peak_flops: float,
         skip_nonfinite: int = 0,
@@ -152,8 +152,9 @@ class MetricsWindow:
                 step_time=dt,
                 window=n,
                 tokens_per_s=self.tokens_per_step / dt,
-                mfu=self.model_flops_per_step / dt / self.peak_flops,
             )
+            if self.model_flops_per_step is not None:  # None: a user's model that gave no FLOP count
+                r["mfu"] = self.model_flops_per_step / dt / self.peak_flops
             if self.hardware_flops_per_step is not None:
                 r["hfu"] = self.hardware_flops_per_step / dt / self.peak_flops
             if "targets" in r:  # data.packing=documents: the predictions the loss counted, apart from computed ones

@@ -18,6 +18,7 @@ from jaxdist.models import create_abstract, init_params
 from jaxdist.parallel.comm import plan_comm, xla_gpu_options
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.remat.named import remat_policy
+from jaxdist.train import custom
 from jaxdist.train.faults import hooks_on, with_device_hang
 from jaxdist.train.optimizer import make_optimizer
 from jaxdist.train.programs import bf16_notice, executed_flops
@@ -54,6 +55,9 @@ class Program:
         """The gradient collectives' buckets and issue points (jaxdist comm plan); per_block applies them, and on
         GPUs the XLA options (``xla_options``) follow them (under either train.grad_sync)."""
         c = self.config
+        if self.resolved.user is not None:  # the plan follows jaxdist's own blocks; XLA places a user model's
+            self.comm_plan, self.xla_options = None, {}
+            return
         dense = not c.model.moe.experts
         self.comm_plan = (
             plan_comm(c.model, dict(self.mesh.shape), self.cluster, c.train.grad_bucket_bytes) if dense else None
@@ -74,32 +78,54 @@ class Program:
         c = self.config
         remat = self.resolved.remat  # "auto" settled to the selector's plan by resolve()
         self.remat_policy, self.remat_plan = remat_policy(remat), remat.plan
-        self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)
+        self.user = user = self.resolved.user
+        if user is None:
+            self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)
+        else:  # the user's module: its names decide which mesh axes it can use (jaxdist.train.custom)
+            self.graphdef, abstract_params, names = custom.abstract_module(user, c.train.seed)
+            custom.check_user_config(c, None, names, abstract_params)
+        self.abstract_params, self.param_names = abstract_params, names
         self.param_shardings = self.parallelism.param_shardings(names, abstract_params)
         # The schedule's length: train.schedule_steps, else train.steps; a resumed run keeps the recorded one.
         self.schedule_steps = c.train.schedule_steps or c.train.steps
-        self.optimizer, self.schedule = make_optimizer(c.train, self.schedule_steps)
+        self._build_optimizer()
         self.state_shardings = self._state_shardings(abstract_params)
         self.batch_sharding = self.parallelism.batch_sharding
         self.replicated = self.parallelism.replicated
+
+    def _build_optimizer(self) -> None:
+        """The optimizer and its learning-rate schedule: the user's optax transformation as given (no schedule
+        jaxdist knows), else the [train] AdamW over ``schedule_steps``."""
+        if self.user is not None and self.user.optimizer is not None:
+            self.optimizer, self.schedule = self.user.optimizer, None
+        else:
+            self.optimizer, self.schedule = make_optimizer(self.config.train, self.schedule_steps)
 
     def _build_programs(self) -> None:
         """The jitted init, train and eval functions, the model's sharding bound inside each."""
         c = self.config
         seed = c.train.seed
         bind = self.parallelism.bind  # the model's sharding is entered inside each jitted function
+        user = self.user
+        make_params = (lambda: init_params(c.model, seed)) if user is None else (lambda: custom.init_params(user, seed))
         self._init_fn = jax.jit(
-            bind(lambda: init_state(init_params(c.model, seed), self.optimizer, seed)),
+            bind(lambda: init_state(make_params(), self.optimizer, seed)),
             out_shardings=self.state_shardings,
         )
         packed = c.data.packing == "documents"  # rows packed from documents (jaxdist.data.documents)
+        if user is not None:  # the user's loss over the user's module, microbatched (jaxdist.train.custom)
+            objective = custom.objective(user, self.graphdef, self.remat_policy)
+            custom.check_loss(objective, self.abstract_params, self._abstract_batch())
+            grads, eval_step = custom.grads_fn(objective, c.train.microbatches), lambda p, b: objective(p, b)[0]
+        else:
+            grads, eval_step = self._grads_fn(), make_eval_step(self.graphdef, packed)
         train_step = make_train_step(
             self.graphdef,
             self.optimizer,
             self.schedule,
             c.train.microbatches,
             c.train.grad_clip,
-            self._grads_fn(),
+            grads,
             packed=packed,
         )
         if hooks_on():  # test-only: a step whose device program can be made to hang
@@ -111,7 +137,7 @@ class Program:
             donate_argnums=(0,),
         )
         self._eval_step = jax.jit(
-            bind(make_eval_step(self.graphdef, packed)),
+            bind(eval_step),
             in_shardings=(self.state_shardings["params"], self.batch_sharding),
             out_shardings=self.replicated,
         )
@@ -152,11 +178,13 @@ class Program:
 
         Its ``memory_analysis()`` and ``cost_analysis()`` give bytes and FLOPs per device.
         """
-        batch = jax.ShapeDtypeStruct(
-            (self.config.train.batch_size, self.config.train.seq_len + 1), jax.numpy.int32, sharding=self.batch_sharding
-        )
-        lowered = self._train_step.lower(self.abstract_state(), batch)
+        lowered = self._train_step.lower(self.abstract_state(), self._abstract_batch())
         return lowered.compile(compiler_options=self.xla_options) if self.xla_options else lowered.compile()
+
+    def _abstract_batch(self) -> jax.ShapeDtypeStruct:
+        """A training batch's shape, dtype and sharding: token rows [B, T+1]."""
+        t = self.config.train
+        return jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jax.numpy.int32, sharding=self.batch_sharding)
 
     def compiled_train_step(self):
         """The train step compiled for this run's shapes, compiled once and reused (what ``fit`` calls)."""
@@ -181,6 +209,6 @@ class Program:
         """Rebuild the optimizer and the train step for a learning-rate schedule of ``steps`` steps (the optimizer
         state is the same for any length; the step compiles again on first use)."""
         self.schedule_steps = steps
-        self.optimizer, self.schedule = make_optimizer(self.config.train, steps)
+        self._build_optimizer()
         self._build_programs()
         self._compiled_step = None

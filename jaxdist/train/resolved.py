@@ -16,6 +16,7 @@ import jax
 
 from jaxdist.config import Config, ConfigError, Remat, validate
 from jaxdist.parallel.mesh import mesh_devices
+from jaxdist.train.custom import check_user_config
 
 
 @dataclass(frozen=True)
@@ -26,36 +27,50 @@ class Resolved:
     tokenizer's; ``devices``: those the mesh uses (the first ones when its sizes, all given, ask for fewer);
     ``remat``: ``train.remat`` parsed, ``auto`` settled to the remat selector's choice (kind ``selected``, the
     choice in ``remat.plan``); ``program``: the train step the selector's closed loop compiled as the run
-    will run it (off CPU: a :class:`jaxdist.train.aot.RunnableStep`), or None.
+    will run it (off CPU: a :class:`jaxdist.train.aot.RunnableStep`), or None; ``user``: the user's own model,
+    loss and optimizer (:class:`jaxdist.train.custom.UserModel`), or None for jaxdist's transformer.
     """
 
     config: Config
     devices: tuple
     remat: Remat
     program: Any = None
+    user: Any = None
 
     def with_remat(self, plan: Any) -> Resolved:
         """A copy whose remat is the selector's ``plan`` (a jaxdist.remat.plan.RematPlan or the closed loop's
         jaxdist.remat.verify.VerifiedChoice: both have ``policy()``), and the program it compiled, if any."""
-        return Resolved(self.config, self.devices, Remat("selected", plan=plan), getattr(plan, "runnable", None))
+        runnable = getattr(plan, "runnable", None)
+        return Resolved(self.config, self.devices, Remat("selected", plan=plan), runnable, self.user)
 
 
-def settle(config: Config | Resolved, devices: Sequence[Any] | None = None) -> Resolved:
+def settle(config: Config | Resolved, devices: Sequence[Any] | None = None, user: Any = None) -> Resolved:
     """``config`` as a :class:`Resolved` for ``devices`` (default: all JAX sees), checked for them; a Resolved
     is returned as it is.  ConfigError (one sentence) when the config leaves something to choose
-    (``mesh=auto``, ``train.remat=auto``: :func:`jaxdist.resolve.resolve` chooses) or cannot run here."""
+    (``mesh=auto``, ``train.remat=auto``: :func:`jaxdist.resolve.resolve` chooses) or cannot run here.
+    ``user``: the user's own model (:class:`jaxdist.train.custom.UserModel`), checked by its own rules."""
     if isinstance(config, Resolved):
-        return config
+        if user is not None and config.user is not None and user is not config.user:
+            raise ConfigError("the Resolved config already holds a model: pass model=... to resolve() or to Trainer.")
+        return config if user is None else Resolved(config.config, config.devices, config.remat, config.program, user)
     chosen = tuple(mesh_devices(config.mesh, list(devices) if devices is not None else jax.devices()))
     left = [
         w
         for w, open_ in (("mesh=auto", config.mesh.auto), ("train.remat=auto", config.train.remat_spec.kind == "auto"))
         if open_
     ]
+    if left and user is not None:
+        raise ConfigError(
+            f"{left[0]} does not plan your own model yet (it models jaxdist's transformer): give the mesh's sizes "
+            "and a named train.remat (none, full, save:NAME, dots_saveable, ...)."
+        )
     if left:
         raise ConfigError(
             f"{left[0]} is settled before the Trainer is built: pass jaxdist.resolve.resolve(config, devices) "
             "to Trainer."
         )
-    validate(config, len(chosen))
-    return Resolved(config, chosen, config.train.remat_spec)
+    if user is not None:
+        check_user_config(config, len(chosen))
+    else:
+        validate(config, len(chosen))
+    return Resolved(config, chosen, config.train.remat_spec, user=user)

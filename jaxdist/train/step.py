@@ -131,7 +131,7 @@ def init_state(params: dict, optimizer: optax.GradientTransformation, seed: int)
 def make_train_step(
     graphdef,
     optimizer: optax.GradientTransformation,
-    schedule: optax.Schedule,
+    schedule: optax.Schedule | None,
     microbatches: int = 1,
     grad_clip: float = 0.0,
     grads_fn: Callable | None = None,
@@ -142,6 +142,7 @@ def make_train_step(
     (and for an MoE model the cross-entropy as loss plus MOE_METRICS, see :func:`objective`, and per MoE block
     the router's figures, jaxdist.models.moe.router_metrics).
 
+    ``schedule`` gives the ``lr`` metric (None: none is logged).
     ``grad_clip`` > 0 scales the gradients to at most that global norm before the optimizer.
     A step whose loss or gradient norm is not finite leaves the parameters and the optimizer state as
     they were (the step count and the RNG advance); the host skips or stops on it (train.skip_nonfinite).
@@ -172,7 +173,9 @@ def make_train_step(
         # A step whose logged loss or gradient norm is not finite changes nothing but the step count: no NaN
         # reaches the parameters or the optimizer state; the host skips or stops at its next sync (MetricsWindow).
         # A select keeps every finite step's numbers bit for bit.
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state["step"]), **model_metrics}
+        metrics = {"loss": loss, "grad_norm": grad_norm, **model_metrics}
+        if schedule is not None:  # None: the user's own optimizer, whose schedule jaxdist does not know
+            metrics["lr"] = schedule(state["step"])
         # The tokens this step trained on, as the log records them beside the batch id (jaxdist.data.audit).
         metrics["batch_digest"] = token_digest(tokens, jnp)
         if packed:

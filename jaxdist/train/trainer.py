@@ -49,6 +49,7 @@ from jaxdist.train.callbacks import (
     StepContext,
     run_due,
 )
+from jaxdist.train.custom import param_count as user_param_count, user_model, vocab_size as user_vocab_size
 from jaxdist.train.efficiency import LoopClock
 from jaxdist.train.faults import fault_hooks
 from jaxdist.train.metrics import MetricsWriter
@@ -67,9 +68,22 @@ class Trainer(Program):
 
     ``devices`` (a Config's only) defaults to all of ``jax.devices()``; in a multi-process job
     these are the global devices and each process feeds only its own.
+
+    ``model``, ``loss``, ``optimizer`` and ``flops_per_example`` train your own Flax NNX module instead of
+    jaxdist's transformer (:mod:`jaxdist.train.custom`: ``model(rngs) -> nnx.Module``, ``loss(output, batch)
+    -> scalar | (scalar, metrics)``, an optax ``GradientTransformation``); ``model`` and ``loss`` go together.
     """
 
-    def __init__(self, config: Config | Resolved, devices: list | None = None):
+    def __init__(
+        self,
+        config: Config | Resolved,
+        devices: list | None = None,
+        *,
+        model=None,
+        loss=None,
+        optimizer=None,
+        flops_per_example: float | None = None,
+    ):
         expect(
             config,
             (Config, Resolved),
@@ -78,7 +92,7 @@ class Trainer(Program):
         )
         expect(devices, (list, tuple, type(None)), "Trainer's devices", "a list of JAX devices or None (all)")
         # A Config built without resolve(): the same checks, here (a smaller mesh runs on the first devices).
-        super().__init__(settle(config, devices))
+        super().__init__(settle(config, devices, user_model(model, loss, optimizer, flops_per_example)))
         self.is_main = jax.process_index() == 0
         self.run_dir = self.config.run_dir
         # One writer per run: process 0 holds the run's lock (a launched job's controller holds it for its workers).
@@ -108,7 +122,11 @@ class Trainer(Program):
         self._build_data()  # the source, the batch list at its cursor, the eval batches
 
         self.tokens_per_step = c.train.batch_size * c.train.seq_len
-        self.flops_per_step = train_flops_per_token(c.model, c.train.seq_len) * self.tokens_per_step
+        if self.user is None:
+            self.flops_per_step = train_flops_per_token(c.model, c.train.seq_len) * self.tokens_per_step
+        else:  # the user's count, else none: MFU needs the model's own FLOPs (hfu comes from the compiled step)
+            per_example = self.user.flops_per_example
+            self.flops_per_step = None if per_example is None else per_example * c.train.batch_size
         self.peak_flops = self.cluster.peak_flops(c.model.dtype) * len(self.devices)  # FLOP/s of all devices
 
         self.callbacks: list[Callback] = []  # user hooks and callbacks, run after the metrics and the bar
@@ -129,17 +147,22 @@ class Trainer(Program):
             (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
 
     @classmethod
-    def for_compiling(cls, config: Config | Resolved, devices: list | None = None) -> Program:
+    def for_compiling(
+        cls, config: Config | Resolved, devices: list | None = None, *, model=None, loss=None, optimizer=None
+    ) -> Program:
         """The compile-time half only (:class:`~jaxdist.train.program.Program`: mesh, model, optimizer and jitted
         programs; no data, run directory, checkpoints or metrics, nothing to close), as the Trainer builds it."""
-        return Program(settle(config, devices))
+        return Program(settle(config, devices, user_model(model, loss, optimizer, None)))
 
     def _build_data(self) -> None:
         """The data source, the run's batch list (exact order across restarts) and the eval sampler."""
         c = self.config
         self.data = load_source(c.data)
+        # The ids the model can read: the config's vocabulary, or the length of a user model's dimension named vocab.
+        vocab = c.model.vocab_size if self.user is None else user_vocab_size(self.abstract_params, self.param_names)
         for split, tokens in (("train", self.data.train), ("held-out", self.data.eval)):  # one pass over the ids
-            check_vocab(tokens, c.model.vocab_size, f"the {split} split of {self.data.name}")
+            if vocab is not None:
+                check_vocab(tokens, vocab, f"the {split} split of {self.data.name}")
         # data.packing=documents: rows packed from whole documents (jaxdist.data.documents), train and eval alike
         self.packing = eval_packing = None
         if self.data.train_starts is not None:
@@ -424,9 +447,12 @@ class Trainer(Program):
     def describe(self) -> str:
         """One paragraph: mesh, model size, batch, where the run lives."""
         c = self.config
+        if self.user is None:
+            model = f"{c.model.preset} ({param_count(c.model) / 1e6:.2f}M params, {c.model.dtype})"
+        else:
+            model = f"yours ({user_param_count(self.abstract_params) / 1e6:.2f}M params)"
         return (
-            f"mesh {describe_mesh(self.mesh)}; model {c.model.preset} "
-            f"({param_count(c.model) / 1e6:.2f}M params, {c.model.dtype}); "
+            f"mesh {describe_mesh(self.mesh)}; model {model}; "
             f"batch {c.train.batch_size}x{c.train.seq_len} tokens; data {self.data.name}{self.packing_note()}; "
             f"run {self.run_dir}"
         )

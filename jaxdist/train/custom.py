@@ -1,0 +1,298 @@
+"""Your own model, loss and optimizer in the Trainer: the meshes, checkpoints, batch list and controller of
+jaxdist around a Flax NNX module defined outside it.
+
+    def build(rngs):                      # any nnx.Module whose parameters carry logical axis names
+        return MyNet(vocab, rngs=rngs)    # (nnx.with_partitioning / nnx.Param(..., sharding_names=...))
+
+    def loss(output, batch):              # what the module returned for the batch, and the batch
+        ce = optax.softmax_cross_entropy_with_integer_labels(output, batch[:, 1:])
+        return ce.mean(), {"accuracy": (output.argmax(-1) == batch[:, 1:]).mean()}
+
+    with Trainer(config, model=build, loss=loss, optimizer=optax.adamw(3e-4)) as t:
+        t.fit()
+
+The module is called on the whole batch (``module(batch)``: with the built-in sources a token array
+[B, T+1]; it reads what it needs) and ``loss(output, batch)`` returns the scalar to minimise, or
+``(scalar, metrics)`` with scalar metrics.  The scalar is a mean; when the batch's items count differently
+(tokens that are padding, for example), ``metrics["weight"]`` says how many it is a mean over, and the
+microbatches of a step are combined weighted by it, so the step's loss is the mean over the whole batch.
+Over the data axes nothing is needed: the step is one program over the global batch and XLA places the
+collectives (``train.grad_sync=end``).
+
+Where the parameters go: each dimension's logical name maps to mesh axes by the same rules as the built-in
+model (:data:`jaxdist.parallel.rules.DEFAULT_RULES`: ``embed`` over fsdp; ``mlp``, ``heads``, ``vocab``
+over tensor; ...), so a mesh axis with no name mapped to it splits nothing and is refused.  Where an
+activation lives is said the same way, ``jaxdist.models.hooks.constrain(x, ("batch", "seq", "embed"))``
+(without it XLA guesses, and may gather a whole activation on every device).  Activations
+the module tags with ``jax.ad_checkpoint.checkpoint_name`` are what ``train.remat=save:NAME`` keeps; the
+policy is applied to the module's whole forward pass (``jax.checkpoint`` around it).
+
+The optimizer is any ``optax.GradientTransformation`` (default: the AdamW of the ``[train]`` settings); its
+state is checkpointed and resumed with the parameters.  ``train.grad_clip`` still clips the global norm
+first.  A user's optimizer has no schedule jaxdist knows, so its steps log no ``lr``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jaxdist.config import Config, ConfigError
+from jaxdist.config.schema import validate_devices
+from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
+
+
+@dataclass(frozen=True)
+class UserModel:
+    """A model jaxdist did not define: ``build(rngs) -> nnx.Module``, ``loss(output, batch) -> scalar | (scalar,
+    metrics)``, an optax ``optimizer`` (None: the ``[train]`` AdamW) and, for MFU, the training FLOPs of one
+    example (forward and backward; None: MFU is not reported, the hardware FLOPs from the compiled step are)."""
+
+    build: Callable[[nnx.Rngs], nnx.Module]
+    loss: Callable[[Any, Any], Any]
+    optimizer: optax.GradientTransformation | None = None
+    flops_per_example: float | None = None
+
+    def __post_init__(self):
+        if not callable(self.build):
+            raise ConfigError(
+                f"model={self.build!r} is not callable: pass a function of nnx.Rngs that builds the module."
+            )
+        if not callable(self.loss):
+            raise ConfigError(f"loss={self.loss!r} is not callable: pass a function (output, batch) -> scalar.")
+        opt = self.optimizer
+        if opt is not None and not (callable(getattr(opt, "init", None)) and callable(getattr(opt, "update", None))):
+            raise ConfigError(
+                f"optimizer={type(opt).__name__} is not an optax.GradientTransformation: pass one (optax.adamw(...), "
+                "optax.chain(...)) or None for the [train] AdamW."
+            )
+
+
+def user_model(model, loss, optimizer, flops_per_example) -> UserModel | None:
+    """The Trainer's keywords as a :class:`UserModel`, or None (jaxdist's own transformer) when none is given."""
+    if model is None and loss is None and optimizer is None and flops_per_example is None:
+        return None
+    if model is None or loss is None:
+        raise ConfigError(
+            "model= and loss= go together (your module and the loss of its output): pass both, or neither for "
+            "jaxdist's own transformer."
+        )
+    return UserModel(model, loss, optimizer, flops_per_example)
+
+
+# ------------------------------------------------------------------ the module's parameters
+
+
+def abstract_module(user: UserModel, seed: int):
+    """(graphdef, abstract params as a pure dict of ShapeDtypeStruct, logical names per param); nothing allocated.
+
+    ConfigError (one sentence) for a module that is not an nnx.Module, holds state other than nnx.Param (batch
+    statistics, stored RNG streams: the step would differentiate them), or names none of its parameters."""
+    with nnx.use_eager_sharding(False):
+        module = nnx.eval_shape(lambda: user.build(nnx.Rngs(seed)))
+    if not isinstance(module, nnx.Module):
+        raise ConfigError(
+            f"model(rngs) returned {type(module).__name__}, not a flax.nnx.Module: return the module it builds."
+        )
+    graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+    others = sorted({type(v).__name__ for v in jax.tree.leaves(rest, is_leaf=lambda v: isinstance(v, nnx.Variable))})
+    if others:
+        raise ConfigError(
+            f"the model holds {', '.join(others)} variables besides its nnx.Param: jaxdist trains parameters only, "
+            "so build it without them (no BatchNorm statistics, no Rngs kept in the module)."
+        )
+    names = jax.tree.map(
+        lambda v: tuple(v.get_metadata().get("out_sharding") or ()),
+        params,
+        is_leaf=lambda v: isinstance(v, nnx.Variable),
+    )
+    abstract = params.to_pure_dict()
+    names = _pure(names)
+    if not any(jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))):
+        raise ConfigError(
+            "the model's parameters carry no logical axis names, so no mesh axis can split them: name their "
+            "dimensions (nnx.with_partitioning(init, ('embed', 'mlp')) or nnx.Param(..., sharding_names=...)) with "
+            f"the names of jaxdist.parallel.rules.DEFAULT_RULES ({', '.join(n for n, _ in DEFAULT_RULES)})."
+        )
+    return graphdef, abstract, names
+
+
+def _pure(state) -> dict:
+    return {k: _pure(v) if hasattr(v, "items") else v for k, v in state.items()}
+
+
+def init_params(user: UserModel, seed: int) -> dict:
+    """Freshly initialised parameters as a pure dict of arrays (call under jit to shard them)."""
+    with nnx.use_eager_sharding(False):
+        module = user.build(nnx.Rngs(seed))
+    return nnx.split(module, nnx.Param, ...)[1].to_pure_dict()
+
+
+def vocab_size(abstract: dict, names: dict) -> int | None:
+    """The length of a dimension the model names ``vocab`` (its embedding), or None: the tokens it can read."""
+    found = [
+        a.shape[n.index("vocab")]
+        for n, a in zip(
+            jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple)), jax.tree.leaves(abstract), strict=True
+        )
+        if "vocab" in n and len(n) == len(a.shape)
+    ]
+    return min(found) if found else None
+
+
+# ------------------------------------------------------------------ the mesh it can use
+
+
+def check_user_config(cfg: Config, n_devices: int | None, names: dict | None = None, abstract: dict | None = None):
+    """The config's checks that do not concern jaxdist's own transformer, and what a user's model cannot do
+    (ConfigError, one sentence): a mesh axis none of its parameter names maps to, pipeline stages and a context
+    axis (the module declares neither), and the settings that need the built-in model's blocks."""
+    for section in (cfg.train, cfg.data, cfg.checkpoint, cfg.mesh, cfg.controller):
+        section.check()
+    sizes = cfg.mesh.checked_sizes()
+    for axis, why in (
+        ("pipeline", "stages need a stack of identical blocks, which jaxdist's own transformer declares"),
+        ("context", "a context axis needs the model's attention to pass keys and values around the ring"),
+    ):
+        if sizes[axis] > 1:
+            raise ConfigError(
+                f"mesh.{axis}={sizes[axis]} is not available to your own model yet ({why}): set mesh.{axis}=1 and "
+                "use data, fsdp or tensor."
+            )
+    fixed = (
+        ("train.grad_sync", cfg.train.grad_sync, "end"),
+        ("data.packing", cfg.data.packing, "stream"),
+        ("model.init_from", cfg.model.init_from, ""),
+    )
+    for key, value, plain in fixed:
+        if value != plain:
+            raise ConfigError(
+                f"{key}={value} works with jaxdist's own transformer only (its blocks, its document masks, its Hugging "
+                f"Face layout): set {key}={plain or 'an empty string'} for your own model."
+            )
+    if names is not None and abstract is not None:
+        _check_axes_split_something(sizes, names, abstract)
+    if n_devices is not None:
+        validate_devices(cfg, n_devices)
+
+
+def _check_axes_split_something(sizes: dict[str, int], names: dict, abstract: dict) -> None:
+    leaves = jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, tuple))
+    shapes = [a.shape for a in jax.tree.leaves(abstract)]
+    used: set[str] = set()
+    for n, shape in zip(leaves, shapes, strict=True):
+        if not n:
+            continue
+        if len(n) != len(shape):
+            raise ConfigError(
+                f"a parameter of shape {tuple(shape)} carries {len(n)} logical names {n}: give one name (or None) per "
+                "dimension."
+            )
+        try:
+            spec = logical_to_spec(n, DEFAULT_RULES)
+        except ValueError as e:
+            raise ConfigError(f"{e}: use the names of jaxdist.parallel.rules.DEFAULT_RULES.") from None
+        for entry in spec:
+            used.update((entry,) if isinstance(entry, str) else entry or ())
+    for axis in ("fsdp", "tensor", "expert"):
+        if sizes[axis] > 1 and axis not in used:
+            takers = ", ".join(n for n, axes in DEFAULT_RULES if axis in axes and n != "batch")
+            raise ConfigError(
+                f"mesh.{axis}={sizes[axis]} splits no parameter of your model: none of its dimensions is named "
+                f"{takers}; name one (nnx.with_partitioning) or set mesh.{axis}=1."
+            )
+
+
+# ------------------------------------------------------------------ the step
+
+
+def _loss_parts(out: Any) -> tuple[jax.Array, dict]:
+    value, metrics = (out[0], dict(out[1])) if isinstance(out, tuple) and len(out) == 2 else (out, {})
+    value = jnp.asarray(value)
+    if value.shape != () or not jnp.issubdtype(value.dtype, jnp.floating):
+        raise ConfigError(
+            f"loss(output, batch) returned {value.dtype.name}{list(value.shape)}, not a float scalar: reduce it "
+            "(a mean over the batch) and return the scalar, or (scalar, {name: scalar metric})."
+        )
+    for k, v in metrics.items():
+        if jnp.shape(v) != ():
+            raise ConfigError(
+                f"loss(output, batch)'s metric {k!r} has shape {list(jnp.shape(v))}: metrics are scalars (reduce it)."
+            )
+    return value.astype(jnp.float32), {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
+
+
+def objective(user: UserModel, graphdef, remat: Any = None) -> Callable:
+    """``fn(params, batch) -> (loss, metrics)``: the module's forward pass (under ``remat``, a jax.checkpoint
+    policy, "full" or None) and the user's loss."""
+
+    def forward(params, batch):
+        return nnx.merge(graphdef, params)(batch)
+
+    if remat == "full":
+        forward = jax.checkpoint(forward)
+    elif remat is not None:
+        forward = jax.checkpoint(forward, policy=remat)
+
+    def fn(params, batch):
+        return _loss_parts(user.loss(forward(params, batch), batch))
+
+    return fn
+
+
+def check_loss(fn: Callable, abstract_params: dict, batch: Any) -> None:
+    """Trace the loss once on shapes (nothing runs): its refusals (:func:`_loss_parts`) come before a compile."""
+    jax.eval_shape(fn, abstract_params, batch)
+
+
+def grads_fn(fn: Callable, microbatches: int) -> Callable:
+    """``(params, batch) -> (loss, metrics, grads)`` over ``microbatches`` equal slices of the batch (rows k,
+    k+m, ...: every device keeps working on rows it holds), combined weighted by ``metrics["weight"]`` where the
+    loss gives one (the step's metrics then carry the batch's total weight), else equally."""
+    vg = jax.value_and_grad(fn, has_aux=True)
+
+    def one(params, batch):
+        (loss, metrics), grads = vg(params, batch)
+        return loss, metrics, grads
+
+    if microbatches == 1:
+        return one
+
+    def run(params, batch):
+        m = microbatches
+        mb = jax.tree.map(lambda x: x.reshape(x.shape[0] // m, m, *x.shape[1:]).swapaxes(0, 1), batch)
+
+        def body(carry, b):
+            loss_sum, metric_sum, grad_sum, weight_sum = carry
+            loss, metrics, grads = one(params, b)
+            w = jax.lax.stop_gradient(metrics.pop("weight", jnp.float32(1.0)))
+            return (
+                loss_sum + w * loss,
+                jax.tree.map(lambda s, v: s + w * v, metric_sum, metrics),
+                jax.tree.map(lambda s, g: s + w.astype(g.dtype) * g, grad_sum, grads),
+                weight_sum + w,
+            ), None
+
+        first = jax.tree.map(lambda x: x[0], mb)
+        shapes = jax.eval_shape(lambda p, b: fn(p, b)[1], params, first)
+        metric_zeros = {k: jnp.zeros((), jnp.float32) for k in shapes if k != "weight"}
+        zeros = (jnp.zeros((), jnp.float32), metric_zeros, jax.tree.map(jnp.zeros_like, params), jnp.float32(0))
+        (loss_sum, metric_sum, grad_sum, weight), _ = jax.lax.scan(body, zeros, mb)
+        metrics = {k: v / weight for k, v in metric_sum.items()}
+        if "weight" in shapes:
+            metrics["weight"] = weight
+        return loss_sum / weight, metrics, jax.tree.map(lambda g: g / weight.astype(g.dtype), grad_sum)
+
+    return run
+
+
+def param_count(abstract: dict) -> int:
+    """Parameters of the model (from its shapes)."""
+    return sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))
