@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist.data.batchlist import BatchList, BatchListError, derive, format_id, parse_id, token_digest, unpack_ids
+from jaxdist.data.batchlist import BatchList, BatchListError, batch_digest, derive, format_id, parse_id, unpack_ids
 from jaxdist.data.batchloader import BatchReader
 from jaxdist.data.catalog import fingerprint, pack_source, read_source
 from jaxdist.data.documents import PackedStream
@@ -191,7 +191,7 @@ def digest_problems(run_dir: str | Path, config_tokens: np.ndarray | PackedStrea
     reader = BatchReader(bl, tokens)
     problems = []
     for r in trained_batches(run_dir):
-        want = int(token_digest(reader.batch_of_id(parse_id(r["batch_id"]))))
+        want = int(batch_digest(reader.batch_of_id(parse_id(r["batch_id"]))))
         if r["batch_digest"] != want:
             problems.append(
                 f"step {r['step']}: logged digest {r['batch_digest']} but batch {r['batch_id']}'s tokens give {want}"

@@ -97,6 +97,20 @@ def token_digest(tokens, xp=np):
     return xp.sum(x, dtype=u32)
 
 
+def batch_digest(batch, xp=np):
+    """:func:`token_digest` of a token batch, or of a Python dataset's batch ``{key: array [B, ...]}``: each key's
+    rows as 32-bit words (integers converted, floats as float32 bits), digested, and combined by key order."""
+    if not hasattr(batch, "items"):
+        return token_digest(batch, xp)
+    total = xp.uint32(0)
+    with np.errstate(over="ignore"):  # modulo 2**32 is the point (numpy warns on its scalars' wrap-around)
+        for k, key in enumerate(sorted(batch)):
+            x = batch[key].reshape(batch[key].shape[0], -1)
+            words = x.astype(xp.float32).view(xp.uint32) if xp.issubdtype(x.dtype, xp.floating) else x.astype(xp.uint32)
+            total = total + token_digest(words, xp) * xp.uint32(2 * k + 1)
+    return total
+
+
 # --------------------------------------------------------------------------- sources and versions
 
 
@@ -126,8 +140,9 @@ class SourceEntry:
     rows: int = 0  # packing=documents: the rows packed from its documents at the list's seq_len
 
     def n_windows(self, seq_len: int) -> int:
-        """Windows of ``seq_len + 1`` tokens (neighbours share one token), or the packed rows."""
-        if self.packing == "documents":
+        """Windows of ``seq_len + 1`` tokens (neighbours share one token), or the packed rows, or the items of a
+        Python dataset (``packing="items"``, jaxdist.data.items)."""
+        if self.packing in ("documents", "items"):
             return self.rows
         return max(0, (self.n_tokens - 1) // seq_len)
 

@@ -28,6 +28,7 @@ from jaxdist.config import ConfigError
 from jaxdist.data.batchlist import BatchList, BatchListError, SourceEntry, epoch_seed, make_version, unpack_ids
 from jaxdist.data.catalog import config_entry, pack_source, read_source
 from jaxdist.data.documents import PackedStream, Packing
+from jaxdist.data.items import ItemSource
 from jaxdist.data.journal import Journal
 from jaxdist.data.loader import Prefetcher, global_batch_array
 
@@ -73,6 +74,12 @@ class BatchReader:
     def id_at(self, position: int) -> int:
         return self.list.id_at(position)
 
+    @property
+    def item_spec(self) -> dict | None:
+        """A Python dataset's batches: key -> (trailing shape, dtype) of its rows (jaxdist.data.items); else None."""
+        src = self._tokens.get(0)
+        return src.spec if isinstance(src, ItemSource) else None
+
     def window_ids(self, position: int, rows: np.ndarray | slice | None = None) -> tuple[int, np.ndarray]:
         """(source id, window index of each requested row) of the batch at ``position``."""
         return self._windows_of(self.id_at(position), rows)
@@ -100,7 +107,7 @@ class BatchReader:
 
     def _read(self, s: int, windows: np.ndarray) -> np.ndarray:
         src = self._tokens[s]
-        if isinstance(src, PackedStream):  # data.packing=documents: window w is packed row w
+        if isinstance(src, (PackedStream, ItemSource)):  # packed row w, or item w of a Python dataset (a dict)
             return src.read(windows)
         idx = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
         return np.asarray(src[idx], dtype=np.int32)
@@ -180,6 +187,11 @@ class RunBatchList:
 
     def _first_version(self) -> BatchList:
         base = config_entry(self._config_tokens, self._source_name, self.seed, self._packing)
+        if base.batches_per_epoch(self.batch_size, self.seq_len) < 1 and base.packing == "items":
+            raise ConfigError(
+                f"the training data ({self._source_name}) holds {base.rows:,} items, fewer than one batch of "
+                f"{self.batch_size}: lower train.batch_size, or give it more items."
+            )
         if base.batches_per_epoch(self.batch_size, self.seq_len) < 1:
             packed = f" ({base.rows:,} rows packed from its documents)" if self._packing is not None else ""
             raise ConfigError(
@@ -206,6 +218,7 @@ class RunBatchList:
                 f"{self.seed}: restore it, or use a new train.name."
             )
         packing = "stream" if self._packing is None else "documents"
+        packing = "items" if isinstance(self._config_tokens, ItemSource) else packing
         if base.packing != packing:
             raise ConfigError(
                 f"the batch list in {where} was made with data.packing={base.packing} but the config has "
@@ -330,6 +343,8 @@ class RunBatchList:
             try:
                 if req is None:
                     raise ValueError("the request file is damaged")
+                if bl.sources[0].packing == "items":
+                    raise ValueError("a run that trains on a Python dataset's items takes no token files")
                 known = {s.fingerprint for s in bl.sources}
                 if any(s["fingerprint"] in known for s in req["sources"]):
                     raise ValueError("it holds data the batch list already has")

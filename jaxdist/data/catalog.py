@@ -30,6 +30,7 @@ from jaxdist.config import ConfigError
 from jaxdist.data import sources as _sources
 from jaxdist.data.batchlist import BatchListError, SourceEntry
 from jaxdist.data.documents import PackedStream, Packing, eos_starts, pack, read_documents, read_targets
+from jaxdist.data.items import ItemSource
 from jaxdist.data.journal import Journal
 from jaxdist.data.tokenizer import EOS
 
@@ -46,8 +47,11 @@ def fingerprint(tokens: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def quick_fingerprint(tokens: np.ndarray) -> str:
-    """SHA-256 (hex) of the length and 17 evenly spaced slices of 4096 tokens: reads at most ~0.3 MB."""
+def quick_fingerprint(tokens: np.ndarray | ItemSource) -> str:
+    """SHA-256 (hex) of the length and 17 evenly spaced slices of 4096 tokens: reads at most ~0.3 MB (a Python
+    dataset: its length and 17 items, jaxdist.data.items.ItemSource.quick)."""
+    if isinstance(tokens, ItemSource):
+        return tokens.quick()
     n = len(tokens)
     h = hashlib.sha256(f"{tokens.dtype}:{n}".encode())
     for start in np.linspace(0, max(0, n - _QUICK_LEN), _QUICK_SLICES).astype(np.int64):
@@ -55,8 +59,14 @@ def quick_fingerprint(tokens: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def config_entry(tokens: np.ndarray, name: str, seed: int, packing: Packing | None = None) -> SourceEntry:
-    """Source 0 of a run: the train split of its ``data.*`` source (``packing``: its rows packed from documents)."""
+def config_entry(tokens: np.ndarray | ItemSource, name: str, seed: int, packing: Packing | None = None) -> SourceEntry:
+    """Source 0 of a run: the train split of its ``data.*`` source (``packing``: its rows packed from documents),
+    or the Python dataset the Trainer was given (jaxdist.data.items: one window per item)."""
+    if isinstance(tokens, ItemSource):
+        n = len(tokens)
+        return SourceEntry(
+            0, "config", name, "", "items", n, tokens.fingerprint(), tokens.quick(), int(seed), 1, "items", n
+        )
     return SourceEntry(
         id=0,
         kind="config",
@@ -141,7 +151,10 @@ def read_source(entry: SourceEntry, config_tokens: np.ndarray | None = None) -> 
     ``config_tokens``: the train split the config gives now (for source 0).
     Raises BatchListError naming the source when it is missing or changed.
     """
-    if entry.kind == "config":
+    if entry.kind == "config" and isinstance(config_tokens, ItemSource):
+        tokens, what = config_tokens, f"the dataset given as data=, {entry.name}"
+        fix = "pass the dataset the run started with, or use a new train.name"
+    elif entry.kind == "config":
         assert config_tokens is not None
         tokens, what = config_tokens, "the configured data (data.*)"
         fix = "restore the data settings the run started with, or use a new train.name"
@@ -161,9 +174,15 @@ def read_source(entry: SourceEntry, config_tokens: np.ndarray | None = None) -> 
         )
         what, fix = f"'{entry.path}'", "put back the data that was added"
     if len(tokens) != entry.n_tokens or quick_fingerprint(tokens) != entry.quick:
+        unit = "items" if isinstance(tokens, ItemSource) else "tokens"
+        now = (
+            f"{len(tokens):,} {unit} now, {entry.n_tokens:,} then"
+            if len(tokens) != entry.n_tokens
+            else "the same length"
+        )
         raise BatchListError(
-            f"source {entry.id} of the batch list ({what}) has changed since it was registered "
-            f"({len(tokens):,} tokens now, {entry.n_tokens:,} then): {fix}."
+            f"source {entry.id} of the batch list ({what}) has changed since it was registered ({now}, other "
+            f"{unit}): {fix}."
         )
     return tokens
 

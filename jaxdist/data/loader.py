@@ -143,6 +143,8 @@ def global_batch_array(sampler: SequenceSampler, step: int, sharding) -> Any:
     """
     import jax  # deferred: see module docstring
 
+    if isinstance(sharding, dict):  # a Python dataset's batches: one array per key (jaxdist.data.items)
+        return _global_item_arrays(sampler, step, sharding)
     shape = (sampler.batch_size, sampler.seq_len + 1)
     cache: dict[tuple[int, int, int], np.ndarray] = {}
 
@@ -155,6 +157,42 @@ def global_batch_array(sampler: SequenceSampler, step: int, sharding) -> Any:
         return cache[key][:, col_slice]
 
     return jax.make_array_from_callback(shape, sharding, read, dtype=np.int32)
+
+
+def _global_item_arrays(sampler: Any, step: int, shardings: dict) -> dict:
+    """Batch ``step`` of a sampler over a Python dataset's items (``sampler.item_spec``: key -> (trailing shape,
+    dtype)) as ``{key: global jax.Array [batch_size, ...]}``; each process reads its own rows once for every key."""
+    import jax  # deferred: see module docstring
+
+    cache: dict[tuple[int, int, int], dict[str, np.ndarray]] = {}
+    b = sampler.batch_size
+
+    def reader(key: str):
+        def read(index: tuple[slice, ...]) -> np.ndarray:
+            rows = (index[0] if index else slice(None)).indices(b)
+            if rows not in cache:
+                cache[rows] = sampler.rows(step, slice(*rows))
+            return cache[rows][key][(slice(None), *index[1:])]
+
+        return read
+
+    return {
+        k: jax.make_array_from_callback((b, *shape), shardings[k], reader(k), dtype=dtype)
+        for k, (shape, dtype) in sampler.item_spec.items()
+    }
+
+
+class ItemSampler:
+    """Held-out batches of a Python dataset (jaxdist.data.items.ItemSource): batch ``i`` is items ``i*B`` ..
+    ``(i+1)*B - 1`` modulo its length, in order, the same in every run."""
+
+    def __init__(self, source: Any, batch_size: int):
+        self.source, self.batch_size = source, batch_size
+        self.item_spec = source.spec
+
+    def rows(self, step: int, rows: slice | None = None) -> dict[str, np.ndarray]:
+        ids = (step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)) % len(self.source)
+        return self.source.read(ids[rows if rows is not None else slice(None)])
 
 
 class Prefetcher:

@@ -46,6 +46,7 @@ from flax import nnx
 
 from jaxdist.config import Config, ConfigError
 from jaxdist.config.schema import validate_devices
+from jaxdist.data.items import ItemSource
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 
 
@@ -59,6 +60,8 @@ class UserModel:
     loss: Callable[[Any, Any], Any]
     optimizer: optax.GradientTransformation | None = None
     flops_per_example: float | None = None
+    data: ItemSource | None = None  # a Python dataset's items as training batches (None: the config's data)
+    eval_data: ItemSource | None = None  # its held-out items (None: no evaluation)
 
     def __post_init__(self):
         if not callable(self.build):
@@ -75,16 +78,21 @@ class UserModel:
             )
 
 
-def user_model(model, loss, optimizer, flops_per_example) -> UserModel | None:
-    """The Trainer's keywords as a :class:`UserModel`, or None (jaxdist's own transformer) when none is given."""
-    if model is None and loss is None and optimizer is None and flops_per_example is None:
+def user_model(model, loss, optimizer, flops_per_example, data=None, eval_data=None, collate=None) -> UserModel | None:
+    """The Trainer's keywords as a :class:`UserModel`, or None (jaxdist's own transformer) when none is given.
+    ``data`` / ``eval_data``: random-access datasets (jaxdist.data.items), rows made by ``collate``."""
+    given = (optimizer, flops_per_example, data, eval_data, collate)
+    if model is None and loss is None and all(x is None for x in given):
         return None
     if model is None or loss is None:
         raise ConfigError(
             "model= and loss= go together (your module and the loss of its output): pass both, or neither for "
             "jaxdist's own transformer."
         )
-    return UserModel(model, loss, optimizer, flops_per_example)
+    if eval_data is not None and data is None:
+        raise ConfigError("eval_data= goes with data= (a Python dataset to train on): pass both, or neither.")
+    items = [None if d is None else ItemSource(d, collate, name) for d, name in ((data, None), (eval_data, "eval"))]
+    return UserModel(model, loss, optimizer, flops_per_example, *items)
 
 
 # ------------------------------------------------------------------ the module's parameters
@@ -121,6 +129,10 @@ def abstract_module(user: UserModel, seed: int):
             "dimensions (nnx.with_partitioning(init, ('embed', 'mlp')) or nnx.Param(..., sharding_names=...)) with "
             f"the names of jaxdist.parallel.rules.DEFAULT_RULES ({', '.join(n for n, _ in DEFAULT_RULES)})."
         )
+    # A parameter without names (a bias left as nnx made it) is replicated: None for each of its dimensions.
+    names = jax.tree.map(
+        lambda n, a: n or (None,) * len(a.shape), names, abstract, is_leaf=lambda x: isinstance(x, tuple)
+    )
     return graphdef, abstract, names
 
 
@@ -188,7 +200,7 @@ def _check_axes_split_something(sizes: dict[str, int], names: dict, abstract: di
     shapes = [a.shape for a in jax.tree.leaves(abstract)]
     used: set[str] = set()
     for n, shape in zip(leaves, shapes, strict=True):
-        if not n:
+        if not any(n):
             continue
         if len(n) != len(shape):
             raise ConfigError(

@@ -91,6 +91,9 @@ class Program:
         self._build_optimizer()
         self.state_shardings = self._state_shardings(abstract_params)
         self.batch_sharding = self.parallelism.batch_sharding
+        if user is not None and user.data is not None:  # a Python dataset's batch: its rows split, one array per key
+            rows = self.parallelism.sharding(("batch",))
+            self.batch_sharding = {k: rows for k in user.data.spec}
         self.replicated = self.parallelism.replicated
 
     def _build_optimizer(self) -> None:
@@ -181,9 +184,14 @@ class Program:
         lowered = self._train_step.lower(self.abstract_state(), self._abstract_batch())
         return lowered.compile(compiler_options=self.xla_options) if self.xla_options else lowered.compile()
 
-    def _abstract_batch(self) -> jax.ShapeDtypeStruct:
-        """A training batch's shape, dtype and sharding: token rows [B, T+1]."""
+    def _abstract_batch(self):
+        """A training batch's shape, dtype and sharding: token rows [B, T+1], or a Python dataset's batch (a dict)."""
         t = self.config.train
+        if self.user is not None and self.user.data is not None:
+            return {
+                k: jax.ShapeDtypeStruct((t.batch_size, *shape), dtype, sharding=self.batch_sharding[k])
+                for k, (shape, dtype) in self.user.data.spec.items()
+            }
         return jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jax.numpy.int32, sharding=self.batch_sharding)
 
     def compiled_train_step(self):

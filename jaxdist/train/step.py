@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxdist.data.batchlist import token_digest
+from jaxdist.data.batchlist import batch_digest
 from jaxdist.models import apply, apply_with_aux
 from jaxdist.models.moe import MOE_METRICS, router_metrics
 from jaxdist.models.packed import target_count, unpack
@@ -177,7 +177,7 @@ def make_train_step(
         if schedule is not None:  # None: the user's own optimizer, whose schedule jaxdist does not know
             metrics["lr"] = schedule(state["step"])
         # The tokens this step trained on, as the log records them beside the batch id (jaxdist.data.audit).
-        metrics["batch_digest"] = token_digest(tokens, jnp)
+        metrics["batch_digest"] = batch_digest(tokens, jnp)
         if packed:
             metrics["targets"] = target_count(tokens)
         ok = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)

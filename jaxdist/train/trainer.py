@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -27,6 +28,7 @@ from jaxdist.checkpoint.local import AUTO as LOCAL_AUTO, run_tier
 from jaxdist.config import Config, ConfigError
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.data.documents import pack
+from jaxdist.data.loader import ItemSampler
 from jaxdist.data.sources import check_vocab
 from jaxdist.errors import expect
 from jaxdist.hf.load import load_params
@@ -72,6 +74,8 @@ class Trainer(Program):
     ``model``, ``loss``, ``optimizer`` and ``flops_per_example`` train your own Flax NNX module instead of
     jaxdist's transformer (:mod:`jaxdist.train.custom`: ``model(rngs) -> nnx.Module``, ``loss(output, batch)
     -> scalar | (scalar, metrics)``, an optax ``GradientTransformation``); ``model`` and ``loss`` go together.
+    ``data`` (and ``eval_data``): a random-access dataset of dicts of arrays to train on instead of the config's
+    data, through the batch list (:mod:`jaxdist.data.items`; ``collate`` makes a batch's rows).
     """
 
     def __init__(
@@ -83,6 +87,9 @@ class Trainer(Program):
         loss=None,
         optimizer=None,
         flops_per_example: float | None = None,
+        data=None,
+        eval_data=None,
+        collate=None,
     ):
         expect(
             config,
@@ -92,7 +99,8 @@ class Trainer(Program):
         )
         expect(devices, (list, tuple, type(None)), "Trainer's devices", "a list of JAX devices or None (all)")
         # A Config built without resolve(): the same checks, here (a smaller mesh runs on the first devices).
-        super().__init__(settle(config, devices, user_model(model, loss, optimizer, flops_per_example)))
+        user = user_model(model, loss, optimizer, flops_per_example, data, eval_data, collate)
+        super().__init__(settle(config, devices, user))
         self.is_main = jax.process_index() == 0
         self.run_dir = self.config.run_dir
         # One writer per run: process 0 holds the run's lock (a launched job's controller holds it for its workers).
@@ -157,6 +165,26 @@ class Trainer(Program):
     def _build_data(self) -> None:
         """The data source, the run's batch list (exact order across restarts) and the eval sampler."""
         c = self.config
+        user = self.user
+        if user is not None and user.data is not None:  # a Python dataset: one batch-list window per item
+            self.data = SimpleNamespace(name=user.data.name, train=user.data, eval=user.eval_data)
+            self.packing = None
+            self.batches = RunBatchList(
+                self.run_dir,
+                user.data,
+                user.data.name,
+                c.data.seed,
+                c.train.batch_size,
+                c.train.seq_len,
+                is_main=self.is_main,
+                process_count=jax.process_count(),
+            )
+            self.eval_sampler = None if user.eval_data is None else ItemSampler(user.eval_data, c.train.batch_size)
+            if self.eval_sampler is None and c.train.eval_batches and self.is_main:
+                log.info(
+                    "no eval_data given: the run evaluates nothing (train.eval_batches=%d unused)", c.train.eval_batches
+                )
+            return
         self.data = load_source(c.data)
         # The ids the model can read: the config's vocabulary, or the length of a user model's dimension named vocab.
         vocab = c.model.vocab_size if self.user is None else user_vocab_size(self.abstract_params, self.param_names)
@@ -317,6 +345,8 @@ class Trainer(Program):
         """Mean held-out loss (nats/token) over ``train.eval_batches`` fixed batches."""
         if not self.config.train.eval_batches:
             raise ConfigError("train.eval_batches=0 leaves no held-out batches to evaluate: set it to 1 or more.")
+        if self.eval_sampler is None:
+            raise ConfigError("the Trainer was given data= without eval_data=: pass held-out items to evaluate.")
         params = self.state["params"] if params is None else params
         losses = []
         for i in range(self.config.train.eval_batches):
@@ -358,7 +388,8 @@ class Trainer(Program):
             [LogMetrics(c.train.log_every)]
             + ([bar] if bar else [])
             + self.callbacks
-            + ([Evaluate(c.train.eval_every)] if c.train.eval_batches else [])  # eval_batches=0: no evaluation
+            # eval_batches=0, or a Python dataset without eval_data: no evaluation
+            + ([Evaluate(c.train.eval_every)] if c.train.eval_batches and self.eval_sampler is not None else [])
             + ([SaveLocal(c.checkpoint.local_every)] if self.local is not None else [])  # before the persistent
             + ([saving] if saving else [])
         )
