@@ -24,8 +24,14 @@ from jaxdist.config.values import MOVED_KEYS, SECTION_CLASSES, flatten, ordered,
 from jaxdist.errors import ConfigError, expect, expect_strings
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
-    """Defaults, then the TOML file at ``path``, then dotted overrides; validated without devices."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, *, own_model: bool = False
+) -> Config:
+    """Defaults, then the TOML file at ``path``, then dotted overrides; validated without devices.
+
+    ``own_model``: for your own model (``Trainer(config, model=...)``): the rules of jaxdist's transformer
+    (``train.remat=save:NAME`` among its tags, its sizes on the mesh) are left to the Trainer, which checks
+    your model's instead."""
     expect(path, (str, os.PathLike, type(None)), "load_config's path", "a TOML file path or None")
     expect_strings(overrides or [], "load_config's overrides", 'a list of "key=value" strings')
     cfg = Config()
@@ -54,7 +60,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         cfg = set_key(cfg, k, v)
         explicit.add(k)
     cfg = model_tokenizer(apply_init_from(cfg, explicit), explicit)
-    validate(cfg)
+    validate(cfg, own_model=own_model)
     return cfg
 
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from jaxdist.config.fields import check_checkpoint_names, option
+from jaxdist.config.fields import option
 from jaxdist.errors import ConfigError
 
 MESH_AXES = ("data", "fsdp", "context", "tensor", "expert", "pipeline")
@@ -133,8 +133,7 @@ class Remat:
                 raise ConfigError(
                     f"train.remat='{value}' names no checkpoint tags: write save:NAME[,NAME], e.g. save:attn_out."
                 )
-            check_checkpoint_names(value, names)
-            return cls("names", names=names)
+            return cls("names", names=names)  # the model's tags are checked with the model (config.schema.validate)
         if value not in JAX_POLICIES:
             raise ConfigError(
                 f"train.remat='{value}' is unknown: use none, full, auto, save:NAME[,NAME] or one of "

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxdist.config.controller import ControllerConfig
+from jaxdist.config.fields import check_checkpoint_names
 from jaxdist.config.mesh import MeshConfig
 from jaxdist.config.model import ModelConfig
 from jaxdist.config.ranges import check_ranges
@@ -81,16 +82,24 @@ class Config:
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
 
 
-def validate(cfg: Config, n_devices: int | None = None) -> None:
+def validate(cfg: Config, n_devices: int | None = None, *, own_model: bool = False) -> None:
     """Raise ConfigError, one sentence saying what to change, for settings that cannot work.
 
     Every section checks itself, then the rules that join sections run here.
-    Checks that need the device count run only when ``n_devices`` is given.
+    Checks that need the device count run only when ``n_devices`` is given.  ``own_model``: the config trains a
+    user's model (jaxdist.train.custom), so the rules of jaxdist's transformer (its sizes on the mesh, its remat
+    tags) are not checked here: the Trainer checks the user's model itself.
     """
     for section in (cfg.model, cfg.train, cfg.data, cfg.checkpoint, cfg.mesh, cfg.controller, cfg.pipeline):
         section.check()
     check_ranges(cfg)
+    if own_model:
+        if n_devices is not None:
+            validate_devices(cfg, n_devices)
+        return
     m, t = cfg.model, cfg.train
+    if t.remat_spec.kind == "names":  # a tag no block has would save nothing, silently
+        check_checkpoint_names(t.remat, t.remat_spec.names)
     if t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len} is longer than model.max_seq_len={m.max_seq_len}: "

@@ -19,6 +19,9 @@
   (``parallel/grad_sync.py``).  Without one installed nothing is applied and the scan runs one
   block per step.
 
+* **block remat** ``fn -> fn``: a user's model marks its blocks with :func:`remat_block`; the Trainer
+  installs ``jax.checkpoint`` with ``train.remat``'s policy (``jaxdist.train.custom``).
+
 The parallelism layer (``parallel/``) installs them (``activation_sharding``,
 ``context_parallelism``, ``expert_parallelism``; ``Parallelism.bind`` enters them inside the jitted
 function), so this package never imports device code.  The functions are
@@ -124,3 +127,32 @@ def syncing_grads(fn: GradSync | None) -> Iterator[None]:
         yield
     finally:
         _GRAD_SYNC.reset(token)
+
+
+# fn -> fn under the run's remat policy (jax.checkpoint): installed by the Trainer for a user's model.
+BlockRemat = Callable[[Callable], Callable]
+_BLOCK_REMAT: contextvars.ContextVar[BlockRemat | None] = contextvars.ContextVar("jaxdist_block_remat", default=None)
+
+
+def remat_block(fn: Callable) -> Callable:
+    """``fn`` (one block of your own model: ``x = remat_block(self.block)(x)``) recomputed in the backward pass
+    as ``train.remat`` says, when jaxdist traces the model (jaxdist.train.custom); ``fn`` as it is otherwise.
+
+    A block is the unit whose saved values are dropped and recomputed: only one block's are held again at once
+    in the backward pass, so the step's peak falls with the policy."""
+
+    def call(*args, **kwargs):
+        wrap = _BLOCK_REMAT.get()
+        return (fn if wrap is None else wrap(fn))(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def rematerializing(wrap: BlockRemat | None) -> Iterator[None]:
+    """Within this block :func:`remat_block` applies ``wrap`` to each block (None: nothing).  Nests."""
+    token = _BLOCK_REMAT.set(wrap)
+    try:
+        yield
+    finally:
+        _BLOCK_REMAT.reset(token)

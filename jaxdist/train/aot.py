@@ -86,9 +86,7 @@ def compiled_peak(
     """
     t0 = time.perf_counter()
     trainer = Program(settle(config, devices))
-    t = trainer.config.train
-    batch = jax.ShapeDtypeStruct((t.batch_size, t.seq_len + 1), jax.numpy.int32, sharding=trainer.batch_sharding)
-    lowered = trainer._train_step.lower(trainer.abstract_state(), batch)
+    lowered = trainer._train_step.lower(trainer.abstract_state(), trainer.abstract_batch())
     # XLA:CPU assigns buffers before LLVM runs, so its optimisation level leaves the peak as it is (checked:
     # the same bytes to the byte) and level 0 compiles 2-3x faster; other backends compile as the job will.
     cpu = trainer.devices[0].platform == "cpu"

@@ -23,9 +23,15 @@ Where the parameters go: each dimension's logical name maps to mesh axes by the 
 model (:data:`jaxdist.parallel.rules.DEFAULT_RULES`: ``embed`` over fsdp; ``mlp``, ``heads``, ``vocab``
 over tensor; ...), so a mesh axis with no name mapped to it splits nothing and is refused.  Where an
 activation lives is said the same way, ``jaxdist.models.hooks.constrain(x, ("batch", "seq", "embed"))``
-(without it XLA guesses, and may gather a whole activation on every device).  Activations
-the module tags with ``jax.ad_checkpoint.checkpoint_name`` are what ``train.remat=save:NAME`` keeps; the
-policy is applied to the module's whole forward pass (``jax.checkpoint`` around it).
+(without it XLA guesses, and may gather a whole activation on every device).
+
+Recomputation: the module marks each block with ``jaxdist.models.hooks.remat_block`` (``x =
+remat_block(block)(x)``), and ``train.remat`` applies to every marked block (``jax.checkpoint`` with its
+policy); ``save:NAME`` keeps the activations tagged ``jax.ad_checkpoint.checkpoint_name(x, NAME)``, checked
+against the tags the forward pass has.  Run the blocks with a scan (``nnx.scan`` over blocks stacked by
+``nnx.vmap``): measured on XLA:CPU, a Python loop of checkpointed blocks does not lower the step's peak (the
+compiler schedules the recomputation early), a scan does.  ``train.remat=auto`` compiles the candidates
+(:mod:`jaxdist.train.custom_remat`).
 
 The optimizer is any ``optax.GradientTransformation`` (default: the AdamW of the ``[train]`` settings); its
 state is checkpointed and resumed with the parameters.  ``train.grad_clip`` still clips the global norm
@@ -34,6 +40,7 @@ first.  A user's optimizer has no schedule jaxdist knows, so its steps log no ``
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,8 +52,9 @@ import optax
 from flax import nnx
 
 from jaxdist.config import Config, ConfigError
-from jaxdist.config.schema import validate_devices
+from jaxdist.config.schema import validate, validate_devices
 from jaxdist.data.items import ItemSource
+from jaxdist.models import hooks
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 
 
@@ -166,8 +174,7 @@ def check_user_config(cfg: Config, n_devices: int | None, names: dict | None = N
     """The config's checks that do not concern jaxdist's own transformer, and what a user's model cannot do
     (ConfigError, one sentence): a mesh axis none of its parameter names maps to, pipeline stages and a context
     axis (the module declares neither), and the settings that need the built-in model's blocks."""
-    for section in (cfg.train, cfg.data, cfg.checkpoint, cfg.mesh, cfg.controller):
-        section.check()
+    validate(cfg, own_model=True)  # the sections; jaxdist's transformer's own rules are not this model's
     sizes = cfg.mesh.checked_sizes()
     for axis, why in (
         ("pipeline", "stages need a stack of identical blocks, which jaxdist's own transformer declares"),
@@ -241,27 +248,83 @@ def _loss_parts(out: Any) -> tuple[jax.Array, dict]:
     return value.astype(jnp.float32), {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
 
-def objective(user: UserModel, graphdef, remat: Any = None) -> Callable:
-    """``fn(params, batch) -> (loss, metrics)``: the module's forward pass (under ``remat``, a jax.checkpoint
-    policy, "full" or None) and the user's loss."""
-
-    def forward(params, batch):
-        return nnx.merge(graphdef, params)(batch)
-
-    if remat == "full":
-        forward = jax.checkpoint(forward)
-    elif remat is not None:
-        forward = jax.checkpoint(forward, policy=remat)
+def objective(user: UserModel, graphdef, remat: Any = None, wrap: Callable | None = None) -> Callable:
+    """``fn(params, batch) -> (loss, metrics)``: the module's forward pass, each block it marks with
+    :func:`jaxdist.models.hooks.remat_block` under ``remat`` (a jax.checkpoint policy, "full" or None; ``wrap``:
+    another function of the block instead), and the user's loss."""
+    if wrap is not None:
+        pass
+    elif remat is None:
+        wrap = None
+    elif remat == "full":
+        wrap = jax.checkpoint
+    else:
+        wrap = functools.partial(jax.checkpoint, policy=remat)
 
     def fn(params, batch):
-        return _loss_parts(user.loss(forward(params, batch), batch))
+        with hooks.rematerializing(wrap):
+            out = nnx.merge(graphdef, params)(batch)
+        return _loss_parts(user.loss(out, batch))
 
     return fn
 
 
-def check_loss(fn: Callable, abstract_params: dict, batch: Any) -> None:
+@dataclass(frozen=True)
+class Traced:
+    """What tracing the loss once shows of the model: the checkpoint names it tags, in order, and how many
+    blocks it marks with :func:`jaxdist.models.hooks.remat_block`."""
+
+    names: tuple[str, ...]
+    blocks: int
+
+
+def check_loss(user: UserModel, graphdef, remat: Any, abstract_params: dict, batch: Any) -> Traced:
     """Trace the loss once on shapes (nothing runs): its refusals (:func:`_loss_parts`) come before a compile."""
-    jax.eval_shape(fn, abstract_params, batch)
+    blocks = [0]
+
+    def count(f):
+        blocks[0] += 1
+        return f
+
+    names = tuple(
+        dict.fromkeys(_names_in(jax.make_jaxpr(objective(user, graphdef, remat))(abstract_params, batch).jaxpr))
+    )
+    jax.eval_shape(objective(user, graphdef, wrap=count), abstract_params, batch)
+    return Traced(names, blocks[0])
+
+
+def _names_in(jaxpr) -> list[str]:
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            out.append(eqn.params["name"])
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else (v,):
+                inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's, or a Jaxpr
+                if hasattr(inner, "eqns"):
+                    out += _names_in(inner)
+    return out
+
+
+def check_remat(remat: Any, traced: Traced) -> None:
+    """ConfigError (one sentence) when ``train.remat`` cannot act on the model: a policy but no block marked to
+    recompute, or ``save:`` naming a tag the model does not use (jax would save nothing for it, silently, which
+    is full recomputation under another name)."""
+    kind, names = getattr(remat, "kind", "none"), traced.names
+    if kind not in ("none", "auto") and traced.blocks == 0:
+        raise ConfigError(
+            f"train.remat={remat} recomputes blocks, but your model marks none: wrap each block's call in "
+            "jaxdist.models.hooks.remat_block (x = remat_block(self.block)(x)), or set train.remat=none."
+        )
+    if kind != "names":
+        return
+    unknown = [n for n in remat.names if n not in names]
+    if unknown:
+        tags = ", ".join(names) if names else "none (tag activations with jax.ad_checkpoint.checkpoint_name)"
+        raise ConfigError(
+            f"train.remat='{remat}' names {', '.join(repr(n) for n in unknown)}, which your model does not tag: "
+            f"use save: with some of its tags, {tags}."
+        )
 
 
 def grads_fn(fn: Callable, microbatches: int) -> Callable:

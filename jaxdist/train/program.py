@@ -118,7 +118,10 @@ class Program:
         packed = c.data.packing == "documents"  # rows packed from documents (jaxdist.data.documents)
         if user is not None:  # the user's loss over the user's module, microbatched (jaxdist.train.custom)
             objective = custom.objective(user, self.graphdef, self.remat_policy)
-            custom.check_loss(objective, self.abstract_params, self._abstract_batch())
+            self.traced = custom.check_loss(
+                user, self.graphdef, self.remat_policy, self.abstract_params, self.abstract_batch()
+            )
+            custom.check_remat(self.resolved.remat, self.traced)
             grads, eval_step = custom.grads_fn(objective, c.train.microbatches), lambda p, b: objective(p, b)[0]
         else:
             grads, eval_step = self._grads_fn(), make_eval_step(self.graphdef, packed)
@@ -181,10 +184,10 @@ class Program:
 
         Its ``memory_analysis()`` and ``cost_analysis()`` give bytes and FLOPs per device.
         """
-        lowered = self._train_step.lower(self.abstract_state(), self._abstract_batch())
+        lowered = self._train_step.lower(self.abstract_state(), self.abstract_batch())
         return lowered.compile(compiler_options=self.xla_options) if self.xla_options else lowered.compile()
 
-    def _abstract_batch(self):
+    def abstract_batch(self):
         """A training batch's shape, dtype and sharding: token rows [B, T+1], or a Python dataset's batch (a dict)."""
         t = self.config.train
         if self.user is not None and self.user.data is not None:

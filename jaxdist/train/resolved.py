@@ -59,11 +59,13 @@ def settle(config: Config | Resolved, devices: Sequence[Any] | None = None, user
         for w, open_ in (("mesh=auto", config.mesh.auto), ("train.remat=auto", config.train.remat_spec.kind == "auto"))
         if open_
     ]
-    if left and user is not None:
+    if user is not None and config.mesh.auto:
         raise ConfigError(
-            f"{left[0]} does not plan your own model yet (it models jaxdist's transformer): give the mesh's sizes "
-            "and a named train.remat (none, full, save:NAME, dots_saveable, ...)."
+            "mesh=auto does not plan your own model yet (it models jaxdist's transformer): give the mesh's sizes "
+            "(mesh.data, mesh.fsdp, mesh.tensor)."
         )
+    if user is not None:  # train.remat=auto is chosen by compiling your model (jaxdist.train.custom_remat)
+        left = []
     if left:
         raise ConfigError(
             f"{left[0]} is settled before the Trainer is built: pass jaxdist.resolve.resolve(config, devices) "

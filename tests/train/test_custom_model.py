@@ -19,7 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.config import ConfigError, load_config
-from jaxdist.models.hooks import constrain
+from jaxdist.models.hooks import constrain, remat_block
 from jaxdist.train.metrics import read_metrics
 from jaxdist.train.trainer import Trainer
 from tests.trees import leaf_pairs
@@ -27,12 +27,11 @@ from tests.trees import leaf_pairs
 VOCAB = 260  # the byte tokenizer's ids (the default data source)
 
 
-class MixerLM(nnx.Module):
+class MixerBlock(nnx.Module):
     """Each position adds the running mean of the positions so far (the token mixing), then an MLP."""
 
-    def __init__(self, vocab: int = VOCAB, width: int = 32, hidden: int = 64, *, rngs: nnx.Rngs):
+    def __init__(self, width: int, hidden: int, *, rngs: nnx.Rngs):
         init, named = nnx.initializers, nnx.with_partitioning
-        self.embed = nnx.Embed(vocab, width, embedding_init=named(init.normal(0.1), ("vocab", "embed")), rngs=rngs)
         self.up = nnx.Linear(
             width,
             hidden,
@@ -44,16 +43,39 @@ class MixerLM(nnx.Module):
             hidden, width, use_bias=False, kernel_init=named(init.lecun_normal(), ("mlp", "embed")), rngs=rngs
         )
         self.scale = nnx.Param(jnp.ones((width,)), sharding_names=("norm",))
+
+    def __call__(self, x):
+        seen = jnp.arange(1, x.shape[1] + 1, dtype=x.dtype)[None, :, None]
+        x = x + checkpoint_name(jnp.cumsum(x, axis=1) / seen, "mix")
+        h = checkpoint_name(jax.nn.gelu(self.up(x * self.scale)), "hidden")
+        return constrain(x + self.down(h), ("batch", "seq", "embed"))
+
+
+class MixerLM(nnx.Module):
+    """Embedding, a stack of ``layers`` mixer blocks run by a scan (each marked for remat), output projection."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = 32, hidden: int = 64, layers: int = 2, *, rngs: nnx.Rngs):
+        init, named = nnx.initializers, nnx.with_partitioning
+        self.embed = nnx.Embed(vocab, width, embedding_init=named(init.normal(0.1), ("vocab", "embed")), rngs=rngs)
+
+        @nnx.split_rngs(splits=layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stack(rngs):  # the blocks' parameters stacked on a leading axis named "layers"
+            return MixerBlock(width, hidden, rngs=rngs)
+
+        self.blocks = stack(rngs)
         self.out = nnx.Linear(
             width, vocab, use_bias=False, kernel_init=named(init.lecun_normal(), ("embed", "vocab")), rngs=rngs
         )
 
     def __call__(self, batch):
         x = constrain(self.embed(batch[:, :-1]), ("batch", "seq", "embed"))  # where the activations live
-        seen = jnp.arange(1, x.shape[1] + 1, dtype=x.dtype)[None, :, None]
-        x = x + checkpoint_name(jnp.cumsum(x, axis=1) / seen, "mix")
-        h = checkpoint_name(jax.nn.gelu(self.up(x * self.scale)), "hidden")
-        return self.out(x + self.down(h))
+
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(block, x):
+            return remat_block(block)(x)  # recomputed in the backward pass as train.remat says
+
+        return self.out(run(self.blocks, x))
 
 
 def build(rngs):
@@ -98,9 +120,9 @@ def test_a_mesh_trains_it_with_the_loss_and_parameters_of_one_device(tmp_path):
     """data=2 fsdp=2 tensor=2 against one device, fp32: the same losses and parameters to 1e-5 after 4 AdamW
     steps; the names put the MLP's kernel on fsdp x tensor and the embedding's vocabulary on tensor."""
     mesh_state, t = train(config(tmp_path, "mesh", extra=["checkpoint.enabled=false"]))
-    assert t.param_shardings["up"]["kernel"].spec == P("fsdp", "tensor")
+    assert t.param_shardings["blocks"]["up"]["kernel"].spec == P(None, "fsdp", "tensor")  # layers: pipeline=1
     assert t.param_shardings["embed"]["embedding"].spec == P("tensor", "fsdp")
-    assert "yours" in t.describe() and "0.02M params" in t.describe()  # 20,832
+    assert "yours" in t.describe() and "0.03M params" in t.describe()  # 8,320 x 2 + 4,192 x 2 blocks
     one = config(tmp_path, "one", extra=["checkpoint.enabled=false", "mesh.fsdp=1", "mesh.tensor=1", "mesh.data=1"])
     one_state, _ = train(one, [jax.devices()[0]])
     rows = {n: read_metrics(tmp_path / n) for n in ("mesh", "one")}
@@ -213,7 +235,12 @@ class NoTensor(nnx.Module):
         ({}, ["mesh.context=2", "mesh.data=1"], "mesh.context=2 is not available to your own model"),
         ({}, ["mesh.pipeline=2", "mesh.data=1"], "mesh.pipeline=2 is not available"),
         ({}, ["train.grad_sync=per_block"], "train.grad_sync=per_block works with jaxdist's own transformer"),
-        ({}, ["train.remat=auto"], "train.remat=auto does not plan your own model yet"),
+        ({}, ["mesh.auto=true"], "mesh=auto does not plan your own model yet"),
+        (
+            {"model": lambda rngs: NoTensor(rngs=rngs)},
+            ["train.remat=full", "mesh.tensor=1", "mesh.data=4"],
+            "marks none",
+        ),
     ],
 )
 def test_what_it_cannot_do_is_refused_in_one_sentence(tmp_path, kw, extra, words):
