@@ -1,6 +1,7 @@
 """``jaxdist`` command line.
 
-    jaxdist train [--config FILE] [KEY=VALUE ...]    train (resumes a run that has checkpoints)
+    jaxdist train [--config FILE] [--entry M:F] [KEY=VALUE ...]   train (resumes a run that has checkpoints;
+                                                     --entry: your own model, jaxdist.train.custom)
     jaxdist config [--config FILE] [KEY=VALUE ...]   print the resolved config as TOML
     jaxdist config --reference                       print the configuration reference (Markdown)
     jaxdist ckpt list|inspect|verify|plan RUN_DIR    checkpoints of a run: steps, contents, checksums, write plan
@@ -13,7 +14,7 @@
                                                      continue prompts with a run's checkpoint (streamed)
     jaxdist remat [--model M] [--mesh CLUSTER] [--budget 20GiB] [KEY=VALUE ...]
                                                      the remat plan for a block and the named policies beside it
-    jaxdist launch [--config FILE] [--print] [KEY=VALUE ...]   controller + node agents (controller.launcher:
+    jaxdist launch [--config FILE] [--print] [--entry M:F] [KEY=VALUE ...]   controller + node agents (controller.launcher:
                                                      local, ssh, slurm, kubernetes); keeps the job alive
     jaxdist controller [--config FILE] [KEY=VALUE ...]   only the controller (node agents started elsewhere)
     jaxdist plan [--model M] [--cluster C] [--busy F] [--out plan.toml] [KEY=VALUE ...]
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model (resumes from the run's checkpoints)")
     t.add_argument("--config", help="TOML config file")
+    t.add_argument("--entry", help="module:function returning your own model and loss (train.entry)")
     t.set_defaults(fn=cmd_train)
 
     c = sub.add_parser("config", help="print the resolved config, or the reference")
@@ -75,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--config", help="TOML config file")
     la.add_argument("--print", action="store_true", help="slurm / kubernetes: print the batch script or manifest")
     la.add_argument("--image", default="jaxdist:latest", help="kubernetes: container image of the pods")
+    la.add_argument("--entry", help="module:function returning your own model and loss (train.entry)")
     la.set_defaults(fn=cmd_launch)
 
     co = sub.add_parser("controller", help="run only the controller of a job (node agents join it)")

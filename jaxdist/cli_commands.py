@@ -3,6 +3,7 @@ parsed arguments and returns the exit code."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import sys
@@ -30,14 +31,21 @@ def cmd_config(args) -> int:
 
 
 def _warm_up(cfg: Config) -> None:
-    """What a standby does before it has a rank: import JAX and the trainer, read the data."""
+    """What a standby does before it has a rank: import JAX and the trainer, read the data (with train.entry:
+    import the user's module; its data is read when the entry is called)."""
     import jaxdist.train.trainer  # noqa: F401  (JAX, flax, optax, orbax: seconds)
 
-    load_source(cfg.data)
+    if cfg.train.entry:
+        try:
+            importlib.import_module(cfg.train.entry.partition(":")[0])
+        except ImportError:
+            pass  # the worker given a rank says so in one sentence (jaxdist.train.custom.entry_keywords), exit 2
+    else:
+        load_source(cfg.data)
 
 
 def cmd_train(args) -> int:
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, _with_entry(args))
     prepare_host_devices(cfg)
     # Started by a node agent: heartbeat from now on, warm up, then wait for a rank (sets JAX_* env).
     agent = None
@@ -56,10 +64,13 @@ def cmd_train(args) -> int:
     import jax
 
     from jaxdist.resolve import resolve
+    from jaxdist.train.custom import entry_keywords
     from jaxdist.train.start_report import start_report
     from jaxdist.train.trainer import Trainer
 
-    with Trainer(resolve(cfg, jax.devices())) as trainer:
+    # train.entry: your own model from module:function (jaxdist.train.custom); else jaxdist's, resolved here
+    own = entry_keywords(cfg)
+    with Trainer(cfg, jax.devices(), **own) if own else Trainer(resolve(cfg, jax.devices())) as trainer:
         if agent is not None:
             agent.attach(trainer)
             if jax.process_count() > 1:  # the controller's device probe, run by every process at the same step
@@ -301,10 +312,16 @@ def cmd_comm(args) -> int:
     return 0
 
 
+def _with_entry(args) -> list[str]:
+    """The overrides, with ``--entry module:function`` as ``train.entry`` (your own model, jaxdist.train.custom)."""
+    entry = getattr(args, "entry", None)
+    return list(args.overrides) + ([f"train.entry={entry}"] if entry else [])
+
+
 def cmd_launch(args) -> int:
     from jaxdist.controller.commands import launch  # pyzmq (optional): only the controller's commands need it
 
-    return launch(args.config, args.overrides, print_only=args.print, image=args.image, shape_planner=_plan_shape)
+    return launch(args.config, _with_entry(args), print_only=args.print, image=args.image, shape_planner=_plan_shape)
 
 
 def _plan_shape(cfg, view, figures):

@@ -60,7 +60,7 @@ def load_config(
         cfg = set_key(cfg, k, v)
         explicit.add(k)
     cfg = model_tokenizer(apply_init_from(cfg, explicit), explicit)
-    validate(cfg, own_model=own_model)
+    validate(cfg, own_model=own_model or bool(cfg.train.entry))  # train.entry: the Trainer checks that model
     return cfg
 
 

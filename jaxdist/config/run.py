@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +91,10 @@ class TrainConfig:
     profile_steps: tuple[int, ...] = option(
         (),
         "[a, b]: write a JAX profiler trace of steps a..b (counted from 1, inclusive) under <run>/profile/ (TensorBoard's profile plugin or Perfetto); []: none.",
+    )
+    entry: str = option(
+        "",
+        "module:function that returns your own model and what goes with it, a dict with model and loss (and optimizer, data, eval_data, collate, flops_per_example: the Trainer's keywords, jaxdist.train.custom); called with the config in every worker; empty: jaxdist's own transformer on the [data] settings.",
     )
     tracker: Tracker = option(
         "none",
@@ -190,6 +195,11 @@ class CheckpointConfig:
 
 def check_train(t: TrainConfig) -> None:
     """Optimisation and logging settings by themselves (ConfigError, one sentence)."""
+    if t.entry and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", t.entry):
+        raise ConfigError(
+            f"train.entry={t.entry!r} is not module:function: write it as mypackage.job:spec (a module Python can "
+            "import, and the function in it that returns your model and loss)."
+        )
     for name in ("steps", "batch_size", "seq_len", "microbatches", "log_every", "grad_unit_rows"):
         if getattr(t, name) <= 0:
             raise ConfigError(f"train.{name}={getattr(t, name)} must be positive.")

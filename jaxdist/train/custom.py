@@ -41,6 +41,7 @@ first.  A user's optimizer has no schedule jaxdist knows, so its steps log no ``
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -371,3 +372,38 @@ def grads_fn(fn: Callable, microbatches: int) -> Callable:
 def param_count(abstract: dict) -> int:
     """Parameters of the model (from its shapes)."""
     return sum(math.prod(a.shape) for a in jax.tree.leaves(abstract))
+
+
+# ------------------------------------------------------------------ train.entry: the same from a worker
+
+ENTRY_KEYS = ("model", "loss", "optimizer", "flops_per_example", "data", "eval_data", "collate")
+
+
+def entry_keywords(cfg: Config) -> dict[str, Any]:
+    """The Trainer's keywords from ``train.entry`` (``module:function``, called with the config); {} when it is
+    empty.  ConfigError (one sentence) for a module that cannot be imported, a function it lacks, or a result
+    that is not a dict of the Trainer's keywords with model and loss."""
+    if not cfg.train.entry:
+        return {}
+    module, _, name = cfg.train.entry.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(
+            f"train.entry={cfg.train.entry}: module {module!r} cannot be imported ({e}): put it on the workers' "
+            "PYTHONPATH (or in the directory the job starts in) or fix the name."
+        ) from None
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise ConfigError(
+            f"train.entry={cfg.train.entry}: {module} has no function {name!r}: name the function that returns "
+            "your model and loss."
+        )
+    out = fn(cfg)
+    if not isinstance(out, dict) or not {"model", "loss"} <= set(out) or set(out) - set(ENTRY_KEYS):
+        got = sorted(out) if isinstance(out, dict) else type(out).__name__
+        raise ConfigError(
+            f"train.entry={cfg.train.entry} returned {got}: return a dict with model and loss, and any of "
+            f"{', '.join(ENTRY_KEYS[2:])}."
+        )
+    return out
