@@ -14,6 +14,7 @@ from typing import Any
 import jax
 
 from jaxdist.config import ConfigError, Remat
+from jaxdist.config.fields import check_checkpoint_names
 from jaxdist.models.names import CHECKPOINT_NAMES
 
 # The common hand-written recipes and the train.remat value of each.
@@ -28,9 +29,12 @@ BASELINES: dict[str, str] = {"none (no remat)": "none", "save every checkpoint n
 BUILTINS = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable")
 
 
-def remat_policy(remat: str | Remat) -> Any:
+def remat_policy(remat: str | Remat, *, own_model: bool = False) -> Any:
     """The policy for ``train.remat`` (a string or its parsed :class:`~jaxdist.config.Remat`): None (save
     everything), "full", or a jax.checkpoint policy.
+
+    ``save:NAME`` must name tags of jaxdist's transformer (a misspelt one would save nothing, silently); with
+    ``own_model`` they are a user's model's tags, checked against its traced forward (jaxdist.train.custom).
 
     ``auto`` needs the model and mesh: use :func:`jaxdist.remat.policy.resolve_remat_policy`.
     """
@@ -39,7 +43,9 @@ def remat_policy(remat: str | Remat) -> Any:
         return None
     if spec.kind == "full":
         return "full"
-    if spec.kind == "names":  # the names were checked when train.remat was parsed (Remat.parse)
+    if spec.kind == "names":
+        if not own_model:
+            check_checkpoint_names(str(spec), spec.names)
         return jax.checkpoint_policies.save_only_these_names(*spec.names)
     if spec.kind == "selected":  # what the selector chose for auto (jaxdist.resolve.resolve)
         return spec.plan.policy()

@@ -61,7 +61,7 @@ class UserRematChoice:
 
     def policy(self):
         """The jax.checkpoint policy of the choice (None, "full" or a policy), as jaxdist.remat.named gives it."""
-        return remat_policy(Remat.parse(self.value))
+        return remat_policy(Remat.parse(self.value), own_model=True)
 
     @property
     def chosen(self) -> Trial:

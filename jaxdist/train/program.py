@@ -77,7 +77,8 @@ class Program:
         """The remat policy (``auto``: the plan resolve() selected), the abstract model, optimizer and shardings."""
         c = self.config
         remat = self.resolved.remat  # "auto" settled to the selector's plan by resolve()
-        self.remat_policy, self.remat_plan = remat_policy(remat), remat.plan
+        self.remat_policy = remat_policy(remat, own_model=self.resolved.user is not None)
+        self.remat_plan = remat.plan
         self.user = user = self.resolved.user
         if user is None:
             self.graphdef, abstract_params, names = create_abstract(c.model, c.train.seed, self.remat_policy)

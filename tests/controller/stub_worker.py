@@ -122,11 +122,13 @@ def main(argv: list[str]) -> int:
         clock.add_window(1, time.perf_counter() - t0)
         clock.enter("checkpoint")
         if rank == 0:
+            # Recorded as trained before its commit marker, as the Trainer does (its save commits later): a kill
+            # between the two then shows as a recomputed step, never as a committed step no generation trained.
+            record_step(run, a.generation, step, None)
             d = ckpt / str(step)
             d.mkdir(parents=True, exist_ok=True)
             (d / "state.json").write_text(json.dumps({"step": step, "state": state}))
             (d / "jaxdist_commit.json").write_text("{}")
-            record_step(run, a.generation, step, None)
             for old in ckpt.glob("*"):
                 if old.name.isdigit() and int(old.name) < step - 3:
                     shutil.rmtree(old, ignore_errors=True)
