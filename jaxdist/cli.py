@@ -17,8 +17,9 @@
     jaxdist launch [--config FILE] [--print] [--entry M:F] [KEY=VALUE ...]   controller + node agents (controller.launcher:
                                                      local, ssh, slurm, kubernetes); keeps the job alive
     jaxdist controller [--config FILE] [KEY=VALUE ...]   only the controller (node agents started elsewhere)
-    jaxdist plan [--model M] [--cluster C] [--busy F] [--out plan.toml] [KEY=VALUE ...]
+    jaxdist plan [--model M | --entry M:F] [--cluster C] [--busy F] [--out plan.toml] [KEY=VALUE ...]
                                                      best mesh / microbatches / remat; writes a train config
+                                                     (--entry M:F: your own model, every mesh compiled)
     jaxdist calibrate [--cluster C] [--out FILE]     measure the devices' efficiency and links for the planner
     jaxdist gen [run] --config gen.toml [KEY=VALUE ...]   generation workers: tasks from a sample set, shards
                                                      delivered to a training run (jaxdist/gen/job.py)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import tomllib
 from pathlib import Path
@@ -49,6 +50,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         help="compile the chosen plan's train step ahead of time and keep the best whose compiled peak fits "
         "train.memory_budget_bytes (needs the plan's devices; CPU clusters are simulated)",
     )
+    p.add_argument(
+        "--entry",
+        help="module:function returning your own model and loss (train.entry): planned by compiling every mesh "
+        "its parameter names allow on the cluster's devices (jaxdist.train.custom_plan)",
+    )
     p.set_defaults(fn=cmd_plan)
 
     c = sub.add_parser("calibrate", help="measure the present devices' efficiency and links for the planner")
@@ -74,7 +80,10 @@ def cmd_plan(args) -> int:
     """``jaxdist plan``: print the best plans and write the chosen one as a train config."""
     extra = ([f"model={args.model}"] if args.model else []) + ([f"mesh.cluster={args.cluster}"] if args.cluster else [])
     check_overwrite(args.out, lambda text: text.startswith("# jaxdist plan:"), args.force, (args.config, args.busy))
-    cfg = load_config(args.config, extra + list(args.overrides))
+    entry = [f"train.entry={args.entry}"] if args.entry else []
+    cfg = load_config(args.config, extra + list(args.overrides) + entry)
+    if cfg.train.entry:  # your own model: no closed form; its compiled programs decide (jaxdist.train.custom_plan)
+        return _plan_own_model(args, cfg)
     seq_len = cfg.train.seq_len if _explicit_seq_len(args) else cfg.model.max_seq_len
     cfg = cfg.replace(**{"train.seq_len": seq_len})
     if args.verify:
@@ -136,6 +145,47 @@ def cmd_plan(args) -> int:
     print(p.explain())
     out = Path(args.out)
     out.write_text(p.to_toml(cfg))
+    print(f"\nwrote {out}: run it with `jaxdist train --config {out}`")
+    return 0
+
+
+def _plan_own_model(args, cfg) -> int:
+    """``jaxdist plan --entry M:F``: every mesh your model's names allow, compiled on the cluster's devices (a CPU
+    cluster file's are simulated here), the fastest that fits written as a train config."""
+    if any((args.busy, args.axes, args.calibration, args.exhaustive, args.verify)):
+        raise ConfigError(
+            "--busy, --axes, --calibration, --exhaustive and --verify are for jaxdist's own model: with --entry "
+            "every mesh of the cluster's devices is compiled; leave them out."
+        )
+    spec = load_cluster(cfg.mesh.cluster)
+    n = spec.nodes * spec.devices_per_node
+    flags = os.environ.get("XLA_FLAGS", "")
+    if spec.device_kind.lower() == "cpu" and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    # JAX, the user's module and the compiler: after XLA_FLAGS
+    import jax
+
+    from jaxdist.train.custom import ENTRY_KEYS, entry_keywords, user_model
+    from jaxdist.train.custom_plan import plan_user_mesh
+
+    devices = jax.devices()
+    if devices[0].device_kind.lower() != spec.device_kind.lower() or len(devices) < n:
+        raise ConfigError(
+            f"--entry compiles your model for mesh.cluster={cfg.mesh.cluster}'s {n} x {spec.device_kind} devices but "
+            f"this process sees {len(devices)} x {devices[0].device_kind}: run it where those devices are, or plan on "
+            "a CPU cluster file (cpu-8)."
+        )
+    own = entry_keywords(cfg)
+    user = user_model(*(own.get(k) for k in ENTRY_KEYS))
+    p = plan_user_mesh(cfg.set(**{"mesh.auto": True}), devices[:n], user, nodes=spec.nodes)
+    print(f"your model ({cfg.train.entry}): {p.probe.param_bytes / 2**20:.3g} MiB of parameters; batch "
+          f"{cfg.train.batch_size}; cluster {cfg.mesh.cluster} ({spec.nodes} x {spec.devices_per_node} "
+          f"{spec.device_kind})\n")  # fmt: skip
+    print(p.table() + "\n")
+    print(f"chosen: {p.describe()}")
+    out = Path(args.out)
+    head = f"# jaxdist plan: {cfg.train.entry} on {cfg.mesh.cluster}\n# {p.describe()}\n\n"
+    out.write_text(head + p.to_config(cfg).to_toml())
     print(f"\nwrote {out}: run it with `jaxdist train --config {out}`")
     return 0
 

@@ -61,8 +61,8 @@ def settle(config: Config | Resolved, devices: Sequence[Any] | None = None, user
     ]
     if user is not None and config.mesh.auto:
         raise ConfigError(
-            "mesh=auto does not plan your own model yet (it models jaxdist's transformer): give the mesh's sizes "
-            "(mesh.data, mesh.fsdp, mesh.tensor)."
+            "mesh=auto for your own model is planned by compiling it: build a Trainer(config, model=...) or call "
+            "jaxdist.train.custom_plan.settle_user."
         )
     if user is not None:  # train.remat=auto is chosen by compiling your model (jaxdist.train.custom_remat)
         left = []

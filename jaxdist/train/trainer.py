@@ -52,13 +52,13 @@ from jaxdist.train.callbacks import (
     run_due,
 )
 from jaxdist.train.custom import param_count as user_param_count, user_model, vocab_size as user_vocab_size
-from jaxdist.train.custom_remat import settle_user_remat
+from jaxdist.train.custom_plan import settle_user
 from jaxdist.train.efficiency import LoopClock
 from jaxdist.train.faults import fault_hooks
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.optimizer import resumed_schedule_steps
 from jaxdist.train.program import Program
-from jaxdist.train.resolved import Resolved, settle
+from jaxdist.train.resolved import Resolved
 from jaxdist.train.step import init_state
 from jaxdist.train.tracking import open_tracker
 
@@ -101,7 +101,7 @@ class Trainer(Program):
         expect(devices, (list, tuple, type(None)), "Trainer's devices", "a list of JAX devices or None (all)")
         # A Config built without resolve(): the same checks, here (a smaller mesh runs on the first devices).
         user = user_model(model, loss, optimizer, flops_per_example, data, eval_data, collate)
-        super().__init__(settle_user_remat(settle(config, devices, user)))
+        super().__init__(settle_user(config, devices, user))
         self.is_main = jax.process_index() == 0
         self.run_dir = self.config.run_dir
         # One writer per run: process 0 holds the run's lock (a launched job's controller holds it for its workers).
@@ -161,7 +161,7 @@ class Trainer(Program):
     ) -> Program:
         """The compile-time half only (:class:`~jaxdist.train.program.Program`: mesh, model, optimizer and jitted
         programs; no data, run directory, checkpoints or metrics, nothing to close), as the Trainer builds it."""
-        return Program(settle_user_remat(settle(config, devices, user_model(model, loss, optimizer, None))))
+        return Program(settle_user(config, devices, user_model(model, loss, optimizer, None)))
 
     def _build_data(self) -> None:
         """The data source, the run's batch list (exact order across restarts) and the eval sampler."""

@@ -235,7 +235,6 @@ class NoTensor(nnx.Module):
         ({}, ["mesh.context=2", "mesh.data=1"], "mesh.context=2 is not available to your own model"),
         ({}, ["mesh.pipeline=2", "mesh.data=1"], "mesh.pipeline=2 is not available"),
         ({}, ["train.grad_sync=per_block"], "train.grad_sync=per_block works with jaxdist's own transformer"),
-        ({}, ["mesh.auto=true"], "mesh=auto does not plan your own model yet"),
         (
             {"model": lambda rngs: NoTensor(rngs=rngs)},
             ["train.remat=full", "mesh.tensor=1", "mesh.data=4"],
