@@ -179,7 +179,6 @@ def check_user_config(cfg: Config, n_devices: int | None, names: dict | None = N
     sizes = cfg.mesh.checked_sizes()
     for axis, why in (
         ("pipeline", "stages need a stack of identical blocks, which jaxdist's own transformer declares"),
-        ("context", "a context axis needs the model's attention to pass keys and values around the ring"),
     ):
         if sizes[axis] > 1:
             raise ConfigError(
@@ -277,21 +276,40 @@ class Traced:
 
     names: tuple[str, ...]
     blocks: int
+    axes: tuple[str, ...] = ()  # the logical names its activations are constrained by (constrain), in order
 
 
 def check_loss(user: UserModel, graphdef, remat: Any, abstract_params: dict, batch: Any) -> Traced:
     """Trace the loss once on shapes (nothing runs): its refusals (:func:`_loss_parts`) come before a compile."""
     blocks = [0]
+    axes: dict[str, None] = {}
 
     def count(f):
         blocks[0] += 1
         return f
 
+    def seen(x, logical):
+        axes.update(dict.fromkeys(a for a in logical if a))
+        return x
+
     names = tuple(
         dict.fromkeys(_names_in(jax.make_jaxpr(objective(user, graphdef, remat))(abstract_params, batch).jaxpr))
     )
-    jax.eval_shape(objective(user, graphdef, wrap=count), abstract_params, batch)
-    return Traced(names, blocks[0])
+    with hooks.constraining(seen):
+        jax.eval_shape(objective(user, graphdef, wrap=count), abstract_params, batch)
+    return Traced(names, blocks[0], tuple(axes))
+
+
+def check_context(cfg: Config, traced: Traced) -> None:
+    """ConfigError (one sentence) for ``mesh.context > 1`` on a model that does not say its sequence axis: the
+    context axis splits the activations constrained with ``"seq"`` (XLA then moves what the model's mixing of
+    positions needs); without one it would split nothing."""
+    n = cfg.mesh.checked_sizes()["context"]
+    if n > 1 and "seq" not in traced.axes:
+        raise ConfigError(
+            f"mesh.context={n} splits the sequence axis your model names, and it names none: constrain its "
+            "activations with jaxdist.models.hooks.constrain(x, ('batch', 'seq', 'embed')), or set mesh.context=1."
+        )
 
 
 def _names_in(jaxpr) -> list[str]:

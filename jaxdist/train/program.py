@@ -123,6 +123,7 @@ class Program:
                 user, self.graphdef, self.remat_policy, self.abstract_params, self.abstract_batch()
             )
             custom.check_remat(self.resolved.remat, self.traced)
+            custom.check_context(c, self.traced)
             grads, eval_step = custom.grads_fn(objective, c.train.microbatches), lambda p, b: objective(p, b)[0]
         else:
             grads, eval_step = self._grads_fn(), make_eval_step(self.graphdef, packed)

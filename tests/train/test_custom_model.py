@@ -134,6 +134,18 @@ def test_a_mesh_trains_it_with_the_loss_and_parameters_of_one_device(tmp_path):
     for a, b in leaf_pairs(mesh_state["params"], one_state["params"]):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
+    # data=2 context=2 tensor=2: the activations constrained with "seq" split over context (XLA moves what the
+    # running mean over positions needs); the same losses and parameters again
+    ctx = config(tmp_path, "context", extra=["checkpoint.enabled=false", "mesh.fsdp=1", "mesh.context=2"])
+    ctx_state, t = train(ctx)
+    lowered = t._train_step.lower(t.abstract_state(), t.abstract_batch()).as_text()
+    assert '[{"data"}, {"context"}, {}]' in lowered  # the activations' sequence axis is split over context
+    np.testing.assert_allclose(
+        [r["loss"] for r in read_metrics(tmp_path / "context")], [r["loss"] for r in rows["one"]], rtol=1e-5
+    )
+    for a, b in leaf_pairs(ctx_state["params"], one_state["params"]):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
 
 def padded_loss(logits, batch):
     """Cross-entropy over the tokens that are not the byte 0 (a padding), and how many there are: a weighted mean."""
@@ -232,7 +244,11 @@ class NoTensor(nnx.Module):
         ({"loss": lambda out, batch: (out.mean(), {"per_row": out.mean(-1)})}, [], "metric 'per_row'"),
         ({"optimizer": "adam"}, [], "not an optax.GradientTransformation"),
         ({"loss": None}, [], "model= and loss= go together"),
-        ({}, ["mesh.context=2", "mesh.data=1"], "mesh.context=2 is not available to your own model"),
+        (
+            {"model": lambda rngs: NoTensor(rngs=rngs)},
+            ["mesh.context=2", "mesh.tensor=1"],
+            "mesh.context=2 splits the sequence axis your model names, and it names none",
+        ),
         ({}, ["mesh.pipeline=2", "mesh.data=1"], "mesh.pipeline=2 is not available"),
         ({}, ["train.grad_sync=per_block"], "train.grad_sync=per_block works with jaxdist's own transformer"),
         (
