@@ -8,6 +8,7 @@ from pathlib import Path
 from jaxdist.config import Config, from_dict, load_config, parse_overrides
 from jaxdist.config.hf_dir import run_tokenizer, tokenizer_in
 from jaxdist.errors import ConfigError
+from jaxdist.run_owner import check_not_own_model
 
 
 def _at_run(run_dir: Path) -> list[str]:
@@ -88,6 +89,7 @@ def stored_config(run_dir: str | Path, overrides: list[str] = ()) -> Config:
     """The config a run recorded in ``run_dir/config.json``, at ``run_dir`` wherever it lies now, with ``overrides``
     (e.g. another mesh for the export)."""
     path = Path(run_dir) / "config.json"
+    check_not_own_model(run_dir, "jaxdist convert")
     try:
         stored = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -35,7 +35,10 @@ LOCK_NAME = ".jaxdist.lock"
 # A worker started by a launched job's node agent writes under the controller's lock (jaxdist.controller.agent).
 JOB_ENV = "JAXDIST_CONTROLLER"
 # What a fresh start moves aside: everything a later command would resume from or audit.
-HISTORY = ("checkpoints", "batchlist", "metrics.jsonl", "tb")
+# A run trained on a user's own model (jaxdist.train.custom) holds this file beside config.json: the config does
+# not describe that model, so a command that would build jaxdist's transformer from it refuses the run.
+OWN_MODEL_FILE = "own_model.json"
+HISTORY = ("checkpoints", "batchlist", "metrics.jsonl", "tb", OWN_MODEL_FILE)
 SET_ASIDE = "set_aside"
 # Under a job that set the history aside (checkpoint.resume=false): when, in seconds since the epoch; node-local
 # checkpoint files older than that belong to the earlier history (jaxdist.checkpoint.local.LocalTier).
@@ -186,3 +189,19 @@ def check_overwrite(path: str | Path, written_by_us, force: bool, inputs: tuple 
             f"--out {path} exists and is not this command's earlier output: name another file, or pass --force to "
             "replace it."
         )
+
+
+def check_not_own_model(run_dir: str | Path, command: str, remedy: str = "") -> None:
+    """ConfigError (one sentence) when ``run_dir`` trained a user's own model: ``command`` builds jaxdist's
+    transformer from the run's config.json, which would be the wrong model."""
+    path = Path(run_dir) / OWN_MODEL_FILE
+    if not path.is_file():
+        return
+    try:
+        build = json.loads(path.read_text()).get("build") or "your code"
+    except (OSError, ValueError, AttributeError):
+        build = "your code"
+    remedy = remedy or "restore its checkpoint with your model's code, Trainer(config, model=...).init_state()"
+    raise ConfigError(
+        f"'{run_dir}' trained your own model ({build}), not jaxdist's transformer, which {command} builds: {remedy}."
+    )

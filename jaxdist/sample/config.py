@@ -18,6 +18,7 @@ from pathlib import Path
 from jaxdist.config import Config, from_dict, parse_overrides, validate_model_on_mesh
 from jaxdist.config.hf_dir import run_tokenizer
 from jaxdist.errors import ConfigError, expect
+from jaxdist.run_owner import check_not_own_model
 
 _FLOAT32_MAX = 3.4028234663852886e38  # the sampling settings reach the devices as float32
 
@@ -34,6 +35,7 @@ def run_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
     stored = run / "config.json"
     if not stored.is_file():
         raise ConfigError(f"'{run}' has no config.json: pass a run directory written by `jaxdist train`.")
+    check_not_own_model(run, "jaxdist sample")
     try:
         cfg = from_dict(json.loads(stored.read_text()))
     except ValueError as e:

@@ -72,6 +72,13 @@ class UserModel:
     data: ItemSource | None = None  # a Python dataset's items as training batches (None: the config's data)
     eval_data: ItemSource | None = None  # its held-out items (None: no evaluation)
 
+    def record(self, config: Config) -> dict[str, Any]:
+        """What the run directory's ``own_model.json`` says of this model: where its code is."""
+        return {
+            "build": f"{getattr(self.build, '__module__', '?')}:{getattr(self.build, '__qualname__', '?')}",
+            "entry": config.train.entry or None,
+        }
+
     def __post_init__(self):
         if not callable(self.build):
             raise ConfigError(

@@ -35,7 +35,15 @@ from jaxdist.hf.load import load_params
 from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.parallel.consistency import check_same_collectives, coordination_store
 from jaxdist.parallel.mesh import describe_mesh
-from jaxdist.run_owner import RunLock, history_since, set_aside_history, under_job
+from jaxdist.run_owner import (
+    OWN_MODEL_FILE,
+    RunLock,
+    check_not_own_model,
+    history_present,
+    history_since,
+    set_aside_history,
+    under_job,
+)
 from jaxdist.train.callbacks import (
     Callback,
     Evaluate,
@@ -118,6 +126,8 @@ class Trainer(Program):
         """Everything past the program, with the run's lock held: a fresh start's history set aside, data,
         checkpoints and metrics."""
         c = self.config
+        if c.checkpoint.resume:  # the checkpoints must be of this model: jaxdist's transformer or the user's
+            self._check_same_kind_of_model()
         self.set_aside: Path | None = None  # where checkpoint.resume=false moved the run's earlier history
         if self.is_main and not c.checkpoint.resume and not under_job():
             self.set_aside = set_aside_history(self.run_dir)
@@ -154,6 +164,8 @@ class Trainer(Program):
         if self.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.json").write_text(json.dumps(c.to_dict(), indent=2))
+            if self.user is not None:  # commands that build jaxdist's transformer from config.json refuse this run
+                (self.run_dir / OWN_MODEL_FILE).write_text(json.dumps(self.user.record(c), indent=2))
 
     @classmethod
     def for_compiling(
@@ -211,6 +223,22 @@ class Trainer(Program):
             packing=self.packing,
         )
         self.eval_sampler = eval_sampler(self.data.eval, c.train.seq_len, c.train.batch_size, eval_packing)
+
+    def _check_same_kind_of_model(self) -> None:
+        """ConfigError (one sentence) when the run's checkpoints are of the other kind of model: a run of the
+        user's own model resumed without ``model=``, or jaxdist's transformer's checkpoints resumed with one."""
+        if self.user is None:
+            check_not_own_model(
+                self.run_dir,
+                "a Trainer without model= (and jaxdist train without --entry)",
+                "pass the same model, loss and optimizer (Trainer(config, model=...) or --entry), or use another "
+                "train.name",
+            )
+        elif "checkpoints" in history_present(self.run_dir) and not (self.run_dir / OWN_MODEL_FILE).is_file():
+            raise ConfigError(
+                f"'{self.run_dir}' holds a run of jaxdist's transformer, not of your own model: use another "
+                "train.name, or checkpoint.resume=false to set that history aside."
+            )
 
     def _build_checkpoints(self) -> None:
         """The persistent checkpointer and the node-local tier (None when off)."""

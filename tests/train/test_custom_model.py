@@ -4,6 +4,7 @@ after a SIGKILL, and the one-sentence refusals of what it cannot do."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -266,3 +267,43 @@ def test_what_it_cannot_do_is_refused_in_one_sentence(tmp_path, kw, extra, words
     assert words in msg, msg
     assert msg.count(". ") == 0 and msg.endswith("."), msg  # one sentence
     assert not (tmp_path / "bad").exists()  # refused before anything is written
+
+
+def test_a_run_of_your_model_is_never_mistaken_for_jaxdists_transformer(tmp_path, capsys):
+    """Its run directory says it trained your model (own_model.json): jaxdist sample, jaxdist convert and a
+    Trainer without model= refuse it in one sentence, exit code 2 for the commands; your model on a run of
+    jaxdist's transformer is refused too.  Nothing in either run is changed."""
+    from jaxdist.cli import main
+
+    cfg = config(tmp_path, "yours", steps=1, extra=["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"])
+    train(cfg)
+    run = tmp_path / "yours"
+    own = json.loads((run / "own_model.json").read_text())
+    assert own["build"].endswith(":build") and own["entry"] is None
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    capsys.readouterr()
+    for args in (["sample", str(run), "--prompt", "a"], ["convert", "jaxdist-to-hf", str(run), str(tmp_path / "hf")]):
+        assert main(args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "trained your own model" in err[0] and err[0].count(". ") == 0, err
+    with pytest.raises(ConfigError, match="not jaxdist's transformer, which a Trainer without model="):
+        Trainer(config(tmp_path, "yours", extra=["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]))
+    assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+    assert not (tmp_path / "hf").exists()
+
+    # a run of jaxdist's transformer: its checkpoints (one step of the tiny model) and no own_model.json
+    with Trainer(load_config(None, ["model=tiny", "train.steps=1", "train.seq_len=32", "train.batch_size=8",
+                                    "train.progress=false", "train.tensorboard=false", "data.max_bytes=200000",
+                                    f"train.runs_dir={tmp_path}", "train.name=theirs"])) as t:  # fmt: skip
+        t.fit()
+    theirs = tmp_path / "theirs"
+
+    def files():  # every file and when it was written, but the lock (each holder writes its name there)
+        return {
+            str(p.relative_to(theirs)): p.stat().st_mtime_ns for p in theirs.rglob("*") if p.name != ".jaxdist.lock"
+        }
+
+    before = files()
+    with pytest.raises(ConfigError, match="holds a run of jaxdist's transformer, not of your own model"):
+        train(config(tmp_path, "theirs", steps=1))
+    assert files() == before
