@@ -21,6 +21,7 @@ ROWS = [
     (lambda: Trainer({"model": "tiny"}), "Trainer's config must be a jaxdist Config"),
     (lambda: Trainer("run.toml"), "Trainer's config must be a jaxdist Config"),
     (lambda: Trainer(CFG, devices="cpu"), "Trainer's devices must be a list of JAX devices"),
+    (lambda: Trainer(CFG, devices=[]), "the device list is empty"),  # was a ZeroDivisionError in validate
     (lambda: load_config(None, "train.steps=5"), "load_config's overrides must be a list"),
     (lambda: load_config(None, [("train.steps", 5)]), "load_config's overrides must be a list"),
     (lambda: load_config(5), "load_config's path must be a TOML file path"),

@@ -166,6 +166,10 @@ def mesh_devices(mesh_cfg: MeshConfig, devices: Sequence[Any]) -> list[Any]:
     ConfigError when such a smaller mesh would leave a process of a multi-process job without a device.
     """
     devices = list(devices)
+    if not devices:
+        raise ConfigError(
+            "the device list is empty: pass JAX devices (jax.devices() or some of them), or None for all."
+        )
     used = devices[: mesh_cfg.devices_used(len(devices))]
     processes = {d.process_index for d in devices}
     if len({d.process_index for d in used}) < len(processes):
