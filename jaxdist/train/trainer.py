@@ -63,6 +63,7 @@ from jaxdist.train.custom import param_count as user_param_count, user_model, vo
 from jaxdist.train.custom_plan import settle_user
 from jaxdist.train.efficiency import LoopClock
 from jaxdist.train.faults import fault_hooks
+from jaxdist.train.interrupt import between_steps
 from jaxdist.train.metrics import MetricsWriter
 from jaxdist.train.optimizer import resumed_schedule_steps
 from jaxdist.train.program import Program
@@ -430,8 +431,13 @@ class Trainer(Program):
         if profile is not None:
             callbacks.insert(0, profile)  # stops before the step's saves and evaluation: only training traced
         window.restart()
+        with between_steps() as ctrl_c:  # Ctrl-C stops the loop here, never inside a save or a dispatch
+            return self._loop(start, end, prefetch, callbacks, window, bar, profile, ctrl_c)
+
+    def _loop(self, start, end, prefetch, callbacks, window, bar, profile, ctrl_c) -> list[dict[str, float]]:
         try:
             for i in range(start, end):
+                ctrl_c()
                 # The processes' agreement on the batch list is a collective: waiting there for a slower peer
                 # is not this rank's own wait for data (that would hide which rank's input is slow).
                 self.loop_clock.enter("agree")
@@ -443,6 +449,7 @@ class Trainer(Program):
                 self.loop_clock.enter("callbacks", i + 1)
                 window.add(i + 1, m, (format_id(batch_id), self.batches.version))
                 run_due(callbacks, StepContext(self, i + 1, start, end, window))
+            ctrl_c()  # pressed during the last step: still a stop, not a finished command
         except NonFiniteStep as e:  # found at a sync; every save syncs first, so none holds a later state
             raise NonFiniteStep(e.step, e.loss, e.grad_norm, e.allowed, self._newest_checkpoint()) from None
         finally:
