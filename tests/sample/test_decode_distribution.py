@@ -84,3 +84,17 @@ def test_greedy_top_k_1_and_undecodable_ids_on_distinct_rows():
     counts = np.bincount(np.asarray(ids), minlength=8)
     assert counts[6:].sum() == 0
     assert stats.chisquare(counts[:6], DRAWS * exact(1.0)).pvalue > 1e-4
+
+
+def test_a_nucleus_whose_mass_reaches_top_p_exactly_stops_there():
+    """top_p equal to the mass of the most likely token (as float32 computes it, so the comparison is exact): that
+    token alone reaches p, so the nucleus is it alone and every draw is it.  A nucleus that also took the tokens whose
+    mass before them *equals* p (``<=`` for ``<``) draws the second token about a third of the time."""
+    desc = jnp.asarray(np.sort(LOGITS)[::-1])
+    probs = jax.nn.softmax(desc)
+    top_p = float((jnp.cumsum(probs) - probs)[1])  # the mass before the second token: the first token's
+    assert abs(top_p - exact(1.0)[0]) < 1e-6
+    settings = Settings(jnp.float32(1.0), jnp.int32(0), jnp.float32(top_p), jnp.int32(-1))
+    logits = jnp.broadcast_to(jnp.asarray(LOGITS), (2000, len(LOGITS)))
+    ids = jax.jit(choose_tokens, static_argnums=3)(logits, jax.random.key(3), settings, len(LOGITS))
+    assert np.bincount(np.asarray(ids), minlength=len(LOGITS)).tolist() == [2000, 0, 0, 0, 0, 0]

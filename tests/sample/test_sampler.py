@@ -184,6 +184,18 @@ def test_seeds_repeat_and_differ_and_cuts_hold():
     assert all(((t >= 0) & (t < 260)).all() for t in a.tokens + c.tokens)
 
 
+def test_a_continuation_given_back_as_the_prompt_goes_on_with_the_same_draws():
+    """Each token is drawn with the seed's key folded with the time slot of the token fed in, so the draws belong
+    to positions: generating 6 tokens, or generating from the prompt followed by the first k of them (same seed),
+    gives the same tokens.  Temperature 1.5: the draws decide, not the argmax."""
+    tiny = _sampler("tiny")
+    prompt = PROMPTS[0]
+    full = tiny.decode([prompt], NEW, temperature=1.5, seed=11, stop_at_eos=False).tokens[0].tolist()
+    for k in (1, 3):
+        rest = tiny.decode([prompt + full[:k]], NEW - k, temperature=1.5, seed=11, stop_at_eos=False)
+        assert rest.tokens[0].tolist() == full[k:], (k, full, rest.tokens[0].tolist())
+
+
 class AsciiTokenizer(ByteTokenizer):
     """Decodes ids 0..127 only: a tokenizer whose vocabulary is smaller than the model's."""
 
