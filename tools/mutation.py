@@ -80,7 +80,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/sample/test_sampler.py",
             "-k",
             "test_decode_distribution or left_pad or ring_slots or next_token_ends or ring_wraps or past_max_seq_len"
-            " or seeds_repeat or stop_string or top_k_1_and_tiny or (cached_greedy and not moe and not data2)",
+            " or seeds_repeat or stop_string or top_k_1_and_tiny or continuation"
+            " or (cached_greedy and not moe and not data2)",
         ],
     ),
     "sample.sampler": (
