@@ -99,7 +99,7 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     "train.step": (["jaxdist/train/step.py"], ["tests/train/test_step.py"]),
     "data.batchlist": (["jaxdist/data/batchlist.py"], ["tests/data/test_batchlist.py"]),
-    "data.audit": (["jaxdist/data/audit.py"], ["tests/data/test_batchlist.py"]),
+    "data.audit": (["jaxdist/data/audit.py"], ["tests/data/test_batchlist.py", "tests/data/test_audit.py"]),
     "checkpoint.integrity": (["jaxdist/checkpoint/integrity.py"], ["tests/checkpoint/test_integrity.py"]),
     "controller.policy": (["jaxdist/controller/policy.py"], ["tests/controller/test_policy.py"]),
 }
