@@ -258,13 +258,13 @@ def test_verify_fails_on_a_bad_log_and_a_changed_source(tmp_path):
     run, text = _two_versions(tmp_path)
     _write(tmp_path, [_train(4, format_id(run.current.order[0]), writer="A")])  # trained again
     ok, lines = verify(tmp_path)
-    assert not ok
+    assert ok is False
     assert lines[-1] == (
         "training log: 4 batches trained, 1 duplicates, 1 missing, 1 out of order, 0 steps unlogged; 18 not yet trained"
     )
     _write(tmp_path, [_train(5, "x", writer="B"), _train(6, "x", writer="A")])
     ok, lines = verify(tmp_path)
-    assert not ok and any(line.startswith("training log: two writers' histories") for line in lines)
+    assert ok is False and any(line.startswith("training log: two writers' histories") for line in lines)
 
 
 def test_verify_full_reads_the_whole_source_the_quick_check_samples(tmp_path):
@@ -280,7 +280,7 @@ def test_verify_full_reads_the_whole_source_the_quick_check_samples(tmp_path):
     assert verify(tmp_path)[0]
     assert f"source 1: ok ({text})" in verify(tmp_path)[1]
     ok, lines = verify(tmp_path, full=True)
-    assert not ok
+    assert ok is False
     assert f"source 1: source 1 ('{text}') has another fingerprint than when added" in lines
 
 
@@ -328,3 +328,133 @@ def test_describe_a_spent_list_and_a_damaged_version(tmp_path):
     path.write_bytes(path.read_bytes()[:-7])  # version 1 damaged; version 2 still describes the list
     lines = describe(tmp_path).splitlines()
     assert lines[2].startswith("  v1: DAMAGED (") and lines[3].startswith("  v2: add ")
+
+
+# --------------------------------------------------------------------------- the remaining corners
+
+
+def test_read_records_replaces_bytes_that_are_not_utf8(tmp_path):
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"a": "x\xffy"}\n{"b": 1}\n')
+    assert read_records(tmp_path / "metrics.jsonl") == [{"a": "x\ufffdy"}, {"b": 1}]
+
+
+def test_only_train_records_with_a_batch_are_judged_and_step_1_counts(tmp_path):
+    (tmp_path / "checkpoints" / "1").mkdir(parents=True)
+    assert history_problems(tmp_path) == [
+        f"no training log ({tmp_path / 'metrics.jsonl'} is missing or empty) although checkpoints reach step 1: "
+        "which batches were trained cannot be checked"
+    ]
+    _write(
+        tmp_path,
+        [_train(1, "a", writer="A"), _train(2, "b", writer="A")]
+        + [{"kind": "eval", "step": 2, "batch_id": "b", "writer": "A"}, {"kind": "train", "step": 2, "writer": "A"}],
+    )
+    assert history_problems(tmp_path) == []
+
+
+def test_exactly_once_against_an_older_version(tmp_path):
+    run, _ = _two_versions(tmp_path)
+    v1 = [format_id(x) for x in run.journal.load(1).order]
+    (tmp_path / "metrics.jsonl").unlink()
+    _write(tmp_path, [_train(s, v1[s - 1]) for s in range(1, 11)])  # version 1's order, past the splice at 3
+    assert check_exactly_once(tmp_path, 1)["ok"] and check_exactly_once(tmp_path, 1)["version"] == 1
+    assert check_exactly_once(tmp_path, 1)["unused"] == 10
+    assert not check_exactly_once(tmp_path)["ok"]  # the newest version placed other ids after step 3
+
+
+def test_describe_by_default_shows_five_next_batches_and_every_pending_addition(tmp_path):
+    run = open_run(tmp_path)
+    names = []
+    for k in range(2):
+        add_data(tmp_path, [write_text(tmp_path / f"p{k}.txt", 2 * B * L, salt=k + 1)], seed=k)
+        names.append(run.journal.pending()[-1][0])
+    lines = describe(tmp_path).splitlines()
+    assert lines[-2] == "next batches: " + ", ".join(format_id(x) for x in run.current.order[:5])
+    assert lines[-1] == f"pending additions: {', '.join(sorted(names))}"
+
+
+def test_digest_problems_refuse_a_config_source_without_its_tokens_in_one_sentence(tmp_path):
+    open_run(tmp_path)
+    with pytest.raises(ValueError) as e:
+        digest_problems(tmp_path)
+    assert str(e.value) == "the run's batches come from the configured data: pass its train split as config_tokens"
+
+
+def _rewrite(run, version: int, order: np.ndarray) -> None:
+    """Version ``version`` stored again with ``order`` and a valid checksum (damage a checksum cannot see)."""
+    import dataclasses
+
+    from jaxdist.data.batchlist import encode
+
+    bl = run.journal.load(version)
+    run.journal.path(version).write_bytes(encode(dataclasses.replace(bl, order=order))[0])
+
+
+def test_verify_names_a_repeated_id_and_a_changed_prefix(tmp_path):
+    run, _ = _two_versions(tmp_path)
+    v1, v2 = run.journal.load(1).order, run.journal.load(2).order
+    twice = v1.copy()
+    twice[5] = twice[4]
+    _rewrite(run, 1, twice)
+    ok, lines = verify(tmp_path)
+    assert ok is False and lines[0] == "version 1: BAD: an id appears twice (create, 20 batches)"
+    assert lines[1] == "version 2: ok (add, 22 batches)"  # its parent loads: still checked against it
+    _rewrite(run, 1, v1)
+    changed = v2.copy()
+    changed[[2, 3]] = changed[[3, 2]]  # position 2 (inside the splice of 3) and 3 (after it) swapped
+    _rewrite(run, 2, changed)
+    ok, lines = verify(tmp_path)
+    assert ok is False and lines[:2] == [
+        "version 1: ok (create, 20 batches)",
+        "version 2: BAD: its first 3 ids differ from version 1 (add, 22 batches)",
+    ]
+
+
+def test_verify_goes_on_past_a_damaged_version_and_checks_the_log_against_the_newest_intact(tmp_path):
+    run, _ = _two_versions(tmp_path)
+    path = run.journal.path(1)
+    path.write_bytes(path.read_bytes()[:-7])
+    ok, lines = verify(tmp_path)
+    assert ok is False
+    assert lines[0].startswith("version 1: DAMAGED: ")
+    assert lines[1] == "version 2: BAD: its parent version 1 is not intact (add, 22 batches)"
+
+    other = tmp_path / "b"
+    other.mkdir()
+    run2, _ = _two_versions(other)
+    path = run2.journal.path(2)
+    path.write_bytes(path.read_bytes()[:-7])  # the newest damaged: the log is held against version 1
+    ok, lines = verify(other)
+    assert ok is False
+    assert lines[1].startswith("version 2: DAMAGED: ")
+    assert lines[-1] == (
+        "training log: 3 batches trained, 0 duplicates, 0 missing, 0 out of order, 0 steps unlogged; 17 not yet trained"
+    )
+
+    lone = tmp_path / "c"
+    lone.mkdir()
+    run3 = open_run(lone)
+    _write(lone, [_train(1, format_id(run3.current.order[0]))])
+    path = run3.journal.path(1)
+    path.write_bytes(path.read_bytes()[:-7])  # no intact version at all, a log beside it
+    ok, lines = verify(lone)
+    assert ok is False and lines[0].startswith("version 1: DAMAGED: ") and len(lines) == 1
+
+
+def test_verify_fails_on_each_part_alone(tmp_path):
+    """One bad part and the rest good: a history of two writers with the right batches, and a missing source with
+    a right log, each make verify fail."""
+    run = open_run(tmp_path)
+    ids = [format_id(x) for x in run.current.order]
+    _write(tmp_path, [_train(s, ids[s - 1], writer=w) for s, w in ((1, "A"), (2, "B"), (3, "A"))])
+    ok, lines = verify(tmp_path)
+    assert ok is False and check_exactly_once(tmp_path)["ok"]
+    assert lines[-2].startswith("training log: two writers' histories")
+
+    other = tmp_path / "b"
+    other.mkdir()
+    run2, text = _two_versions(other)
+    text.unlink()
+    ok, lines = verify(other)
+    assert ok is False and check_exactly_once(other)["ok"]
+    assert [line for line in lines if line.startswith("source 1")] != [f"source 1: ok ({text})"]
