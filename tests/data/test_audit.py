@@ -458,3 +458,31 @@ def test_verify_fails_on_each_part_alone(tmp_path):
     ok, lines = verify(other)
     assert ok is False and check_exactly_once(other)["ok"]
     assert [line for line in lines if line.startswith("source 1")] != [f"source 1: ok ({text})"]
+
+
+def test_verify_replays_the_chain_past_a_version_that_is_not_its_replay_and_lists_every_problem(tmp_path):
+    """Version 2 stored with two unused ids swapped (its checksum valid): it is BAD, and versions 3 and 4, whose
+    parent's stored order is not a replay, are each replayed from version 1 and are ok.  A version with two
+    problems lists both."""
+    from .test_batchlist import _journal_of
+
+    run = _journal_of(tmp_path, 3)
+    v2 = run.journal.load(2).order.copy()
+    v2[-2:] = v2[-2:][::-1]
+    _rewrite(run, 2, v2)
+    ok, lines = verify(tmp_path)
+    versions = [line for line in lines if line.startswith("version ")]
+    sizes = [len(run.journal.load(v)) for v in (1, 2, 3, 4)]
+    assert ok is False and versions == [
+        f"version 1: ok (create, {sizes[0]} batches)",
+        f"version 2: BAD: replaying its operations gives another order (add, {sizes[1]} batches)",
+        f"version 3: ok (add, {sizes[2]} batches)",
+        f"version 4: ok (add, {sizes[3]} batches)",
+    ]
+    both = run.journal.load(3).order.copy()
+    both[0] = both[1]  # inside version 3's splice (1: added at the boundary after step 1) and a repeat
+    _rewrite(run, 3, both)
+    assert run.journal.load(3).op["splice"] == 1
+    assert verify(tmp_path)[1][2] == (
+        f"version 3: BAD: an id appears twice; its first 1 ids differ from version 2 (add, {sizes[2]} batches)"
+    )
