@@ -432,33 +432,30 @@ class Trainer(Program):
             callbacks.insert(0, profile)  # stops before the step's saves and evaluation: only training traced
         window.restart()
         with between_steps() as ctrl_c:  # Ctrl-C stops the loop here, never inside a save or a dispatch
-            return self._loop(start, end, prefetch, callbacks, window, bar, profile, ctrl_c)
-
-    def _loop(self, start, end, prefetch, callbacks, window, bar, profile, ctrl_c) -> list[dict[str, float]]:
-        try:
-            for i in range(start, end):
-                ctrl_c()
-                # The processes' agreement on the batch list is a collective: waiting there for a slower peer
-                # is not this rank's own wait for data (that would hide which rank's input is slow).
-                self.loop_clock.enter("agree")
-                prefetch.agree(i)
-                self.loop_clock.enter("data")
-                batch_id, batch = prefetch.get(i)  # data added since the last step joins here
-                self.loop_clock.enter("dispatch")
-                self.state, m = self.train_step(self.state, batch)
-                self.loop_clock.enter("callbacks", i + 1)
-                window.add(i + 1, m, (format_id(batch_id), self.batches.version))
-                run_due(callbacks, StepContext(self, i + 1, start, end, window))
-            ctrl_c()  # pressed during the last step: still a stop, not a finished command
-        except NonFiniteStep as e:  # found at a sync; every save syncs first, so none holds a later state
-            raise NonFiniteStep(e.step, e.loss, e.grad_norm, e.allowed, self._newest_checkpoint()) from None
-        finally:
-            if profile is not None:
-                profile.close()
-            prefetch.close()
-            if bar is not None:
-                bar.close()
-            self.metrics.flush()
+            try:
+                for i in range(start, end):
+                    ctrl_c()
+                    # The processes' agreement on the batch list is a collective: waiting there for a slower peer
+                    # is not this rank's own wait for data (that would hide which rank's input is slow).
+                    self.loop_clock.enter("agree")
+                    prefetch.agree(i)
+                    self.loop_clock.enter("data")
+                    batch_id, batch = prefetch.get(i)  # data added since the last step joins here
+                    self.loop_clock.enter("dispatch")
+                    self.state, m = self.train_step(self.state, batch)
+                    self.loop_clock.enter("callbacks", i + 1)
+                    window.add(i + 1, m, (format_id(batch_id), self.batches.version))
+                    run_due(callbacks, StepContext(self, i + 1, start, end, window))
+                ctrl_c()  # pressed during the last step: still a stop, not a finished command
+            except NonFiniteStep as e:  # found at a sync; every save syncs first, so none holds a later state
+                raise NonFiniteStep(e.step, e.loss, e.grad_norm, e.allowed, self._newest_checkpoint()) from None
+            finally:
+                if profile is not None:
+                    profile.close()
+                prefetch.close()
+                if bar is not None:
+                    bar.close()
+                self.metrics.flush()
         return window.history
 
     def save(self, step: int | None = None) -> None:
