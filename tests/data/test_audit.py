@@ -486,3 +486,31 @@ def test_verify_replays_the_chain_past_a_version_that_is_not_its_replay_and_list
     assert verify(tmp_path)[1][2] == (
         f"version 3: BAD: an id appears twice; its first 1 ids differ from version 2 (add, {sizes[2]} batches)"
     )
+
+
+def test_digest_problems_of_a_run_that_packs_the_configured_data_by_documents(tmp_path):
+    """data.packing=documents: the batch ids name packed rows, so the check needs the train split's PackedStream
+    (the plain tokens are refused in one sentence) and reads each batch's rows through it."""
+    from jaxdist.data import RunBatchList
+    from jaxdist.data.documents import PackedStream, pack
+
+    tokens = np.arange(900, dtype=np.uint32)
+    packing = pack(np.array([0, 50, 120, 121, 300, 610, 777]), len(tokens), L)
+    run = RunBatchList(tmp_path, tokens, "docs", SEED, B, L, packing=packing)
+    stream = PackedStream(tokens, packing)
+    ids = [format_id(x) for x in run.current.order[:3]]
+
+    def want(bid: str) -> int:
+        s, e, i = (int(x) for x in bid.split(":"))
+        rows = np.random.default_rng([SEED, s, e]).permutation(packing.rows)[i * B : (i + 1) * B]
+        return int(token_digest(stream.read(rows)))
+
+    _write(
+        tmp_path, [_train(1, ids[0], want(ids[0])), _train(2, ids[1], want(ids[2])), _train(3, ids[2], want(ids[2]))]
+    )
+    with pytest.raises(ValueError) as e:
+        digest_problems(tmp_path, tokens)
+    assert str(e.value) == "the run packs the configured data by documents: pass its train split's PackedStream"
+    assert digest_problems(tmp_path, stream) == [
+        f"step 2: logged digest {want(ids[2])} but batch {ids[1]}'s tokens give {want(ids[1])}"
+    ]
