@@ -114,8 +114,14 @@ def run_tier(
         local_dir = auto_dir(abstract_state(), keep)
     if not local_dir:
         return None
+    return LocalTier(resolve_dir(local_dir, run_folder(name, run_dir)), keep, not_before=not_before)
+
+
+def run_folder(name: str, run_dir: Path) -> str:
+    """The run's folder in a node's local directory: its name and a hash of its run directory's absolute path,
+    so two runs of one name (in different runs directories) never share local steps."""
     tag = hashlib.sha256(str(Path(run_dir).absolute()).encode()).hexdigest()[:8]
-    return LocalTier(resolve_dir(local_dir, f"{name}-{tag}"), keep, not_before=not_before)
+    return f"{name}-{tag}"
 
 
 @dataclasses.dataclass
