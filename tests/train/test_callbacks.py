@@ -34,10 +34,15 @@ def _config(tmp_path, log_every, steps=40, extra=()):
 
 @pytest.mark.parametrize("log_every", [5, 1])
 def test_step_times_add_up_to_the_wall_time_between_hooks(tmp_path, log_every):
-    """Summed step_time of steps 21-40 equals the wall time between the hook calls at 20 and 40 (within 10%).
+    """Summed step_time of steps 21-40 is the wall time between the hook calls at 20 and 40, less what ran between
+    the windows (metrics records, hooks).
 
     The old loop read the clock before waiting for the device, so a window's
-    wait was never counted (13 ms logged per step against a real 3.36 s).
+    wait was never counted (13 ms logged per step against a real 3.36 s, a factor of 250).  The bounds are not
+    a timing: every window of steps 21-40 starts after the hook at 20 and ends before the hook at 40 (one clock,
+    ``time.perf_counter``), so the sum can never exceed the wall time; and it is at least half of it unless the
+    host spent as long between the windows (writing a few records) as on the 20 steps themselves, headroom a
+    loaded 2-core host keeps (the 10 % tolerance that was here is one of the wall-clock assertions of issue 42).
     """
     stamps = {}
     with Trainer(_config(tmp_path, log_every)) as t:
@@ -45,7 +50,7 @@ def test_step_times_add_up_to_the_wall_time_between_hooks(tmp_path, log_every):
         history = t.fit()
     wall = stamps[40] - stamps[20]
     logged = sum(r["step_time"] for r in history if 21 <= r["step"] <= 40)
-    assert logged == pytest.approx(wall, rel=0.10), (logged, wall)
+    assert 0.5 * wall <= logged <= wall, (logged, wall)
     rows = read_metrics(tmp_path / "default")
     assert [r["step"] for r in rows] == list(range(1, 41))
     assert all(r["window"] == log_every for r in rows)
