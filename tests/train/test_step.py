@@ -7,10 +7,12 @@ import optax
 
 from jaxdist.config import load_config
 from jaxdist.data.batchlist import token_digest
+from jaxdist.data.documents import pack
 from jaxdist.models import apply, create_abstract, init_params
 from jaxdist.models.arithmetic import param_count, train_flops_per_token
 from jaxdist.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 from jaxdist.train.step import init_state, loss_and_grads, make_eval_step, make_train_step
+from tests.data.test_documents import _stream
 from tests.trees import leaf_pairs
 
 
@@ -145,3 +147,42 @@ def test_a_non_finite_step_changes_neither_the_parameters_nor_the_optimizer_stat
     for a, b in leaf_pairs((s1["params"], s1["opt_state"]), (s0["params"], s0["opt_state"])):
         np.testing.assert_array_equal(a, b)
     assert int(s1["step"]) == 1 and np.asarray(s1["rng"]).tobytes() != np.asarray(s0["rng"]).tobytes()
+
+
+def test_packed_rows_train_and_evaluate_on_each_documents_own_next_token_loss():
+    """data.packing=documents through the step functions themselves: the eval step's loss, and the train step's
+    loss, ``targets``, gradient norm and SGD update (one microbatch and two), equal the mean next-token
+    cross-entropy of each document run alone (a row of its own from position 0: the outside reference), over the
+    tokens the loss counts (a chat token marked 0 is never a label; no prediction crosses a document's end)."""
+    cfg = load_config(None, ["model=tiny", "model.attention=xla"])
+    graphdef, _, _ = create_abstract(cfg.model)
+    params = init_params(cfg.model, seed=6)
+    lengths = [9, 5, 14, 3, 11, 7, 12, 6, 20, 4, 25]
+    stream, starts, docs = _stream(lengths, cfg.model.vocab_size, seed=7)
+    marks = np.ones(len(stream), np.uint8)
+    marks[np.random.default_rng(8).choice(len(stream), 12, replace=False)] = 0  # tokens the loss skips
+    p = pack(starts, len(stream), 32, marks)
+    assert p.rows == 4 and len(p.piece_len) == len(docs)  # every document whole, in rows of unequal targets
+    words = jnp.asarray(p.read(stream, np.arange(p.rows)))
+
+    rows = np.zeros((len(docs), max(lengths)), np.int32)
+    counted = np.zeros((len(docs), max(lengths) - 1), bool)
+    for i, (s, d) in enumerate(zip(starts, docs)):
+        rows[i, : len(d)] = d
+        counted[i, : len(d) - 1] = marks[s + 1 : s + len(d)] == 1  # label j + 1 of document i is trained on
+
+    def alone(params):
+        ce = optax.softmax_cross_entropy_with_integer_labels(apply(graphdef, params, rows[:, :-1]), rows[:, 1:])
+        return jnp.sum(jnp.where(counted, ce, 0.0)) / counted.sum()
+
+    loss, grads = jax.jit(jax.value_and_grad(alone))(params)
+    np.testing.assert_allclose(jax.jit(make_eval_step(graphdef, packed=True))(params, words), loss, rtol=1e-5)
+    sgd = optax.sgd(1.0)
+    for m in (1, 2):
+        step = jax.jit(make_train_step(graphdef, sgd, lambda s: 1.0, microbatches=m, packed=True))
+        state, metrics = step(init_state(params, sgd, 0), words)
+        assert float(metrics["targets"]) == counted.sum(), m
+        np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5, err_msg=str(m))
+        np.testing.assert_allclose(metrics["grad_norm"], optax.global_norm(grads), rtol=1e-4, err_msg=str(m))
+        for a, b in leaf_pairs(state["params"], jax.tree.map(lambda p, g: p - g, params, grads)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(m))
