@@ -100,7 +100,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     # The step against optax, the written-out cross-entropy and each packed document alone; the MoE objective.
     "train.step": (
         ["jaxdist/train/step.py"],
-        ["tests/train/test_step.py", "tests/models/test_moe.py::test_train_step_objective_and_metrics_over_microbatches"],
+        [
+            "tests/train/test_step.py",
+            "tests/models/test_moe.py::test_train_step_objective_and_metrics_over_microbatches",
+        ],
     ),
     "data.batchlist": (["jaxdist/data/batchlist.py"], ["tests/data/test_batchlist.py"]),
     "data.audit": (["jaxdist/data/audit.py"], ["tests/data/test_batchlist.py", "tests/data/test_audit.py"]),
