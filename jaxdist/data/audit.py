@@ -27,6 +27,7 @@ from jaxdist.data.batchlist import BatchList, BatchListError, batch_digest, deri
 from jaxdist.data.batchloader import BatchReader
 from jaxdist.data.catalog import fingerprint, pack_source, read_source
 from jaxdist.data.documents import PackedStream
+from jaxdist.data.items import ItemSource
 from jaxdist.data.journal import Journal
 
 log = logging.getLogger(__name__)
@@ -166,11 +167,14 @@ def check_exactly_once(run_dir: str | Path, version: int | None = None) -> dict[
     return out
 
 
-def digest_problems(run_dir: str | Path, config_tokens: np.ndarray | PackedStream | None = None) -> list[str]:
+def digest_problems(
+    run_dir: str | Path, config_tokens: np.ndarray | PackedStream | ItemSource | None = None, items=()
+) -> list[str]:
     """Steps whose logged ``batch_digest`` is not the digest of the tokens their ``batch_id`` names.
 
     The tokens are read again from the journal's sources (``config_tokens``: the configured data's train split,
-    source 0 of a run made from the config), independently of the trainer: a step that trained other tokens than
+    source 0 of a run made from the config, or its Python dataset; ``items``: the Python datasets added to such a
+    run), independently of the trainer: a step that trained other tokens than
     the batch it logged shows here, which the ids alone (:func:`check_exactly_once`) cannot see.  A step logged
     without a digest is a problem too.  [] when every trained step's tokens are the ones its id names.
     """
@@ -186,7 +190,7 @@ def digest_problems(run_dir: str | Path, config_tokens: np.ndarray | PackedStrea
         elif s.packing == "documents" and s.kind == "config":
             raise ValueError("the run packs the configured data by documents: pass its train split's PackedStream")
         else:
-            t = read_source(s, config_tokens)
+            t = read_source(s, config_tokens, items)
             tokens[s.id] = pack_source(s, t, bl.seq_len) if s.packing == "documents" else t
     reader = BatchReader(bl, tokens)
     problems = []
@@ -261,6 +265,12 @@ def verify(run_dir: str | Path, full: bool = False) -> tuple[bool, list[str]]:
         for s in newest.sources:
             if s.kind == "config":
                 lines.append(f"source 0: the configured data '{s.name}' (checked when training starts)")
+                continue
+            if s.kind == "items":
+                lines.append(
+                    f"source {s.id}: the Python dataset '{s.name}' added to the run, {s.n_tokens:,} items (checked "
+                    "when training starts)"
+                )
                 continue
             try:
                 tokens = read_source(s)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from jaxdist.config import ConfigError
 from jaxdist.data.batchlist import BatchList, BatchListError, SourceEntry, epoch_seed, make_version, unpack_ids
-from jaxdist.data.catalog import config_entry, pack_source, read_source
+from jaxdist.data.catalog import add_items, config_entry, given_items, pack_source, read_source
 from jaxdist.data.documents import PackedStream, Packing
 from jaxdist.data.items import ItemSource
 from jaxdist.data.journal import Journal
@@ -168,8 +169,11 @@ class RunBatchList:
         is_main: bool = True,
         process_count: int = 1,
         packing: Packing | None = None,
+        added_items: Sequence[ItemSource] = (),
     ):
         self.journal = Journal(run_dir)
+        # A run on a Python dataset: the datasets added to it (Trainer.add_data), given again on resume.
+        self._items: list[ItemSource] = list(added_items)
         self._packing = packing  # data.packing=documents: the rows of the configured data's train split
         self.seed, self.batch_size, self.seq_len = int(seed), int(batch_size), int(seq_len)
         self.is_main, self.process_count = is_main, process_count
@@ -184,6 +188,7 @@ class RunBatchList:
         bl = self.journal.load()
         self._check_config(bl)
         self._adopt(bl)
+        self._check_added_items(bl)
 
     def _first_version(self) -> BatchList:
         base = config_entry(self._config_tokens, self._source_name, self.seed, self._packing)
@@ -230,6 +235,33 @@ class RunBatchList:
                 f"'{self._source_name}': restore the data settings, or use a new train.name."
             )
 
+    def _check_added_items(self, bl: BatchList) -> None:
+        """Every dataset given as ``added_items`` is a source of the batch list or of a pending addition."""
+        entries = [s for s in bl.sources if s.kind == "items"]
+        entries += [
+            s for _, req in self.journal.pending() for s in (req or {}).get("sources", []) if isinstance(s, dict)
+        ]
+        for src in self._items:
+            if not any(given_items(e, [src]) for e in entries):
+                raise ConfigError(
+                    f"added_data= gives {src.name} ({len(src):,} items), which was never added to the run in "
+                    f"{self.journal.run_dir}: add it with Trainer.add_data, or leave it out."
+                )
+
+    def add_items(self, source: ItemSource, seed: int | None = None) -> dict[str, Any] | None:
+        """Register the Python dataset ``source`` in this process; process 0 also queues it in the journal
+        (:func:`jaxdist.data.catalog.add_items`) and returns the request, the others None.  Every process of the
+        job must add it before the step boundary that adopts it, since each reads its own rows of its items."""
+        base = self._tokens[0]
+        if not isinstance(base, ItemSource):
+            raise ConfigError(
+                "this run trains on token data, not on a Python dataset's items: add files to it with "
+                "jaxdist.data.add_data (jaxdist data add)."
+            )
+        request = add_items(self.journal.run_dir, source, base, seed=seed) if self.is_main else None
+        self._items.append(source)
+        return request
+
     # ------------------------------------------------------------------ versions
 
     @property
@@ -243,7 +275,7 @@ class RunBatchList:
     def _adopt(self, bl: BatchList) -> None:
         for s in bl.sources:
             if s.id not in self._tokens:
-                self._tokens[s.id] = read_source(s, self._config_tokens)
+                self._tokens[s.id] = read_source(s, self._config_tokens, self._items)
                 if s.id == 0 and self._packing is not None:
                     self._tokens[0] = PackedStream(self._tokens[0], self._packing)
                 elif s.packing == "documents":
@@ -343,8 +375,11 @@ class RunBatchList:
             try:
                 if req is None:
                     raise ValueError("the request file is damaged")
-                if bl.sources[0].packing == "items":
+                items = [s.get("kind") == "items" for s in req["sources"]]
+                if bl.sources[0].packing == "items" and not all(items):
                     raise ValueError("a run that trains on a Python dataset's items takes no token files")
+                if bl.sources[0].packing != "items" and any(items):
+                    raise ValueError("a Python dataset's items are added to a run that trains on one only")
                 known = {s.fingerprint for s in bl.sources}
                 if any(s["fingerprint"] in known for s in req["sources"]):
                     raise ValueError("it holds data the batch list already has")
@@ -355,7 +390,7 @@ class RunBatchList:
                     for k, s in enumerate(req["sources"])
                 )
                 for s in new:
-                    read_source(s)  # missing or changed since it was requested: refuse it here
+                    read_source(s, items=self._items)  # missing or changed since it was requested: refuse it here
                 if self._packing is not None:  # a documents run packs what it adds too
                     new = tuple(
                         dataclasses.replace(

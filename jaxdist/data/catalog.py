@@ -21,6 +21,7 @@ import hashlib
 import json
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,12 +146,32 @@ def _reads_as_text(path: str | Path, kind: str) -> bool:
     return p.is_dir() or kind == "text" or (kind == "auto" and p.exists() and p.suffix not in TOKEN_SUFFIXES)
 
 
-def read_source(entry: SourceEntry, config_tokens: np.ndarray | None = None) -> np.ndarray:
+def given_items(entry: SourceEntry | dict, items: Sequence[ItemSource]) -> ItemSource | None:
+    """The dataset of ``items`` that is the added Python dataset ``entry`` names (its length and quick
+    fingerprint), or None."""
+    n, quick = (entry["n_tokens"], entry["quick"]) if isinstance(entry, dict) else (entry.n_tokens, entry.quick)
+    return next((src for src in items if len(src) == n and src.quick() == quick), None)
+
+
+def read_source(
+    entry: SourceEntry, config_tokens: np.ndarray | ItemSource | None = None, items: Sequence[ItemSource] = ()
+) -> np.ndarray | ItemSource:
     """The tokens of a registered source, checked against the journal (length and quick fingerprint).
 
-    ``config_tokens``: the train split the config gives now (for source 0).
+    ``config_tokens``: the train split the config gives now (for source 0).  ``items``: the Python datasets
+    added to a run on one (``Trainer.add_data``, or given again as ``added_data=`` on resume), matched to an
+    ``items`` source by length and quick fingerprint.
     Raises BatchListError naming the source when it is missing or changed.
     """
+    if entry.kind == "items":
+        src = given_items(entry, items)
+        if src is None:
+            raise BatchListError(
+                f"source {entry.id} of the batch list ({entry.name}, {entry.n_tokens:,} items) is a Python dataset "
+                "added to the run, and no dataset given as added_data= has its length and items: pass it there "
+                "as it was added, since the run's remaining batches read from it."
+            )
+        return src
     if entry.kind == "config" and isinstance(config_tokens, ItemSource):
         tokens, what = config_tokens, f"the dataset given as data=, {entry.name}"
         fix = "pass the dataset the run started with, or use a new train.name"
@@ -270,6 +291,60 @@ def add_data(
     seed = secrets.randbits(63) if seed is None else int(seed)
     name = journal.submit({"sources": entries, "seed": seed, "created": time.time()})
     return {"request": name, "seed": seed, "sources": entries, "batches": total}
+
+
+def add_items(run_dir: str | Path, source: ItemSource, base: ItemSource, *, seed: int | None = None) -> dict[str, Any]:
+    """Queue the Python dataset ``source`` as new training data of the run in ``run_dir``, which trains on the
+    Python dataset ``base``: as :func:`add_data` for files, the trainer mixes its items into the batches not yet
+    trained at its next step boundary.  Returns ``{"request", "seed", "sources", "batches"}``.  ConfigError (one
+    sentence) for items of another shape than ``base``'s, fewer items than one batch, or items the run already
+    has."""
+    run_dir = Path(run_dir)
+    journal = Journal(run_dir)
+    current = journal.load()
+    if current.sources[0].packing != "items":
+        raise ConfigError(
+            f"the run in {run_dir} trains on token data, not on a Python dataset's items: add files to it with "
+            "jaxdist.data.add_data (jaxdist data add)."
+        )
+    if source.spec != base.spec:
+
+        def show(spec: dict) -> str:
+            return "{" + ", ".join(f"{k}: {d}{list(shape)}" for k, (shape, d) in sorted(spec.items())) + "}"
+
+        raise ConfigError(
+            f"the items of {source.name} are {show(source.spec)} per row, the run's {show(base.spec)}: "
+            "give them the same keys, shapes and dtypes (or collate them so), since the step is compiled for one."
+        )
+    B = current.batch_size
+    if len(source) < B:
+        raise ConfigError(
+            f"{source.name} holds {len(source):,} items, fewer than one batch of {B}: add it together with more items."
+        )
+    fp = source.fingerprint()
+    known = {s.fingerprint: f"source {s.id} ('{s.name}') of the batch list" for s in current.sources}
+    for name, req in journal.pending():
+        for s in (req or {}).get("sources", []):
+            known.setdefault(s["fingerprint"], f"the pending addition {name} ('{s['name']}')")
+    if fp in known:
+        raise ConfigError(
+            f"{source.name} holds the same items (fingerprint {fp[:12]}) as {known[fp]}: each dataset is added "
+            "once, so leave it out."
+        )
+    entry = {
+        "kind": "items",
+        "name": source.name,
+        "path": "",
+        "token_dtype": "items",
+        "n_tokens": len(source),
+        "fingerprint": fp,
+        "quick": source.quick(),
+        "packing": "items",
+        "rows": len(source),
+    }
+    seed = secrets.randbits(63) if seed is None else int(seed)
+    name = journal.submit({"sources": [entry], "seed": seed, "created": time.time()})
+    return {"request": name, "seed": seed, "sources": [entry], "batches": len(source) // B}
 
 
 def pack_source(entry: SourceEntry, tokens: np.ndarray, seq_len: int) -> PackedStream:

@@ -71,6 +71,7 @@ class UserModel:
     flops_per_example: float | None = None
     data: ItemSource | None = None  # a Python dataset's items as training batches (None: the config's data)
     eval_data: ItemSource | None = None  # its held-out items (None: no evaluation)
+    added_data: tuple[ItemSource, ...] = ()  # on resume: the datasets Trainer.add_data added to the run
 
     def record(self, config: Config) -> dict[str, Any]:
         """What the run directory's ``own_model.json`` says of this model: where its code is."""
@@ -94,10 +95,13 @@ class UserModel:
             )
 
 
-def user_model(model, loss, optimizer, flops_per_example, data=None, eval_data=None, collate=None) -> UserModel | None:
+def user_model(
+    model, loss, optimizer, flops_per_example, data=None, eval_data=None, collate=None, added_data=None
+) -> UserModel | None:
     """The Trainer's keywords as a :class:`UserModel`, or None (jaxdist's own transformer) when none is given.
-    ``data`` / ``eval_data``: random-access datasets (jaxdist.data.items), rows made by ``collate``."""
-    given = (optimizer, flops_per_example, data, eval_data, collate)
+    ``data`` / ``eval_data``: random-access datasets (jaxdist.data.items), rows made by ``collate``;
+    ``added_data``: a sequence of the datasets added to the run (resuming it)."""
+    given = (optimizer, flops_per_example, data, eval_data, collate, added_data)
     if model is None and loss is None and all(x is None for x in given):
         return None
     if model is None or loss is None:
@@ -107,8 +111,15 @@ def user_model(model, loss, optimizer, flops_per_example, data=None, eval_data=N
         )
     if eval_data is not None and data is None:
         raise ConfigError("eval_data= goes with data= (a Python dataset to train on): pass both, or neither.")
+    if added_data is not None and data is None:
+        raise ConfigError("added_data= goes with data= (the Python dataset the run started on): pass both.")
+    if added_data is not None and not isinstance(added_data, (list, tuple)):
+        raise ConfigError(
+            f"added_data={type(added_data).__name__} is not a list: pass the datasets added to the run as a list."
+        )
     items = [None if d is None else ItemSource(d, collate, name) for d, name in ((data, None), (eval_data, "eval"))]
-    return UserModel(model, loss, optimizer, flops_per_example, *items)
+    added = tuple(ItemSource(d, collate) for d in added_data or ())
+    return UserModel(model, loss, optimizer, flops_per_example, *items, added)
 
 
 # ------------------------------------------------------------------ the module's parameters

@@ -28,6 +28,7 @@ from jaxdist.checkpoint.local import AUTO as LOCAL_AUTO, run_tier
 from jaxdist.config import Config, ConfigError
 from jaxdist.data import RunBatchList, eval_sampler, format_id, global_batch_array, load_source
 from jaxdist.data.documents import pack
+from jaxdist.data.items import ItemSource
 from jaxdist.data.loader import ItemSampler
 from jaxdist.data.sources import check_vocab
 from jaxdist.errors import expect
@@ -85,7 +86,8 @@ class Trainer(Program):
     jaxdist's transformer (:mod:`jaxdist.train.custom`: ``model(rngs) -> nnx.Module``, ``loss(output, batch)
     -> scalar | (scalar, metrics)``, an optax ``GradientTransformation``); ``model`` and ``loss`` go together.
     ``data`` (and ``eval_data``): a random-access dataset of dicts of arrays to train on instead of the config's
-    data, through the batch list (:mod:`jaxdist.data.items`; ``collate`` makes a batch's rows).
+    data, through the batch list (:mod:`jaxdist.data.items`; ``collate`` makes a batch's rows).  More datasets
+    join it while it trains with :meth:`add_data`; resuming such a run, ``added_data`` lists them again.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class Trainer(Program):
         data=None,
         eval_data=None,
         collate=None,
+        added_data=None,
     ):
         expect(
             config,
@@ -109,7 +112,7 @@ class Trainer(Program):
         )
         expect(devices, (list, tuple, type(None)), "Trainer's devices", "a list of JAX devices or None (all)")
         # A Config built without resolve(): the same checks, here (a smaller mesh runs on the first devices).
-        user = user_model(model, loss, optimizer, flops_per_example, data, eval_data, collate)
+        user = user_model(model, loss, optimizer, flops_per_example, data, eval_data, collate, added_data)
         super().__init__(settle_user(config, devices, user))
         self.is_main = jax.process_index() == 0
         self.run_dir = self.config.run_dir
@@ -192,6 +195,7 @@ class Trainer(Program):
                 c.train.seq_len,
                 is_main=self.is_main,
                 process_count=jax.process_count(),
+                added_items=user.added_data,
             )
             self.eval_sampler = None if user.eval_data is None else ItemSampler(user.eval_data, c.train.batch_size)
             if self.eval_sampler is None and c.train.eval_batches and self.is_main:
@@ -362,6 +366,22 @@ class Trainer(Program):
         if every <= 0:
             raise ValueError("hook interval must be positive")
         self.callbacks.append(HookCallback(fn, every))
+
+    def add_data(self, dataset, *, name: str | None = None, seed: int | None = None) -> dict | None:
+        """Add the random-access ``dataset`` (rows made by the Trainer's ``collate``) to a run on a Python dataset:
+        at the next step boundary its items are shuffled (with ``seed``; default a random one, recorded) into the
+        batches not yet trained, each trained once, as ``jaxdist data add`` does with files for a run on token data.
+
+        Call it on every process of the job at the same step (a hook), and pass the added datasets again as
+        ``added_data=[...]`` when the run resumes.  Returns process 0's request (``{"request", "seed", "sources",
+        "batches"}``), None on the others.  ConfigError (one sentence) for a run on token data, items of another
+        shape, fewer items than one batch, or items the run already has."""
+        if self.user is None or self.user.data is None:
+            raise ConfigError(
+                "this run trains on the configured token data, not on a Python dataset's items: add files to it "
+                "with jaxdist.data.add_data (jaxdist data add)."
+            )
+        return self.batches.add_items(ItemSource(dataset, self.user.data.collate, name), seed)
 
     def add_callback(self, callback: Callback) -> None:
         """Run ``callback`` in the loop when it is due (jaxdist.train.callbacks.Callback: ``syncs``, ``due``, call)."""

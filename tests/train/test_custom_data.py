@@ -18,8 +18,9 @@ from flax import nnx
 
 from jaxdist.config import ConfigError, load_config
 from jaxdist.data.audit import check_exactly_once, digest_problems, trained_batches
+from jaxdist.data.batchlist import batch_digest, parse_id, unpack_ids
 from jaxdist.data.batchloader import BatchReader
-from jaxdist.data.items import ItemSource
+from jaxdist.data.items import ItemSource, stack
 from jaxdist.data.journal import Journal
 from jaxdist.train.metrics import read_metrics
 from jaxdist.train.trainer import Trainer
@@ -82,13 +83,28 @@ def config(tmp_path, name, steps, extra=()):
     )
 
 
-def train(cfg, devices=None, data=None):
+def train(cfg, devices=None, data=None, added_data=None, add_at=None):
+    """Train ``cfg`` on ``data`` (default: the 200 points); ``add_at``: the step whose hook adds :func:`added`."""
     opt = optax.adam(3e-2)
     with Trainer(
-        cfg, devices, model=build, loss=xent, optimizer=opt, data=data or Points(), eval_data=Points(32, 1)
+        cfg,
+        devices,
+        model=build,
+        loss=xent,
+        optimizer=opt,
+        data=data or Points(),
+        eval_data=Points(32, 1),
+        added_data=added_data,
     ) as t:
+        if add_at is not None:
+            t.add_hook(lambda t, step, _: t.add_data(added(), seed=11) if step == add_at else None)
         t.fit()
         return t
+
+
+def added():
+    """The dataset added while the runs train: 64 other points (8 batches)."""
+    return Points(64, seed=5)
 
 
 KILLED = """
@@ -174,3 +190,105 @@ def test_a_collate_function_makes_the_rows():
     with pytest.raises(ConfigError, match="same shape"):
         bad.read(np.array([1, 2]))
     assert jnp.asarray(src.read(np.array([0]))["x"]).shape == (1, FEATURES)
+
+
+KILLED_AFTER_ADDING = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from tests.train import test_custom_data as m
+from jaxdist.train.trainer import Trainer
+import optax
+cfg = m.config({tmp!r}, "added", 30)
+with Trainer(cfg, model=m.build, loss=m.xent, optimizer=optax.adam(3e-2), data=m.Points(), eval_data=m.Points(32, 1)) as t:
+    t.add_hook(lambda t, step, _: t.add_data(m.added(), seed=11) if step == 6 else None)
+    t.add_hook(lambda t, step, _: os.kill(os.getpid(), signal.SIGKILL) if step == 14 else None)
+    t.fit()
+"""
+
+
+def test_a_dataset_added_while_training_joins_at_the_next_step_and_each_item_trains_once_across_a_kill(tmp_path):
+    """Trainer.add_data at step 6 of 30 (64 more points, 8 batches): the run is killed at step 14 and resumed
+    with ``added_data=[it]``; its steps train the batch ids and items (logged digests) of a run that was never
+    interrupted, the addition joins at position 6, and version 2's first 33 positions hold each of the 200 + 64
+    items once."""
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_AFTER_ADDING.format(root=root, tmp=str(tmp_path))],
+        env=os.environ.copy(),
+        capture_output=True,
+        timeout=300,
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    t = train(config(tmp_path, "added", 30), added_data=[added()])
+    assert t.resumed_from is not None and t.resumed_from[1] in (8, 12), t.resumed_from
+    train(config(tmp_path, "whole", 30), add_at=6)
+    ids = {
+        n: [(r["step"], r["batch_id"], r["batch_digest"]) for r in trained_batches(tmp_path / n)]
+        for n in ("added", "whole")
+    }
+    assert ids["added"] == ids["whole"] and [r[0] for r in ids["whole"]] == list(range(1, 31))
+    sources = [ItemSource(Points())], [ItemSource(added())]
+    for n in ("added", "whole"):
+        report = check_exactly_once(tmp_path / n)
+        assert report["ok"] and report["trained"] == 30, report
+        assert digest_problems(tmp_path / n, *sources[0], items=sources[1]) == []
+    # The items each step trained, from the datasets themselves: batch (s, e, i) is items perm[8i:8i+8] of source s,
+    # perm the seeded permutation the batch list defines (jaxdist.data.batchloader.BatchReader).
+    newest = Journal(tmp_path / "added").load()
+    for r in trained_batches(tmp_path / "added"):
+        s, e, i = (int(x) for x in unpack_ids(parse_id(r["batch_id"])))
+        data = (Points(), added())[s]
+        rows = np.random.default_rng([newest.source(s).seed, s, e]).permutation(len(data))[8 * i : 8 * i + 8]
+        assert r["batch_digest"] == int(batch_digest(stack([data[int(w)] for w in rows]))), r
+    bl = Journal(tmp_path / "added").load(2)
+    assert bl.op["kind"] == "add" and bl.op["splice"] == 6 and [s.kind for s in bl.sources] == ["config", "items"]
+    reader = BatchReader(bl, {0: ItemSource(Points()), 1: ItemSource(added())})
+    seen = [reader.window_ids(p) for p in range(33)]
+    for source, n in ((0, ITEMS), (1, 64)):
+        windows = np.concatenate([w for s, w in seen if s == source])
+        assert sorted(windows.tolist()) == list(range(n)), source
+    assert any(s == 1 for s, _ in seen[6:14]) and all(s == 0 for s, _ in seen[:6])  # trained from step 7 on
+
+
+class Other(Points):
+    """Points with their features under another key (items of another shape than the run's)."""
+
+    def __getitem__(self, i):
+        return {"z": self.x[i], "label": self.y[i]}
+
+
+def test_added_datasets_are_checked_on_resume_and_bad_additions_are_one_sentence(tmp_path):
+    """Resuming a run that was added to: without the added dataset, with a changed one, or with one never added,
+    refused in one sentence.  add_data of items of another shape, of fewer items than a batch, or of items the
+    run has: refused in one sentence, and no request is left in the journal."""
+    train(config(tmp_path, "run", 4), add_at=2)
+    for given, words in (
+        (None, "source 1 of the batch list (python:Points, 64 items) is a Python dataset added to the run"),
+        ([Points(64, seed=6)], "no dataset given as added_data= has its length and items"),
+        ([added(), Points(40, seed=9)], "added_data= gives python:Points (40 items), which was never added"),
+    ):
+        with pytest.raises(ConfigError) as e:
+            train(config(tmp_path, "run", 8), added_data=given)
+        assert words in str(e.value) and str(e.value).count(". ") == 0, str(e.value)
+    t = Trainer(
+        config(tmp_path, "run", 8),
+        model=build,
+        loss=xent,
+        optimizer=optax.adam(3e-2),
+        data=Points(),
+        eval_data=Points(32, 1),
+        added_data=[added()],
+    )
+    with t:
+        for dataset, words in (
+            (Other(64, seed=7), "the items of python:Other are {label: int32[], z: float32[16]} per row, the run's"),
+            (Points(5, seed=8), "python:Points holds 5 items, fewer than one batch of 8"),
+            (added(), "holds the same items (fingerprint"),
+            (Points(), "as source 0 ('python:Points') of the batch list"),
+        ):
+            with pytest.raises(ConfigError) as e:
+                t.add_data(dataset)
+            assert words in str(e.value) and str(e.value).count(". ") == 0, str(e.value)
+        assert Journal(tmp_path / "run").pending() == []
+        t.fit()  # the run goes on from its checkpoint with the dataset added at step 2
+    assert check_exactly_once(tmp_path / "run")["ok"]
