@@ -94,7 +94,7 @@ class TrainConfig:
     )
     entry: str = option(
         "",
-        "module:function that returns your own model and what goes with it, a dict with model and loss (and optimizer, data, eval_data, collate, flops_per_example: the Trainer's keywords, jaxdist.train.custom); called with the config in every worker; empty: jaxdist's own transformer on the [data] settings.",
+        "module:function that returns your own model and what goes with it, a dict with model and loss (and optimizer, data, eval_data, collate, added_data, flops_per_example: the Trainer's keywords, jaxdist.train.custom); called with the config in every worker; empty: jaxdist's own transformer on the [data] settings.",
     )
     tracker: Tracker = option(
         "none",

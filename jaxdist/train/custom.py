@@ -412,7 +412,7 @@ def param_count(abstract: dict) -> int:
 
 # ------------------------------------------------------------------ train.entry: the same from a worker
 
-ENTRY_KEYS = ("model", "loss", "optimizer", "flops_per_example", "data", "eval_data", "collate")
+ENTRY_KEYS = ("model", "loss", "optimizer", "flops_per_example", "data", "eval_data", "collate", "added_data")
 
 
 def entry_keywords(cfg: Config) -> dict[str, Any]:
