@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from jaxdist.config import ConfigError, load_config
-from jaxdist.data.audit import check_exactly_once, digest_problems, trained_batches
+from jaxdist.data.audit import check_exactly_once, digest_problems, trained_batches, verify
 from jaxdist.data.batchlist import batch_digest, parse_id, unpack_ids
 from jaxdist.data.batchloader import BatchReader
 from jaxdist.data.items import ItemSource, stack
@@ -292,3 +292,5 @@ def test_added_datasets_are_checked_on_resume_and_bad_additions_are_one_sentence
         assert Journal(tmp_path / "run").pending() == []
         t.fit()  # the run goes on from its checkpoint with the dataset added at step 2
     assert check_exactly_once(tmp_path / "run")["ok"]
+    ok, lines = verify(tmp_path / "run")
+    assert ok and "source 1: the Python dataset 'python:Points' added to the run, 64 items" in "\n".join(lines), lines
