@@ -111,6 +111,22 @@ def test_microbatched_step_equals_the_whole_batch_step():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_by_default_the_whole_batch_is_one_microbatch_and_the_count_is_int32():
+    """make_train_step and loss_and_grads without ``microbatches`` take the batch whole, whatever its row count (3
+    here: no split in two); the step count is int32, exact past 2**24 steps where a float32 count is not."""
+    graphdef, params, tokens = _tiny(7, (3, 9))
+    loss, g = jax.jit(jax.value_and_grad(lambda p: _cross_entropy(graphdef, p, tokens)))(params)
+    got, got_g = jax.jit(lambda p, t: loss_and_grads(graphdef, p, t))(params, tokens)
+    np.testing.assert_allclose(got, loss, rtol=1e-5)
+    for a, b in leaf_pairs(got_g, g):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    sgd = optax.sgd(1.0)
+    s0 = init_state(params, sgd, 0)
+    s1, m = jax.jit(make_train_step(graphdef, sgd, lambda s: 1.0))(s0, tokens)
+    np.testing.assert_allclose(m["loss"], loss, rtol=1e-5)
+    assert s0["step"].dtype == s1["step"].dtype == jnp.int32 and int(s1["step"]) == 1
+
+
 def test_eval_step_is_the_mean_next_token_cross_entropy():
     graphdef, params, tokens = _tiny(4)
     want = jax.jit(lambda p: _cross_entropy(graphdef, p, tokens))(params)
