@@ -127,6 +127,27 @@ def test_by_default_the_whole_batch_is_one_microbatch_and_the_count_is_int32():
     assert s0["step"].dtype == s1["step"].dtype == jnp.int32 and int(s1["step"]) == 1
 
 
+def test_a_grads_fn_replaces_the_models_gradients_and_its_grad_norm_is_the_one_clipped_by():
+    """The pipeline executor's and train.grad_sync=ordered's hook: ``grads_fn(params, tokens)`` gives the loss,
+    metrics and gradients; a ``grad_norm`` among its metrics is the norm logged and clipped by.  Here it returns
+    twice the model's gradients and claims a norm of 4: clipping at 1 scales them by 1/4, so SGD at rate 1 moves
+    the parameters by half the model's gradients."""
+    graphdef, params, tokens = _tiny(8)
+    loss, g = jax.jit(lambda p, t: loss_and_grads(graphdef, p, t))(params, tokens)
+
+    def grads_fn(p, t):
+        got, grads = loss_and_grads(graphdef, p, t)
+        return got, {"grad_norm": jnp.float32(4.0)}, jax.tree.map(lambda x: 2 * x, grads)
+
+    sgd = optax.sgd(1.0)
+    step = jax.jit(make_train_step(graphdef, sgd, lambda s: 1.0, grad_clip=1.0, grads_fn=grads_fn))
+    state, m = step(init_state(params, sgd, 0), tokens)
+    assert float(m["grad_norm"]) == 4.0
+    np.testing.assert_allclose(m["loss"], loss, rtol=1e-6)
+    for a, b in leaf_pairs(state["params"], jax.tree.map(lambda p, d: p - 0.5 * d, params, g)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_eval_step_is_the_mean_next_token_cross_entropy():
     graphdef, params, tokens = _tiny(4)
     want = jax.jit(lambda p: _cross_entropy(graphdef, p, tokens))(params)
