@@ -10,7 +10,8 @@ Ctrl-C is noted, said in one line, and raised by the loop at the next step
 boundary, where nothing is half-done; a second Ctrl-C raises at once (Python's
 own handler is back by then).  A handler the user installed, or SIGINT ignored,
 is left as it is, as is every thread but the main one (only it can set a
-handler).
+handler).  ``Trainer.close`` uses it too: a Ctrl-C while it waits for the last
+checkpoint lets that save commit first.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def between_steps() -> Iterator[Callable[[], None]]:
-    """Yield ``check()``: it raises ``KeyboardInterrupt`` once Ctrl-C was pressed; call it between steps."""
+def between_steps(doing: str = "stopping after this step") -> Iterator[Callable[[], None]]:
+    """Yield ``check()``: it raises ``KeyboardInterrupt`` once Ctrl-C was pressed; call it between steps (or
+    after the work the block must not leave half done).  ``doing``: what the one line says happens first."""
     if threading.current_thread() is not threading.main_thread() or (
         signal.getsignal(signal.SIGINT) is not signal.default_int_handler
     ):
@@ -35,7 +37,7 @@ def between_steps() -> Iterator[Callable[[], None]]:
     def note(signum, frame) -> None:
         pressed.set()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: at once
-        print("jaxdist: Ctrl-C: stopping after this step (press it again to stop now).", file=sys.stderr, flush=True)
+        print(f"jaxdist: Ctrl-C: {doing} (press it again to stop now).", file=sys.stderr, flush=True)
 
     def check() -> None:
         if pressed.is_set():

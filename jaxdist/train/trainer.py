@@ -510,18 +510,22 @@ class Trainer(Program):
         )
 
     def close(self) -> None:
-        """Wait for pending checkpoint writes, close files and give the run's lock back."""
-        try:
-            if self.local is not None:
-                self.local.close()
-            if self.checkpointer is not None:
-                self.checkpointer.close()
-                auto = self.local is not None and self.config.checkpoint.local_dir == LOCAL_AUTO
-                if auto and self.checkpointer.latest_step() == self.config.train.steps:  # temporary steps of a
-                    self.local.clear(remove_dir=True)  # finished run: its last persistent checkpoint holds the end
-            self.metrics.close()
-        finally:
-            self.close_lock()
+        """Wait for pending checkpoint writes, close files and give the run's lock back.
+
+        A first Ctrl-C meanwhile lets the saves commit and is raised after (a second stops at once)."""
+        with between_steps("finishing the checkpoint being written") as ctrl_c:
+            try:
+                if self.local is not None:
+                    self.local.close()
+                if self.checkpointer is not None:
+                    self.checkpointer.close()
+                    auto = self.local is not None and self.config.checkpoint.local_dir == LOCAL_AUTO
+                    if auto and self.checkpointer.latest_step() == self.config.train.steps:  # temporary steps of a
+                        self.local.clear(remove_dir=True)  # finished run: the last persistent checkpoint holds the end
+                self.metrics.close()
+            finally:
+                self.close_lock()
+            ctrl_c()
 
     def close_lock(self) -> None:
         """Give the run's lock back (another process may then write the run)."""
