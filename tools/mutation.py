@@ -105,6 +105,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
             "tests/models/test_moe.py::test_train_step_objective_and_metrics_over_microbatches",
         ],
     ),
+    # The selector against brute force and the MILP optimum, its bounds and slack.
+    "remat.select": (["jaxdist/remat/select.py"], ["tests/remat/test_select.py"]),
     "data.batchlist": (["jaxdist/data/batchlist.py"], ["tests/data/test_batchlist.py"]),
     "data.audit": (["jaxdist/data/audit.py"], ["tests/data/test_batchlist.py", "tests/data/test_audit.py"]),
     "checkpoint.integrity": (["jaxdist/checkpoint/integrity.py"], ["tests/checkpoint/test_integrity.py"]),
