@@ -17,6 +17,7 @@ enumerates every strategy that the model, the batch and the cluster allow:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -97,9 +98,10 @@ class Strategy:
     chunks: int = 1  # seq1f1b: chunks per sequence; 1 for every other schedule
     context: int = 1  # sequence split over the ring (planner/ring.py); last, so ordering without it is unchanged
 
-    @property
+    @functools.cached_property
     def mesh(self) -> dict[str, int]:
-        """Axis sizes in MESH_AXES order."""
+        """Axis sizes in MESH_AXES order (made once per strategy: the planner reads it in every cost term; do not
+        change the dict)."""
         return {a: getattr(self, a) for a in MESH_AXES}
 
     @property

@@ -25,8 +25,9 @@ routed copy of a token (top-k of them) plus the router scores.
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from jaxdist.config import ModelConfig
 from jaxdist.models import arithmetic
@@ -94,6 +95,13 @@ class BlockKind:
     flops_fwd: float
     attention_flops_fwd: float
     dispatch_rows: int = 0
+
+    def __hash__(self) -> int:  # the planner's caches look a block up for every strategy: hashed once
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
 
     @property
     def param_count(self) -> int:

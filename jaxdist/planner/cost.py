@@ -20,7 +20,6 @@ all-reduces the block output twice forward and once per input projection
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -205,6 +204,7 @@ def _local(p, sizes: tuple) -> float:
     return p.size / math.prod(_shards(p.axes, p.shape, sizes))
 
 
+@functools.lru_cache(maxsize=65536)
 def _block_weights(block: BlockKind, sizes: tuple) -> tuple[float, float, float]:
     """(matmul weight elements, norm elements, matmul weight elements after the fsdp gather) of one block per device."""
     fsdp = dict(sizes)["fsdp"]
@@ -219,10 +219,16 @@ def _block_weights(block: BlockKind, sizes: tuple) -> tuple[float, float, float]
 
 def _per_token_bytes(view: ComputationView, block: BlockKind, names, sizes: tuple, rows: int) -> float:
     """Bytes per token on one device of the named activations of ``block`` (tensor-split dimensions divided out)."""
+    return _activation_bytes(block, tuple(names), sizes, rows, view.seq_len)
+
+
+@functools.lru_cache(maxsize=65536)
+def _activation_bytes(block: BlockKind, names: tuple[str, ...], sizes: tuple, rows: int, seq_len: int) -> float:
+    # Many strategies of one search share the block, the mesh sizes and the rows: computed once for them.
     total = 0.0
     for n in names:
         a = block.activation(n)
-        shards = _shards(("batch", "seq") + a.axes, (rows, view.seq_len) + a.shape, sizes)
+        shards = _shards(("batch", "seq") + a.axes, (rows, seq_len) + a.shape, sizes)
         total += a.elements_per_token * a.dtype_bytes / math.prod(shards[2:])
     return total
 
@@ -424,6 +430,12 @@ def recompute_flops(view: ComputationView, remat: RematChoice) -> dict[str, floa
     return out
 
 
+def _timed(c: CommItem, link: str, seconds: float) -> CommItem:
+    """``c`` with its link and time: dataclasses.replace, without its introspection (the search calls this for
+    every collective of every strategy it evaluates)."""
+    return CommItem(**{**vars(c), "link": link, "seconds": seconds})
+
+
 def estimate(
     view: ComputationView,
     cluster: ClusterView,
@@ -444,7 +456,7 @@ def estimate(
         lat = cluster.inter_node_latency if inter else cluster.intra_node_latency
         one = collective_seconds(c.kind, c.bytes, c.group, bw, lat, cluster.collective_overhead)
         secs = c.count * max(0.0, one - c.overlap_flops / (peak * cluster.efficiency))
-        timed.append(dataclasses.replace(c, link="inter" if inter else "intra", seconds=secs))
+        timed.append(_timed(c, "inter" if inter else "intra", secs))
     tokens = batch_size * view.seq_len
     remat = remat_choice(s.remat)
     rec = recompute_flops(view, remat)
