@@ -197,7 +197,9 @@ def test_scanned_groups_equal_unrolled_blocks(every2):
 
 
 def test_train_step_objective_and_metrics_over_microbatches(every2):
-    from jaxdist.train.step import loss_metrics_and_grads, objective
+    import optax
+
+    from jaxdist.train.step import init_state, loss_metrics_and_grads, make_train_step, objective
 
     cfg, graphdef, params, _ = every2
     tokens = jax.random.randint(jax.random.key(2), (4, 9), 0, cfg.vocab_size)
@@ -227,6 +229,12 @@ def test_train_step_objective_and_metrics_over_microbatches(every2):
     ce, m = halves[0][1]["loss"], halves[0][1]
     expect = ce + cfg.moe.aux_loss_coef * m["moe_aux_loss"] + cfg.moe.z_loss_coef * m["moe_z_loss"]
     assert float(halves[0][0]) == pytest.approx(float(expect), rel=1e-6)
+    # The train step logs the blocks' figures flat, as router_metrics gives them (no nested moe_layers).
+    sgd = optax.sgd(0.0)
+    _, step_metrics = jax.jit(make_train_step(graphdef, sgd, None, microbatches=2))(init_state(params, sgd, 0), tokens)
+    assert "moe_layers" not in step_metrics and set(flat) <= set(step_metrics)
+    for k, v in flat.items():
+        assert float(step_metrics[k]) == pytest.approx(float(v), rel=1e-5), k
 
 
 def test_dense_model_has_no_aux_and_same_logits():

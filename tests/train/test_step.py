@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from jaxdist.config import load_config
 from jaxdist.data.batchlist import token_digest
@@ -127,25 +128,44 @@ def test_by_default_the_whole_batch_is_one_microbatch_and_the_count_is_int32():
     assert s0["step"].dtype == s1["step"].dtype == jnp.int32 and int(s1["step"]) == 1
 
 
-def test_a_grads_fn_replaces_the_models_gradients_and_its_grad_norm_is_the_one_clipped_by():
+@pytest.mark.parametrize("norm,clip,scale", [(4.0, 1.0, 0.25), (0.5, 0.25, 0.5), (0.5, 1.0, 1.0)])
+def test_a_grads_fn_replaces_the_models_gradients_and_its_grad_norm_is_the_one_clipped_by(norm, clip, scale):
     """The pipeline executor's and train.grad_sync=ordered's hook: ``grads_fn(params, tokens)`` gives the loss,
     metrics and gradients; a ``grad_norm`` among its metrics is the norm logged and clipped by.  Here it returns
-    twice the model's gradients and claims a norm of 4: clipping at 1 scales them by 1/4, so SGD at rate 1 moves
-    the parameters by half the model's gradients."""
+    twice the model's gradients and claims ``norm``: clipping at ``clip`` scales them by min(1, clip / norm) (a
+    norm above 1 and below it; below the clip nothing changes), which SGD at rate 1 shows in the parameters."""
     graphdef, params, tokens = _tiny(8)
     loss, g = jax.jit(lambda p, t: loss_and_grads(graphdef, p, t))(params, tokens)
 
     def grads_fn(p, t):
         got, grads = loss_and_grads(graphdef, p, t)
-        return got, {"grad_norm": jnp.float32(4.0)}, jax.tree.map(lambda x: 2 * x, grads)
+        return got, {"grad_norm": jnp.float32(norm)}, jax.tree.map(lambda x: 2 * x, grads)
 
     sgd = optax.sgd(1.0)
-    step = jax.jit(make_train_step(graphdef, sgd, lambda s: 1.0, grad_clip=1.0, grads_fn=grads_fn))
+    step = jax.jit(make_train_step(graphdef, sgd, lambda s: 1.0, grad_clip=clip, grads_fn=grads_fn))
     state, m = step(init_state(params, sgd, 0), tokens)
-    assert float(m["grad_norm"]) == 4.0
+    assert float(m["grad_norm"]) == norm
     np.testing.assert_allclose(m["loss"], loss, rtol=1e-6)
-    for a, b in leaf_pairs(state["params"], jax.tree.map(lambda p, d: p - 0.5 * d, params, g)):
+    for a, b in leaf_pairs(state["params"], jax.tree.map(lambda p, d: p - 2 * scale * d, params, g)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_step_keeps_every_state_leafs_dtype_with_bfloat16_parameters_and_clipping():
+    """The jitted step donates the state and runs again on its output, so no leaf may change dtype: bfloat16
+    parameters, AdamW (its moments follow the gradients' dtype) and an active clip (its float32 scale must not
+    promote the bfloat16 gradients)."""
+    cfg = load_config(None, ["model=tiny", "model.param_dtype=bfloat16", "model.dtype=bfloat16"])
+    graphdef, _, _ = create_abstract(cfg.model)
+    params = init_params(cfg.model)
+    tokens = jax.random.randint(jax.random.key(9), (4, 9), 0, cfg.model.vocab_size)
+    opt = optax.adamw(1e-3)
+    s0 = init_state(params, opt, 0)
+    s1, m = jax.jit(make_train_step(graphdef, opt, None, 1, 1e-3))(s0, tokens)
+    assert float(m["grad_norm"]) > 1e-3  # the clip is active
+    before, after = jax.tree.leaves(s0), jax.tree.leaves(s1)
+    assert jax.tree.structure(s0) == jax.tree.structure(s1)
+    assert [a.dtype for a in after] == [b.dtype for b in before]
+    assert jnp.dtype(jnp.bfloat16) in {a.dtype for a in jax.tree.leaves(s1["opt_state"])}
 
 
 def test_eval_step_is_the_mean_next_token_cross_entropy():
