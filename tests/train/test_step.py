@@ -243,3 +243,22 @@ def test_packed_rows_train_and_evaluate_on_each_documents_own_next_token_loss():
         np.testing.assert_allclose(metrics["grad_norm"], optax.global_norm(grads), rtol=1e-4, err_msg=str(m))
         for a, b in leaf_pairs(state["params"], jax.tree.map(lambda p, g: p - g, params, grads)):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=str(m))
+
+
+@pytest.mark.parametrize("loss_ok", [True, False])
+def test_a_step_with_either_the_loss_or_the_gradient_norm_not_finite_changes_nothing(loss_ok):
+    """Either alone is enough: a finite loss with an infinite gradient norm, or a NaN loss with a finite norm (a
+    grads_fn that says so), leaves the parameters and the AdamW state as they were, bit for bit."""
+    graphdef, params, tokens = _tiny(10)
+
+    def grads_fn(p, t):
+        loss, grads = loss_and_grads(graphdef, p, t)
+        return (loss if loss_ok else loss * jnp.nan), {"grad_norm": jnp.float32(jnp.inf if loss_ok else 1.0)}, grads
+
+    opt = optax.adamw(1e-2)
+    s0 = init_state(params, opt, 0)
+    s1, m = jax.jit(make_train_step(graphdef, opt, None, grads_fn=grads_fn))(s0, tokens)
+    assert np.isfinite(float(m["loss"])) == loss_ok and np.isfinite(float(m["grad_norm"])) != loss_ok
+    for a, b in leaf_pairs((s1["params"], s1["opt_state"]), (s0["params"], s0["opt_state"])):
+        np.testing.assert_array_equal(a, b)
+    assert int(s1["step"]) == 1
