@@ -5,14 +5,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdist.config import load_config
 from jaxdist.data.batchlist import token_digest
 from jaxdist.data.documents import pack
 from jaxdist.models import apply, create_abstract, init_params
 from jaxdist.models.arithmetic import param_count, train_flops_per_token
+from jaxdist.parallel.layout import sharded_tracing
+from jaxdist.parallel.mesh import build_mesh
 from jaxdist.train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
-from jaxdist.train.step import init_state, loss_and_grads, make_eval_step, make_train_step
+from jaxdist.train.step import init_state, loss_and_grads, loss_metrics_and_grads, make_eval_step, make_train_step
 from tests.data.test_documents import _stream
 from tests.trees import leaf_pairs
 
@@ -121,10 +124,14 @@ def test_by_default_the_whole_batch_is_one_microbatch_and_the_count_is_int32():
     np.testing.assert_allclose(got, loss, rtol=1e-5)
     for a, b in leaf_pairs(got_g, g):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    got, metrics, _ = jax.jit(lambda p, t: loss_metrics_and_grads(graphdef, p, t))(params, tokens)
+    np.testing.assert_allclose(got, loss, rtol=1e-5)
+    assert metrics == {}  # a dense model's objective has no metrics of its own
     sgd = optax.sgd(1.0)
     s0 = init_state(params, sgd, 0)
     s1, m = jax.jit(make_train_step(graphdef, sgd, lambda s: 1.0))(s0, tokens)
     np.testing.assert_allclose(m["loss"], loss, rtol=1e-5)
+    assert set(m) == {"loss", "grad_norm", "lr", "batch_digest"}  # plain rows: no packed-row "targets"
     assert s0["step"].dtype == s1["step"].dtype == jnp.int32 and int(s1["step"]) == 1
 
 
@@ -166,6 +173,22 @@ def test_a_step_keeps_every_state_leafs_dtype_with_bfloat16_parameters_and_clipp
     assert jax.tree.structure(s0) == jax.tree.structure(s1)
     assert [a.dtype for a in after] == [b.dtype for b in before]
     assert jnp.dtype(jnp.bfloat16) in {a.dtype for a in jax.tree.leaves(s1["opt_state"])}
+
+
+def test_microbatches_split_over_a_mesh_equal_the_whole_batch_on_one_device():
+    """Two microbatches traced under the mesh's activation sharding (data=2 fsdp=2 tensor=2, rows over data and
+    fsdp, the microbatches' rows kept split the same way) give one device's whole-batch loss and gradients."""
+    cfg = load_config(None, ["model=tiny", "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"])
+    mesh = build_mesh(cfg.mesh, jax.devices()[:8])
+    graphdef, params, tokens = _tiny(11, (16, 17))
+    sharded = jax.device_put(tokens, NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None)))
+    with sharded_tracing(mesh):
+        lowered = jax.jit(lambda p, t: loss_metrics_and_grads(graphdef, p, t, 2)).lower(params, sharded)
+    loss, _, grads = lowered.compile()(params, sharded)
+    want, want_g = jax.jit(lambda p, t: loss_and_grads(graphdef, p, t))(params, tokens)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    for a, b in leaf_pairs(grads, want_g):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_eval_step_is_the_mean_next_token_cross_entropy():
