@@ -245,6 +245,11 @@ def add_data(
     current = journal.load()
     if not paths:
         raise ConfigError("no data paths given: name at least one file or directory to add.")
+    if current.sources[0].packing == "items":
+        raise ConfigError(
+            f"the run in {run_dir} trains on a Python dataset's items, not on token data: add another dataset to "
+            "it with Trainer.add_data."
+        )
     token_dtype = token_dtype or run_token_dtype(run_dir)
     known = {s.fingerprint: f"source {s.id} ('{s.name}') of the batch list" for s in current.sources}
     for name, req in journal.pending():

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 from jaxdist.config import ConfigError, load_config
+from jaxdist.data import add_data
 from jaxdist.data.audit import check_exactly_once, digest_problems, trained_batches, verify
 from jaxdist.data.batchlist import batch_digest, parse_id, unpack_ids
 from jaxdist.data.batchloader import BatchReader
@@ -289,6 +290,9 @@ def test_added_datasets_are_checked_on_resume_and_bad_additions_are_one_sentence
             with pytest.raises(ConfigError) as e:
                 t.add_data(dataset)
             assert words in str(e.value) and str(e.value).count(". ") == 0, str(e.value)
+        with pytest.raises(ConfigError) as e:  # token files: the run trains on a Python dataset's items
+            add_data(tmp_path / "run", [__file__])
+        assert "trains on a Python dataset's items, not on token data" in str(e.value), str(e.value)
         assert Journal(tmp_path / "run").pending() == []
         t.fit()  # the run goes on from its checkpoint with the dataset added at step 2
     assert check_exactly_once(tmp_path / "run")["ok"]
