@@ -216,7 +216,7 @@ def test_train_step_objective_and_metrics_over_microbatches(every2):
     assert set(metrics["moe_layers"]) == {"block1", "block3"}
     for name, layer in metrics["moe_layers"].items():
         np.testing.assert_array_equal(layer["tokens"], whole["moe_layers"][name]["tokens"])
-        assert layer["tokens"].dtype == whole["moe_layers"][name]["tokens"].dtype  # counts stay integers
+        assert layer["tokens"].dtype == whole["moe_layers"][name]["tokens"].dtype  # summed in their own dtype
         assert float(np.sum(layer["tokens"])) == 4 * 8 * cfg.moe.top_k  # every assignment of 4 rows x 8 tokens
         for k in ("aux_loss", "z_loss", "drop_rate"):
             want = np.mean([h[1]["moe_layers"][name][k] for h in halves])
