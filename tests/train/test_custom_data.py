@@ -108,6 +108,18 @@ def added():
     return Points(64, seed=5)
 
 
+def run_until_killed(script: str, tmp_path) -> None:
+    """Run ``script`` (formatted with the repository root and ``tmp_path``) in a new process that kills itself."""
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-c", script.format(root=root, tmp=str(tmp_path))],
+        env=os.environ.copy(),
+        capture_output=True,
+        timeout=300,
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+
+
 KILLED = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
@@ -125,14 +137,7 @@ def test_every_item_once_per_epoch_across_a_kill_and_a_resize(tmp_path):
     """30 steps of 8 items (an epoch is 25): SIGKILL at step 11 on data=4 tensor=2 (8 devices), resumed on data=2
     tensor=2 (4 devices).  The steps' batch ids are the uninterrupted run's, the logged digests are those of the
     items the ids name, and positions 0..24 hold each of the 200 items once."""
-    root = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED.format(root=root, tmp=str(tmp_path))],
-        env=os.environ.copy(),
-        capture_output=True,
-        timeout=300,
-    )
-    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    run_until_killed(KILLED, tmp_path)
     t = train(config(tmp_path, "split", 30, ["mesh.data=2"]), jax.devices()[:4])
     assert t.resumed_from is not None and t.resumed_from[1] in (4, 8), t.resumed_from
     assert len(t.devices) == 4
@@ -212,14 +217,7 @@ def test_a_dataset_added_while_training_joins_at_the_next_step_and_each_item_tra
     with ``added_data=[it]``; its steps train the batch ids and items (logged digests) of a run that was never
     interrupted, the addition joins at position 6, and version 2's first 33 positions hold each of the 200 + 64
     items once."""
-    root = str(Path(__file__).resolve().parents[2])
-    proc = subprocess.run(
-        [sys.executable, "-c", KILLED_AFTER_ADDING.format(root=root, tmp=str(tmp_path))],
-        env=os.environ.copy(),
-        capture_output=True,
-        timeout=300,
-    )
-    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    run_until_killed(KILLED_AFTER_ADDING, tmp_path)
     t = train(config(tmp_path, "added", 30), added_data=[added()])
     assert t.resumed_from is not None and t.resumed_from[1] in (8, 12), t.resumed_from
     train(config(tmp_path, "whole", 30), add_at=6)
