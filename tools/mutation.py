@@ -34,9 +34,12 @@ mutmut runs in that directory (its ``mutants/`` is then ``mutants/<module>/mutan
 own verdicts and a second module's run does not invalidate the first's.  With ``PYTHONPATH`` cleared, the tests
 import the mutated copy, never the editable install.
 
-**Verdicts kept between runs.**  A run resumes: mutants already killed stay killed (mutmut re-tests a function's
-mutants itself when the function's source changes); every mutant not killed yet (survived, no tests, timeout,
-not checked) is run again, against the tests as they are now (new tests are found and traced first).  When the
+**Verdicts kept between runs.**  A run resumes in two passes: first every mutant without a verdict (mutmut
+resets those of a function whose source changed, and a new function's are new), then every mutant whose earlier
+verdict was not killed (survived, no tests, timeout) again, by name, against the tests as they are now (new tests
+are found and traced first).  Mutants already killed in unchanged functions stay killed.  mutmut traces which
+tests reach which function only for tests it has not seen: after adding assertions to an existing test (not a
+new test), move ``mutants/<module>/mutants/mutmut-stats.json`` aside so that it traces every test again.  When the
 module's generated configuration changes (its table entry, this script's settings) mutmut forgets every verdict
 and all mutants run.  After changing or deleting tests, run with ``--fresh``.
 
@@ -208,16 +211,26 @@ def _env() -> dict[str, str]:
 
 
 def run(module: str, max_children: int, timeout: int, everything: bool) -> int:
+    """Run mutmut in the module's directory.  A resume runs twice: first with no names, so that mutmut tests every
+    mutant without a verdict (those of functions whose source changed since, which it resets, and new ones); then
+    the mutants that had a verdict other than killed, by name, against the tests as they are now."""
     before = {} if everything else verdicts(module)
-    retest = sorted(n for n, s in before.items() if s != "killed")
-    cmd = ["mutmut", "run", "--max-children", str(max_children)]
-    if before:
-        if not retest:
-            print(f"{module}: every mutant is killed already (use --fresh to run them all again)")
-            return 0
-        cmd += retest
+    rc = _mutmut(module, [], timeout, max_children)
+    if not before or rc != 0:
+        return rc
+    after = verdicts(module)
+    retest = sorted(n for n, s in after.items() if s != "killed" and before.get(n, "not checked") != "not checked")
+    if not retest:
+        print(f"{module}: every mutant with an earlier verdict is killed (use --fresh to run them all again)")
+        return rc
+    return _mutmut(module, retest, timeout, max_children)
+
+
+def _mutmut(module: str, names: list[str], timeout: int, max_children: int) -> int:
+    cmd = ["mutmut", "run", "--max-children", str(max_children), *names]
     log = WORK / module / "mutmut.log"
-    print(f"{module}: {' '.join(cmd[:4])} ({len(retest) or 'all'} mutants) in {WORK / module}; log {log}")
+    which = f"{len(names)} mutants by name" if names else "every mutant without a verdict"
+    print(f"{module}: {' '.join(cmd[:4])} ({which}) in {WORK / module}; log {log}")
     with open(log, "a") as out:
         out.write(f"\n==== {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M:%S} UTC: {' '.join(cmd)}\n")
         out.flush()
