@@ -27,7 +27,7 @@ import numpy as np
 
 from jaxdist.config import ConfigError
 from jaxdist.data.batchlist import BatchList, BatchListError, SourceEntry, epoch_seed, make_version, unpack_ids
-from jaxdist.data.catalog import add_items, config_entry, given_items, pack_source, read_source
+from jaxdist.data.catalog import add_items, config_entry, given_items, known_sources, pack_source, read_source
 from jaxdist.data.documents import PackedStream, Packing
 from jaxdist.data.items import ItemSource
 from jaxdist.data.journal import Journal
@@ -237,10 +237,7 @@ class RunBatchList:
 
     def _check_added_items(self, bl: BatchList) -> None:
         """Every dataset given as ``added_items`` is a source of the batch list or of a pending addition."""
-        entries = [s for s in bl.sources if s.kind == "items"]
-        entries += [
-            s for _, req in self.journal.pending() for s in (req or {}).get("sources", []) if isinstance(s, dict)
-        ]
+        entries = [e for _, e in known_sources(self.journal, bl).values() if _kind(e) == "items"]
         for src in self._items:
             if not any(given_items(e, [src]) for e in entries):
                 raise ConfigError(
@@ -463,3 +460,8 @@ class FollowingLoader:
 
 
 __all__ = ["BatchLoader", "BatchReader", "FollowingLoader", "RunBatchList", "SAMPLER"]
+
+
+def _kind(entry: SourceEntry | dict) -> str:
+    """A source's kind, from the batch list (a SourceEntry) or from a pending addition's request (a dict)."""
+    return entry["kind"] if isinstance(entry, dict) else entry.kind

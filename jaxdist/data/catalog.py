@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxdist.config import ConfigError
 from jaxdist.data import sources as _sources
-from jaxdist.data.batchlist import BatchListError, SourceEntry
+from jaxdist.data.batchlist import BatchList, BatchListError, SourceEntry
 from jaxdist.data.documents import PackedStream, Packing, eos_starts, pack, read_documents, read_targets
 from jaxdist.data.items import ItemSource
 from jaxdist.data.journal import Journal
@@ -146,6 +146,19 @@ def _reads_as_text(path: str | Path, kind: str) -> bool:
     return p.is_dir() or kind == "text" or (kind == "auto" and p.exists() and p.suffix not in TOKEN_SUFFIXES)
 
 
+def known_sources(journal: Journal, current: BatchList) -> dict[str, tuple[str, SourceEntry | dict]]:
+    """Fingerprint -> (what holds it, in words; its entry) for every source of the batch list ``current`` and of
+    the journal's pending additions: the data a new addition must not repeat."""
+    known: dict[str, tuple[str, SourceEntry | dict]] = {
+        s.fingerprint: (f"source {s.id} ('{s.name}') of the batch list", s) for s in current.sources
+    }
+    for name, req in journal.pending():
+        for s in (req or {}).get("sources", []):
+            if isinstance(s, dict):
+                known.setdefault(s["fingerprint"], (f"the pending addition {name} ('{s['name']}')", s))
+    return known
+
+
 def given_items(entry: SourceEntry | dict, items: Sequence[ItemSource]) -> ItemSource | None:
     """The dataset of ``items`` that is the added Python dataset ``entry`` names (its length and quick
     fingerprint), or None."""
@@ -251,10 +264,7 @@ def add_data(
             "it with Trainer.add_data."
         )
     token_dtype = token_dtype or run_token_dtype(run_dir)
-    known = {s.fingerprint: f"source {s.id} ('{s.name}') of the batch list" for s in current.sources}
-    for name, req in journal.pending():
-        for s in (req or {}).get("sources", []):
-            known.setdefault(s["fingerprint"], f"the pending addition {name} ('{s['name']}')")
+    known = {fp: what for fp, (what, _) in known_sources(journal, current).items()}
     B, L = current.batch_size, current.seq_len
     vocab_size = _run_config(run_dir, "model", "vocab_size", None)
     entries, total = [], 0
@@ -327,10 +337,7 @@ def add_items(run_dir: str | Path, source: ItemSource, base: ItemSource, *, seed
             f"{source.name} holds {len(source):,} items, fewer than one batch of {B}: add it together with more items."
         )
     fp = source.fingerprint()
-    known = {s.fingerprint: f"source {s.id} ('{s.name}') of the batch list" for s in current.sources}
-    for name, req in journal.pending():
-        for s in (req or {}).get("sources", []):
-            known.setdefault(s["fingerprint"], f"the pending addition {name} ('{s['name']}')")
+    known = {fp: what for fp, (what, _) in known_sources(journal, current).items()}
     if fp in known:
         raise ConfigError(
             f"{source.name} holds the same items (fingerprint {fp[:12]}) as {known[fp]}: each dataset is added "

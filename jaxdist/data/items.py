@@ -47,6 +47,7 @@ class ItemSource:
         if self.n == 0:
             raise ConfigError(f"data={type(dataset).__name__} holds no items: give it at least one batch of them.")
         self.name = name or f"python:{type(dataset).__name__}"
+        self._quick: str | None = None
         first = self._collated(np.array([0]))
         self.spec = {k: (v.shape[1:], v.dtype) for k, v in first.items()}
 
@@ -105,5 +106,8 @@ class ItemSource:
         return self._digest(range(self.n))
 
     def quick(self) -> str:
-        """SHA-256 of the length and :data:`QUICK_SAMPLES` items spread over the dataset (every start)."""
-        return self._digest(sorted({int(i) for i in np.linspace(0, self.n - 1, QUICK_SAMPLES)}))
+        """SHA-256 of the length and :data:`QUICK_SAMPLES` items spread over the dataset (every start), read once
+        per ItemSource: every lookup of a resume (jaxdist.data.catalog.given_items) compares it."""
+        if self._quick is None:
+            self._quick = self._digest(sorted({int(i) for i in np.linspace(0, self.n - 1, QUICK_SAMPLES)}))
+        return self._quick

@@ -187,6 +187,27 @@ def test_items_that_change_shape_stop_the_run_in_one_sentence(tmp_path):
         ItemSource([])
 
 
+def test_a_resume_reads_each_added_dataset_s_quick_sample_once():
+    """given_items matches journal entries by length and quick fingerprint: with three entries to look up against
+    two datasets, each dataset's QUICK_SAMPLES items are read once, not once per lookup."""
+    from jaxdist.data.catalog import given_items
+    from jaxdist.data.items import QUICK_SAMPLES
+
+    class Counted(Points):
+        reads = 0
+
+        def __getitem__(self, i):
+            Counted.reads += 1
+            return super().__getitem__(i)
+
+    a, b = ItemSource(Counted(seed=1), name="a"), ItemSource(Counted(seed=2), name="b")
+    entries = [{"n_tokens": len(s), "quick": ItemSource(Points(seed=k)).quick()} for k, s in ((1, a), (2, b))]
+    entries.append({"n_tokens": ITEMS, "quick": "0" * 64})  # a dataset not given: every candidate compared
+    Counted.reads = 0
+    assert [given_items(e, [a, b]) for e in entries * 2] == [a, b, None] * 2
+    assert Counted.reads == 2 * QUICK_SAMPLES
+
+
 def test_a_collate_function_makes_the_rows():
     """``collate`` sees the items and returns the batch: here it adds a feature; a wrong row count is refused."""
     src = ItemSource(Points(), lambda items: {"x": np.stack([i["x"] * 2 for i in items]), "n": np.ones(len(items))})
