@@ -110,6 +110,11 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     ),
     # The selector against brute force and the MILP optimum, its bounds and slack.
     "remat.select": (["jaxdist/remat/select.py"], ["tests/remat/test_select.py"]),
+    # The schedules against their closed-form bubbles, peaks and dependencies; the chunk split against brute force.
+    "parallel.schedule": (
+        ["jaxdist/parallel/schedule.py", "jaxdist/parallel/chunks.py"],
+        ["tests/parallel/test_pipeline_schedule.py"],
+    ),
     "data.batchlist": (["jaxdist/data/batchlist.py"], ["tests/data/test_batchlist.py"]),
     "data.audit": (["jaxdist/data/audit.py"], ["tests/data/test_batchlist.py", "tests/data/test_audit.py"]),
     "checkpoint.integrity": (["jaxdist/checkpoint/integrity.py"], ["tests/checkpoint/test_integrity.py"]),

@@ -68,6 +68,11 @@ APPROX_REL_GAP = 0.005
 APPROX_NODE_LIMIT = 2000
 # Brute force enumerates 2**units subsets; beyond this it is refused.
 BRUTE_FORCE_MAX_UNITS = 22
+# The MILP's tie-break: this weight on the saved bytes (a share of the budget, so at most TIE in all) beside the
+# recompute time (in units of the shortest operator's time, so each recomputed operator costs at least 1).  Ties
+# within TIE of the shortest operator's time go to fewer bytes; HiGHS ignores cost terms much smaller (1e-9 is
+# lost in its tolerances).  Under a time cap, the same weight on the time breaks ties between equal bytes.
+TIE = 1e-7
 
 
 # --------------------------------------------------------------------------- exact
@@ -99,7 +104,6 @@ def select_exact(
     time_cap: float | None = None,
     rel_gap: float = 1e-9,
     node_limit: int | None = None,
-    time_limit: float | None = None,
 ) -> Selection:
     """The optimal selection, from a mixed-integer program (scipy.optimize.milp / HiGHS).
 
@@ -111,9 +115,11 @@ def select_exact(
     needed[i] - 1 and m[i] >= s[i] + r[j] - 1;  bytes <= budget.  r and m need
     not be integer: for binary g their least feasible values are 0 or 1.
 
-    Minimises recompute time (ties: fewer bytes).  With ``time_cap``
+    Minimises recompute time (ties, within :data:`TIE` of the shortest operator's time: fewer bytes).  With ``time_cap``
     (seconds) it instead minimises bytes subject to time <= time_cap (ties:
-    less time).  ``rel_gap``, ``node_limit``, ``time_limit`` stop HiGHS early.
+    less time).  The lower bound is HiGHS's dual bound, proven to its tolerances (about 1e-6 relative).
+    ``rel_gap`` and ``node_limit`` stop HiGHS early (deterministically: no time limit, so that
+    every process of a job chooses the same plan).
     """
     t0 = _time.perf_counter()
     check_budget(graph, budget)
@@ -155,18 +161,16 @@ def select_exact(
     time_coef[R : R + n] = graph.time / tscale
     add([(k, v) for k, v in enumerate(byte_coef) if v], -np.inf, float(budget) / bscale)
     if time_cap is None:
-        c = time_coef + 1e-9 * byte_coef
+        c = time_coef + TIE * byte_coef
     else:
         add([(k, v) for k, v in enumerate(time_coef) if v], -np.inf, float(time_cap) / tscale * (1 + 1e-9))
-        c = byte_coef + 1e-9 * time_coef / max(time_coef.sum(), 1.0)
+        c = byte_coef + TIE * time_coef / max(time_coef.sum(), 1.0)
     A = sp.csr_array((vals, (rows, cols)), shape=(len(lo), nv))
     upper = np.ones(nv)
     upper[M : M + n][~shared] = 0.0
     integrality = np.zeros(nv)
     integrality[G : G + U] = 1
     options = {"mip_rel_gap": rel_gap, "disp": False}
-    if time_limit is not None:
-        options["time_limit"] = time_limit
     if node_limit is not None:
         options["node_limit"] = node_limit
     with _quiet_stdout():
@@ -182,7 +186,8 @@ def select_exact(
     units = [u for u in range(U) if res.x[G + u] > 0.5]
     exact = res.status == 0
     bound = getattr(res, "mip_dual_bound", None)
-    bound = -math.inf if bound is None or time_cap is not None else bound * tscale
+    # The dual bound is on time + the tie term (at most TIE): less that, a bound on the time alone.
+    bound = -math.inf if bound is None or time_cap is not None else (bound - TIE) * tscale
     return make_selection(graph, units, budget, "exact (MILP)" if exact else "MILP (limit reached)", bound, t0)
 
 
