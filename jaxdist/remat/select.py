@@ -71,7 +71,9 @@ BRUTE_FORCE_MAX_UNITS = 22
 # The MILP's tie-break: this weight on the saved bytes (a share of the budget, so at most TIE in all) beside the
 # recompute time (in units of the shortest operator's time, so each recomputed operator costs at least 1).  Ties
 # within TIE of the shortest operator's time go to fewer bytes; HiGHS ignores cost terms much smaller (1e-9 is
-# lost in its tolerances).  Under a time cap, the same weight on the time breaks ties between equal bytes.
+# lost in its tolerances).  Under a time cap, the same weight on the time breaks ties between equal bytes.  The
+# term is below HiGHS's absolute gap (1e-6), so a solve that stops at its gap before telling two ties apart may
+# return either; select(..., slack > 0) (train.remat_slack > 0) minimises bytes in a second solve.
 TIE = 1e-7
 
 
