@@ -115,6 +115,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["jaxdist/parallel/schedule.py", "jaxdist/parallel/chunks.py"],
         ["tests/parallel/test_pipeline_schedule.py"],
     ),
+    # The search against exhaustive enumeration, the plans of known models and clusters.
+    "planner.search": (["jaxdist/planner/search.py"], ["tests/planner/test_search.py"]),
     "data.batchlist": (["jaxdist/data/batchlist.py"], ["tests/data/test_batchlist.py"]),
     "data.audit": (["jaxdist/data/audit.py"], ["tests/data/test_batchlist.py", "tests/data/test_audit.py"]),
     "checkpoint.integrity": (["jaxdist/checkpoint/integrity.py"], ["tests/checkpoint/test_integrity.py"]),
