@@ -115,6 +115,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ["jaxdist/parallel/schedule.py", "jaxdist/parallel/chunks.py"],
         ["tests/parallel/test_pipeline_schedule.py"],
     ),
+    # The gradient communication plan (buckets, thresholds, XLA options) worked out by hand.
+    "parallel.comm": (["jaxdist/parallel/comm.py"], ["tests/parallel/test_comm.py"]),
     # The search against exhaustive enumeration, the plans of known models and clusters.
     "planner.search": (["jaxdist/planner/search.py"], ["tests/planner/test_search.py"]),
     "data.batchlist": (["jaxdist/data/batchlist.py"], ["tests/data/test_batchlist.py"]),
