@@ -439,6 +439,11 @@ def test_cost_split_without_attention_is_the_equal_split():
             bounds = chunk_boundaries(seq_len, chunks, ChunkCost(per_token, 0.0))
             assert bounds == chunk_boundaries(seq_len, chunks, split="equal"), (per_token, seq_len, chunks)
     assert all(type(b) is int for b in chunk_boundaries(128, 4, split="equal"))
+    # Where the tokens do not divide, chunk lengths differ by one token at most: as even as any split.
+    for seq_len, chunks in ((5, 2), (7, 3), (10, 4)):
+        bounds = chunk_boundaries(seq_len, chunks, ChunkCost(1.0, 0.0))
+        assert max(np.diff(bounds)) - min(np.diff(bounds)) == 1
+        assert brute_force_min_spread(seq_len, chunks, ChunkCost(1.0, 0.0)) == 1.0
 
 
 def test_chunk_cost_model_counts_the_block_flops():
