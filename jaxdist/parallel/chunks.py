@@ -17,6 +17,7 @@ counts (``split="equal"``).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -113,13 +114,16 @@ def chunk_boundaries(
         bounds[i] = min(max(bounds[i], bounds[i - 1] + 1), n - (chunks - i))
     scaled = ChunkCost(cost.per_token * g, cost.per_pair * g * g)
     improved = True
-    while improved:  # move single boundaries by one grid step while the spread shrinks
+    while improved:  # move runs of consecutive boundaries by one grid step while the spread shrinks
         improved = False
-        for i in range(1, chunks):
+        for i, j in itertools.combinations_with_replacement(range(1, chunks), 2):
             for step in (-1, 1):
-                trial = list(bounds)
-                trial[i] += step
-                if trial[i - 1] < trial[i] < trial[i + 1] and _spread(trial, scaled) < _spread(bounds, scaled):
+                trial = bounds[:i] + [b + step for b in bounds[i : j + 1]] + bounds[j + 1 :]
+                if (
+                    trial[i - 1] < trial[i]
+                    and trial[j] < trial[j + 1]
+                    and _spread(trial, scaled) < _spread(bounds, scaled)
+                ):
                     bounds, improved = trial, True
     return tuple(b * g for b in bounds)
 

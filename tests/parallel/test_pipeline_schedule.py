@@ -7,6 +7,7 @@ brute-force replay of the executor's tables with symbolic values.
 from __future__ import annotations
 
 import itertools
+import random
 import re
 
 import numpy as np
@@ -503,3 +504,37 @@ def test_cli_prints_schedule(capsys):
     assert out.count("\nstage ") == 4
     assert main(["pipeline", "--stages", "4", "--microbatches", "2", "--kind", "1f1b"]) == 2
     assert "1f1b needs at least as many microbatches as stages" in capsys.readouterr().err
+
+
+def test_cost_split_is_as_even_as_any_split_of_the_grid():
+    """400 random small cases (grids of 3 to 22 steps of 1 to 4 tokens, 2 to 6 chunks, per-token to per-pair cost
+    ratios from 0 to 1000) and llama-8b's 4096 tokens in 4 chunks of 128-token steps: the least spread of any
+    split of the grid.  Moving one boundary at a time stopped short of it in 23 of 522 small cases (10 tokens in 5
+    chunks at ChunkCost(10, 1): spread 19 where 16 exists; llama-8b: 14.9 % of the mean chunk where 10.6 %
+    exists); runs of consecutive boundaries move together now."""
+
+    def least(seq_len, chunks, cost, g):
+        return min(
+            max(c) - min(c)
+            for c in (
+                chunk_costs((0, *cuts, seq_len), cost)
+                for cuts in itertools.combinations(range(g, seq_len, g), chunks - 1)
+            )
+        )
+
+    rng = random.Random(7)
+    cases = [(10, 5, ChunkCost(10.0, 1.0), 1)]
+    for _ in range(400):
+        g, n = rng.choice([1, 1, 2, 3, 4]), rng.randint(3, 22)
+        cases.append(
+            (
+                n * g,
+                rng.randint(2, min(n, 6)),
+                ChunkCost(rng.choice([0, 1, 10, 1000]) * rng.random(), rng.random() + 1e-3),
+                g,
+            )
+        )
+    cases.append((4096, 4, chunk_cost_model(load_config(None, ["model=llama-8b"]).model), 128))
+    for seq_len, chunks, cost, g in cases:
+        c = chunk_costs(chunk_boundaries(seq_len, chunks, cost, multiple_of=g), cost)
+        assert max(c) - min(c) <= least(seq_len, chunks, cost, g) * (1 + 1e-9) + 1e-12, (seq_len, chunks, cost, g)
