@@ -97,12 +97,8 @@ def start_points(
     for t in sorted({1, 2, 4, 8, per_node} & set(range(1, per_node + 1))):
         if per_node % t:
             continue
-        rest = n // t
-        meshes += [
-            dict(data=rest, tensor=t),
-            dict(fsdp=rest, tensor=t),
-            dict(data=nodes, fsdp=rest // nodes, tensor=t) if rest % nodes == 0 else dict(fsdp=rest, tensor=t),
-        ]
+        rest = n // t  # a multiple of nodes: t divides per_node
+        meshes += [dict(data=rest, tensor=t), dict(fsdp=rest, tensor=t), dict(data=nodes, fsdp=rest // nodes, tensor=t)]
     points: list[Strategy] = []
     for mesh in meshes:
         if any(a not in axes and s > 1 for a, s in mesh.items()):

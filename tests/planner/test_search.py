@@ -113,3 +113,98 @@ def test_a_model_too_large_for_the_cluster_names_the_memory_it_needs():
     needed = float(msg.split("the least memory any plan needs is ")[1].split(" GiB")[0])
     # At least the fully sharded fp32 weights, gradients and Adam state: 16 bytes per parameter / 8 devices.
     assert needed > 16 * param_count(m) / 8 / 2**30
+
+
+# --------------------------------------------------------------------------- the search's parts, one by one
+
+
+def _small_view():
+    from jaxdist.planner.computation import computation_view
+
+    model = ModelConfig(
+        preset="small", vocab_size=32000, d_model=1024, n_layers=8, n_heads=8, n_kv_heads=2, head_dim=128, d_ff=4096
+    )
+    return computation_view(model, 1024)
+
+
+def _mesh(s):
+    return (s.data, s.fsdp, s.tensor, s.expert, s.pipeline)
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 8), (3, 6), (2, 16), (1, 4)])
+def test_start_points_are_the_canonical_meshes_with_the_last_remat_and_fewest_microbatches(nodes, per_node):
+    """For each tensor size t in {1, 2, 4, 8, per_node} that divides a node: all-data, all-fsdp and data across
+    nodes with fsdp inside, each with the last (most memory-saving) remat choice and the smallest valid microbatch
+    count; every point valid, none twice; the defaults are these arguments."""
+    from jaxdist.planner.candidates import REMAT_CHOICES, valid
+    from jaxdist.planner.search import start_points
+
+    view, n, batch = _small_view(), nodes * per_node, 4 * nodes * per_node
+    ts = [t for t in sorted({1, 2, 4, 8, per_node}) if per_node % t == 0 and t <= per_node and 8 % t == 0]
+    want = []
+    for t in ts:  # the model's 8 heads and 4096-wide MLP take tensor sizes dividing 8
+        r = n // t
+        want += [(r, 1, t, 1, 1), (1, r, t, 1, 1), (nodes, r // nodes, t, 1, 1)]
+    got = start_points(view, nodes, per_node, batch)
+    assert [_mesh(s) for s in got] == list(dict.fromkeys(want))
+    assert all(s.remat == REMAT_CHOICES[-1].name and s.microbatches == 1 for s in got)
+    assert all(valid(s, view, nodes, per_node, batch) for s in got)
+    assert got == start_points(view, nodes, per_node, batch, REMAT_CHOICES, max_microbatches=64, n_random=0)
+    every = start_points(view, nodes, per_node, batch, starts_remat_last=False)
+    assert {s.remat for s in every} == {r.name for r in REMAT_CHOICES} and len(every) == 3 * len(got)
+
+
+def test_start_points_keep_to_the_axes_and_add_random_candidates_of_the_same_space():
+    """Without tensor in ``axes`` only t = 1 meshes start; ``n_random`` adds that many candidates drawn (by
+    ``seed``) from candidates() with the same remat choices, axes and microbatch limit."""
+    from jaxdist.planner.candidates import REMAT_CHOICES, candidates
+    from jaxdist.planner.search import start_points
+
+    view, remat, axes = _small_view(), REMAT_CHOICES[:2], ("data", "fsdp")
+    plain = start_points(view, 2, 8, 64, remat, axes)
+    assert [_mesh(s) for s in plain] == [(16, 1, 1, 1, 1), (1, 16, 1, 1, 1), (2, 8, 1, 1, 1)]
+    assert {s.remat for s in plain} == {remat[-1].name}
+    space = set(candidates(view, 16, 2, 8, 64, remat, axes, 4))
+    for seed in (0, 1):
+        more = start_points(view, 2, 8, 64, remat, axes, max_microbatches=4, n_random=5, seed=seed)
+        extra = [s for s in more if s not in plain]
+        assert more[: len(plain)] == plain and 1 <= len(extra) <= 5 and set(extra) <= space
+    assert start_points(view, 2, 8, 64, remat, axes, 4, 5, 0) != start_points(view, 2, 8, 64, remat, axes, 4, 5, 1)
+
+
+def test_fix_microbatches_gives_the_nearest_valid_counts_on_each_side():
+    """A count that leaves each data-parallel way (data x fsdp x expert) a whole share of a whole microbatch,
+    at most max_microbatches: the nearest at or below the strategy's count and the nearest at or above."""
+    from jaxdist.planner.candidates import Strategy
+    from jaxdist.planner.search import _fix_microbatches
+
+    def fixed(s, batch, most):
+        return [c.microbatches for c in _fix_microbatches(s, batch, most)]
+
+    assert fixed(Strategy(data=2, fsdp=4, microbatches=3), 64, 64) == [2, 4]  # 8 ways: 1, 2, 4 or 8
+    assert fixed(Strategy(data=2, fsdp=4, microbatches=4), 64, 64) == [4]
+    assert fixed(Strategy(data=2, expert=2, microbatches=16), 64, 64) == [16]  # 4 ways: up to 16
+    assert fixed(Strategy(data=2, expert=2, microbatches=32), 64, 64) == [16]
+    assert fixed(Strategy(data=1, microbatches=64), 64, 64) == [64]  # the whole batch, one sequence each
+    assert fixed(Strategy(data=1, microbatches=5), 64, 3) == [2]  # no more than 3
+    assert fixed(Strategy(data=3, microbatches=2), 64, 64) == []  # 3 ways never divide 64
+    assert fixed(Strategy(data=4, microbatches=2), 12, 64) == [1, 3]  # 12 % 2 == 0, but 6 rows do not split 4 ways
+    got = _fix_microbatches(Strategy(data=2, fsdp=4, microbatches=3, remat="full"), 64, 64)
+    assert got == [Strategy(data=2, fsdp=4, microbatches=m, remat="full") for m in (2, 4)]
+
+
+def test_exhaustive_ranks_every_point_and_refuses_none():
+    from jaxdist.planner.search import exhaustive
+
+    with pytest.raises(ValueError, match="^no candidate strategy to evaluate$"):
+        exhaustive(lambda s: s, [])
+    spec = load_cluster("h100x64")
+    full = plan(load_config(None, ["model=llama-8b"]).model, spec, batch_size=256, seq_len=2048, enumerate_all=True)
+    assert full.evaluations == full.space == len(full.ranked)
+    by_strategy = {e.strategy: e for e in full.ranked}
+    points = list(by_strategy)
+    random.Random(3).shuffle(points)
+    again = exhaustive(by_strategy.__getitem__, points)
+    assert (again.evaluations, again.rounds, set(again.ranked)) == (len(points), 1, set(full.ranked))
+    assert [objective(e) for e in again.ranked] == sorted(objective(e) for e in full.ranked)
+    assert again.best == full.best and {e.fits for e in again.ranked} == {True, False}
