@@ -208,3 +208,37 @@ def test_exhaustive_ranks_every_point_and_refuses_none():
     assert (again.evaluations, again.rounds, set(again.ranked)) == (len(points), 1, set(full.ranked))
     assert [objective(e) for e in again.ranked] == sorted(objective(e) for e in full.ranked)
     assert again.best == full.best and {e.fits for e in again.ranked} == {True, False}
+
+
+def _evaluate_on(spec_name, batch):
+    from jaxdist.planner.cluster import cluster_view
+    from jaxdist.planner.cost import estimate
+
+    view, cluster = _small_view(), cluster_view(load_cluster(spec_name))
+    return view, cluster, lambda s: estimate(view, cluster, s, batch)
+
+
+def test_without_data_or_fsdp_the_search_starts_from_random_candidates_and_finds_the_optimum():
+    """With only ``pipeline`` to split over, no canonical mesh applies: the search starts from 8 random candidates
+    (by ``seed``, default 0) and still finds the exhaustive optimum, using no other axis."""
+    from jaxdist.planner.candidates import candidates
+    from jaxdist.planner.search import exhaustive, search
+
+    view, cluster, evaluate = _evaluate_on("h100x8", 64)
+    axes = ("pipeline",)
+    got = search(evaluate, view, 1, 8, 64, axes=axes)
+    full = exhaustive(evaluate, candidates(view, 8, 1, 8, 64, axes=axes))
+    assert objective(got.best) == objective(full.best) and got.best.strategy.pipeline > 1
+    assert all(e.strategy.data == e.strategy.fsdp == e.strategy.tensor == 1 for e in got.ranked)
+    assert got.ranked == search(evaluate, view, 1, 8, 64, axes=axes, seed=0).ranked
+    assert search(evaluate, view, 1, 8, 64, axes=axes, seed=1).ranked != got.ranked  # another draw of starts
+
+
+def test_the_search_stops_at_its_budget_and_refuses_a_space_with_nothing_valid():
+    from jaxdist.planner.search import search
+
+    view, cluster, evaluate = _evaluate_on("h100x8", 64)
+    for budget in (3, 10):
+        assert search(evaluate, view, 1, 8, 64, budget=budget).evaluations == budget
+    with pytest.raises(ValueError, match="^no valid strategy for this model, batch and cluster$"):
+        search(evaluate, view, 1, 8, 3, axes=("data",))  # 8 data-parallel ways never split 3 sequences
