@@ -242,3 +242,32 @@ def test_the_search_stops_at_its_budget_and_refuses_a_space_with_nothing_valid()
         assert search(evaluate, view, 1, 8, 64, budget=budget).evaluations == budget
     with pytest.raises(ValueError, match="^no valid strategy for this model, batch and cluster$"):
         search(evaluate, view, 1, 8, 3, axes=("data",))  # 8 data-parallel ways never split 3 sequences
+
+
+def test_mesh_moves_shift_the_smallest_factor_from_one_axis_to_another():
+    """From each axis of size > 1 to each other axis, its smallest prime factor: data=4 x fsdp=3 gives data 2 x
+    fsdp 6, data 2 x tensor 2, data 12 x fsdp 1, data 4 x tensor 3; each with the schedules with_pipeline adds."""
+    from jaxdist.planner.candidates import Strategy
+    from jaxdist.planner.search import _mesh_moves
+
+    view = _small_view()
+    got = _mesh_moves(Strategy(data=4, fsdp=3), view, ("data", "fsdp", "tensor"))
+    assert [_mesh(s) for s in got] == [(2, 6, 1, 1, 1), (2, 3, 2, 1, 1), (12, 1, 1, 1, 1), (4, 1, 3, 1, 1)]
+    assert all(s.schedule == "none" and s.microbatches == 1 for s in got)
+    staged = _mesh_moves(Strategy(data=2), view, ("data", "pipeline"))
+    assert {(s.data, s.pipeline, s.schedule) for s in staged} == {(1, 2, "seq1f1b")}  # 1f1b needs 2 microbatches
+
+
+def test_a_space_the_search_exhausts_ends_with_every_point_and_the_optimum():
+    """Two devices, data only: the search expands every point and stops; it has evaluated the whole space, and
+    it counts at least ``patience`` rounds (it stops after that many without a better best)."""
+    from jaxdist.planner.candidates import candidates
+    from jaxdist.planner.search import exhaustive, search
+
+    view, cluster, evaluate = _evaluate_on("h100x8", 8)
+    space = list(candidates(view, 8, 1, 8, 8, axes=("data",), max_microbatches=8))
+    got = search(evaluate, view, 1, 8, 8, axes=("data",), max_microbatches=8, patience=3)
+    assert {e.strategy for e in got.ranked} == set(space) and got.evaluations == len(space)
+    assert objective(got.best) == objective(exhaustive(evaluate, space).best)
+    assert 1 <= got.rounds <= len(space)
+    assert search(evaluate, view, 1, 8, 64).rounds >= 2  # the default patience
