@@ -254,6 +254,7 @@ def test_mesh_moves_shift_the_smallest_factor_from_one_axis_to_another():
     got = _mesh_moves(Strategy(data=4, fsdp=3), view, ("data", "fsdp", "tensor"))
     assert [_mesh(s) for s in got] == [(2, 6, 1, 1, 1), (2, 3, 2, 1, 1), (12, 1, 1, 1, 1), (4, 1, 3, 1, 1)]
     assert all(s.schedule == "none" and s.microbatches == 1 for s in got)
+    assert all(type(x) is int for s in got for x in _mesh(s))  # axis sizes build a device mesh
     staged = _mesh_moves(Strategy(data=2), view, ("data", "pipeline"))
     assert {(s.data, s.pipeline, s.schedule) for s in staged} == {(1, 2, "seq1f1b")}  # 1f1b needs 2 microbatches
 
