@@ -179,6 +179,18 @@ def verdicts(module: str) -> dict[str, str]:
     return out
 
 
+def function_hashes(module: str) -> dict[str, str]:
+    """qualified mutated function (``jaxdist.x.y.x_fn``) -> mutmut's hash of its source, from the meta files."""
+    out: dict[str, str] = {}
+    for f in MODULES[module][0]:
+        meta = WORK / module / "mutants" / (f + ".meta")
+        if meta.exists():
+            prefix = f.removesuffix(".py").replace("/", ".")
+            for fn, h in json.loads(meta.read_text()).get("hash_by_function_name", {}).items():
+                out[f"{prefix}.{fn}"] = h
+    return out
+
+
 def diffs(module: str, names: list[str]) -> dict[str, str]:
     """mutant name -> its change in one line (``old`` -> ``new``), read by mutmut in the module's directory."""
     if not names:
@@ -222,13 +234,24 @@ def _env() -> dict[str, str]:
 def run(module: str, max_children: int, timeout: int, everything: bool) -> int:
     """Run mutmut in the module's directory.  A resume runs twice: first with no names, so that mutmut tests every
     mutant without a verdict (those of functions whose source changed since, which it resets, and new ones); then
-    the mutants that had a verdict other than killed, by name, against the tests as they are now."""
+    the mutants of unchanged functions that had a verdict other than killed, by name, against the tests as they
+    are now (the first pass ran the changed functions' mutants already)."""
     before = {} if everything else verdicts(module)
+    hashes = function_hashes(module)
     rc = _mutmut(module, [], timeout, max_children)
     if not before or rc != 0:
         return rc
-    after = verdicts(module)
-    retest = sorted(n for n, s in after.items() if s != "killed" and before.get(n, "not checked") != "not checked")
+    after, now = verdicts(module), function_hashes(module)
+
+    def tested_in_the_first_pass(name: str) -> bool:  # its function changed: mutmut reset and ran its mutants
+        fn = name.rsplit("__mutmut_", 1)[0]
+        return hashes.get(fn) != now.get(fn)
+
+    retest = sorted(
+        n
+        for n, s in after.items()
+        if s != "killed" and before.get(n, "not checked") != "not checked" and not tested_in_the_first_pass(n)
+    )
     if not retest:
         print(f"{module}: every mutant with an earlier verdict is killed (use --fresh to run them all again)")
         return rc
