@@ -459,9 +459,9 @@ class FollowingLoader:
         self.close()
 
 
-__all__ = ["BatchLoader", "BatchReader", "FollowingLoader", "RunBatchList", "SAMPLER"]
-
-
 def _kind(entry: SourceEntry | dict) -> str:
     """A source's kind, from the batch list (a SourceEntry) or from a pending addition's request (a dict)."""
     return entry["kind"] if isinstance(entry, dict) else entry.kind
+
+
+__all__ = ["BatchLoader", "BatchReader", "FollowingLoader", "RunBatchList", "SAMPLER"]
