@@ -5,7 +5,9 @@ float32 arrays (so compression cannot flatter anyone), sharded over ``fsdp=8``
 and fully replicated, at about 200 MB and 1 GB (``--big``: also 4 GB), with
 
 * ``jaxdist``: :class:`jaxdist.checkpoint.RunCheckpointer` (async, balanced plan,
-  checksums, commit marker; restore verifies the files first);
+  CRC-32C checksums, commit marker; restore verifies the files first);
+* ``jd crc32``: the same with zlib's CRC-32 (what a host without ``google-crc32c``
+  records, and what every save recorded before CRC-32C);
 * ``orbax std``: ``ocp.StandardCheckpointer`` (async, OCDBT: orbax's defaults);
 * ``orbax mgr``: ``ocp.CheckpointManager`` with what a careful orbax user sets:
   ``enable_async_checkpointing=True``, OCDBT and replica-parallel writing (the
@@ -51,7 +53,7 @@ from jax.sharding import (  # noqa: E402
     PartitionSpec as P,  # noqa: E402
 )
 
-from jaxdist.checkpoint import RunCheckpointer, abstract_like  # noqa: E402
+from jaxdist.checkpoint import RunCheckpointer, abstract_like, integrity  # noqa: E402
 
 ROWS = 2048  # each array is ROWS x COLS float32 = 16 MiB
 COLS = 2048
@@ -96,6 +98,18 @@ class Jaxdist:
 
     def close(self):
         self.ckpt.close()
+
+
+class JaxdistCrc32(Jaxdist):
+    name = "jd crc32"
+
+    def save(self, state) -> tuple[float, float]:
+        real = integrity.save_algorithm
+        integrity.save_algorithm = lambda: "crc32"
+        try:
+            return super().save(state)
+        finally:
+            integrity.save_algorithm = real
 
 
 class OrbaxStandard:
@@ -155,7 +169,7 @@ class OrbaxManager:
         self.mgr.close()
 
 
-KINDS = (Jaxdist, OrbaxStandard, OrbaxManager)
+KINDS = (Jaxdist, JaxdistCrc32, OrbaxStandard, OrbaxManager)
 
 
 def measure(tmp: Path, mb: int, sharding: str, rounds: int) -> dict[str, dict[str, float]]:

@@ -259,9 +259,22 @@ class RunCheckpointer:
         if self.num_processes == 1:
             return integrity.verify_files(folder.path, files)
         share = assign_bytes({k: v["size"] for k, v in files.items()}, self.num_processes)
-        mine = integrity.verify_files(folder.path, files, [k for k, p in share.items() if p == self.process])
-
-        counts = np.asarray(multihost_utils.process_allgather(np.int32(len(mine))))
+        unavailable = None
+        try:
+            mine = integrity.verify_files(folder.path, files, [k for k, p in share.items() if p == self.process])
+        except integrity.ChecksumUnavailable as e:  # still meet the others at the allgather, then all raise
+            mine, unavailable = [], e
+        counts, lacking = np.asarray(
+            multihost_utils.process_allgather(np.array([len(mine), unavailable is not None], np.int32))
+        ).T
+        if lacking.any():
+            if unavailable is not None:
+                raise unavailable
+            first = int(np.nonzero(lacking)[0][0])
+            raise integrity.ChecksumUnavailable(
+                f"process {first} cannot check {folder.path}'s CRC-32C checksums (no google-crc32c there): "
+                "install google-crc32c on every host (pip install google-crc32c)."
+            )
         if counts.sum() and not mine:
             first = int(np.nonzero(counts)[0][0])
             mine = [f"{int(counts.sum())} files do not match their checksums (see process {first}'s log)"]

@@ -48,14 +48,17 @@ def same(a, b):
 
 
 def test_commit_marker_records_every_file_with_its_size_and_crc(tmp_path):
+    """The reference checksum is google-crc32c's own one-shot ``value`` of the whole file."""
+    crc32c = pytest.importorskip("google_crc32c")
     ck = saved(tmp_path, steps=(1,))
     step_dir = tmp_path / "ck" / "1"
     marker = integrity.read_commit(step_dir)
     assert marker["step"] == 1 and marker["num_processes"] == 1
+    assert marker["format"] == "jaxdist-checkpoint-v3" and marker["algorithm"] == "crc32c"
     assert sorted(marker["files"]) == integrity.data_files(step_dir)
     for rel, f in marker["files"].items():
         data = (step_dir / rel).read_bytes()
-        assert f["size"] == len(data) and f["crc32"] == f"{zlib.crc32(data):08x}"
+        assert f == {"size": len(data), "crc32c": f"{crc32c.value(data):08x}", "process": 0}
     assert marker["bytes_written_per_process"] == [sum(f["size"] for f in marker["files"].values())]
     assert ck.stats[0].written_bytes == marker["bytes_written_per_process"]
     assert ck.stats[0].planned_bytes == [64 * 4 + 15 * 4 + 4]
@@ -80,7 +83,7 @@ def test_damaged_latest_is_skipped_with_a_warning_and_the_newest_good_one_restor
     warning = " ".join(r.getMessage() for r in caplog.records)
     rel = f.relative_to(tmp_path / "ck" / "3").as_posix()
     assert f"checkpoint {tmp_path / 'ck' / '3'} is damaged: {rel}" in warning
-    expect = {"truncate": "bytes", "bitflip": "CRC-32", "delete": "is missing"}[damage]
+    expect = {"truncate": "bytes", "bitflip": "CRC-32C", "delete": "is missing"}[damage]
     assert expect in warning
     # Set aside, so the step can be written again; the committed ones are untouched.
     assert ck.all_steps() == [1, 2] and (tmp_path / "ck" / "3.damaged").is_dir()
@@ -209,9 +212,10 @@ def test_a_marker_that_does_not_parse_or_match_is_damage_not_an_unfinished_save(
 # --------------------------------------------------------------------------- the parts, on files made here
 
 
-def _step_with_two_writers(tmp_path, step="7"):
+def _step_with_two_writers(tmp_path, step="7", algorithms=(None, None)):
     """A step folder as orbax leaves it for 2 processes (process 1's part under ocdbt.process_1), its checksums
-    recorded by both, and the commit marker written: (step folder, marker)."""
+    recorded by both (``algorithms``: each one's, default the one a save uses here), and the commit marker written:
+    (step folder, marker)."""
     d = tmp_path / step
     for rel, data in {
         "state/manifest.ocdbt": b"m" * 10,
@@ -222,7 +226,7 @@ def _step_with_two_writers(tmp_path, step="7"):
         (d / rel).parent.mkdir(parents=True, exist_ok=True)
         (d / rel).write_bytes(data)
     for p in (0, 1):
-        integrity.record_own_checksums(d, p)  # the second call finds jaxdist_checksums/ already there
+        integrity.record_own_checksums(d, p, algorithms[p])  # the second call finds jaxdist_checksums/ there
     return d, integrity.commit(d, 2, {"step": int(step)})
 
 
@@ -237,6 +241,10 @@ def test_a_file_longer_than_the_read_buffer_is_checksummed_whole(tmp_path, monke
     data = bytes(range(100))
     (tmp_path / "f").write_bytes(data)
     assert integrity.file_crc32(tmp_path / "f") == (100, f"{zlib.crc32(data):08x}")
+    (tmp_path / "check").write_bytes(b"123456789")  # CRC-32C's check value (RFC 3720, B.4): e3069283
+    assert integrity.file_crc32c(tmp_path / "check") == (9, "e3069283")
+    crc32c = pytest.importorskip("google_crc32c")
+    assert integrity.file_crc32c(tmp_path / "f") == (100, f"{crc32c.value(data):08x}")
 
 
 def test_data_files_leave_out_jaxdist_files_and_temporaries(tmp_path):
@@ -274,8 +282,8 @@ def test_commit_refuses_a_missing_writer_or_an_unrecorded_file(tmp_path):
 
 def test_a_file_gone_while_checksummed_is_named(tmp_path, monkeypatch):
     d, _ = _step_with_two_writers(tmp_path)
-    real = integrity.files_crc32
-    monkeypatch.setattr(integrity, "files_crc32", lambda step, rels: {**real(step, rels), "state/manifest.ocdbt": None})
+    real = integrity.files_checksums
+    monkeypatch.setattr(integrity, "files_checksums", lambda *a: {**real(*a), "state/manifest.ocdbt": None})
     with pytest.raises(FileNotFoundError, match=rf"^{d}/state/manifest.ocdbt disappeared while its checksum"):
         integrity.record_own_checksums(d, 0)
 
@@ -292,7 +300,8 @@ def test_each_way_a_marker_can_be_wrong_is_named(tmp_path):
     assert problem(good) is None
     assert problem([1]) == "the commit marker is a JSON list, not an object"
     assert problem({**good, "format": "x" * 60}) == (
-        f"the commit marker has format '{'x' * 40}', not one of jaxdist-checkpoint-v1, jaxdist-checkpoint-v2"
+        f"the commit marker has format '{'x' * 40}', not one of jaxdist-checkpoint-v1, jaxdist-checkpoint-v2, "
+        "jaxdist-checkpoint-v3"
     )
     written = "0123456789abcdef"
     assert problem({**good, "marker_crc32": written}) == (
@@ -309,6 +318,10 @@ def test_each_way_a_marker_can_be_wrong_is_named(tmp_path):
         {"crc32": "00000000", "process": 0},  # no size
         {"size": 1, "crc32": "00000000", "process": "0"},  # the process not a number
         {"size": 1, "crc32": "00000000", "process": 2},  # no such process
+        {"size": 1, "process": 0},  # no checksum
+        {"size": 1, "crc32c": 0, "process": 0},  # the checksum not a string
+        {"size": 1, "crc32": "00000000", "crc32c": "00000000", "process": 0},  # two checksums: which holds?
+        {"size": 1, "md5": "00000000", "process": 0},  # an algorithm jaxdist does not know
     ):
         assert problem(_resealed(good, files={**good["files"], name: entry})) == malformed, entry
     assert problem(_resealed(good, bytes_written_per_process=[40, 0])) == (
@@ -322,17 +335,67 @@ def test_each_way_a_marker_can_be_wrong_is_named(tmp_path):
 
 
 def test_verify_names_every_bad_file_and_only_those_asked_for(tmp_path):
-    d, marker = _step_with_two_writers(tmp_path)
-    (d / "state/ocdbt.process_0/d/aa").unlink()
+    """Process 0 recorded CRC-32C, process 1 CRC-32 (as a host without google-crc32c does): each file is checked
+    with its own entry's algorithm."""
+    crc32c = pytest.importorskip("google_crc32c")
+    d, marker = _step_with_two_writers(tmp_path, algorithms=("crc32c", "crc32"))
+    assert marker["algorithm"] == "crc32c+crc32" and integrity.marker_problem(d, marker) is None
+    files = marker["files"]
+    assert integrity.verify_files(d, files) == []
+    (d / "state/ocdbt.process_0/d/aa").write_bytes(b"z" * 30)
     (d / "state/manifest.ocdbt").unlink()
     (d / "state/ocdbt.process_1/d/bb").write_bytes(b"c" * 20)
-    files = marker["files"]
+    aa, bb = files["state/ocdbt.process_0/d/aa"], files["state/ocdbt.process_1/d/bb"]
+    assert aa["crc32c"] == f"{crc32c.value(b'a' * 30):08x}" and bb["crc32"] == f"{zlib.crc32(b'b' * 20):08x}"
     assert integrity.verify_files(d, files) == [
         "state/manifest.ocdbt is missing",
-        "state/ocdbt.process_0/d/aa is missing",
-        f"state/ocdbt.process_1/d/bb has CRC-32 {zlib.crc32(b'c' * 20):08x}, {files['state/ocdbt.process_1/d/bb']['crc32']} was written",
+        f"state/ocdbt.process_0/d/aa has CRC-32C {crc32c.value(b'z' * 30):08x}, {aa['crc32c']} was written",
+        f"state/ocdbt.process_1/d/bb has CRC-32 {zlib.crc32(b'c' * 20):08x}, {bb['crc32']} was written",
     ]
     assert integrity.verify_files(d, files, ["state/array_metadatas/process_1"]) == []  # one file, asked alone
+
+
+def test_a_v2_marker_of_crc32_files_is_still_read_and_checked(tmp_path):
+    """A checkpoint written before CRC-32C: format v2, every file's entry ``crc32``."""
+    d, marker = _step_with_two_writers(tmp_path, algorithms=("crc32", "crc32"))
+    v2 = {**marker, "format": "jaxdist-checkpoint-v2", "algorithm": "crc32"}
+    v2["marker_crc32"] = integrity.marker_crc32(v2)
+    integrity.write_json_atomic(d / integrity.COMMIT_FILE, v2)
+    assert integrity.read_marker(d) == (v2, None)
+    assert integrity.verify_files(d, v2["files"]) == []
+    (d / "state/ocdbt.process_0/d/aa").write_bytes(b"z" * 30)
+    assert integrity.verify_files(d, v2["files"]) == [
+        f"state/ocdbt.process_0/d/aa has CRC-32 {zlib.crc32(b'z' * 30):08x}, {zlib.crc32(b'a' * 30):08x} was written"
+    ]
+
+
+def test_without_google_crc32c_saves_record_crc32_and_crc32c_files_are_refused_not_called_damaged(
+    tmp_path, monkeypatch, caplog
+):
+    """A Python without google-crc32c (installed with --no-deps): its saves fall back to zlib's CRC-32; a checkpoint
+    checksummed with CRC-32C is refused in one sentence that says what to install, before any file is read, and is
+    neither set aside nor skipped for an older step."""
+    ck = saved(tmp_path, steps=(1, 2))
+    ck.close()
+    assert integrity.read_commit(tmp_path / "ck" / "2")["algorithm"] == integrity.save_algorithm() == "crc32c"
+    monkeypatch.setattr(integrity, "_crc32c_module", lambda: None)
+    assert integrity.save_algorithm() == "crc32"
+    ck = RunCheckpointer(tmp_path / "ck")
+    with pytest.raises(integrity.ChecksumUnavailable) as err:
+        ck.restore(abstract_like(state(0)))
+    step_dir = tmp_path / "ck" / "2"
+    assert str(err.value).startswith(f"{step_dir}/") and str(err.value).endswith(
+        " is checksummed with CRC-32C and this Python lacks the google-crc32c package to check it: "
+        "install it (pip install google-crc32c)."
+    )
+    assert sorted(os.listdir(tmp_path / "ck")) == ["1", "2"] and ck.all_steps() == [1, 2]
+    assert ck.save(3, state(3), {"step": 3})  # this Python's own saves: CRC-32, restored with its check
+    ck.wait()
+    marker = integrity.read_commit(tmp_path / "ck" / "3")
+    assert marker["algorithm"] == "crc32" and all("crc32" in f and "crc32c" not in f for f in marker["files"].values())
+    got, meta = ck.restore(abstract_like(state(0)))
+    assert meta["step"] == 3 and same(got, state(3))
+    ck.close()
 
 
 def test_scan_sees_every_step_folder_among_other_files_and_set_aside_numbers_repeats(tmp_path):

@@ -113,12 +113,27 @@ def test_restore_onto_two_processes_with_another_mesh(four):
         }
         for j in jobs
     ]
-    with Group(tmp, 2, 4, ["restore", json.dumps({"jobs": restore})], tag="restore") as g:
+    # Then the fsdp checkpoint again with process 1 lacking google-crc32c: both processes refuse with one sentence
+    # (neither waits for the other at the verification's allgather) and nothing is set aside as damaged.
+    lacking = {**restore[1], "no_crc32c": 1}
+    with Group(tmp, 2, 4, ["restore", json.dumps({"jobs": restore + [lacking]})], tag="restore") as g:
         g.wait(TIMEOUT)
         for i in range(2):
             got = g.results(i)
-            assert [r["ckpt"] for r in got] == [j["ckpt"] for j in jobs]
-            assert all(r["equal"] and r["on_target"] and r["step"] == 1 for r in got), got
+            assert [r["ckpt"] for r in got] == [j["ckpt"] for j in jobs] + [jobs[1]["ckpt"]]
+            assert all(r["equal"] and r["on_target"] and r["step"] == 1 for r in got[:2]), got
+            error, step_dir = got[2]["error"], f"{jobs[1]['ckpt']}/1"
+            if i == 0:
+                assert error == (
+                    f"process 1 cannot check {step_dir}'s CRC-32C checksums (no google-crc32c there): "
+                    "install google-crc32c on every host (pip install google-crc32c)."
+                )
+            else:
+                assert error.startswith(f"{step_dir}/") and error.endswith(
+                    " is checksummed with CRC-32C and this Python lacks the google-crc32c package to check it: "
+                    "install it (pip install google-crc32c)."
+                ), error
+    assert (Path(jobs[1]["ckpt"]) / "1").is_dir()  # not set aside
 
 
 def test_restore_onto_one_process_with_another_mesh(four):
