@@ -6,10 +6,16 @@ moments of the ``small`` preset widened by default to ~163 MB, filled with
 pseudo-random values so compression cannot flatter anyone) with fully
 replicated parameters (``data=8``) and with ``fsdp=8``, each under jaxdist's
 balanced plan and under the naive "replica 0 writes every replicated shard"
-(= process 0 writes every replicated array).  It prints the bytes of the
-files each process wrote (max/mean: target <= 1.05), and the save wall time
+(= process 0 writes every replicated array), and with plain orbax
+(``ocp.StandardCheckpointer``: async, OCDBT, orbax's own replica choice) on
+the same state in the same process group.  It prints the bytes of the
+files each process wrote (max/mean: target <= 1.05), the save wall time
 from ``save()`` until the checkpoint is committed (median of ``--saves``),
-with the part of it the caller was blocked.
+with the part of it the caller was blocked, restores onto the same
+sharding (jaxdist: with its checksum verification; each checked bit for bit
+against the saved values; median of ``--saves`` - 1 after one warm-up), and
+jaxdist balanced / plain orbax.  No step is deleted while timed (every one is
+kept); plain orbax runs first for ``data=8`` and last for ``fsdp=8``.
 
 Part 2 trains in one process with 8 devices (``data=8``) and saves
 asynchronously every ``--every`` steps: it prints the median step time, the
@@ -52,14 +58,16 @@ def part1(tmp: Path, model: list[str], saves: int) -> list[dict]:
     ]
     jobs = []
     for axis in ("data", "fsdp"):
-        for strategy in ("balanced", "replica0"):
+        order = ("orbax", "balanced", "replica0") if axis == "data" else ("balanced", "replica0", "orbax")
+        for strategy in order:
             jobs.append(
                 {
                     "overrides": base + [f"mesh.{axis}=8", f"train.name={axis}-{strategy}"],
                     "ckpt": str(tmp / f"{axis}-{strategy}"),
                     "strategy": strategy,
                     "saves": saves,
-                    "keep": 1,
+                    "keep": saves,
+                    "restores": saves if strategy != "replica0" else 0,
                     "mesh": f"{axis}=8",
                 }
             )
@@ -68,7 +76,10 @@ def part1(tmp: Path, model: list[str], saves: int) -> list[dict]:
         per_process = [g.results(i) for i in range(4)]
     rows = []
     for j, job in enumerate(jobs):
-        marker = json.loads((Path(job["ckpt"]) / str(saves) / "jaxdist_commit.json").read_text())
+        if job["strategy"] == "orbax":
+            marker = {"bytes_written_per_process": per_process[0][j]["written"], "planned_bytes_per_process": None}
+        else:
+            marker = json.loads((Path(job["ckpt"]) / str(saves) / "jaxdist_commit.json").read_text())
         # A save is done when the slowest process is done; skip the first (orbax warm-up).
         walls = [max(per_process[p][j]["save_s"][k][1] for p in range(4)) for k in range(1, saves)] or [
             max(per_process[p][j]["save_s"][0][1] for p in range(4))
@@ -84,6 +95,10 @@ def part1(tmp: Path, model: list[str], saves: int) -> list[dict]:
                 "planned": marker["planned_bytes_per_process"],
                 "wall_s": statistics.median(walls),
                 "blocked_s": statistics.median(blocked),
+                # the slowest process's median after the first (warm-up)
+                "restore_s": max(statistics.median(per_process[p][j]["restore_s"][1:]) for p in range(4))
+                if job["restores"]
+                else None,
             }
         )
     return rows
@@ -122,7 +137,8 @@ def main(argv=None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-"))
     t0 = time.perf_counter()
     rows = part1(tmp, model, saves)
-    total = sum(rows[0]["planned"])
+    total = sum(next(r["planned"] for r in rows if r["planned"]))
+    orbax = {r["mesh"]: r for r in rows if r["strategy"] == "orbax"}
     print(
         f"\nPart 1: 4 processes x 2 CPU devices, state {total / 1e6:.1f} MB (array bytes), "
         f"files on {tmp} (one local disk)"
@@ -130,20 +146,27 @@ def main(argv=None) -> int:
     head = (
         f"{'mesh':<8} {'strategy':<9} "
         + " ".join(f"{'p' + str(i) + ' MB':>8}" for i in range(4))
-        + f" {'max/mean':>8} {'plan':>6} {'save s':>7} {'blocked s':>9}"
+        + f" {'max/mean':>8} {'plan':>6} {'save s':>7} {'blocked s':>9} {'restore s':>9}"
+        + f" {'save x':>7} {'blocked x':>9} {'restore x':>9}"
     )
     print(head + "\n" + "-" * len(head))
     for r in rows:
-        w, p = r["written"], r["planned"]
+        w, p, o = r["written"], r["planned"], orbax[r["mesh"]]
+        restore = f"{r['restore_s']:>9.3f}" if r["restore_s"] is not None else f"{'':>9}"
+        ratios = ""
+        if r["strategy"] == "balanced":
+            ratios = "".join(f" {r[k] / o[k]:>{n}.2f}" for k, n in (("wall_s", 7), ("blocked_s", 9), ("restore_s", 9)))
         print(
             f"{r['mesh']:<8} {r['strategy']:<9} "
             + " ".join(f"{b / 1e6:>8.2f}" for b in w)
-            + f" {max(w) * 4 / sum(w):>8.3f} {max(p) * 4 / sum(p):>6.3f} {r['wall_s']:>7.3f} {r['blocked_s']:>9.3f}"
+            + f" {max(w) * 4 / sum(w):>8.3f} {max(p) * 4 / sum(p) if p else float('nan'):>6.3f}"
+            + f" {r['wall_s']:>7.3f} {r['blocked_s']:>9.3f}{restore}{ratios}"
         )
     print(
         "MB: file bytes each process wrote (its ocdbt.process_<i> folder; root metadata to process 0); "
         "plan: max/mean of array bytes in the write plan; save s: save() until committed on every process, "
-        f"median of {max(1, saves - 1)}; blocked s: of which the caller waited."
+        f"median of {max(1, saves - 1)}; blocked s: of which the caller waited; restore s: the slowest process's "
+        f"median of {max(1, saves - 1)} restores after one; x: jaxdist balanced / plain orbax."
     )
 
     s = part2(tmp, model, args.steps, args.every, args.batch, args.seq)

@@ -46,7 +46,7 @@ def env_for(process: int, num: int, devices: int, port: int) -> dict[str, str]:
     env.update(
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
-        XLA_FLAGS=f"{without_device_count(os.environ['XLA_FLAGS'])} --xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=f"{without_device_count(os.environ.get('XLA_FLAGS', ''))} --xla_force_host_platform_device_count={devices}",
         JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
         JAX_NUM_PROCESSES=str(num),
         JAX_PROCESS_ID=str(process),

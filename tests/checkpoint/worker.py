@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -112,12 +113,24 @@ def matches(state, ref: dict[str, np.ndarray]) -> bool:
 
 
 def mode_save(spec) -> None:
+    """Save each job's state ``saves`` times; ``"strategy": "orbax"`` saves with plain orbax's StandardCheckpointer
+    instead (benchmarks/checkpoint.py); ``"restores": n`` then times n restores of the newest step (each one's
+    seconds in ``restore_s``)."""
     for job in spec["jobs"]:
         mark("start")
         with trainer_for(job["overrides"]) as t:
-            state, _ = random_state(t.abstract_state(), job.get("seed", 0))
+            abstract = t.abstract_state()
+            state, ref = random_state(abstract, job.get("seed", 0))
             mark("state")
-            ck = RunCheckpointer(job["ckpt"], keep=job.get("keep", 3), strategy=job.get("strategy", "balanced"))
+            if job.get("strategy") == "orbax":
+                result({"ckpt": job["ckpt"], **_orbax_save(job, state, abstract, ref), "process": jax.process_index()})
+                continue
+            ck = RunCheckpointer(
+                job["ckpt"],
+                keep=job.get("keep", 3),
+                strategy=job.get("strategy", "balanced"),
+                verify=job.get("verify", True),
+            )
             times = []
             for s in range(job.get("saves", 1)):
                 t0 = time.perf_counter()
@@ -125,17 +138,57 @@ def mode_save(spec) -> None:
                 blocked = time.perf_counter() - t0
                 ck.wait()
                 times.append((blocked, time.perf_counter() - t0))
+            restore_s = []
+            for _ in range(job.get("restores", 0)):
+                t0 = time.perf_counter()
+                got, _ = ck.restore(abstract)
+                jax.block_until_ready(got)
+                restore_s.append(time.perf_counter() - t0)
+                assert matches(got, ref), "the restored state differs from the saved one"
             ck.close()
             mark("saved")
             result(
                 {
                     "ckpt": job["ckpt"],
                     "save_s": times,
+                    "restore_s": restore_s,
                     "planned": ck.stats[-1].planned_bytes,
                     "written": ck.stats[-1].written_bytes,
                     "process": jax.process_index(),
                 }
             )
+
+
+def _orbax_save(job, state, abstract, ref) -> dict:
+    """Plain orbax (``StandardCheckpointer``: async, OCDBT) saving ``state`` like mode_save: save times, restore.
+
+    Every step is kept (give the jaxdist job to compare ``keep`` >= ``saves`` so neither deletes a step)."""
+    import orbax.checkpoint as ocp
+
+    root = Path(job["ckpt"])
+    ck = ocp.StandardCheckpointer()
+    times = []
+    for s in range(job.get("saves", 1)):
+        t0 = time.perf_counter()
+        ck.save(root / str(s + 1), state)
+        blocked = time.perf_counter() - t0
+        ck.wait_until_finished()
+        times.append((blocked, time.perf_counter() - t0))
+    restore_s = []
+    for _ in range(job.get("restores", 0)):
+        t0 = time.perf_counter()
+        got = ck.restore(root / str(job.get("saves", 1)), abstract)
+        jax.block_until_ready(got)
+        restore_s.append(time.perf_counter() - t0)
+        assert matches(got, ref), "the restored state differs from the saved one"
+    ck.close()
+    written = [0] * jax.process_count()
+    for path in (root / str(job.get("saves", 1))).rglob("*"):
+        if path.is_file():
+            written[integrity.writer_of(path.relative_to(root / str(job.get("saves", 1))).as_posix())] += (
+                path.stat().st_size
+            )
+    return {"save_s": times, "restore_s": restore_s, "planned": None, "written": written}
 
 
 def train(t, steps: int):
