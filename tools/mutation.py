@@ -123,6 +123,17 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "data.audit": (["jaxdist/data/audit.py"], ["tests/data/test_batchlist.py", "tests/data/test_audit.py"]),
     "checkpoint.integrity": (["jaxdist/checkpoint/integrity.py"], ["tests/checkpoint/test_integrity.py"]),
     "controller.policy": (["jaxdist/controller/policy.py"], ["tests/controller/test_policy.py"]),
+    # Hugging Face conversion: tensor names, shapes and layouts both ways, against transformers itself (logits,
+    # greedy tokens, export loaded by transformers), the round trip and the refusals of bad files.
+    "hf.convert": (
+        ["jaxdist/hf/tensors.py", "jaxdist/hf/load.py", "jaxdist/hf/export.py"],
+        [
+            "tests/hf/conformance",
+            "tests/hf/test_roundtrip.py",
+            "tests/hf/test_errors.py",
+            "tests/hf/test_bad_directories.py",
+        ],
+    ),
 }
 
 NOT_KILLED = ("survived", "no tests", "timeout", "suspicious", "segfault", "not checked", "skipped")

@@ -276,13 +276,11 @@ def verify_files(step_dir: Path, files: dict[str, dict[str, Any]], names: Iterab
     """Problems (one sentence each) with the recorded ``files`` of ``step_dir``; [] if all match.
 
     ``names`` restricts the check to some of them (a process's share).  Each file is checked with the algorithm
-    its entry names; raises :class:`ChecksumUnavailable` (before reading anything) if one is CRC-32C and
-    ``google-crc32c`` is not installed.
+    its entry names (``files`` passed :func:`marker_problem`: each entry names one); raises
+    :class:`ChecksumUnavailable` naming the first CRC-32C file if ``google-crc32c`` is not installed.
     """
     rels = list(files if names is None else names)
-    algorithms = {rel: _algorithm_of(files[rel]) or "crc32" for rel in rels}
-    if "crc32c" in algorithms.values() and _crc32c_module() is None:
-        file_crc32c(Path(step_dir) / next(r for r, a in algorithms.items() if a == "crc32c"))  # raises
+    algorithms = {rel: _algorithm_of(files[rel]) for rel in rels}
     problems = []
     for rel, got in sorted(files_checksums(step_dir, rels, algorithms).items()):
         want, algorithm = files[rel], algorithms[rel]

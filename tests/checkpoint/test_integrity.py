@@ -236,15 +236,39 @@ def test_which_process_wrote_a_file_follows_orbax_layout():
     assert integrity.writer_of("state/manifest.ocdbt") == 0 and integrity.writer_of("meta/metadata") == 0
 
 
-def test_a_file_longer_than_the_read_buffer_is_checksummed_whole(tmp_path, monkeypatch):
+def test_a_file_longer_than_the_read_buffer_is_checksummed_whole_a_chunk_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(integrity, "_CHUNK", 7)  # 100 bytes: 15 reads, the last one short
     data = bytes(range(100))
     (tmp_path / "f").write_bytes(data)
+    reads = []  # the size of every read: a file is never read whole into memory (they are gigabytes)
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, n=-1):
+            reads.append(n)
+            return self.f.read(n)
+
+        def readinto(self, buf):
+            reads.append(len(buf))
+            return self.f.readinto(buf)
+
+    monkeypatch.setattr(integrity, "open", lambda *a, **k: Spy(open(*a, **k)), raising=False)
     assert integrity.file_crc32(tmp_path / "f") == (100, f"{zlib.crc32(data):08x}")
+    assert reads == [7] * 16  # 14 full, one of 2 bytes, one that finds the end
     (tmp_path / "check").write_bytes(b"123456789")  # CRC-32C's check value (RFC 3720, B.4): e3069283
     assert integrity.file_crc32c(tmp_path / "check") == (9, "e3069283")
     crc32c = pytest.importorskip("google_crc32c")
+    reads.clear()
     assert integrity.file_crc32c(tmp_path / "f") == (100, f"{crc32c.value(data):08x}")
+    assert reads == [7] * 16
 
 
 def test_data_files_leave_out_jaxdist_files_and_temporaries(tmp_path):
