@@ -38,9 +38,13 @@ def test_import_export_is_bit_exact(tmp_path, c):
     cfg = config_for(src, f"model.max_seq_len={c['max_position_embeddings']}", "mesh.fsdp=4", "mesh.tensor=2")
     _, _, abstract = sharded_abstract(cfg, jax.devices())
     params = load_params(src, cfg.model, abstract)
-    out = tmp_path / "out"
+    out = tmp_path / "new" / "out"  # neither folder exists yet
     files = export_params(params, cfg.model, out, max_shard_bytes=60_000, base_config=c)
-    assert len([f for f in files if f.suffix == ".safetensors"]) >= 2  # several shards (and their index)
+    shards = [f for f in files if f.suffix == ".safetensors"]
+    assert len(shards) >= 2  # several shards (and their index)
+    for f in shards:  # each at most the limit, unless one tensor alone is larger
+        held = [a.nbytes for a in load_file(str(f)).values()]
+        assert sum(held) <= 60_000 or len(held) == 1, f
     back = _read_all(out)
     assert sorted(back) == sorted(tensors)
     for name, a in tensors.items():
@@ -52,18 +56,47 @@ def test_import_export_is_bit_exact(tmp_path, c):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(tensors)
     assert {(out / f).exists() for f in index["weight_map"].values()} == {True}
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in tensors.values())  # transformers' meaning
+
+
+def test_export_refuses_an_unknown_dtype_or_a_missing_safetensors_before_writing(tmp_path, monkeypatch):
+    from jaxdist import optional
+    from jaxdist.errors import ConfigError
+
+    src = write_checkpoint(tmp_path / "src", LLAMA, hf_tensors(LLAMA))
+    cfg = config_for(src, "model.max_seq_len=256")
+    _, _, abstract = sharded_abstract(cfg, jax.devices()[:1])
+    params = load_params(src, cfg.model, abstract)
+    with pytest.raises(ConfigError) as e:
+        export_params(params, cfg.model, tmp_path / "out", torch_dtype="int8")
+    assert str(e.value) == "export dtype 'int8' is not supported: use float32, bfloat16, float16."
+    real = optional._import
+    monkeypatch.setattr(optional, "_import", lambda m: None if m == "safetensors.numpy" else real(m))
+    with pytest.raises(ConfigError) as e:
+        export_params(params, cfg.model, tmp_path / "out")
+    assert str(e.value) == (
+        "writing a Hugging Face checkpoint needs the Python package safetensors, which is not installed: "
+        "pip install safetensors."
+    )
+    assert not (tmp_path / "out").exists()  # nothing written either time
 
 
 def test_export_without_base_is_equivalent(tmp_path):
-    """Exported without the source config.json, config.json still maps to the same model."""
+    """Exported without the source config.json, config.json still maps to the same model.  The parameters are
+    plain single-device arrays (no mesh) and the folder exists already (empty)."""
     tensors = hf_tensors(LLAMA)
     src = write_checkpoint(tmp_path / "src", LLAMA, tensors)
     cfg = config_for(src, "model.max_seq_len=256")
     _, _, abstract = sharded_abstract(cfg, jax.devices()[:1])
-    export_params(load_params(src, cfg.model, abstract), cfg.model, tmp_path / "out")
+    params = jax.device_put(jax.tree.map(np.asarray, load_params(src, cfg.model, abstract)), jax.devices()[0])
+    assert not isinstance(jax.tree.leaves(params)[0].sharding, jax.sharding.NamedSharding)
+    (tmp_path / "out").mkdir()
+    export_params(params, cfg.model, tmp_path / "out")
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert model_fields(written) == model_fields(LLAMA)
     assert (tmp_path / "out" / "model.safetensors").exists()  # one file, no index, as transformers does
+    back = _read_all(tmp_path / "out")
+    assert sorted(back) == sorted(tensors) and all(back[n].tobytes() == a.tobytes() for n, a in tensors.items())
 
 
 def test_train_export_import_gives_same_params(tmp_path):
