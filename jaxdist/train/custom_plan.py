@@ -25,7 +25,10 @@ compiled programs of the meshes its parameter names allow:
 4. **Chosen**: the least estimated time among the compiled peaks within ``train.memory_budget_bytes`` (default:
    the cluster's device memory less the reserve); with ``train.remat=auto`` a mesh whose step does not fit
    without remat is compiled again with full recomputation (the remat choice itself is made on the chosen mesh,
-   :mod:`jaxdist.train.custom_remat`).  None fits: ConfigError with the least peak seen.
+   :mod:`jaxdist.train.custom_remat`).  A mesh that still does not fit is compiled again with twice the
+   microbatches (``train.microbatches``: each device's examples in smaller passes, the gradients summed), doubling
+   while each device's share of the batch divides, until it fits.  None fits: ConfigError with the least peak
+   seen.
 """
 
 from __future__ import annotations
@@ -84,7 +87,9 @@ class MeshTrial:
     that cannot run this model was not compiled, ``remat`` the train.remat it was compiled with."""
 
     sizes: dict[str, int]
+    microbatches: int = 1
     predicted_bytes: float = 0.0
+    state_bytes: int = 0  # the train state's bytes per device (exact, from the shardings)
     peak_bytes: int | None = None
     flops: float | None = None
     comm_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -95,7 +100,8 @@ class MeshTrial:
     seconds: float = 0.0
 
     def describe(self) -> str:
-        return " ".join(f"{a}={n}" for a, n in self.sizes.items() if n > 1) or "one device"
+        mesh = " ".join(f"{a}={n}" for a, n in self.sizes.items() if n > 1) or "one device"
+        return mesh + (f" microbatches={self.microbatches}" if self.microbatches > 1 else "")
 
     @property
     def error(self) -> float | None:
@@ -148,9 +154,9 @@ class UserMeshPlan:
         return t.peak_bytes is not None and t.peak_bytes <= self.budget
 
     def to_config(self, config: Config) -> Config:
-        """``config`` with the chosen mesh's sizes (``mesh.auto`` off)."""
+        """``config`` with the chosen mesh's sizes and microbatches (``mesh.auto`` off)."""
         sets = {f"mesh.{a}": n for a, n in self.chosen.sizes.items()}
-        return config.set(**{"mesh.auto": False, **sets})
+        return config.set(**{"mesh.auto": False, "train.microbatches": self.chosen.microbatches, **sets})
 
 
 def mesh_sizes(n_devices: int) -> list[dict[str, int]]:
@@ -159,6 +165,16 @@ def mesh_sizes(n_devices: int) -> list[dict[str, int]]:
     for d, f in itertools.product(range(n_devices, 0, -1), repeat=2):
         if n_devices % (d * f) == 0:
             out.append({"data": d, "fsdp": f, "tensor": n_devices // (d * f)})
+    return out
+
+
+def more_microbatches(config: Config, sizes: dict[str, int]) -> list[int]:
+    """Microbatch counts above ``config``'s, doubling, while each device's share of the batch divides by them."""
+    per_device = config.train.batch_size // (sizes["data"] * sizes["fsdp"])
+    out, m = [], config.train.microbatches * 2
+    while m <= per_device and per_device % m == 0:
+        out.append(m)
+        m *= 2
     return out
 
 
@@ -242,7 +258,8 @@ def _device_bytes(tree: Any) -> int:
 
 def predicted_bytes(program: Program, view: Probe) -> float:
     """A candidate's predicted peak bytes per device: its arguments exactly (state and batch, from the
-    shardings), the measured working space scaled as the module docstring (2.) says."""
+    shardings), the measured working space scaled as the module docstring (2.) says, and with microbatches one
+    more parameter-sized buffer (their gradients' sum)."""
     state = program.abstract_state()
     args = _device_bytes(state) + _device_bytes(program.abstract_batch())
     params = _device_bytes(state["params"])
@@ -250,7 +267,9 @@ def predicted_bytes(program: Program, view: Probe) -> float:
     examples = t.batch_size / (sizes["data"] * sizes["fsdp"]) / t.microbatches
     split = 1.0 - view.tensor_share + view.tensor_share / sizes["tensor"]
     fsdp = view.gathered * params * (sizes["fsdp"] - 1)
-    return args + view.fixed_temp * params / max(view.param_bytes, 1) + view.per_example_temp * examples * split + fsdp
+    summed = params if t.microbatches > 1 else 0  # the microbatches' gradients are summed in one more copy
+    working = view.fixed_temp * params / max(view.param_bytes, 1) + view.per_example_temp * examples * split
+    return args + working + fsdp + summed
 
 
 def _comm(compiled: Any, n_devices: int, per_node: int, view: Any) -> tuple[dict[str, int], float]:
@@ -267,10 +286,15 @@ def _comm(compiled: Any, n_devices: int, per_node: int, view: Any) -> tuple[dict
 
 
 def plan_user_mesh(
-    config: Config, devices: Sequence[Any], user: custom.UserModel, nodes: int | None = None
+    config: Config,
+    devices: Sequence[Any],
+    user: custom.UserModel,
+    nodes: int | None = None,
+    measured: Probe | None = None,
 ) -> UserMeshPlan:
-    """Choose ``data x fsdp x tensor`` for ``user``'s model on ``devices`` (see the module docstring), as
-    ``nodes`` hosts (default: one per process) whose links are ``mesh.cluster``'s."""
+    """Choose ``data x fsdp x tensor`` (and the microbatches) for ``user``'s model on ``devices`` (see the module
+    docstring), as ``nodes`` hosts (default: one per process) whose links are ``mesh.cluster``'s.  ``measured``:
+    the computation view of an earlier plan of the same model, batch and remat (default: measured here)."""
     t0 = time.perf_counter()
     devices = tuple(devices)
     n = len(devices)
@@ -281,7 +305,7 @@ def plan_user_mesh(
     budget = memory_budget(config.train.memory_budget_bytes, spec.memory_bytes)
     auto_remat = config.train.remat_spec.kind == "auto"
     first = Remat("none") if auto_remat else config.train.remat_spec
-    measured = probe(config, devices, user, first)
+    measured = measured or probe(config, devices, user, first)
     _, abstract, names = custom.abstract_module(user, config.train.seed)
     dtype = max(jax.tree.leaves(abstract), key=lambda a: int(np.prod(a.shape))).dtype
     peak_flops = spec.peak_flops("bfloat16" if dtype == jax.numpy.bfloat16 else "float32") * view.efficiency
@@ -292,24 +316,47 @@ def plan_user_mesh(
             custom.check_user_config(cfg, n, names, abstract)
             program = Program(Resolved(cfg, devices, first, user=user))
             predicted = predicted_bytes(program, measured)
+            state = _device_bytes(program.abstract_state())
         except (ConfigError, ValueError) as e:
             trials.append(MeshTrial(sizes, refused=str(e).split("\n")[0]))
+            continue
+        if state > budget:  # no remat or microbatch count shrinks the train state: nothing to compile
+            why = f"its train state alone is {format_bytes(state)} per device, over the budget"
+            trials.append(MeshTrial(sizes, predicted_bytes=predicted, state_bytes=state, refused=why))
             continue
         remat = first
         compiled, secs = _compile(Resolved(cfg, devices, remat, user=user))
         peak = peak_of(compiled)[0]
         if auto_remat and peak > budget:  # full recomputation may fit where saving everything does not
             remat = Remat.parse("full")
-            compiled, more = _compile(Resolved(cfg.set(**{"train.remat": "full"}), devices, remat, user=user))
+            cfg = cfg.set(**{"train.remat": "full"})
+            compiled, more = _compile(Resolved(cfg, devices, remat, user=user))
             peak, secs = peak_of(compiled)[0], secs + more
+        microbatches = cfg.train.microbatches
+        for m in more_microbatches(cfg, sizes) if peak > budget else []:  # smaller passes, the gradients summed
+            cfg = cfg.set(**{"train.microbatches": m})
+            program = Program(Resolved(cfg, devices, remat, user=user))
+            compiled, more = _compile(Resolved(cfg, devices, remat, user=user))
+            peak, secs, microbatches = peak_of(compiled)[0], secs + more, m
+            predicted = predicted_bytes(program, measured)
+            if peak <= budget:
+                break
         flops = float(executed_flops(compiled, 1) or 0.0)
         comm, comm_s = _comm(compiled, n, spec.devices_per_node, view)
+        step_s = flops / peak_flops + comm_s
         trials.append(
-            MeshTrial(sizes, predicted, peak, flops, comm, comm_s, flops / peak_flops + comm_s, str(remat), "", secs)
+            MeshTrial(sizes, microbatches, predicted, state, peak, flops, comm, comm_s, step_s, str(remat), "", secs)
         )
     fits = [t for t in trials if t.peak_bytes is not None and t.peak_bytes <= budget]
     if not fits:
         compiled = [t for t in trials if t.peak_bytes is not None]
+        too_big = [t for t in trials if t.refused and t.state_bytes]
+        if not compiled and too_big:
+            least = min(too_big, key=lambda t: t.state_bytes)
+            raise ConfigError(
+                f"no mesh of {n} devices fits your model's train state in {format_bytes(budget)} per device "
+                f"({least.describe()}: {least.refused}); raise train.memory_budget_bytes or use more devices."
+            )
         if not compiled:
             raise ConfigError(
                 f"no mesh of {n} devices suits your model: {trials[0].refused.rstrip('.')}; change "
@@ -318,8 +365,9 @@ def plan_user_mesh(
         least = min(compiled, key=lambda t: t.peak_bytes)
         raise ConfigError(
             f"no mesh of {n} devices fits your model's train step in {format_bytes(budget)} per device: the least "
-            f"peak is {format_bytes(least.peak_bytes)} ({least.describe()}); raise train.memory_budget_bytes, "
-            "use more devices or lower train.batch_size."
+            f"peak is {format_bytes(least.peak_bytes)} ({least.describe()}; each mesh compiled with up to the "
+            "microbatches its share of the batch allows); raise train.memory_budget_bytes, use more devices or "
+            "lower train.batch_size."
         )
     best = min(fits, key=lambda t: (t.step_seconds, t.peak_bytes))
     return UserMeshPlan(best, budget, tuple(trials), measured, n, time.perf_counter() - t0)
