@@ -4,18 +4,21 @@ jaxdist's transformer has a closed-form cost model (:mod:`jaxdist.planner`); a m
 so its computation view is measured from the model's own compiled train step, and the choice is made on the
 compiled programs of the meshes its parameter names allow:
 
-1. **Candidates**: every ``data x fsdp x tensor`` of the devices (pipeline and context are not available to a
-   user's model) that the config's rules accept: the batch divides over ``data x fsdp x microbatches``, each
-   axis splits some parameter (its logical names say where), every split dimension divides.  The others are
-   listed with the one sentence that refuses them.
+1. **Candidates**: every ``data x fsdp x tensor x context`` of the devices (pipeline stages are not available to
+   a user's model) that the config's rules accept: the batch divides over ``data x fsdp x microbatches``, each
+   axis splits some parameter (its logical names say where; ``context`` splits the activations the model
+   constrains with ``"seq"``, and a model that constrains none is refused it), every split dimension divides.
+   The others are listed with the one sentence that refuses them.
 2. **Predicted** (the computation view of a model the planner does not know): the train state's bytes per
    device are exact, from the abstract state and each candidate's shardings; the step's working space is
    measured by compiling the step on one device for two batch sizes (``temp = fixed + per_example x b``),
    then taken as ``fixed x`` (the share of the parameters a device holds: gradients and update temporaries
    are parameter-shaped) ``+ per_example x`` (examples per device and microbatch) ``x (1 - a + a / tensor)``.
    Which activations a tensor split divides depends on the model, so ``a`` is measured too: one more compile,
-   on two devices with ``mesh.tensor=2``, gives the share of the per-example working space that halved.  FSDP
-   gathers the others' shards into the working space: one more compile, two devices with ``mesh.fsdp=2``,
+   on two devices with ``mesh.tensor=2``, gives the share of the per-example working space that halved.  A
+   context split is counted like a data split: it divides the activations the model constrains with ``"seq"``,
+   as a data split divides the examples (the compiled peaks of the mixer model of the tests agree to the byte).
+   FSDP gathers the others' shards into the working space: one more compile, two devices with ``mesh.fsdp=2``,
    measures that space per byte of parameters a device holds (``gathered``), counted ``fsdp - 1`` times.
 3. **Compiled**: each candidate's train step is compiled for its mesh (nothing runs): peak bytes per device
    (``memory_analysis``), executed FLOPs per device (``cost_analysis``) and the collectives in its HLO
@@ -61,7 +64,7 @@ from jaxdist.train.resolved import Resolved, settle
 
 log = logging.getLogger(__name__)
 
-AXES = ("data", "fsdp", "tensor")  # the mesh axes a user's model may use
+AXES = ("data", "fsdp", "tensor", "context")  # the mesh axes a user's model may use
 
 
 @dataclass(frozen=True)
@@ -160,11 +163,11 @@ class UserMeshPlan:
 
 
 def mesh_sizes(n_devices: int) -> list[dict[str, int]]:
-    """Every ``data x fsdp x tensor`` whose product is ``n_devices``, data-parallel first."""
+    """Every ``data x fsdp x tensor x context`` whose product is ``n_devices``, data-parallel first."""
     out = []
-    for d, f in itertools.product(range(n_devices, 0, -1), repeat=2):
-        if n_devices % (d * f) == 0:
-            out.append({"data": d, "fsdp": f, "tensor": n_devices // (d * f)})
+    for d, f, t in itertools.product(range(n_devices, 0, -1), repeat=3):
+        if n_devices % (d * f * t) == 0:
+            out.append({"data": d, "fsdp": f, "tensor": t, "context": n_devices // (d * f * t)})
     return out
 
 
@@ -234,9 +237,7 @@ def _two_device_temp(config, devices, user, remat, sizes, batch, names, abstract
     or None when there are fewer devices or no parameter splits over that axis."""
     if len(devices) < 2:
         return None
-    cfg = _with_mesh(
-        config, {"data": 1, "fsdp": 1, "tensor": 1, **sizes}, **{"train.batch_size": batch, "train.microbatches": 1}
-    )
+    cfg = _with_mesh(config, {a: 1 for a in AXES} | sizes, **{"train.batch_size": batch, "train.microbatches": 1})
     try:
         custom.check_user_config(cfg, 2, names, abstract)
         program = Program(Resolved(cfg, tuple(devices[:2]), remat, user=user))
@@ -264,7 +265,7 @@ def predicted_bytes(program: Program, view: Probe) -> float:
     args = _device_bytes(state) + _device_bytes(program.abstract_batch())
     params = _device_bytes(state["params"])
     sizes, t = program.config.mesh.checked_sizes(), program.config.train
-    examples = t.batch_size / (sizes["data"] * sizes["fsdp"]) / t.microbatches
+    examples = t.batch_size / (sizes["data"] * sizes["fsdp"] * sizes["context"]) / t.microbatches  # context: as data
     split = 1.0 - view.tensor_share + view.tensor_share / sizes["tensor"]
     fsdp = view.gathered * params * (sizes["fsdp"] - 1)
     summed = params if t.microbatches > 1 else 0  # the microbatches' gradients are summed in one more copy
@@ -292,7 +293,7 @@ def plan_user_mesh(
     nodes: int | None = None,
     measured: Probe | None = None,
 ) -> UserMeshPlan:
-    """Choose ``data x fsdp x tensor`` (and the microbatches) for ``user``'s model on ``devices`` (see the module
+    """Choose ``data x fsdp x tensor x context`` (and the microbatches) for ``user``'s model on ``devices`` (see the module
     docstring), as ``nodes`` hosts (default: one per process) whose links are ``mesh.cluster``'s.  ``measured``:
     the computation view of an earlier plan of the same model, batch and remat (default: measured here)."""
     t0 = time.perf_counter()

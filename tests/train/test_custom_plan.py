@@ -1,5 +1,6 @@
 """mesh=auto and `jaxdist plan --entry` for your own model (jaxdist/train/custom_plan.py): the mixer language model
-of test_custom_model.py, planned on 4 devices by compiling every data x fsdp x tensor; the prediction from the
+of test_custom_model.py, planned on 4 devices by compiling every data x fsdp x tensor x context (it constrains its
+activations' sequence axis, so context splits them); the prediction from the
 measured view (one device at two batch sizes, two devices with tensor=2 and with fsdp=2) against each compiled peak; the choice
 against a brute-force pass over the compiled table at a budget that rules out the fastest mesh; the Trainer
 training on what mesh=auto chose; and a budget nothing fits refused in one sentence."""
@@ -19,7 +20,7 @@ from jaxdist.train.custom_plan import mesh_sizes, plan_user_mesh
 from jaxdist.train.trainer import Trainer
 from tests.train.test_custom_model import MixerLM, lm_loss
 
-N = 4  # devices planned on: 6 meshes
+N = 4  # devices planned on: 10 meshes
 
 
 def build(rngs):
@@ -56,7 +57,8 @@ def test_every_mesh_is_compiled_the_prediction_holds_and_mesh_auto_trains_on_the
     user = user_model(build, lm_loss, optax.adamw(1e-2), None)
     p = plan_user_mesh(config(tmp_path), devices, user)
     print(p.table())
-    assert [t.sizes for t in p.trials] == mesh_sizes(N)  # every data x fsdp x tensor of 4 devices considered
+    assert [t.sizes for t in p.trials] == mesh_sizes(N)  # every data x fsdp x tensor x context of 4 devices
+    assert len(mesh_sizes(N)) == 10 and sum(t.sizes["context"] > 1 for t in p.trials) == 4
     compiled = [t for t in p.trials if t.peak_bytes]
     assert len(compiled) == len(mesh_sizes(N)), p.table()  # the model's names allow every split
     for t in compiled:  # the measured view predicts each mesh's compiled peak
@@ -73,7 +75,8 @@ def test_every_mesh_is_compiled_the_prediction_holds_and_mesh_auto_trains_on_the
     cfg = config(tmp_path, f"train.memory_budget_bytes={budget}")
     with Trainer(cfg, devices, model=build, loss=lm_loss, optimizer=optax.adamw(1e-2)) as t:
         sizes = t.config.mesh.sizes()
-        assert {a: sizes[a] for a in ("data", "fsdp", "tensor")} == want.sizes
+        assert {a: sizes[a] for a in ("data", "fsdp", "tensor", "context")} == want.sizes
+        assert t.config.train.microbatches == want.microbatches == 1
         assert not t.config.mesh.auto
         peak = t.compile_train_step().memory_analysis()
         ran = peak.argument_size_in_bytes + peak.output_size_in_bytes + peak.temp_size_in_bytes
