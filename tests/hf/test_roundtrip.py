@@ -59,6 +59,22 @@ def test_import_export_is_bit_exact(tmp_path, c):
     assert index["metadata"]["total_size"] == sum(a.nbytes for a in tensors.values())  # transformers' meaning
 
 
+def test_a_pipeline_mesh_reads_each_stages_layers(tmp_path):
+    """pipeline=3 x tensor=2: each stage reads its own layer of the 3 (a part starting at layer 1 or 2), the same
+    values as one device reads."""
+    src = write_checkpoint(tmp_path / "src", LLAMA, hf_tensors(LLAMA))
+    cfg = config_for(
+        src, "model.max_seq_len=256", "mesh.pipeline=3", "mesh.tensor=2", "train.microbatches=3", "train.batch_size=6"
+    )
+    _, _, abstract = sharded_abstract(cfg, jax.devices()[:6])
+    staged = load_params(src, cfg.model, abstract)
+    assert staged["layers"]["wq"].sharding.spec[0] == "pipeline" and staged["layers"]["wq"].shape[0] == 3
+    one = config_for(src, "model.max_seq_len=256")
+    _, _, abstract = sharded_abstract(one, jax.devices()[:1])
+    for a, b in leaf_pairs(staged, load_params(src, one.model, abstract)):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 def test_export_refuses_an_unknown_dtype_or_a_missing_safetensors_before_writing(tmp_path, monkeypatch):
     from jaxdist import optional
     from jaxdist.errors import ConfigError

@@ -115,6 +115,13 @@ CASES = {
         "5.x",
         "bfloat16",
     ),
+    # Every third block sparse (layer 2 of 3): decoder_sparse_step=3 is model.moe.every=3.
+    "qwen3-moe-step3": Case(
+        "Qwen3MoeConfig",
+        dict(
+            num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=3
+        ),
+    ),
 }
 
 _ROOT = Path(tempfile.mkdtemp(prefix="jaxdist-hf-conformance-"))
@@ -136,7 +143,7 @@ def hf_dir(name: str) -> Path:
     """The directory of case ``name``, saved by transformers (built once)."""
     case = CASES[name]
     torch.manual_seed(sorted(CASES).index(name))
-    config = getattr(transformers, case.config)(**SHAPE, **case.args)
+    config = getattr(transformers, case.config)(**{**SHAPE, **case.args})  # a case may change a shared shape
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for pname, p in model.named_parameters():
