@@ -11,6 +11,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from safetensors import safe_open
 from safetensors.numpy import load_file
 
 from jaxdist.cli import main
@@ -42,9 +43,14 @@ def test_import_export_is_bit_exact(tmp_path, c):
     files = export_params(params, cfg.model, out, max_shard_bytes=60_000, base_config=c)
     shards = [f for f in files if f.suffix == ".safetensors"]
     assert len(shards) >= 2  # several shards (and their index)
+    assert files == [*shards, out / "config.json"] and sorted(out.iterdir()) == sorted(
+        [*files, out / "model.safetensors.index.json"]
+    )  # what it returns is what it wrote
     for f in shards:  # each at most the limit, unless one tensor alone is larger
         held = [a.nbytes for a in load_file(str(f)).values()]
         assert sum(held) <= 60_000 or len(held) == 1, f
+        with safe_open(str(f), "np") as opened:  # what transformers' save_pretrained writes
+            assert opened.metadata() == {"format": "pt"}
     back = _read_all(out)
     assert sorted(back) == sorted(tensors)
     for name, a in tensors.items():
