@@ -81,6 +81,23 @@ def test_a_pipeline_mesh_reads_each_stages_layers(tmp_path):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
 
 
+def test_bfloat16_parameters_are_the_files_float32_values_rounded(tmp_path):
+    """model.param_dtype=bfloat16 from float32 files: each array has the abstract's dtype, and exporting it as
+    float32 gives ml_dtypes' own rounding of the source tensors."""
+    import ml_dtypes
+
+    tensors = hf_tensors(LLAMA)
+    src = write_checkpoint(tmp_path / "src", LLAMA, tensors)
+    cfg = config_for(src, "model.max_seq_len=256", "model.param_dtype=bfloat16", "mesh.tensor=2")
+    _, _, abstract = sharded_abstract(cfg, jax.devices()[:2])
+    params = load_params(src, cfg.model, abstract)
+    assert {str(a.dtype) for a in jax.tree.leaves(params)} == {"bfloat16"}
+    export_params(params, cfg.model, tmp_path / "out", torch_dtype="float32")
+    back = _read_all(tmp_path / "out")
+    for name, a in tensors.items():
+        assert back[name].tobytes() == a.astype(ml_dtypes.bfloat16).astype(np.float32).tobytes(), name
+
+
 def test_export_refuses_an_unknown_dtype_or_a_missing_safetensors_before_writing(tmp_path, monkeypatch):
     from jaxdist import optional
     from jaxdist.errors import ConfigError
