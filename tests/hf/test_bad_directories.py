@@ -98,7 +98,15 @@ ROWS = [
     ("rope_scaling a string", _config(rope_scaling="llama3"), "'rope_scaling' in config.json is 'llama3', not a table"),
     ("llama3 rope without its factors", _config(rope_scaling=LLAMA3_NO_FACTORS), "low_freq_factor"),
     ("truncated shard", _truncate, "is truncated"),
-    ("integer weights", _integers, "holds int32 values, not floating point"),
+    (
+        "integer weights",
+        _integers,
+        (
+            "tensor model.layers.0.self_attn.q_proj.weight in ",
+            " holds int32 values, not floating point: weights must be F32, BF16, F16 or F64; convert the "
+            "checkpoint's weights to floats.",
+        ),
+    ),
     (
         "NaN weights",
         _nan,

@@ -32,7 +32,10 @@ def test_missing_tensor_is_named(tmp_path):
     hf_dir = write_checkpoint(tmp_path / "m", MIXTRAL, tensors)
     with pytest.raises(ConfigError) as e:
         _load(hf_dir)
-    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight is missing" in _one_sentence(e)
+    assert _one_sentence(e) == (
+        f"tensor model.layers.1.block_sparse_moe.experts.3.w2.weight is missing from the checkpoint in {hf_dir}: its "
+        "config.json needs it (download the whole checkpoint, or fix config.json)."
+    )
 
 
 def test_shape_that_does_not_match_config_json(tmp_path):
