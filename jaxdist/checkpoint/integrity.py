@@ -56,7 +56,7 @@ class ChecksumUnavailable(ConfigError):
 def _crc32c_module() -> Any:
     """``google_crc32c``, or None if it is not installed."""
     try:
-        import google_crc32c
+        import google_crc32c  # optional at run time: a --no-deps install may lack it (then CRC-32)
     except ImportError:
         return None
     return google_crc32c
