@@ -31,7 +31,16 @@ figures, nodes multiplied; batch = GPUs / 4 sequences of 4,096 tokens): seconds 
 **Slurm parsing** of ``scontrol show node -d`` text of 100, 1,000 and 10,000 nodes (the format Slurm 22
 writes, 8 GPUs each, some drained or allocated): ``parse_nodes`` seconds.
 
-    python benchmarks/scale.py                  # every table (about 5 minutes here)
+**The controller** (``--tables controller``, not in the default set: about 10 minutes) at its defaults against
+N = 64, 256 and 1,024 simulated nodes (``tests/controller/sim_cluster.py``: the real protocol, CURVE and HMAC,
+heartbeats every 0.25 s, stub workers; N - 2 train, 2 are standbys; one host process per 128 nodes on the
+same machine as the controller): seconds to the first step, the controller's CPU share (of one core), memory
+and event-log growth over 10 fault-free seconds, failures in that phase (false alarms), ``state.json`` size
+and save time, then one member node lost: seconds to the failure (``detect s``) and from it to the new
+group's assignments sent (``told s``); pings of the link checks.
+
+    python benchmarks/scale.py                  # every table but the controller's (about 5 minutes here)
+    python benchmarks/scale.py --tables controller
     python benchmarks/scale.py --quick          # smaller sizes, for a smoke run
 """
 
@@ -41,6 +50,7 @@ import argparse
 import dataclasses
 import math
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -245,6 +255,67 @@ def slurm_row(n: int) -> dict:
     return {"nodes": n, "text MB": len(text) / 1e6, "parse s": dt, "usable": sum(x.usable for x in nodes)}
 
 
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _proc_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def controller_row(n: int, quiet_s: float) -> dict:
+    """The real controller at its defaults against ``n`` simulated nodes (tests/controller/sim_cluster.py, one
+    host process per 128 nodes, at least 2): the start, a fault-free phase of ``quiet_s`` seconds, then one
+    member node lost (its sockets closed, nothing said) and the recovery onto a standby."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "controller"))
+    from sim_cluster import SimCluster  # the test harness: simulated agents speaking the real protocol
+
+    root = Path(tempfile.mkdtemp(prefix=f"jaxdist-sim{n}-"))
+    job = SimCluster(n, n - 2, max(2, math.ceil(n / 128)), root, steps=100_000, step_s=0.5)
+    row: dict = {"nodes": n}
+    try:
+        t0 = time.monotonic()
+        job.start()
+        pid = job.controller.pid
+        job.wait_until(lambda s: s["phase"] == "running", 900, "generation 0 running")
+        row["start s"] = time.monotonic() - t0
+        events0 = (job.dir / "events.jsonl").stat().st_size
+        c0, w0 = _proc_cpu_s(pid), time.monotonic()
+        time.sleep(quiet_s)
+        c1, w1 = _proc_cpu_s(pid), time.monotonic()
+        row["ctl CPU share"] = (c1 - c0) / (w1 - w0)
+        row["ctl RSS MB"] = _proc_rss_mb(pid)
+        row["events KB/h"] = ((job.dir / "events.jsonl").stat().st_size - events0) / (w1 - w0) * 3600 / 1e3
+        row["false losses"] = sum(1 for e in job.events() if e["event"] in ("node_lost", "failure"))
+        state_path = job.dir / "state.json"
+        row["state KB"] = state_path.stat().st_size / 1e3
+        from jaxdist.controller.state import JobState
+
+        st = JobState.load(state_path)
+        t = time.perf_counter()
+        for _ in range(10):
+            st.save(root / "state-copy.json")
+        row["state save ms"] = (time.perf_counter() - t) / 10 * 1e3
+        lost, host = job.rank_host(1)
+        at = time.time()
+        job.command(host, "lose", nodes=[lost])
+        job.wait_until(lambda s: s["generation"] >= 1, 300, "generation 1 assigned")
+        ev = job.events()
+        found = [e for e in ev if e["event"] == "failure" and e["time"] >= at]
+        told = [e for e in ev if e["event"] == "start" and e["time"] >= at]
+        row["detect s"] = found[0]["time"] - at if found else float("nan")
+        row["told s"] = told[0]["time"] - found[0]["time"] if found and told else float("nan")
+    finally:
+        job.close()
+    counts = job.host_counts()
+    row["pings"] = counts.get("ping_sent", 0)
+    return row
+
+
 def print_rows(title: str, rows: list[dict], x: str, costs: list[str]) -> None:
     print(f"\n{title}")
     head = list(rows[0])
@@ -298,6 +369,10 @@ def main() -> None:
     if "planner" in tables:
         rows = [planner_row(g) for g in ((64, 256, 1024) if q else (1024, 4096, 16384))]
         print_rows("jaxdist plan, llama-70b", rows, "gpus", ["plan s", "evaluations"])
+    if "controller" in tables:
+        rows = [controller_row(n, 10.0) for n in ((16, 32, 64) if q else (64, 256, 1024))]
+        costs = ["start s", "ctl CPU share", "ctl RSS MB", "state KB", "state save ms", "events KB/h", "pings"]
+        print_rows("The controller against simulated nodes (defaults)", rows, "nodes", costs)
     if "slurm" in tables:
         rows = [slurm_row(n) for n in ((10, 100, 1000) if q else (100, 1000, 10000))]
         print_rows("Slurm: parse_nodes of scontrol show node -d", rows, "nodes", ["parse s"])

@@ -11,6 +11,7 @@ import typing
 from dataclasses import field
 from typing import Literal
 
+from jaxdist.config.ranges import type_hints
 from jaxdist.errors import ConfigError
 
 # Every choice a config field offers, defined once (the checks and the CLI read them with `choices`).
@@ -58,7 +59,7 @@ CHECKPOINT_NAMES: tuple[str, ...] = (
 
 def choices(section: object, name: str) -> tuple[str, ...]:
     """The values a Literal-typed config field allows, read from its dataclass (defined once, in this module)."""
-    return typing.get_args(typing.get_type_hints(type(section))[name])
+    return typing.get_args(type_hints(type(section))[name])
 
 
 def one_of(values: tuple[str, ...]) -> str:

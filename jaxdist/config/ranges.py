@@ -11,6 +11,7 @@ each, naming the key and the range.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from typing import Any, Literal
@@ -29,10 +30,17 @@ def _finite(key: str, v: float, low: float, high: float, low_open: bool = False,
         raise ConfigError(f"{key}={v} is outside its range: it must be a finite number {lo}{hi}.")
 
 
+@functools.cache
+def type_hints(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints`` of a config section class, resolved once (a config is checked thousands of
+    times by the controller at scale: once per group size)."""
+    return typing.get_type_hints(cls)
+
+
 def check_choices(section: Any, prefix: str) -> None:
     """Every Literal-typed field of ``section`` and the sections inside it holds one of its values, whether or
     not the setting is in use (``model.moe.router=bogus`` on a dense model is a typo all the same)."""
-    hints = typing.get_type_hints(type(section))
+    hints = type_hints(type(section))
     for f in dataclasses.fields(section):
         value, typ = getattr(section, f.name), hints.get(f.name)
         if dataclasses.is_dataclass(value):

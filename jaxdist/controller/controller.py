@@ -1,8 +1,8 @@
 """The controller process (``jaxdist controller``): keeps one training job alive.
 
 It listens on one authenticated endpoint (loopback unless configured), welcomes
-node agents, has each one checked (disk, devices, a signed ping to every other
-node: the links the job will use), and starts generation 0 once all
+node agents, has each one checked (disk, devices, a signed ping to itself and
+to its neighbours among the nodes: ``policy.probe_peers``), and starts generation 0 once all
 ``max_nodes`` are ready, or ``start_grace`` after ``min_nodes`` were, on the
 largest group of the ready ones the mesh allows (later nodes become standbys;
 a recovery keeps that size while the nodes exist).  Then it watches every member:
@@ -52,6 +52,7 @@ from jaxdist.run_owner import HISTORY_SINCE_ENV, RunLock, set_aside_history
 
 log = logging.getLogger("jaxdist.controller")
 
+TICK_S = 0.05  # seconds between two judgments of the job (tick): timeouts are seconds, floods of heartbeats frequent
 SPARE_FAILURES_TO_BAN = 3  # warm processes of one node that crashed before an assignment: the node is not used
 
 
@@ -160,6 +161,10 @@ class Controller(GenerationLifecycle, HealthActions):
             config_args = self._start_over(cfg, config_args, fresh=prev is None)
         self.nodes: dict[str, NodeView] = {}
         self.workers: dict[str, WorkerInfo] = {}
+        # The same workers by node and by (generation, rank): a lookup costs the node's (or the rank's) few
+        # processes, not every worker of the job (the loops of each tick stay linear in the node count).
+        self.node_workers: dict[str, dict[str, WorkerInfo]] = {}
+        self.rank_workers: dict[tuple[int, int], dict[str, WorkerInfo]] = {}
         self.cluster_nodes, self.per_node, self.device_kind = cluster_shape(cfg)
         self.max_nodes = cc.max_nodes or self.cluster_nodes
         self.valid_sizes = policy.valid_group_sizes(cfg, self.per_node, self.max_nodes)
@@ -235,7 +240,7 @@ class Controller(GenerationLifecycle, HealthActions):
             if p.get("rc") is not None:
                 self._on_exit(name, int(p["pid"]), int(p["rc"]), now)
         if v.checks.get("ok") and not v.link_ok and not v.probing:
-            self._probe(v, [n for n in self.nodes.values() if n.checks.get("ok") and not n.lost])
+            self._probe(v, [n.name for n in self.nodes.values() if n.checks.get("ok") and not n.lost])
 
     def _start_over(self, cfg: Config, config_args: list[str], fresh: bool) -> list[str]:
         """``checkpoint.resume=false`` under a job: the run's earlier history is set aside once, when the job
@@ -267,9 +272,11 @@ class Controller(GenerationLifecycle, HealthActions):
             },
         )
 
-    def _probe(self, v: NodeView, peers: list[NodeView]) -> None:
+    def _probe(self, v: NodeView, ring: list[str]) -> None:
+        """Have ``v`` ping itself and its neighbours before it in ``ring`` (node names, policy.probe_peers)."""
         v.probing = True
-        self.endpoint.send(f"n:{v.name}", {"t": "probe", "peers": {p.name: p.probe for p in peers}, "bytes": 65536})
+        peers = {p: self.nodes[p].probe for p in policy.probe_peers(ring, v.name)}
+        self.endpoint.send(f"n:{v.name}", {"t": "probe", "peers": peers, "bytes": 65536})
 
     def _on_probe(self, name: str, rtt: dict[str, float | None]) -> None:
         v = self.nodes.get(name)
@@ -295,13 +302,15 @@ class Controller(GenerationLifecycle, HealthActions):
                 )
 
     def _on_worker_hb(self, ident: str, msg: dict[str, Any], now: float) -> None:
-        w = self.workers.get(ident)
-        if w is None:
-            w = self.workers[ident] = WorkerInfo(ident, str(msg["node"]), int(msg["pid"]), now)
+        w = self.workers.get(ident) or self._new_worker(ident, str(msg["node"]), int(msg["pid"]), now)
         w.last_heartbeat, w.disconnected_at = now, None
         if msg["state"] == "warm" and w.warm_at is None:
             w.warm_at = now
-        w.state, w.gen, w.rank, w.step = str(msg["state"]), int(msg["gen"]), int(msg["rank"]), int(msg["step"])
+        if (int(msg["gen"]), int(msg["rank"])) != (w.gen, w.rank):
+            self.rank_workers.get((w.gen, w.rank), {}).pop(ident, None)
+            w.gen, w.rank = int(msg["gen"]), int(msg["rank"])
+            self.rank_workers.setdefault((w.gen, w.rank), {})[ident] = w
+        w.state, w.step = str(msg["state"]), int(msg["step"])
         w.resume_step, w.tokens_per_s = msg.get("resume_step"), float(msg.get("tokens_per_s", 0.0))
         for k in ("versions", "cache_hits", "cache_misses", "mesh_device_order", "step_time", "resumed_from", "loop"):
             if k in msg:
@@ -380,17 +389,16 @@ class Controller(GenerationLifecycle, HealthActions):
                 self._on_alarms(alarms)  # the device probe, an eviction (health_actions.py)
 
     def _probe_links(self) -> None:
-        """Ping every pair of live nodes' agents (TCP), naming a node whose links are all slow."""
+        """Have every live node ping its neighbours (TCP, policy.probe_peers), naming a node whose links are all
+        slow."""
         live = self._live_nodes()
         self.anomaly_probe = {v.name for v in live}
         for v in live:
-            self._probe(v, live)
+            self._probe(v, [n.name for n in live])
 
     def _on_exit(self, node: str, pid: int, rc: int, now: float) -> None:
         ident = f"w:{node}:{pid}"
-        w = self.workers.get(ident)
-        if w is None:
-            w = self.workers[ident] = WorkerInfo(ident, node, pid, now)
+        w = self.workers.get(ident) or self._new_worker(ident, node, pid, now)
         if w.exit_code is not None:
             return
         w.exit_code, w.exited_at = rc, now
@@ -412,19 +420,28 @@ class Controller(GenerationLifecycle, HealthActions):
 
     # ------------------------------------------------------------------ views
 
+    def _new_worker(self, ident: str, node: str, pid: int, now: float) -> WorkerInfo:
+        w = self.workers[ident] = WorkerInfo(ident, node, pid, now)
+        self.node_workers.setdefault(node, {})[ident] = w
+        self.rank_workers.setdefault((w.gen, w.rank), {})[ident] = w
+        return w
+
+    def _workers_on(self, node: str) -> list[WorkerInfo]:
+        return list(self.node_workers.get(node, {}).values())
+
     def _heard_workers(self, node: str, now: float) -> list[int]:
         """Pids of the live worker processes on ``node`` heard within ``heartbeat_timeout``."""
         return sorted(
             w.pid
-            for w in self.workers.values()
-            if w.node == node and w.exit_code is None and now - w.last_heartbeat <= self.cc.heartbeat_timeout
+            for w in self._workers_on(node)
+            if w.exit_code is None and now - w.last_heartbeat <= self.cc.heartbeat_timeout
         )
 
     def _live_nodes(self) -> list[NodeView]:
         return [v for v in self.nodes.values() if not v.lost]
 
     def _warm_worker(self, node: str) -> WorkerInfo | None:
-        warm = [w for w in self.workers.values() if w.node == node and w.warm]
+        warm = [w for w in self._workers_on(node) if w.warm]
         return min(warm, key=lambda w: w.pid) if warm else None
 
     def _ready_nodes(self) -> list[NodeView]:
@@ -445,11 +462,7 @@ class Controller(GenerationLifecycle, HealthActions):
 
     def _member_worker(self, rank: int) -> WorkerInfo | None:
         s = self.state
-        ws = [
-            w
-            for w in self.workers.values()
-            if w.gen == s.generation and w.rank == rank and w.node == s.members.get(rank)
-        ]
+        ws = [w for w in self.rank_workers.get((s.generation, rank), {}).values() if w.node == s.members.get(rank)]
         return max(ws, key=lambda w: w.last_heartbeat) if ws else None
 
     # ------------------------------------------------------------------ decisions
@@ -469,8 +482,8 @@ class Controller(GenerationLifecycle, HealthActions):
                 continue
             v.lost, v.ready_at, v.link_ok = True, None, False
             self.events.add("node_lost", node=v.name, silent_s=round(silent, 2))
-            for w in self.workers.values():  # its spare processes went with it: never assign one if the node is back
-                if w.node == v.name and w.warm:
+            for w in self._workers_on(v.name):  # its spare processes went with it: never assign one if it is back
+                if w.warm:
                     w.exit_code, w.exited_at = -int(signal.SIGKILL), now
         if self.attaching:
             if now - self.t0 < 2 * self.cc.heartbeat_timeout + 1.0:
@@ -526,16 +539,19 @@ class Controller(GenerationLifecycle, HealthActions):
         )
         stop = lambda *_: setattr(self, "running", False)  # noqa: E731  (the job goes on without us)
         signal.signal(signal.SIGTERM, stop)
+        last_tick = 0.0
         try:
             while self.running:
-                got = self.endpoint.recv(0.05)
+                got = self.endpoint.recv(TICK_S)
                 while got is not None:
                     self.handle(*got)
                     got = self.endpoint.recv(0)
                 for ident, t in self.endpoint.take_disconnects():
                     if ident in self.workers:
                         self.workers[ident].disconnected_at = t
-                self.tick(time.monotonic())
+                if time.monotonic() - last_tick >= TICK_S:  # O(nodes) each: not after every message of a flood
+                    last_tick = time.monotonic()
+                    self.tick(last_tick)
                 if watch is not None and time.monotonic() - self.last_watch > 1.0:
                     self.last_watch = time.monotonic()
                     why = watch()

@@ -231,14 +231,14 @@ class GenerationLifecycle:
         self.blame_rank = {f.node: f.rank for f in failures if f.node and f.rank is not None}
         # The whole generation goes: on CPU no process survives the loss of a peer.
         for r, node in s.members.items():
-            for w in self.workers.values():
-                if w.node == node and w.gen == s.generation and w.alive:
+            for w in self._workers_on(node):
+                if w.gen == s.generation and w.alive:
                     self._kill(node, [w.pid])
             if s.pids.get(r):
                 self._kill(node, [s.pids[r]])
         if self.cc.recovery == "requeue":  # nothing warm survives a requeue
             for v in self._live_nodes():
-                self._kill(v.name, [w.pid for w in self.workers.values() if w.node == v.name and w.alive])
+                self._kill(v.name, [w.pid for w in self._workers_on(v.name) if w.alive])
                 self.endpoint.send(f"n:{v.name}", {"t": "replenish", "at_least": 1})
         self.start_failures = 0 if first_step else self.start_failures + 1
         s.restarts += 1

@@ -263,6 +263,21 @@ def process_failure_verdict(log: Sequence[tuple[int, str]], limit: int) -> Verdi
 # --------------------------------------------------------------------------- slowness
 
 
+PROBE_PEERS = 8  # the other nodes one node pings (its link check): the cost grows as N x this, not N^2
+
+
+def probe_peers(names: Sequence[str], name: str, k: int = PROBE_PEERS) -> list[str]:
+    """The nodes ``name`` pings: itself (its probe address as the others see it) and the ``k`` nodes before it in
+    ``names`` (cyclically).  Over a ring of live nodes every node pings ``k`` and is pinged by ``k``, so each
+    node's round-trip times cover 2k links, enough for :func:`slow_nodes` to tell a slow node (in all of its
+    pairs) from its neighbours (in one or two of theirs); a node joining pings the ``k`` that joined last."""
+    if name not in names:
+        return [name]
+    i = list(names).index(name)
+    before = [names[(i - j) % len(names)] for j in range(1, min(k, len(names) - 1) + 1)]
+    return [name, *before]
+
+
 def slow_nodes(rtt: dict[tuple[str, str], float], factor: float = 3.0) -> list[str]:
     """Nodes whose median round-trip time (s) to the others exceeds ``factor`` x the median over all nodes.
 

@@ -410,8 +410,10 @@ class Peer:
         interval_s: float = 0.25,
         liveness_s: float = 1.0,
         start: str = "",
+        ctx: zmq.Context | None = None,
     ):
-        self.ctx = zmq.Context()
+        self._own_ctx = ctx is None  # a process hosting many agents (a simulated cluster) shares one context
+        self.ctx = zmq.Context() if ctx is None else ctx
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -445,7 +447,8 @@ class Peer:
 
     def close(self) -> None:
         self.sock.close(0)
-        self.ctx.term()
+        if self._own_ctx:
+            self.ctx.term()
 
 
 NONE, NUMBER = type(None), (int, float)  # for the specs of fields_problem

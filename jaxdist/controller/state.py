@@ -101,7 +101,11 @@ class JobState:
         self.updated = time.time()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        # Compact, field by field (no deep copy): written 4 times a second, at 1,024 nodes an indented dump of
+        # dataclasses.asdict took ~60 ms (Python's pure encoder), this a few.
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["history"] = [{f.name: getattr(g, f.name) for f in dataclasses.fields(g)} for g in self.history]
+        tmp.write_text(json.dumps(d, separators=(",", ":")))
         os.replace(tmp, path)
 
     @staticmethod

@@ -9,6 +9,7 @@ import pytest
 
 from jaxdist.config import load_config
 from jaxdist.controller.policy import (
+    PROBE_PEERS,
     TERM_GRACE_S,
     Failure,
     WorkerView,
@@ -19,6 +20,7 @@ from jaxdist.controller.policy import (
     lineage,
     lost_steps,
     plan_replacement,
+    probe_peers,
     process_failure_verdict,
     slow_nodes,
     valid_group_sizes,
@@ -167,6 +169,24 @@ def test_slow_nodes_finds_the_node_in_every_slow_pair():
         rtt[(x, "c")] = rtt[("c", x)] = 0.05
     assert slow_nodes(rtt) == ["c"]
     assert slow_nodes({("a", "b"): 1.0, ("b", "a"): 1.0}) == []  # two nodes: cannot tell which
+
+
+def test_probe_peers_are_linear_in_the_node_count_and_still_find_the_slow_node():
+    """Each node pings itself and the PROBE_PEERS nodes before it (cyclically): N x (PROBE_PEERS + 1) pings, not
+    N^2, every node in 2 x PROBE_PEERS pairs -- and over that ring slow_nodes still names a slow node alone."""
+    assert probe_peers(["a", "b", "c"], "a") == ["a", "c", "b"]  # small: everyone, itself first
+    assert probe_peers(["a"], "a") == ["a"] and probe_peers(["a"], "z") == ["z"]
+    names = [f"n{i:03d}" for i in range(300)]
+    assert probe_peers(names, "n100") == ["n100", *[f"n{i:03d}" for i in range(99, 99 - PROBE_PEERS, -1)]]
+    assert probe_peers(names, "n001", 3) == ["n001", "n000", "n299", "n298"]
+    for n in (16, 64, 256):
+        ring = names[:n]
+        pairs = [(a, b) for a in ring for b in probe_peers(ring, a)]
+        assert len(pairs) == n * (PROBE_PEERS + 1)
+        pinged = {b: sum(1 for a, x in pairs if x == b and a != b) for b in ring}
+        assert set(pinged.values()) == {PROBE_PEERS}  # every node is checked by the same number of others
+        rtt = {(a, b): (0.05 if "n007" in (a, b) else 0.001) for a, b in pairs if a != b}
+        assert slow_nodes(rtt) == ["n007"]
 
 
 def test_lineage_is_each_batch_once_exactly_when_resumes_are_consistent():

@@ -1,0 +1,108 @@
+"""How the controller's work per heartbeat and per judgment (``tick``) grows with the node count, counted.
+
+The controller runs in this process (no agents): N nodes register and check their links, each with a warm
+worker; generation 0 starts on all of them and every member reports training.  Counted, not timed: the
+entries that walks over the controller's whole worker tables visit (every worker, the per-node and the
+per-rank index) while it handles one round of heartbeats and judges the job ``TICKS`` times.  At N = 32, 64
+and 128 the count per node must stay flat; the lookups it replaced (every worker walked for each node or
+rank, each tick) made it grow with N: 1,397, 2,773 and 5,525 per node (now 0: lookups go through the indexes).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from jaxdist.config import load_config
+from jaxdist.controller.controller import Controller
+from jaxdist.controller.local import write_cpu_cluster
+
+TICKS = 20
+
+
+class CountingDict(dict):
+    """A dict that counts the entries every full walk over it visits (values, items, keys, iteration)."""
+
+    visited = 0
+
+    def values(self):
+        CountingDict.visited += len(self)
+        return super().values()
+
+    def items(self):
+        CountingDict.visited += len(self)
+        return super().items()
+
+    def __iter__(self):
+        CountingDict.visited += len(self)
+        return super().__iter__()
+
+
+def _node_hb(name: str, pid: int) -> dict:
+    return {
+        "t": "node_hb",
+        "node": name,
+        "host": "127.0.0.1",
+        "checks": {"ok": True, "disk": "ok", "devices": 1},
+        "probe": "127.0.0.1:1",
+        "free_port": 2,
+        "procs": [{"pid": pid, "role": "spare", "gen": -1, "rank": -1, "rc": None}],
+        "welcomed": True,
+    }
+
+
+def _hb(name: str, pid: int, state: str, gen: int = -1, rank: int = -1, step: int = 0) -> dict:
+    return {"t": "hb", "node": name, "pid": pid, "state": state, "gen": gen, "rank": rank, "step": step}
+
+
+def visits_per_node(tmp_path, n: int) -> float:
+    cluster = write_cpu_cluster(tmp_path / f"c{n}.toml", n, 1)
+    cfg = load_config(
+        None,
+        [
+            "model=tiny",
+            f"mesh.cluster={cluster}",
+            f"train.batch_size={n}",
+            "train.seq_len=32",
+            f"train.runs_dir={tmp_path / f'runs{n}'}",
+            "controller.worker_command={python} -c pass",
+            "controller.start_grace=0",
+        ],
+    )
+    ctl = Controller(cfg, [])
+    try:
+        ctl.workers = CountingDict()
+        ctl.node_workers = CountingDict()
+        ctl.rank_workers = CountingDict()
+        names = [f"n{i:04d}" for i in range(n)]
+        pid = {name: 1000 + i for i, name in enumerate(names)}
+        for name in names:
+            ctl.handle(f"n:{name}", _node_hb(name, pid[name]))
+            ctl.handle(f"n:{name}", {"t": "probe_result", "node": name, "rtt": {name: 0.001}})
+            ctl.handle(f"w:{name}:{pid[name]}", _hb(name, pid[name], "warm"))
+        ctl.tick(time.monotonic())  # starts generation 0 on every node
+        s = ctl.state
+        assert s.generation == 0 and len(s.members) == n, ctl.state
+
+        CountingDict.visited = 0
+        for r, name in s.members.items():  # one round of heartbeats: every node, every member training
+            ctl.handle(f"n:{name}", _node_hb(name, pid[name]))
+            ctl.handle(f"w:{name}:{pid[name]}", _hb(name, pid[name], "training", 0, r, 1))
+        assert s.phase == "running"
+        for _ in range(TICKS):
+            ctl.tick(time.monotonic())
+        return CountingDict.visited / n
+    finally:
+        ctl.endpoint.close()
+        ctl.run_lock.release()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the controller's run lock and sockets are POSIX")
+def test_the_controllers_lookups_grow_linearly_with_the_nodes(tmp_path):
+    counts = {n: visits_per_node(tmp_path, n) for n in (32, 64, 128)}
+    # flat per node (a few visits per node and tick); a scan of every worker per node or rank would give
+    # ~N x TICKS per node: 4x more at 128 than at 32
+    assert counts[128] <= 1.2 * counts[32] + 1, counts
+    assert counts[128] < 128 * TICKS / 4, counts
