@@ -50,6 +50,7 @@ import argparse
 import dataclasses
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -281,7 +282,13 @@ def controller_row(n: int, quiet_s: float) -> dict:
         t0 = time.monotonic()
         job.start()
         pid = job.controller.pid
-        job.wait_until(lambda s: s["phase"] == "running", 900, "generation 0 running")
+        try:
+            job.wait_until(lambda s: s["phase"] == "running", 300, "generation 0 running")
+        except TimeoutError:  # the row says what happened instead
+            row["start s"] = float("nan")
+            row["false losses"] = sum(1 for e in job.events() if e["event"] == "node_lost")
+            row["ctl CPU share"] = _proc_cpu_s(pid) / (time.monotonic() - t0)
+            return row
         row["start s"] = time.monotonic() - t0
         events0 = (job.dir / "events.jsonl").stat().st_size
         c0, w0 = _proc_cpu_s(pid), time.monotonic()
@@ -311,8 +318,9 @@ def controller_row(n: int, quiet_s: float) -> dict:
         row["told s"] = told[0]["time"] - found[0]["time"] if found and told else float("nan")
     finally:
         job.close()
-    counts = job.host_counts()
-    row["pings"] = counts.get("ping_sent", 0)
+        counts = job.host_counts()
+        row["pings"] = counts.get("ping_sent", 0)
+        shutil.rmtree(root, ignore_errors=True)
     return row
 
 
@@ -322,15 +330,16 @@ def print_rows(title: str, rows: list[dict], x: str, costs: list[str]) -> None:
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in rows:
-        cells = [f"{r[h]:,}" if isinstance(r[h], int) else f"{r[h]:.3g}" if isinstance(r[h], float) else r[h]
-                 for h in head]  # fmt: skip
+        vals = [r.get(h, "-") for h in head]  # a row that stopped early (a job that never started) has fewer
+        cells = [f"{v:,}" if isinstance(v, int) else f"{v:.3g}" if isinstance(v, float) else v
+                 for v in vals]  # fmt: skip
         print("| " + " | ".join(cells) + " |")
     print(f"growth exponent in {x}: " + ", ".join(f"{c} {growth(rows, x, c):.2f}" for c in costs))
 
 
 def growth(rows: list[dict], x: str, y: str) -> float:
     """Least-squares slope of log(y) against log(x) over the rows (nan where a value is not positive)."""
-    pts = [(math.log(r[x]), math.log(r[y])) for r in rows if r[x] > 0 and r[y] > 0]
+    pts = [(math.log(r[x]), math.log(r[y])) for r in rows if r.get(y, 0) > 0 and r[x] > 0]
     if len(pts) < 2:
         return float("nan")
     xs, ys = np.array(pts).T
