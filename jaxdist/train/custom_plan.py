@@ -186,10 +186,9 @@ def _with_mesh(config: Config, sizes: dict[str, int], **extra: Any) -> Config:
                          **{f"mesh.{a}": n for a, n in sizes.items()}, **extra})  # fmt: skip
 
 
-def _compile(resolved: Resolved) -> tuple[Any, float]:
-    """The train step of ``resolved`` compiled (at LLVM level 0 on CPU: the same buffers, a faster compile)."""
+def _compile(program: Program) -> tuple[Any, float]:
+    """The train step of ``program`` compiled (at LLVM level 0 on CPU: the same buffers, a faster compile)."""
     t0 = time.perf_counter()
-    program = Program(resolved)
     lowered = program._train_step.lower(program.abstract_state(), program.abstract_batch())
     cpu = program.devices[0].platform == "cpu"
     options = {"xla_backend_optimization_level": 0} if cpu else dict(program.xla_options)
@@ -209,7 +208,7 @@ def probe(config: Config, devices: Sequence[Any], user: custom.UserModel, remat:
     points = []
     for b in (b1, 2 * b1):
         cfg = _with_mesh(config, {a: 1 for a in AXES}, **{"train.batch_size": b, "train.microbatches": 1})
-        compiled, _ = _compile(Resolved(cfg, tuple(devices[:1]), remat, user=user))
+        compiled, _ = _compile(Program(Resolved(cfg, tuple(devices[:1]), remat, user=user)))
         points.append(_temp_and_flops(compiled))
     (t1, f1), (t2, f2) = points
     per_t, per_f = max(0.0, (t2 - t1) / b1), max(0.0, (f2 - f1) / b1)
@@ -244,7 +243,7 @@ def _two_device_temp(config, devices, user, remat, sizes, batch, names, abstract
         held = _device_bytes(program.abstract_state()["params"])
     except (ConfigError, ValueError):  # no parameter splits over that axis: no such candidate to predict
         return None
-    compiled, _ = _compile(Resolved(cfg, tuple(devices[:2]), remat, user=user))
+    compiled, _ = _compile(program)
     return _temp_and_flops(compiled)[0], held
 
 
@@ -326,18 +325,18 @@ def plan_user_mesh(
             trials.append(MeshTrial(sizes, predicted_bytes=predicted, state_bytes=state, refused=why))
             continue
         remat = first
-        compiled, secs = _compile(Resolved(cfg, devices, remat, user=user))
+        compiled, secs = _compile(program)
         peak = peak_of(compiled)[0]
         if auto_remat and peak > budget:  # full recomputation may fit where saving everything does not
             remat = Remat.parse("full")
             cfg = cfg.set(**{"train.remat": "full"})
-            compiled, more = _compile(Resolved(cfg, devices, remat, user=user))
+            compiled, more = _compile(Program(Resolved(cfg, devices, remat, user=user)))
             peak, secs = peak_of(compiled)[0], secs + more
         microbatches = cfg.train.microbatches
         for m in more_microbatches(cfg, sizes) if peak > budget else []:  # smaller passes, the gradients summed
             cfg = cfg.set(**{"train.microbatches": m})
             program = Program(Resolved(cfg, devices, remat, user=user))
-            compiled, more = _compile(Resolved(cfg, devices, remat, user=user))
+            compiled, more = _compile(program)
             peak, secs, microbatches = peak_of(compiled)[0], secs + more, m
             predicted = predicted_bytes(program, measured)
             if peak <= budget:
