@@ -131,20 +131,8 @@ def mode_save(spec) -> None:
                 strategy=job.get("strategy", "balanced"),
                 verify=job.get("verify", True),
             )
-            times = []
-            for s in range(job.get("saves", 1)):
-                t0 = time.perf_counter()
-                ck.save(s + 1, state, {"step": s + 1})
-                blocked = time.perf_counter() - t0
-                ck.wait()
-                times.append((blocked, time.perf_counter() - t0))
-            restore_s = []
-            for _ in range(job.get("restores", 0)):
-                t0 = time.perf_counter()
-                got, _ = ck.restore(abstract)
-                jax.block_until_ready(got)
-                restore_s.append(time.perf_counter() - t0)
-                assert matches(got, ref), "the restored state differs from the saved one"
+            times = _timed_saves(job, lambda s, ck=ck, state=state: ck.save(s, state, {"step": s}), ck.wait)
+            restore_s = _timed_restores(job, ref, lambda ck=ck, abstract=abstract: ck.restore(abstract)[0])
             ck.close()
             mark("saved")
             result(
@@ -159,6 +147,31 @@ def mode_save(spec) -> None:
             )
 
 
+def _timed_saves(job, save, wait) -> list[tuple[float, float]]:
+    """``save(step)`` for steps 1..``saves``, each finished (``wait()``) before the next: (blocked, total) seconds."""
+    times = []
+    for s in range(job.get("saves", 1)):
+        t0 = time.perf_counter()
+        save(s + 1)
+        blocked = time.perf_counter() - t0
+        wait()
+        times.append((blocked, time.perf_counter() - t0))
+    return times
+
+
+def _timed_restores(job, ref, restore) -> list[float]:
+    """Seconds of each of ``restores`` calls of ``restore()`` (the state on the devices), each checked against
+    ``ref``."""
+    out = []
+    for _ in range(job.get("restores", 0)):
+        t0 = time.perf_counter()
+        got = restore()
+        jax.block_until_ready(got)
+        out.append(time.perf_counter() - t0)
+        assert matches(got, ref), "the restored state differs from the saved one"
+    return out
+
+
 def _orbax_save(job, state, abstract, ref) -> dict:
     """Plain orbax (``StandardCheckpointer``: async, OCDBT) saving ``state`` like mode_save: save times, restore.
 
@@ -167,20 +180,8 @@ def _orbax_save(job, state, abstract, ref) -> dict:
 
     root = Path(job["ckpt"])
     ck = ocp.StandardCheckpointer()
-    times = []
-    for s in range(job.get("saves", 1)):
-        t0 = time.perf_counter()
-        ck.save(root / str(s + 1), state)
-        blocked = time.perf_counter() - t0
-        ck.wait_until_finished()
-        times.append((blocked, time.perf_counter() - t0))
-    restore_s = []
-    for _ in range(job.get("restores", 0)):
-        t0 = time.perf_counter()
-        got = ck.restore(root / str(job.get("saves", 1)), abstract)
-        jax.block_until_ready(got)
-        restore_s.append(time.perf_counter() - t0)
-        assert matches(got, ref), "the restored state differs from the saved one"
+    times = _timed_saves(job, lambda s: ck.save(root / str(s), state), ck.wait_until_finished)
+    restore_s = _timed_restores(job, ref, lambda: ck.restore(root / str(job.get("saves", 1)), abstract))
     ck.close()
     written = [0] * jax.process_count()
     for path in (root / str(job.get("saves", 1))).rglob("*"):
