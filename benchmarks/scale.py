@@ -1,4 +1,4 @@
-"""How the costs of the data order, the checkpoint plan, the planner and the Slurm parsing grow with size.
+"""How the costs of the data order, the checkpoint plan, the planner, Slurm parsing and the controller grow.
 
 Issue 37's subsystems at scale, one table each, with a fitted growth exponent per cost (the slope of
 log(cost) against log(size) over the rows: 1.0 is linear, 2.0 quadratic).
@@ -30,6 +30,10 @@ figures, nodes multiplied; batch = GPUs / 4 sequences of 4,096 tokens): seconds 
 
 **Slurm parsing** of ``scontrol show node -d`` text of 100, 1,000 and 10,000 nodes (the format Slurm 22
 writes, 8 GPUs each, some drained or allocated): ``parse_nodes`` seconds.
+
+**The health detector** (``--tables health``): 64, 256 and 1,024 ranks' efficiency periods added one at a
+time, with the complete rounds judged after each, as the controller does: milliseconds per round, microseconds
+per period.
 
 **The controller** (``--tables controller``, not in the default set: about 10 minutes) at its defaults against
 N = 64, 256 and 1,024 simulated nodes (``tests/controller/sim_cluster.py``: the real protocol, CURVE and HMAC,
@@ -324,6 +328,27 @@ def controller_row(n: int, quiet_s: float) -> dict:
     return row
 
 
+def health_row(ranks: int, rounds: int = 20) -> dict:
+    """The controller's health detector over ``ranks`` ranks (in this process): periods added one at a time and
+    rounds asked for after each, as the controller does; milliseconds per round (the median and MAD over ranks
+    of each part included) and per period."""
+    import random
+
+    from jaxdist.controller.health import HealthHistory, Period
+
+    rng = random.Random(0)
+    h = HealthHistory(0, ranks)
+    t = time.perf_counter()
+    for i in range(rounds):
+        for r in range(ranks):
+            j = 1 + rng.gauss(0, 0.1)
+            h.add(Period(0, r, f"n{r}", i, 10 * i + 1, 10 * i + 10, 0.0, 80, 1.0 * j, 0.01 * j, 0.1 * j, 0.8 * j))
+            for _ in h.complete_rounds():
+                pass
+    dt = time.perf_counter() - t
+    return {"ranks": ranks, "ms per round": dt / rounds * 1e3, "us per period": dt / (rounds * ranks) * 1e6}
+
+
 def print_rows(title: str, rows: list[dict], x: str, costs: list[str]) -> None:
     print(f"\n{title}")
     head = list(rows[0])
@@ -362,7 +387,9 @@ def print_table(title: str, rows: list[dict], x: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
-    ap.add_argument("--tables", default="batchlist,checkpoint,planner,slurm", help="which tables, comma-separated")
+    ap.add_argument(
+        "--tables", default="batchlist,checkpoint,planner,slurm,health", help="which tables, comma-separated"
+    )
     args = ap.parse_args()
     tables, q = set(args.tables.split(",")), args.quick
     print(f"host load (1 min) at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
@@ -378,6 +405,9 @@ def main() -> None:
     if "planner" in tables:
         rows = [planner_row(g) for g in ((64, 256, 1024) if q else (1024, 4096, 16384))]
         print_rows("jaxdist plan, llama-70b", rows, "gpus", ["plan s", "evaluations"])
+    if "health" in tables:
+        rows = [health_row(n) for n in (64, 256, 1024)]
+        print_rows("The controller's health detector", rows, "ranks", ["ms per round", "us per period"])
     if "controller" in tables:
         rows = [controller_row(n, 10.0) for n in ((16, 32, 64) if q else (64, 256, 1024))]
         costs = ["start s", "ctl CPU share", "ctl RSS MB", "state KB", "state save ms", "events KB/h", "pings"]

@@ -412,3 +412,16 @@ def test_a_probe_names_a_far_slower_link_over_a_noisy_compute_test():
     assert (v["kind"], v["node"], v["link"]) == ("link", None, ["n0", "n3"])
     rec["compute_s"]["n3"] = 0.6  # a compute test 600 ms slower: the node
     assert (name_probe(rec)["kind"], name_probe(rec)["node"]) == ("compute", "n3")
+
+
+def test_median_mad_of_others_equals_each_median_mad_without_the_value():
+    """The O(N log N) leave-one-out median and MAD give exactly (bit for bit) what a median of the N - 1 others
+    gives, for odd and even counts, ties, and a few ranks."""
+    from jaxdist.controller.health import median_mad, median_mad_of_others
+
+    rng = random.Random(5)
+    for n in (2, 3, 4, 5, 8, 9, 33, 64):
+        for ties in (False, True):
+            values = [round(rng.uniform(0, 1), 1 if ties else 6) for _ in range(n)]
+            want = [median_mad(values[:i] + values[i + 1 :]) for i in range(n)]
+            assert median_mad_of_others(values) == want, (n, values)
