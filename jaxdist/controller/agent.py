@@ -70,6 +70,21 @@ class Assignment:
         }
 
 
+def first_heartbeat() -> dict[str, Any]:
+    """What a worker's heartbeat says before the worker has warmed up, been assigned or trained."""
+    return {
+        "state": "warming",
+        "gen": -1,
+        "rank": -1,
+        "step": 0,
+        "resume_step": None,
+        "tokens_per_s": 0.0,
+        "step_time": 0.0,
+        "cache_hits": 0,
+        "cache_misses": 0,
+    }
+
+
 class WorkerAgent:
     """Heartbeats and assignments of one worker process (see the module docstring)."""
 
@@ -78,17 +93,7 @@ class WorkerAgent:
         self.identity = f"w:{node}:{self.pid}"
         self._peer = Peer(token, controller, self.identity, interval, liveness, os.environ.get(START_ENV, ""))
         self._lock = threading.Lock()
-        self._info: dict[str, Any] = {
-            "state": "warming",
-            "gen": -1,
-            "rank": -1,
-            "step": 0,
-            "resume_step": None,
-            "tokens_per_s": 0.0,
-            "step_time": 0.0,
-            "cache_hits": 0,
-            "cache_misses": 0,
-        }
+        self._info: dict[str, Any] = first_heartbeat()
         self._assigned = threading.Event()
         self._assignment: Assignment | None = None
         self._stop = threading.Event()

@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from jaxdist.controller.agent import record_step
+from jaxdist.controller.agent import first_heartbeat, record_step
 from jaxdist.controller.local import LocalJob, write_cpu_cluster
 from jaxdist.controller.node import self_check
 from jaxdist.controller.protocol import TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client, free_port
@@ -65,17 +65,7 @@ class SimWorker:
             node.peer.verifier.last_sid,
             ctx=host.ctx,
         )
-        self.info: dict[str, Any] = {
-            "state": "warming",
-            "gen": -1,
-            "rank": -1,
-            "step": 0,
-            "resume_step": None,
-            "tokens_per_s": 0.0,
-            "step_time": 0.0,
-            "cache_hits": 0,
-            "cache_misses": 0,
-        }
+        self.info: dict[str, Any] = first_heartbeat()
         self.warm_at = time.monotonic() + host.warm_s
         self.next_beat = 0.0
         self.role, self.exit_code, self.reported, self.killed = "spare", None, False, False
