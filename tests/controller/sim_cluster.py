@@ -496,7 +496,8 @@ class SimHost:
 class SimCluster(LocalJob):
     """The real controller process and ``nodes`` simulated nodes in ``hosts`` processes; ``group`` of them train.
 
-    ``extra``: more config arguments; ``step_s``: seconds per simulated step; ``env``: for the controller.
+    The controller's settings are its defaults unless ``extra`` (more config arguments) says otherwise;
+    ``step_s``: seconds per simulated step; ``env``: for the controller.
     """
 
     def __init__(
@@ -508,7 +509,6 @@ class SimCluster(LocalJob):
         steps: int,
         extra: list[str] | None = None,
         step_s: float = 0.5,
-        health_every: int = 0,
         env: dict[str, str] | None = None,
     ):
         cwd = Path(cwd)
@@ -522,13 +522,12 @@ class SimCluster(LocalJob):
             "train.runs_dir=runs",
             "train.name=sim",
             f"controller.max_nodes={group}",
-            f"controller.health_every={health_every}",
             "controller.worker_command={python} -c pass",  # never started: the simulated nodes fake their workers
             *(extra or []),
         ]
         super().__init__(args, nodes=0, cwd=cwd, env=env)
         self.names = [f"sim-{i:04d}" for i in range(nodes)]
-        self.n_hosts, self.steps, self.step_s, self.health_every = hosts, steps, step_s, health_every
+        self.n_hosts, self.steps, self.step_s = hosts, steps, step_s
         self.sim_dir = cwd / "sim"
         self.hosts: list[subprocess.Popen] = []
 
@@ -560,7 +559,7 @@ class SimCluster(LocalJob):
                 "--step-s",
                 str(self.step_s),
                 "--health-every",
-                str(self.health_every),
+                str(self.cfg.controller.health_every),  # the periods a worker sends, as the config says
             ]
             with open(self.sim_dir / f"host{i}.log", "w") as out:
                 self.hosts.append(
