@@ -54,6 +54,7 @@ import argparse
 import dataclasses
 import math
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -66,6 +67,8 @@ import jaxdist.data.journal as journal_module
 from jaxdist.checkpoint.plan import layout_from_spec, plan_writes
 from jaxdist.cluster import load_cluster
 from jaxdist.config import load_config
+from jaxdist.controller.health import HealthHistory, Period
+from jaxdist.controller.state import JobState
 from jaxdist.data import RunBatchList, add_data
 from jaxdist.data.audit import verify
 from jaxdist.models.arithmetic import param_count
@@ -304,8 +307,6 @@ def controller_row(n: int, quiet_s: float) -> dict:
         row["false losses"] = sum(1 for e in job.events() if e["event"] in ("node_lost", "failure"))
         state_path = job.dir / "state.json"
         row["state KB"] = state_path.stat().st_size / 1e3
-        from jaxdist.controller.state import JobState
-
         st = JobState.load(state_path)
         t = time.perf_counter()
         for _ in range(10):
@@ -332,10 +333,6 @@ def health_row(ranks: int, rounds: int = 20) -> dict:
     """The controller's health detector over ``ranks`` ranks (in this process): periods added one at a time and
     rounds asked for after each, as the controller does; milliseconds per round (the median and MAD over ranks
     of each part included) and per period."""
-    import random
-
-    from jaxdist.controller.health import HealthHistory, Period
-
     rng = random.Random(0)
     h = HealthHistory(0, ranks)
     t = time.perf_counter()
