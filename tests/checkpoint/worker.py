@@ -289,6 +289,7 @@ def mode_fit(spec) -> None:
         def crash(tr, step, _):
             if step == crash_at:
                 tr.local.wait()
+                tr.checkpointer.wait()  # the previous persistent step committed too, however loaded the host
                 print(f"CRASH {step}", flush=True)
                 os._exit(17)
 
