@@ -12,7 +12,7 @@ Modes (JSON fields in brackets):
   compare every shard with the values of ``seed`` bit for bit.
 * ``fit`` [overrides, crash_at]: ``Trainer.fit`` (checkpoints on); with
   ``crash_at``, every process exits with code 17 at that step, once the
-  previous step's local checkpoint is on disk; prints ``RESULT`` with where
+  previous step's local and persistent checkpoints are committed; prints ``RESULT`` with where
   it resumed from and a SHA-256 of the whole final state.
 * ``tiers`` [overrides, ckpt, local, steps]: time ``steps`` training steps
   with no checkpoint, with a persistent (orbax, async) save after every step
