@@ -127,3 +127,24 @@ def test_an_error_inside_an_installed_package_is_not_called_missing():
     assert optional.missing_package(ModuleNotFoundError("No module named 'yaml'", name="yaml")) is None
     with pytest.raises(ModuleNotFoundError):
         optional.load("tqdm.no_such_module", "x")  # tqdm is installed: raised, not skipped
+
+
+def test_tensorboard_files_are_written_without_importing_torch(tmp_path):
+    """tensorboardX imports torch at import when torch is installed; the metrics writer keeps it out (a training
+    process pays no torch import), and a later ``import torch`` in the same process still works."""
+    pytest.importorskip("tensorboardX", reason="tensorboardX is not installed")
+    code = f"""
+import importlib.util, sys
+from jaxdist.train.metrics import MetricsWriter
+w = MetricsWriter({str(tmp_path)!r}, tensorboard=True)
+w.write("train", 1, {{"loss": 1.5}})
+w.close()
+assert "tensorboardX" in sys.modules and "torch" not in sys.modules, "torch was imported"
+if importlib.util.find_spec("torch") is not None:
+    import torch
+    assert torch.ones(2).sum().item() == 2.0
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*")), "no event file written"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -35,11 +36,7 @@ class MetricsWriter:
         self._file = open(self.path, "a", buffering=1)
         if torn:
             self._file.write("\n")
-        tensorboardx = (
-            optional.load("tensorboardX", "no TensorBoard event files", "train.tensorboard=false")
-            if tensorboard
-            else None
-        )
+        tensorboardx = _load_tensorboardx() if tensorboard else None
         if tensorboardx is not None:
             self._tb = tensorboardx.SummaryWriter(str(Path(run_dir) / "tb"))
 
@@ -97,3 +94,23 @@ def read_metrics(run_dir: str | Path, kind: str | None = "train") -> list[dict[s
     mid-write) is skipped with a warning naming it (see jaxdist.data.audit.read_records)."""
     rows = read_records(Path(run_dir) / "metrics.jsonl")
     return [r for r in rows if kind is None or r.get("kind") == kind]
+
+
+def _load_tensorboardx():
+    """tensorboardX (None, with one warning, when it is not installed), imported without importing torch.
+
+    tensorboardX's writer imports torch at import when torch is installed, only so that its ``add_*`` calls
+    accept torch tensors; this writer logs Python floats.  Importing torch costs every training process
+    seconds of CPU (each process of a multi-host job, each run of a test suite that has torch for other reasons),
+    so while tensorboardX is imported, ``import torch`` fails as if torch were absent (a None entry in
+    ``sys.modules``), and tensorboardX falls back to NumPy.  The entry is removed again: a later ``import
+    torch`` in the same process works.  When torch or tensorboardX is already imported, nothing is hidden.
+    """
+    hide = "torch" not in sys.modules and "tensorboardX" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        return optional.load("tensorboardX", "no TensorBoard event files", "train.tensorboard=false")
+    finally:
+        if hide and "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
