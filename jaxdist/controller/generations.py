@@ -347,9 +347,17 @@ class GenerationLifecycle:
                 members=self.plan,
                 swapped={r: n for r, n in self.plan.items() if s.members.get(r) != n},
             )
-        pending = [k for k, t in self.killed.items() if now - t < KILL_CONFIRM_S]
+        # The old generation's processes must be gone before the new one touches the checkpoints: wait (at most
+        # KILL_CONFIRM_S) for each kill's exit report, except from a node that cannot send one (lost, or its agent
+        # silent for heartbeat_timeout): waiting for it would delay every recovery from a lost node by the whole
+        # wait and make nothing safer, since its processes' peers of the old generation are confirmed gone.
+        pending = [
+            (node, pid)
+            for (node, pid), t in self.killed.items()
+            if now - t < KILL_CONFIRM_S and not self._cannot_confirm(node, now)
+        ]
         if pending:
-            return  # the old generation's processes must be gone before the new one touches the checkpoints
+            return
         if all(self._warm_worker(n) is not None for n in self.plan.values()):
             self._start_generation(self.plan, "recovery")
         elif now - self.kill_sent_at > 5:
@@ -357,6 +365,12 @@ class GenerationLifecycle:
             for n in self.plan.values():
                 if self._warm_worker(n) is None:
                     self.endpoint.send(f"n:{n}", {"t": "replenish", "at_least": 1})
+
+    def _cannot_confirm(self, node: str, now: float) -> bool:
+        """True when ``node`` cannot report a killed process's exit: unknown, lost, or its agent silent for
+        ``heartbeat_timeout``."""
+        v = self.nodes.get(node)
+        return v is None or v.lost or now - v.last_heartbeat > self.cc.heartbeat_timeout
 
     def _usable_nodes(self, gone: set[str]) -> list[str]:
         """Live, checked, not banned nodes: the current members first (in rank order), then the standbys."""

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from jaxdist.controller.generations import KILL_CONFIRM_S
 from jaxdist.controller.policy import PROBE_PEERS, lineage
 from jaxdist.controller.timeline import generations_trained
 
@@ -52,6 +53,11 @@ def test_a_simulated_cluster_trains_exactly_once_through_a_lost_node_and_a_crash
     assert [(f["kinds"], f["ranks"]) for f in failures] == [(["silent"], [5]), (["exit"], [3])], failures
     # the lost node blamed as a node (moved off), the crash as its process (the rank restarts on its node)
     assert [e["scope"] for e in job.events() if e["event"] == "blame"] == [{lost: "node"}, {crashed: "process"}]
+    # The recovery from the lost node did not wait for exit reports the lost node can never send: the new group
+    # started about heartbeat_timeout (1.5 s, the silence that tells a lost node from a crashed process) after
+    # the failure, where the wait for those reports made it at least KILL_CONFIRM_S (5 s).
+    (start,) = [e for e in job.events() if e["event"] == "start" and e["gen"] == 1]
+    assert start["time"] - failures[0]["time"] < KILL_CONFIRM_S, (start, failures[0])
 
     counts = job.host_counts()
     assert counts["ping_sent"] == counts["ping_answered"]  # every link answered
