@@ -205,5 +205,9 @@ class WorkerInfo:
 
     @property
     def warm(self) -> bool:
-        """Ready for an assignment: warmed up, never assigned, still running."""
-        return self.alive and self.state == "warm" and not self.assigned and self.gen < 0
+        """Ready for an assignment: warmed up, never assigned, still running, and connected (a spare whose
+        connection dropped without a message since is gone with its agent, even when the node's new agent came
+        back too soon for the node to count as lost; a live spare's next heartbeat reconnects it)."""
+        return (
+            self.alive and self.state == "warm" and not self.assigned and self.gen < 0 and self.disconnected_at is None
+        )

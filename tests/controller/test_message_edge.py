@@ -63,6 +63,18 @@ def test_the_controller_refuses_counts_and_goes_on(ctl, caplog):
     assert "n0" in ctl.nodes and ctl.workers["w:n0:7"].state == "warm"
 
 
+def test_a_spare_whose_connection_dropped_is_not_warm_until_it_is_heard_again(ctl):
+    """A node whose agent died and came back before the node counted as lost (2 x heartbeat_timeout): the old
+    agent's spare died with it, and its dropped connection is all the controller knows. It is not offered for a
+    rank (assigning it failed the next generation at once); a live spare's next heartbeat makes it warm again."""
+    ctl.handle("w:n0:7", GOOD_HB)
+    assert ctl._warm_worker("n0").pid == 7
+    ctl.workers["w:n0:7"].disconnected_at = 1.0  # what Controller.run records for the endpoint's disconnect
+    assert ctl._warm_worker("n0") is None
+    ctl.handle("w:n0:7", GOOD_HB)
+    assert ctl._warm_worker("n0").pid == 7
+
+
 def test_the_generation_clusters_servers_refuse_unreadable_requests_before_their_handler(caplog):
     """The dispatcher's and the receiver's requests are checked by the channel's one edge (Server's fields):
     an authentic request with a missing or mistyped field gets a one-phrase refusal and never reaches the
