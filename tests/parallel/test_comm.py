@@ -9,7 +9,14 @@ import pytest
 from jaxdist.cli import main
 from jaxdist.cluster import load_cluster
 from jaxdist.config import Config, ConfigError, apply_preset
-from jaxdist.parallel.comm import block_grad_bytes, default_threshold, describe_xla_options, plan_comm, xla_gpu_options
+from jaxdist.parallel.comm import (
+    _fmt_bytes,
+    block_grad_bytes,
+    default_threshold,
+    describe_xla_options,
+    plan_comm,
+    xla_gpu_options,
+)
 
 # The default model: d=128, 4 heads, 2 kv heads, head_dim 32, d_ff 384, vocab 260, 4 layers, tied, float32.
 M = Config().model
@@ -72,6 +79,7 @@ def test_pipeline_buckets_by_hand():
         (("embed",), "the tick loop"),
     ]
     assert p.buckets[2].collective == "all-reduce(pipeline) + all-reduce(data)"
+    assert p.buckets[3].collective == "all-reduce(pipeline) + all-reduce(data)"  # the lookup's, summed over stages
     assert plan_comm(M, {"data": 4, "pipeline": 4}, CPU8, 3 * layer).layers_per_bucket == 1
 
 
@@ -127,3 +135,87 @@ def test_per_block_refuses_what_it_does_not_cover(over, match):
         load_config(None, ["train.grad_sync=per_block", *over])
     # Microbatches as pipeline microbatches are per_block's (jaxdist.parallel.pipeline_sync).
     load_config(None, ["train.grad_sync=per_block", "mesh.pipeline=2", "train.microbatches=2"])
+
+
+def test_the_table_by_hand():
+    """The printed plan, every figure worked out by hand: a layer is 196,864 float32 weights (787,456 B); fsdp=4
+    quarters every weight with an embed dimension after the reduce-scatter (not the norms)."""
+    p = plan_comm(M, {"data": 2, "fsdp": 4}, CPU8, 2 * LAYER * 4)
+    assert p.reduce_devices == 8 and p.threshold_rule == "train.grad_bucket_bytes"
+    assert all(type(b.bytes) is int and type(b.reduced_bytes) is int for b in p.buckets)
+    assert p.table().splitlines() == [
+        "gradient collectives per step: 4 buckets, 2 layer(s) per layer bucket; mesh data=2 fsdp=4; 8 devices per "
+        "reduction over the intra-node link (10 GB/s, 10 us)",
+        "threshold 1.502 MiB: train.grad_bucket_bytes",  # 2 x 787,456 B
+        "  #  blocks                   bytes in  bytes out  collective                                    issued after",
+        # the final norm (128) and the table's head gradient (260 x 128), then with the table's embed dim / 4
+        "  0  head                    130.5 KiB     33 KiB  reduce-scatter(fsdp) + all-reduce(data)       "
+        "backward of head",
+        # two layers: 1,574,912 B in, 2 x (256 + 196,608 / 4) x 4 = 395,264 B out
+        "  1  layer 3 .. 2            1.502 MiB    386 KiB  reduce-scatter(fsdp) + all-reduce(data)       "
+        "backward of layer 2",
+        "  2  layer 1 .. 0            1.502 MiB    386 KiB  reduce-scatter(fsdp) + all-reduce(data)       "
+        "backward of layer 0",
+        "  3  embed                     130 KiB   32.5 KiB  reduce-scatter(data, fsdp) + all-gather(data) "
+        "backward of embed",
+    ]
+    # One device at the default rule (10 x 2 devices at least x 10 us x 10 GB/s = 2,000,000 B); one layer a bucket.
+    one = plan_comm(M, {}, CPU8, 0).table().splitlines()
+    assert one[0].endswith("mesh one device; 1 devices per reduction over the intra-node link (10 GB/s, 10 us)")
+    assert (
+        one[1] == "threshold 1.907 MiB: 10 x 2 devices x 10 us x 10 GB/s (latency about a tenth of the transfer time)"
+    )
+    assert one[4].split() == ["1", "layer", "3", "..", "2", "1.502", "MiB", "1.502", "MiB", "all-reduce(data)",
+                              "backward", "of", "layer", "2"]  # fmt: skip
+
+
+def test_byte_units():
+    assert [_fmt_bytes(n) for n in (0, 1023, 1024, 1536, 2**20 - 1, 2**20, 3 * 2**29, 2**40)] == [
+        "0 B",
+        "1023 B",
+        "1 KiB",
+        "1.5 KiB",
+        "1024 KiB",
+        "1 MiB",
+        "1.5 GiB",
+        "1024 GiB",
+    ]
+
+
+def test_the_link_is_the_inter_node_one_when_the_reduction_spans_nodes():
+    """cpu-2x4: 2 nodes of 4 devices, 10 GB/s and 10 us within a node, 1 GB/s and 100 us between them."""
+    two = load_cluster("cpu-2x4")
+    p = plan_comm(M, {"data": 8}, two)
+    assert (p.link, p.bandwidth, p.latency) == ("inter", 1e9, 1e-4)
+    assert p.threshold_bytes == 10 * 8 * 100 * 1000 == 8_000_000
+    assert "over the inter-node link (1 GB/s, 100 us)" in p.table()
+    # The reduction's groups of 2 are laid over a mesh of data x tensor: 2 x 4 devices span both nodes ...
+    assert plan_comm(M, {"data": 2, "tensor": 4}, two).link == "inter"
+    # ... 2 x 2 fit in one.
+    assert plan_comm(M, {"data": 2, "tensor": 2}, two).link == "intra"
+    assert plan_comm(M, {"data": 4}, two).link == "intra"
+
+
+def test_the_default_threshold_counts_at_least_two_devices():
+    assert default_threshold(1e10, 1e-5, 1) == default_threshold(1e10, 1e-5, 2) == 2_000_000
+    assert default_threshold(1e10, 1e-5, 3) == 3_000_000
+
+
+def test_an_untied_head_is_split_over_fsdp_by_its_embed_dimension():
+    untied = dataclasses.replace(M, tie_embeddings=False)
+    assert block_grad_bytes(untied, {"fsdp": 2})["head"] == ((128 + 128 * 260) * 4, (128 + 64 * 260) * 4)
+
+
+def test_refusals_and_descriptions_in_full():
+    with pytest.raises(
+        ConfigError, match=r"^the gradient communication plan covers dense models: set model\.moe\.experts=0\.$"
+    ):
+        block_grad_bytes(apply_preset(M, "moe-tiny"), {"data": 8})
+    with pytest.raises(
+        ConfigError, match=r"^train\.grad_bucket_bytes=-5 must be 0 \(the default rule\) or positive\.$"
+    ):
+        plan_comm(M, {"data": 8}, CPU8, -5)
+    assert describe_xla_options({}) == (
+        "XLA collective options: none set (only GPU train steps of dense models take them)"
+    )
+    assert describe_xla_options({"a": True, "b": 7}) == "XLA collective options from the gradient plan: --a=True --b=7"
