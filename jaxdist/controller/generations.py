@@ -275,6 +275,14 @@ class GenerationLifecycle:
                 scope[node] = "node"
             else:
                 return False
+        # Members lost with the blamed ones (a rack, a switch) whose silence was judged a tick after the failure:
+        # their agents silent for heartbeat_timeout and no process of theirs heard.  Otherwise the next group would
+        # be planned on them and fail at once.
+        for node in sorted(set(s.members.values()) - set(scope)):
+            v = self.nodes.get(node)
+            if v is not None and self._cannot_confirm(node, now) and not self._heard_workers(node, now):
+                scope[node] = "node"
+                s.last_failed = sorted({*s.last_failed, node})
         self.blame = {}
         moved = set()
         for node, kind in sorted(scope.items()):

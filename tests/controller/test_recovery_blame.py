@@ -1,0 +1,51 @@
+"""Whose failure a recovery settles (GenerationLifecycle._settle_blame), on the controller built in-process.
+
+Two members lost in the same instant (a rack, a switch) may be judged a tick apart: the first failure names one.
+When the blame is settled, a member whose agent has been silent for heartbeat_timeout and none of whose
+processes is heard failed with it: blamed as a node and moved off, so the next group is not planned on it.
+A member whose agent is silent but whose processes are heard (a stalled agent loop) is not.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from jaxdist.config import load_config
+from jaxdist.controller.controller import Controller
+
+NODE_HB = {"t": "node_hb", "host": "h", "checks": {"ok": True}, "probe": "h:1", "free_port": 1, "procs": []}
+
+
+@pytest.fixture
+def ctl(tmp_path):
+    c = Controller(load_config(None, [f"train.runs_dir={tmp_path}", "train.name=blame", "mesh.cluster=cpu-2x4"]), [])
+    c.endpoint.send = lambda to, msg: None  # no agents: what the controller would send goes nowhere
+    yield c
+    c.endpoint.close()
+    c.run_lock.release()
+
+
+def _members(ctl, names):
+    for n in names:
+        ctl.handle(f"n:{n}", {**NODE_HB, "node": n, "welcomed": True})
+    ctl.state.members = dict(enumerate(names))
+
+
+@pytest.mark.parametrize("heard", [False, True], ids=["silent", "its-spare-heard"])
+def test_a_member_lost_with_the_blamed_one_is_blamed_too(ctl, heard):
+    _members(ctl, ["a", "b", "c"])
+    now = time.monotonic()
+    t = ctl.cc.heartbeat_timeout
+    ctl.nodes["a"].lost = True
+    ctl.nodes["b"].last_heartbeat = now - t - 0.5  # silent since the same instant, judged a tick later
+    if heard:  # b's agent loop stalled, its warm spare still heartbeats: b works
+        ctl.handle("w:b:7", {"t": "hb", "node": "b", "pid": 7, "state": "warm", "gen": -1, "rank": -1, "step": 0})
+    ctl.blame = {"a": now - t - 0.1}
+    ctl.state.last_failed = ["a"]
+    assert ctl._settle_blame(now)
+    (blame,) = [e for e in ctl.events.events if e["event"] == "blame"]
+    want = {"a": "node"} if heard else {"a": "node", "b": "node"}
+    assert blame["scope"] == want and ctl.state.last_failed == sorted(want)
+    assert ctl.state.failures == dict.fromkeys(want, 1)
