@@ -159,6 +159,9 @@ def test_the_table_by_hand():
         "  3  embed                     130 KiB   32.5 KiB  reduce-scatter(data, fsdp) + all-gather(data) "
         "backward of embed",
     ]
+    # All four layers in one bucket; axes of size 1 are not named.
+    whole = plan_comm(M, {"data": 8, "tensor": 1}, CPU8).table().splitlines()
+    assert "mesh data=8; 8 devices" in whole[0] and whole[4].split()[:5] == ["1", "layer", "3", "..", "0"]
     # One device at the default rule (10 x 2 devices at least x 10 us x 10 GB/s = 2,000,000 B); one layer a bucket.
     one = plan_comm(M, {}, CPU8, 0).table().splitlines()
     assert one[0].endswith("mesh one device; 1 devices per reduction over the intra-node link (10 GB/s, 10 us)")
