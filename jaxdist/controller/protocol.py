@@ -283,6 +283,9 @@ class Verifier:
         return msg
 
 
+PEER_PING_FACTOR = 4  # a peer's ZMTP pings to the controller, this many times rarer than the controller's to it
+
+
 def _zmq_heartbeats(sock: zmq.Socket, interval_s: float, timeout_s: float) -> None:
     # ZMTP heartbeats: sent and answered by ZeroMQ's I/O thread, without the Python GIL, so a
     # process busy compiling still answers; a stopped or frozen one does not, and is disconnected.
@@ -417,7 +420,12 @@ class Peer:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
-        _zmq_heartbeats(self.sock, interval_s, liveness_s)
+        # The controller pings every peer every ``interval_s`` and drops one that does not answer within
+        # ``liveness_s``; the peer answers those pings, and pings the controller only PEER_PING_FACTOR times less
+        # often (to find a controller whose host died without closing the connection).  Each ping is a CURVE
+        # frame the controller's I/O thread decrypts and answers: at the controller's own rate, from every peer,
+        # they were half of that thread's work.
+        _zmq_heartbeats(self.sock, PEER_PING_FACTOR * interval_s, liveness_s)
         self.sock.setsockopt(zmq.SNDHWM, 50)
         self.sock.setsockopt(zmq.RCVHWM, 1000)
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
