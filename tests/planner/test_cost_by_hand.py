@@ -294,3 +294,70 @@ def test_memory_from_terms():
     bare = MemoryTerms(state=t.state, activations=0.0, batch=0.0, scaled={"fixed": 1.0})
     assert bare.memory(XLA_CPU_MEMORY).grads == t.state.grads
     assert math.isclose(bare.memory(MemoryCoefficients(fixed=7.0)).working, 7.0)
+
+
+def test_a_group_of_one_costs_nothing_even_with_an_overhead():
+    assert collective_seconds("all-reduce", 1e6, 1, 1e9, 1e-5, overhead=1e-3) == 0.0
+    assert collective_seconds("all-gather", 1e6, 2, 1e9, 1e-5, overhead=1e-3) == pytest.approx(1e-3 + 1e-5 + 5e-4)
+
+
+def test_seq1f1b_chunks_multiply_the_tensor_all_reduces():
+    """data=2 x tensor=2 x pipeline=2, seq1f1b in 2 chunks: every block pass is over half a sequence, twice as
+    many of them, each all-reducing half the bytes."""
+    s = Strategy(data=2, tensor=2, pipeline=2, microbatches=2, schedule="seq1f1b", chunks=2, remat="full")
+    (tp,) = [c for c in collectives(VIEW, s, BATCH) if c.name == "tensor activation all-reduce"]
+    X = 16 // 2 // 2 * 32 * 64 * 4
+    assert (tp.bytes, tp.count) == (X / 2, 8 * (1 * 2) * 2)  # 8 per pass x (1 layer x 2 microbatches) x 2 chunks
+
+
+def test_a_vocabulary_tensor_does_not_divide_stays_whole():
+    """tensor=8 does not divide the 260 ids: the table is not split over it (the rules keep a dimension whole
+    when the axis does not divide it)."""
+    s = Strategy(data=2, tensor=8)
+    (emb,) = [c for c in collectives(VIEW, s, BATCH) if c.name == "embedding gradient reduce"]
+    assert emb.bytes == E + E + 64 * 4
+    assert memory_terms(VIEW, s, BATCH).scaled["logits_working"] == 16 // 2 * 32 * 260 * 4
+    (emb4,) = [c for c in collectives(VIEW, Strategy(data=2, tensor=4), BATCH) if c.name == "embedding gradient reduce"]
+    assert emb4.bytes == E + E / 4 + 64 * 4
+
+
+def test_the_context_rings_transfers_are_exposed_beyond_their_blocks_compute():
+    cl = _two_nodes()
+    s = Strategy(data=2, context=2, tensor=2)
+    e = estimate(VIEW, cl, s, BATCH)
+    ring = [c for c in e.comm if c.name.startswith("context")]
+    assert ring and all(c.overlappable is False and c.link == "intra" for c in ring)
+    hides = [c for c in ring if c.overlap_flops > 0]
+    assert hides
+    for c in hides:
+        one = collective_seconds(c.kind, c.bytes, c.group, 1e10, 1e-5, 3e-6)
+        exposed = max(0.0, one - c.overlap_flops / (cl.peak_flops("float32") * 0.5))
+        assert 0 < exposed < one and c.seconds == pytest.approx(c.count * exposed)
+
+
+def test_data_that_does_not_fill_whole_nodes():
+    """data=6 on 4 nodes: data spans gcd(6, 4) = 2 of them, fsdp the other factor 2."""
+    assert crosses_nodes(("data",), Strategy(data=6, fsdp=4), 4)
+    assert crosses_nodes(("fsdp",), Strategy(data=6, fsdp=4), 4)
+
+
+def test_block_passes_without_remat():
+    """No recompute: a block pass forward and one backward, 2 per layer; the head's 2."""
+    e = estimate(VIEW, _two_nodes(), Strategy(data=2, fsdp=2, tensor=2, microbatches=2), BATCH)
+    assert e.extra["passes"] == 2 * (2 + 2 * 2) == 12
+
+
+def test_every_block_kind_keeps_its_activations():
+    """moe-tiny with an MoE block every 2 layers: one dense and one MoE layer, each keeping its input under full
+    remat (64 tokens a device x 64 floats)."""
+    mixed = computation_view(load_config(None, ["model=moe-tiny", "model.moe.every=2"]).model, 32)
+    assert [(b.name, b.count) for b in mixed.blocks] == [("dense", 1), ("moe", 1)]
+    assert memory_terms(mixed, Strategy(data=8, remat="full"), BATCH).activations == 2 * 64 * 64 * 4
+
+
+def test_a_working_term_is_looked_up_by_the_whole_remat_name():
+    """``layer_working:<name>`` takes the coefficient of the whole name, whatever it holds."""
+    t = memory_terms(VIEW, Strategy(data=8), BATCH)
+    terms = MemoryTerms(state=t.state, activations=0.0, batch=0.0, scaled={"layer_working:save:a:b": 10.0})
+    coeff = MemoryCoefficients(layer_working=(("save:a:b", 3.0), ("a", 5.0), ("b", 7.0)), default_working=1.0)
+    assert terms.memory(coeff).working == 30.0
