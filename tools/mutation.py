@@ -119,6 +119,21 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
     "parallel.comm": (["jaxdist/parallel/comm.py"], ["tests/parallel/test_comm.py"]),
     # The search against exhaustive enumeration, the plans of known models and clusters.
     "planner.search": (["jaxdist/planner/search.py"], ["tests/planner/test_search.py"]),
+    # The cost model: parameter bytes against the real shardings, the collectives, bubbles and times worked out by
+    # hand, the context axis's terms.  Not the tests that compile a step or run the search (seconds each per
+    # mutant, ~1,000 mutants): planner.search and tests/planner/test_measured.py check those paths.
+    "planner.cost": (
+        ["jaxdist/planner/cost.py"],
+        [
+            "tests/planner/test_cost.py",
+            "tests/planner/test_cost_by_hand.py",
+            "tests/planner/test_context.py",
+            "tests/planner/test_candidates.py",
+            "tests/planner/test_fit.py",
+            "-k",
+            "not compiled_step and not cli_plan",
+        ],
+    ),
     "data.batchlist": (["jaxdist/data/batchlist.py"], ["tests/data/test_batchlist.py"]),
     "data.audit": (["jaxdist/data/audit.py"], ["tests/data/test_batchlist.py", "tests/data/test_audit.py"]),
     "checkpoint.integrity": (["jaxdist/checkpoint/integrity.py"], ["tests/checkpoint/test_integrity.py"]),
