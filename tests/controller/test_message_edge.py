@@ -11,8 +11,7 @@ import logging
 
 import pytest
 
-from jaxdist.config import load_config
-from jaxdist.controller.controller import Controller, message_problem
+from jaxdist.controller.controller import message_problem
 
 GOOD_NODE_HB = {"t": "node_hb", "node": "n0", "host": "h", "checks": {}, "probe": "h:1", "free_port": 1, "procs": []}
 GOOD_HB = {"t": "hb", "node": "n0", "pid": 7, "state": "warm", "gen": -1, "rank": -1, "step": 0, "tokens_per_s": 0.0}
@@ -29,15 +28,6 @@ BAD = [
     ({**GOOD_EXIT, "rc": None}, "'rc' is a NoneType"),
     ({"t": "probe_result", "node": "n0", "rtt": [1.0]}, "'rtt' is a list"),
 ]
-
-
-@pytest.fixture
-def ctl(tmp_path):
-    c = Controller(load_config(None, [f"train.runs_dir={tmp_path}", "train.name=edge", "mesh.cluster=cpu-2x4"]), [])
-    c.endpoint.send = lambda to, msg: None  # no agents: what the controller would send goes nowhere
-    yield c
-    c.endpoint.close()
-    c.run_lock.release()
 
 
 @pytest.mark.parametrize("msg,phrase", BAD, ids=[p for _, p in BAD])

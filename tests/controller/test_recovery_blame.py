@@ -12,19 +12,7 @@ import time
 
 import pytest
 
-from jaxdist.config import load_config
-from jaxdist.controller.controller import Controller
-
 NODE_HB = {"t": "node_hb", "host": "h", "checks": {"ok": True}, "probe": "h:1", "free_port": 1, "procs": []}
-
-
-@pytest.fixture
-def ctl(tmp_path):
-    c = Controller(load_config(None, [f"train.runs_dir={tmp_path}", "train.name=blame", "mesh.cluster=cpu-2x4"]), [])
-    c.endpoint.send = lambda to, msg: None  # no agents: what the controller would send goes nowhere
-    yield c
-    c.endpoint.close()
-    c.run_lock.release()
 
 
 def _members(ctl, names):
