@@ -191,6 +191,7 @@ class Controller(GenerationLifecycle, HealthActions):
         self.enough_since: float | None = None  # when min_nodes were first ready (monotonic), for start_grace
         self.blame: dict[str, float] = {}  # nodes blamed for the last failure, not yet settled (monotonic time)
         self.blame_rank: dict[str, int] = {}  # the rank each blamed node ran
+        self.failed_nodes: set[str] = set()  # nodes the last settled blame found failed (lost, or silent)
         self.spare_failures: dict[str, int] = {}
         self.last_save = self.last_watch = 0.0
         self.running = True

@@ -280,10 +280,12 @@ class GenerationLifecycle:
         # be planned on them and fail at once.
         for node in sorted(set(s.members.values()) - set(scope)):
             v = self.nodes.get(node)
-            if v is not None and self._cannot_confirm(node, now) and not self._heard_workers(node, now):
+            silent = v is not None and (v.lost or now - v.last_heartbeat > self.cc.heartbeat_timeout)
+            if silent and not self._heard_workers(node, now):
                 scope[node] = "node"
                 s.last_failed = sorted({*s.last_failed, node})
         self.blame = {}
+        self.failed_nodes = {node for node, kind in scope.items() if kind == "node"}
         moved = set()
         for node, kind in sorted(scope.items()):
             if kind == "node":
@@ -356,13 +358,14 @@ class GenerationLifecycle:
                 swapped={r: n for r, n in self.plan.items() if s.members.get(r) != n},
             )
         # The old generation's processes must be gone before the new one touches the checkpoints: wait (at most
-        # KILL_CONFIRM_S) for each kill's exit report, except from a node that cannot send one (lost, or its agent
-        # silent for heartbeat_timeout): waiting for it would delay every recovery from a lost node by the whole
-        # wait and make nothing safer, since its processes' peers of the old generation are confirmed gone.
+        # KILL_CONFIRM_S) for each kill's exit report, except from a node that cannot send one (lost, or found
+        # failed when the blame settled): waiting for it would delay every recovery from a lost node by the whole
+        # wait and make nothing safer, since its processes' peers of the old generation are confirmed gone.  A
+        # node that is only slow to answer (a loaded host) is waited for.
         pending = [
             (node, pid)
             for (node, pid), t in self.killed.items()
-            if now - t < KILL_CONFIRM_S and not self._cannot_confirm(node, now)
+            if now - t < KILL_CONFIRM_S and not self._cannot_confirm(node)
         ]
         if pending:
             return
@@ -374,11 +377,11 @@ class GenerationLifecycle:
                 if self._warm_worker(n) is None:
                     self.endpoint.send(f"n:{n}", {"t": "replenish", "at_least": 1})
 
-    def _cannot_confirm(self, node: str, now: float) -> bool:
-        """True when ``node`` cannot report a killed process's exit: unknown, lost, or its agent silent for
-        ``heartbeat_timeout``."""
+    def _cannot_confirm(self, node: str) -> bool:
+        """True when ``node`` cannot report a killed process's exit: unknown, lost, or found failed (its agent
+        silent for ``heartbeat_timeout``) when the last blame settled."""
         v = self.nodes.get(node)
-        return v is None or v.lost or now - v.last_heartbeat > self.cc.heartbeat_timeout
+        return v is None or v.lost or node in self.failed_nodes
 
     def _usable_nodes(self, gone: set[str]) -> list[str]:
         """Live, checked, not banned nodes: the current members first (in rank order), then the standbys."""

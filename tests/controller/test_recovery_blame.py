@@ -3,7 +3,8 @@
 Two members lost in the same instant (a rack, a switch) may be judged a tick apart: the first failure names one.
 When the blame is settled, a member whose agent has been silent for heartbeat_timeout and none of whose
 processes is heard failed with it: blamed as a node and moved off, so the next group is not planned on it.
-A member whose agent is silent but whose processes are heard (a stalled agent loop) is not.
+A member whose agent is silent but whose processes are heard (a stalled agent loop) is not.  The recovery then
+waits for the exit reports of the processes it killed on every node but the failed ones.
 """
 
 from __future__ import annotations
@@ -37,3 +38,6 @@ def test_a_member_lost_with_the_blamed_one_is_blamed_too(ctl, heard):
     want = {"a": "node"} if heard else {"a": "node", "b": "node"}
     assert blame["scope"] == want and ctl.state.last_failed == sorted(want)
     assert ctl.state.failures == dict.fromkeys(want, 1)
+    # The recovery does not wait for the exit reports of processes killed on the failed nodes (they cannot come);
+    # it waits for those of a node that is only slow to answer.
+    assert ctl._cannot_confirm("a") and ctl._cannot_confirm("b") is not heard and not ctl._cannot_confirm("c")
