@@ -36,6 +36,9 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")  # the in-process comparison
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "controller"))
+from helpers import BUSY_LOOP  # noqa: E402  (a busy process that ends with its parent: tests/controller/helpers.py)
+
 from jaxdist.controller.local import LocalJob  # noqa: E402
 
 COMMON = [  # the defaults of every controller, health, checkpoint and train.log_every setting
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import subprocess
 
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hog)]
+    hogs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(args.hog)]
     try:
         return _run(args, hogs)
     finally:

@@ -41,6 +41,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "controller"))
+from helpers import BUSY_LOOP  # noqa: E402  (a busy process that ends with its parent: tests/controller/helpers.py)
+
 from jaxdist.controller.local import LocalJob, write_cpu_cluster
 from jaxdist.controller.state import read_events
 from jaxdist.controller.timeline import recoveries, summary
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     print(f"working in {cwd}", file=sys.stderr)
 
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hog)]
+    hogs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(args.hog)]
     try:
         if not args.report_only:
             for m in args.modes.split(","):  # the first job builds the setup cache entry, the next one reuses it

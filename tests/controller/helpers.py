@@ -6,6 +6,12 @@ import os
 import stat
 from pathlib import Path
 
+# A process that keeps one core busy until its parent is gone: a test killed mid-way (a CI timeout, a SIGKILL of its
+# pytest worker) must not leave it loading the host for every later test.
+BUSY_LOOP = (
+    "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    for _ in range(100_000):\n        pass\n"
+)
+
 
 def listening(pid: int) -> list[str]:
     """host:port of every TCP socket ``pid`` listens on (from /proc; IPv4 and IPv6)."""

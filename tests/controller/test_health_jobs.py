@@ -12,6 +12,7 @@ import json
 from jaxdist.cli import main
 from jaxdist.controller.local import LocalJob
 
+from .helpers import BUSY_LOOP
 from .stub_worker import expected_final
 from .test_stub_jobs import events_of, final_state, stub_args, trained_steps
 
@@ -114,7 +115,7 @@ def test_no_alarm_and_no_lost_node_in_a_fault_free_job_on_a_loaded_host(tmp_path
     import subprocess
     import sys
 
-    burn = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    burn = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(2)]
     steps = 80
     job = LocalJob(
         stub_args(
