@@ -12,6 +12,7 @@ rebuilt from heartbeats and never persisted.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -126,13 +127,17 @@ class JobState:
         return self.history[-1] if self.history and self.history[-1].gen == self.generation else None
 
 
+EVENTS_KEPT = 1000  # events an EventLog keeps in memory (the file keeps every one)
+
+
 class EventLog:
-    """Appends events to ``events.jsonl`` and keeps them in memory; ``echo``: also one line each on stderr."""
+    """Appends events to ``events.jsonl`` and keeps the newest :data:`EVENTS_KEPT` in memory (a long job's
+    history stays on disk, not in the controller); ``echo``: also one line each on stderr."""
 
     def __init__(self, path: Path, echo: bool = False):
         self.path, self.echo = path, echo
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.events: list[dict[str, Any]] = []
+        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=EVENTS_KEPT)
 
     def add(self, kind: str, **fields: Any) -> dict[str, Any]:
         e = {"time": time.time(), "event": kind, **fields}

@@ -155,3 +155,13 @@ def test_the_health_rounds_cost_a_constant_per_period_at_any_rank_count(monkeypa
     checks, reads = ({n: c[k] for n, c in counts.items()} for k in (0, 1))
     assert checks[512] <= 1.2 * checks[32] + 1 and checks[512] < 8, counts
     assert reads[512] <= 1.2 * reads[32] + 1 and reads[512] < 16, counts
+
+
+def test_the_event_log_keeps_a_bounded_tail_in_memory_and_every_event_on_disk(tmp_path):
+    from jaxdist.controller.state import EVENTS_KEPT, EventLog, read_events
+
+    log = EventLog(tmp_path / "events.jsonl")
+    for i in range(EVENTS_KEPT + 5):
+        log.add("tick", i=i)
+    assert [e["i"] for e in log.events] == list(range(5, EVENTS_KEPT + 5))
+    assert [e["i"] for e in read_events(tmp_path / "events.jsonl")] == list(range(EVENTS_KEPT + 5))
