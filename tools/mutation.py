@@ -88,7 +88,8 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         ],
     ),
     # The sampler's host side (the batch, the loop, stop strings and EOS, the programs' shardings, from_run, chat
-    # prompts, the vocabulary note) against the training forward pass and transformers' tokenizer and chat template.
+    # prompts, the vocabulary note, the API's argument checks) against the training forward pass and transformers'
+    # tokenizer and chat template.
     # Without the MoE and the subprocess CLI cases: every mutant compiles the sampler's programs again (tens of
     # seconds each on this host), so the cheapest tests that reach each function.
     "sample.sampler": (
@@ -96,8 +97,10 @@ MODULES: dict[str, tuple[list[str], list[str]]] = {
         [
             "tests/sample/test_sampler.py",
             "tests/hf/test_tokenizer_travels.py",
+            "tests/test_api_edge.py",
             "-k",
-            "not cli_samples and not moe-tiny and (test_sampler.py or from_run or vocabulary or chat_prompts)",
+            "not cli_samples and not moe-tiny"
+            " and (test_sampler.py or test_api_edge.py or from_run or vocabulary or chat_prompts)",
         ],
     ),
     # The step against optax, the written-out cross-entropy and each packed document alone; the MoE objective.

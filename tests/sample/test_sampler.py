@@ -26,7 +26,7 @@ from jaxdist.data.tokenizer import ByteTokenizer
 from jaxdist.errors import ConfigError
 from jaxdist.models.transformer import apply, create_abstract, forward_with_cache, init_kv_cache
 from jaxdist.parallel.layout import Parallelism
-from jaxdist.sample.sampler import Sampler, TextStream
+from jaxdist.sample.sampler import Sampler, TextStream, describe
 
 TEXTS = ["Hello", "de", "import o"]  # 5, 2 and 8 tokens: one batch of different lengths
 PROMPTS = [ByteTokenizer().encode(t).tolist() for t in TEXTS]
@@ -246,6 +246,19 @@ def test_text_stream_prints_as_it_comes_and_holds_back_a_possible_stop():
     assert out.getvalue() == "ab\u00e9cENX\n"
 
 
+def test_text_stream_cuts_at_the_first_stop_and_shows_id_0():
+    """Id 0 is a token like any other (byte 0 here), not the end of a row (-1); once a stop string is complete the
+    text is cut at its first occurrence, and nothing after it is ever printed, a second occurrence included."""
+    out = io.StringIO()
+    stream = TextStream(ByteTokenizer(), out, stops=["END"], row=1)
+    for i, ch in enumerate(b"a\x00bEND"):
+        stream(i, np.array([-1, ch]))
+    assert out.getvalue() == "a\x00b"
+    for i, ch in enumerate(b"xEND!", start=6):
+        stream(i, np.array([-1, ch]))
+    assert out.getvalue() == "a\x00b"  # "a\x00bENDxEND!" is cut at the first END, not the last
+
+
 @pytest.mark.parametrize(
     "kw, words",
     [
@@ -260,6 +273,14 @@ def test_bad_requests_raise_config_error(kw, words):
     with pytest.raises(ConfigError) as e:
         _sampler("tiny").decode(args.pop("prompts"), **args)
     assert words in str(e.value) and str(e.value).count(". ") == 0  # one sentence
+
+
+def test_describe_names_the_model_the_step_and_the_mesh():
+    """The line ``jaxdist sample`` prints on stderr; the step only when the parameters came from a checkpoint."""
+    one = _sampler("tiny")
+    stepped = Sampler(one.config, one.params, one.parallelism, step=7)
+    assert describe(one) == "model tiny; mesh single device (1 device, 1 process)"
+    assert describe(stepped) == "model tiny, step 7; mesh single device (1 device, 1 process)"
 
 
 def test_runs_without_a_checkpoint_raise_config_error(tmp_path):
