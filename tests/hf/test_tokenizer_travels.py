@@ -63,7 +63,10 @@ def hf_model(tmp_path_factory):
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=_bpe(VOCAB), bos_token="<s>", eos_token="</s>", pad_token="<pad>"
     )
-    fast.chat_template = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
     fast.save_pretrained(d)
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -121,6 +124,7 @@ def test_sampler_from_run_with_tokenizer_override_equals_generate(hf_model, run_
     # data.source=stdlib stays in the run's config: sampling never reads it, so the override is accepted.
     sampler = Sampler.from_run(run_dir, overrides=[f"data.tokenizer={d / 'tokenizer.json'}"], devices=jax.devices()[:1])
     assert sampler.config.data.source == "stdlib" and sampler.tokenizer.name == str(d / "tokenizer.json")
+    assert sampler.parallelism.mesh.devices.size == 1  # the devices given, not every device
     assert sampler.tokenizer.encode(PROMPT, bos=sampler.tokenizer.add_bos).tolist() == prompt_ids
     (g,) = sampler.generate(PROMPT, NEW_TOKENS, temperature=0.0)
     assert g.tokens == new_ids
@@ -209,6 +213,8 @@ def test_chat_prompts_are_apply_chat_template_and_the_answer_is_generate(hf_mode
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
     want = out[0, len(ids) :].tolist()
+    without = fast.apply_chat_template(message, add_generation_prompt=False, tokenize=True, return_dict=True)
+    assert len(ids) > len(without["input_ids"])  # the template has a generation prompt: the answer starts after it
     sampler = Sampler.from_run(run_dir, devices=jax.devices()[:1])
     assert [p.tolist() for p in sampler.prompt_ids(["def dumps"], chat=True)] == [list(ids)]
     (g,) = sampler.generate("def dumps", NEW_TOKENS, temperature=0.0, chat=True)

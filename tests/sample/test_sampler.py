@@ -275,6 +275,26 @@ def test_bad_requests_raise_config_error(kw, words):
     assert words in str(e.value) and str(e.value).count(". ") == 0  # one sentence
 
 
+def test_generate_defaults_are_greedy_and_seed_0():
+    """``generate`` without settings is greedy (temperature 0), and a temperature without a seed draws with seed 0."""
+    sampler = _sampler("tiny")
+    greedy = sampler.decode(PROMPTS, NEW)
+    assert [g.tokens for g in sampler.generate(TEXTS, NEW)] == [t.tolist() for t in greedy.tokens]
+    warm = sampler.generate(TEXTS, NEW, temperature=1.5)
+    assert warm == sampler.generate(TEXTS, NEW, temperature=1.5, seed=0)
+    assert warm != sampler.generate(TEXTS, NEW, temperature=1.5, seed=1)
+
+
+def test_an_empty_prompt_starts_from_eos():
+    """An empty prompt text is EOS (the boundary between training documents), then BOS where the tokenizer adds one;
+    other texts are their encoding."""
+    sampler = _sampler("tiny")
+    tok = sampler.tokenizer
+    assert [p.tolist() for p in sampler.prompt_ids(["de", ""])] == [tok.encode("de").tolist(), [tok.eos_id]]
+    (g,) = sampler.generate([""], 3, stop_at_eos=False)
+    assert len(g.tokens) == 3 and g.prompt == ""
+
+
 def test_describe_names_the_model_the_step_and_the_mesh():
     """The line ``jaxdist sample`` prints on stderr; the step only when the parameters came from a checkpoint."""
     one = _sampler("tiny")
