@@ -44,7 +44,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import lsq_linear
 
 from jaxdist.errors import ConfigError
 from jaxdist.gen.perfmodel import ModelProfile, StreamPoint, synthetic_records
@@ -114,6 +113,8 @@ def _check(model: str, s: np.ndarray, tin: np.ndarray, tout: np.ndarray, y: np.n
 def _robust_fit(X: np.ndarray, y: np.ndarray, w: np.ndarray, iterations: int = 100) -> np.ndarray:
     """Non-negative theta minimising sum_i w_i soft_l1((X_i theta - y_i) / f_i), f_i = X_i theta (the relative
     error of the fit), by iteratively reweighted least squares from the plain relative-error solution."""
+    from scipy.optimize import lsq_linear  # scipy (~0.4 s to import) only when a profile is fitted
+
     theta = lsq_linear(X * (np.sqrt(w) / y)[:, None], np.sqrt(w), bounds=(0, np.inf), method="bvls").x
     for _ in range(iterations):
         f = np.maximum(X @ theta, 1e-12 * y)

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import nnls
 
 from jaxdist.cluster import calibration_path
 from jaxdist.planner.candidates import strategy_of
@@ -68,6 +67,8 @@ def fit(times: Sequence[float], estimates: Sequence, peak: float) -> tuple[float
     for t, e in zip(times, estimates):
         rows.append([e.flops_per_device / peak / t, e.extra["passes"] / t, e.extra["collectives"] / t])
         rhs.append((t - e.comm_time) / t)
+    from scipy.optimize import nnls  # scipy (~0.4 s to import) only for a calibration fit
+
     x, _ = nnls(np.asarray(rows), np.asarray(rhs))
     inv_eff, pass_overhead, collective_overhead = (float(v) for v in x)
     return (1.0 / inv_eff if inv_eff > 0 else 1.0), pass_overhead, collective_overhead

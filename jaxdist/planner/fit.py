@@ -20,7 +20,6 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import linprog
 
 from jaxdist.planner.cost import MemoryCoefficients, MemoryTerms
 
@@ -81,6 +80,8 @@ def fit_memory_coefficients(
         (lower.get(n, 0.0) * s, None if n == "fixed" else c_max * s)  # fixed: bytes, no upper bound
         for n, s in zip(names, scale[:k])
     ]
+    from scipy.optimize import linprog  # scipy (~0.4 s to import) only for a memory fit
+
     res = linprog(cost, A_ub=a_ub / scale, b_ub=b_ub, bounds=bounds + [(0, None)], method="highs")
     if not res.success:
         raise RuntimeError(f"the memory fit did not solve: {res.message}")

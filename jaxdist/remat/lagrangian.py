@@ -23,8 +23,6 @@ import math
 import time as _time
 
 import numpy as np
-import scipy.sparse as sp
-from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from jaxdist.remat.graph import OperatorGraph, Selection, check_budget, evaluate, make_selection
 
@@ -42,6 +40,9 @@ def _closure_cut(graph: OperatorGraph, lam: float) -> frozenset[int]:
     source side in a minimum cut is the set of variables equal to 1.  Units
     are coupled only afterwards: a unit is saved if any of its operators is.
     """
+    import scipy.sparse as sp  # scipy (~0.4 s to import) only when train.remat=auto selects: a default run never does
+    from scipy.sparse.csgraph import breadth_first_order, maximum_flow
+
     n = graph.n
     wz = lam * graph.bytes
     wy = graph.time - lam * graph.bytes

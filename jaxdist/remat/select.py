@@ -52,8 +52,6 @@ import sys
 import time as _time
 
 import numpy as np
-import scipy.sparse as sp
-from scipy.optimize import Bounds, LinearConstraint, milp
 
 # evaluate is re-exported: benchmarks/remat.py imports it from here.
 from jaxdist.remat.graph import OperatorGraph, Selection, check_budget, evaluate, make_selection  # noqa: F401
@@ -123,6 +121,9 @@ def select_exact(
     ``rel_gap`` and ``node_limit`` stop HiGHS early (deterministically: no time limit, so that
     every process of a job chooses the same plan).
     """
+    import scipy.sparse as sp  # scipy (~0.4 s to import) only when train.remat=auto selects: a default run never does
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
     t0 = _time.perf_counter()
     check_budget(graph, budget)
     n, U = graph.n, graph.n_units
