@@ -3,6 +3,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # 8 CPU devices for every test (and every process a test starts: they inherit the environment).  The test
 # programs are tiny, so compiling them costs more than running them: XLA's CPU backend skips LLVM's
 # optimisation passes (level 0, no expensive passes), as the remat loop's and the pipeline tests' own compiles
@@ -12,6 +14,27 @@ os.environ["XLA_FLAGS"] = (
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     " --xla_llvm_disable_expensive_passes=true"
 )
+# XLA's newer CPU fusion emitters spend about twice the compile time of the older ones on these programs (two
+# compile-bound modules: 97 -> 52 s of CPU; the suite: benchmarks/README "The test suite's time").  The older
+# emitters compile the same HLO but may reduce in another order, so a module whose claim is the same bits from
+# two *different* programs (another mesh or device order, the ordered sum, a probability that sums to top_p
+# exactly) says ``pytestmark = pytest.mark.default_emitters`` and compiles at XLA's default, as users do
+# (``_default_emitters`` below).  Only where this jaxlib knows the flag (an unknown flag in XLA_FLAGS aborts every
+# process that starts XLA): asked once, in a child, and the answer inherited by every process after.
+OLD_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+if "JAXDIST_TEST_OLD_EMITTERS" not in os.environ:
+    import subprocess
+    import sys
+
+    _probe = subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices()"],
+        env={**os.environ, "XLA_FLAGS": OLD_EMITTERS, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        timeout=300,
+    )
+    os.environ["JAXDIST_TEST_OLD_EMITTERS"] = "1" if _probe.returncode == 0 else "0"
+if os.environ["JAXDIST_TEST_OLD_EMITTERS"] == "1":
+    os.environ["XLA_FLAGS"] += " " + OLD_EMITTERS
 # XLA's newer CPU fusion emitters spend about twice the compile time of the older ones on these programs (two
 # compile-bound modules: 97 -> 52 s of CPU, benchmarks/README "The test suite's time"); the older emitters
 # generate code for the same HLO.  Only where this jaxlib knows the flag (an unknown flag in XLA_FLAGS aborts
@@ -79,3 +102,28 @@ def pytest_collection_modifyitems(config, items):
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order within a module, and of the other modules, is kept
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _default_emitters(request):
+    """In a module marked ``default_emitters``: every program compiles with XLA's default CPU fusion emitters (a
+    per-compile override of the session's older ones), and the processes the module starts inherit XLA_FLAGS
+    without the older ones; JAX's in-memory caches are dropped before and after, so that no executable crosses
+    over (the persistent cache's key holds the override)."""
+    if request.node.get_closest_marker("default_emitters") is None or OLD_EMITTERS not in os.environ["XLA_FLAGS"]:
+        yield
+        return
+    from jax._src import compiler  # JAX has no public switch for every compile; a renamed function fails here
+
+    original = compiler.get_compile_options
+
+    def with_default_emitters(*args, env_options_overrides=None, **kwargs):
+        overrides = {"xla_cpu_use_fusion_emitters": True, **(env_options_overrides or {})}
+        return original(*args, env_options_overrides=overrides, **kwargs)
+
+    jax.clear_caches()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compiler, "get_compile_options", with_default_emitters)
+        mp.setenv("XLA_FLAGS", os.environ["XLA_FLAGS"].replace(" " + OLD_EMITTERS, ""))
+        yield
+    jax.clear_caches()

@@ -17,6 +17,9 @@ from jaxdist.parallel.layout import Parallelism
 from jaxdist.train.step import loss_metrics_and_grads
 from tests.trees import leaf_pairs
 
+# the same bits from the per-block and end-of-step programs (tests/conftest.py)
+pytestmark = pytest.mark.default_emitters
+
 MESHES = {
     "data8": ["mesh.data=8"],
     "data2-fsdp4": ["mesh.data=2", "mesh.fsdp=4"],

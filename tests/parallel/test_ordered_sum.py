@@ -18,6 +18,8 @@ from jaxdist.train.step import loss_metrics_and_grads
 from jaxdist.train.trainer import Trainer
 from tests.trees import leaf_pairs
 
+pytestmark = pytest.mark.default_emitters  # the same bits from programs of different meshes (tests/conftest.py)
+
 
 def _np_tree(x: np.ndarray) -> np.ndarray:
     while len(x) > 1:

@@ -17,6 +17,8 @@ from scipy import stats
 
 from jaxdist.sample.decode import Settings, choose_tokens
 
+pytestmark = pytest.mark.default_emitters  # a nucleus whose probabilities sum to top_p exactly (tests/conftest.py)
+
 LOGITS = np.array([2.0, 1.2, 0.5, 0.0, -1.0, -2.5], np.float32)
 DRAWS = 40_000
 

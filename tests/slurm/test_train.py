@@ -35,6 +35,9 @@ from jaxdist.planner.shared import plan_free
 from jaxdist.slurm.view import NodeGPUs, PartitionView
 from jaxdist.train.metrics import read_metrics
 
+# the same bits after a requeue onto other GPUs, in another device order (tests/conftest.py)
+pytestmark = pytest.mark.default_emitters
+
 STEPS, EVERY = 24, 3  # the cancel comes after step 4: 19 paced steps of headroom for scancel on a loaded host
 PACE_S = 1.0  # seconds each node of the printed job waits for each batch until it is cancelled (below)
 COMMON = [
