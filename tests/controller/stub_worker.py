@@ -19,7 +19,9 @@ group to reach that step stops stepping but keeps heartbeating: a deadlock),
 worker does whose run can only produce nonsense, e.g. a NaN loss),
 ``JAXDIST_STUB_DATA_DELAY=RANK:S`` (that rank waits S seconds for each batch:
 a slow input pipeline; ``NODE:S``: the rank on that node), ``JAXDIST_STUB_STUCK=RANK:STEP`` (that rank stops
-before that step, still heartbeating, while the others wait: a stuck rank).
+before that step, still heartbeating, while the others wait: a stuck rank).  Once the file ``stub/hurry``
+exists in the run directory (:func:`hurry`), a step no longer sleeps its ``JAXDIST_STUB_STEP_S``: a test
+paces the job until it has done what it came to do, then lets it finish.
 """
 
 from __future__ import annotations
@@ -56,6 +58,12 @@ def _latest(ckpt: Path) -> tuple[int, str]:
     if not steps:
         return 0, GENESIS
     return steps[-1], json.loads((ckpt / str(steps[-1]) / "state.json").read_text())["state"]
+
+
+def hurry(run_dir: Path) -> None:
+    """From now on the job's steps take no time (``JAXDIST_STUB_STEP_S`` no longer applies)."""
+    (run_dir / "stub").mkdir(parents=True, exist_ok=True)
+    (run_dir / "stub" / "hurry").touch()
 
 
 def _barrier(d: Path, step: int, rank: int, n: int) -> None:
@@ -115,7 +123,8 @@ def main(argv: list[str]) -> int:
             (run / "stub" / "hung").touch()
             time.sleep(3600)
         slow = slow_from is not None and step >= slow_from
-        time.sleep(float(os.environ.get("JAXDIST_STUB_SLOW_S", "0.3")) if slow else step_s)
+        if slow or not (run / "stub" / "hurry").exists():
+            time.sleep(float(os.environ.get("JAXDIST_STUB_SLOW_S", "0.3")) if slow else step_s)
         state = advance(state, step)
         clock.enter("blocked", step)
         _barrier(group, step, rank, n)

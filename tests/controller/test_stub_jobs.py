@@ -28,7 +28,7 @@ from jaxdist.controller.protocol import Peer, Signer, curve_client
 from jaxdist.controller.timeline import generations_trained
 
 from .helpers import fake_ssh, listening
-from .stub_worker import expected_final
+from .stub_worker import expected_final, hurry
 
 STUB = Path(__file__).with_name("stub_worker.py")
 
@@ -84,6 +84,7 @@ def test_elastic_start_with_nodes_arriving_one_by_one(tmp_path):
         job.start_node("local-3")
         job.wait_until(lambda s: len(events_of(job, "node_ready")) == 4, 60, "4 nodes ready", need_state=False)
         assert job.state()["phase"] == "running"
+        hurry(job.run_dir)  # every node has arrived: the rest of the job is plain steps
         assert job.wait(90) == 0
     finally:
         job.close()
@@ -113,6 +114,7 @@ def test_a_launch_at_the_defaults_trains_on_every_node_and_keeps_the_size_after_
         job.wait_until(lambda s: s.get("phase") == "running" and s["last_step"] >= 3, 120, "training")
         assert len(job.state()["members"]) == 4, job.state()["members"]  # before: 1, the first ready node
         job.inject(1, signal.SIGKILL)
+        hurry(job.run_dir)  # the group that restarts trains the rest at full speed
         assert job.wait(120) == 0, job.summary()
     finally:
         job.close()
@@ -156,6 +158,7 @@ def test_a_group_that_started_small_keeps_its_size_at_a_restart(tmp_path):
         job.start_node("local-3")
         job.wait_until(lambda s: len(s["standbys"]) == 2, 90, "2 standbys")
         job.inject(1, signal.SIGKILL)
+        hurry(job.run_dir)
         assert job.wait(90) == 0, job.summary()
     finally:
         job.close()
@@ -374,6 +377,7 @@ def test_too_few_nodes_shrinks_the_group_or_ends_with_a_sentence(tmp_path):
         job.wait_until(lambda s: s.get("last_step", 0) >= 5 and s["phase"] == "running", 90, "step 5")
         assert len(job.state()["members"]) == 4
         job.lose_node(job.state()["members"]["1"])  # banned at once: 3 usable nodes, groups of 1, 2 or 4 fit
+        hurry(job.run_dir)
         assert job.wait(120) == 0, job.summary()
     finally:
         job.close()
@@ -420,6 +424,7 @@ def test_a_crashed_process_restarts_on_its_own_node_a_lost_node_on_a_standby(tmp
         node = job.state()["members"]["1"]
         job.lose_node(node)
         job.wait_until(lambda s: s["generation"] == 2 and s["phase"] == "running", 90, "gen 2")
+        hurry(job.run_dir)
         assert job.wait(120) == 0, job.summary()
     finally:
         job.close()
@@ -468,6 +473,7 @@ def test_a_silent_agent_whose_workers_train_is_not_a_lost_node(tmp_path):
         time.sleep(6 * job.cfg.controller.heartbeat_timeout)
         os.kill(agent, signal.SIGCONT)
         job.wait_until(lambda s: events_of(job, "agent_back"), 60, "the agent back", need_state=False)
+        hurry(job.run_dir)
         assert job.wait(120) == 0, job.summary()
     finally:
         job.close()
@@ -532,6 +538,8 @@ def test_a_banned_node_returns_after_its_cool_down_and_takes_a_rank_again(tmp_pa
         assert first not in job.state()["failures"]
         second = job.state()["members"]["2"]
         job.lose_node(second)
+        job.wait_until(lambda s: s["generation"] == 2 and s["phase"] == "running", 90, "gen 2")
+        hurry(job.run_dir)
         assert job.wait(120) == 0, job.summary()
     finally:
         job.close()
