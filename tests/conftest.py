@@ -74,21 +74,22 @@ import jax  # noqa: E402  (imported here, after XLA_FLAGS: every test sees 8 CPU
 jax.config.update("jax_compilation_cache_dir", os.environ["JAXDIST_TEST_COMPILE_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)  # tiny programs: not worth a file
 
-# The modules that take longest (seconds on the 2-core machine, one process), started first when the suite runs
+# The modules that take longest (seconds on the 2-core machine, two processes, 2026-12-06), started first when the suite runs
 # on several processes (pytest-xdist, ``-n 2 --dist loadfile --no-loadscope-reorder``: a module is one unit; without
 # the last flag xdist reorders modules by test count, which starts these last): a long module that starts last is
 # the run's tail.  One process at a time keeps the collection order.
 LONGEST_FIRST = (
-    "controller/test_fault_injection.py",  # ~200
-    "checkpoint/test_local_multiprocess.py",  # ~155
-    "test_notebooks.py",  # ~150
-    "controller/test_stub_jobs.py",  # ~140
-    "slurm/test_train.py",  # ~120
-    "controller/test_health_jobs.py",  # ~105
-    "planner/test_measured.py",  # ~95
-    "test_docs.py",  # ~75
-    "parallel/test_pipeline.py",  # ~75
-    "remat/test_plan.py",  # ~75
+    "checkpoint/test_local_multiprocess.py",  # ~135
+    "controller/test_fault_injection.py",  # ~130
+    "test_notebooks.py",  # ~100
+    "slurm/test_train.py",  # ~90
+    "controller/test_health_jobs.py",  # ~85
+    "controller/test_stub_jobs.py",  # ~80
+    "test_finetune.py",  # ~60
+    "test_docs.py",  # ~45
+    "gen/test_gen_cluster.py",  # ~35
+    "train/test_custom_plan.py",  # ~33
+    "parallel/test_pipeline.py",  # ~33
 )
 
 
@@ -102,6 +103,14 @@ def pytest_collection_modifyitems(config, items):
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: the order within a module, and of the other modules, is kept
+
+
+def pytest_configure(config):
+    # here, not in pyproject.toml: tools/mutation.py's per-module configuration copies pyproject.toml, and mutmut
+    # forgets every verdict when it changes
+    config.addinivalue_line(
+        "markers", "default_emitters: the module compiles with XLA's default CPU fusion emitters (tests/conftest.py)"
+    )
 
 
 @pytest.fixture(autouse=True, scope="module")
