@@ -74,10 +74,10 @@ import jax  # noqa: E402  (imported here, after XLA_FLAGS: every test sees 8 CPU
 jax.config.update("jax_compilation_cache_dir", os.environ["JAXDIST_TEST_COMPILE_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.3)  # tiny programs: not worth a file
 
-# The modules that take longest (seconds on the 2-core machine, two processes, 2026-12-06), started first when the suite runs
-# on several processes (pytest-xdist, ``-n 2 --dist loadfile --no-loadscope-reorder``: a module is one unit; without
-# the last flag xdist reorders modules by test count, which starts these last): a long module that starts last is
-# the run's tail.  One process at a time keeps the collection order.
+# The modules that take longest (seconds on the 2-core machine, two processes, 2026-12-06), started first when the
+# suite runs on several processes (pytest-xdist, ``-n 2 --dist loadfile --no-loadscope-reorder``: a module is one
+# unit; without the last flag xdist reorders modules by test count, which starts these last): a long module that
+# starts last is the run's tail.  One process at a time keeps the collection order.
 LONGEST_FIRST = (
     "checkpoint/test_local_multiprocess.py",  # ~135
     "controller/test_fault_injection.py",  # ~130
