@@ -27,6 +27,7 @@ from jaxdist.errors import ConfigError
 from jaxdist.models.transformer import apply, create_abstract, forward_with_cache, init_kv_cache
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.sample.sampler import Sampler, TextStream, describe
+from tests.trees import leaf_pairs
 
 TEXTS = ["Hello", "de", "import o"]  # 5, 2 and 8 tokens: one batch of different lengths
 PROMPTS = [ByteTokenizer().encode(t).tolist() for t in TEXTS]
@@ -293,6 +294,84 @@ def test_an_empty_prompt_starts_from_eos():
     assert [p.tolist() for p in sampler.prompt_ids(["de", ""])] == [tok.encode("de").tolist(), [tok.eos_id]]
     (g,) = sampler.generate([""], 3, stop_at_eos=False)
     assert len(g.tokens) == 3 and g.prompt == ""
+
+
+def test_generate_refuses_with_its_whole_sentences():
+    """An empty stop string; a stop string, then a prompt, that is not UTF-8 (each named as what it is); a prompt
+    that encodes to the first id past the model's vocabulary (``vocab_size`` itself), while the last id the model
+    has passes."""
+    sampler = _sampler("tiny")
+    with pytest.raises(ConfigError) as e:
+        sampler.generate(TEXTS, 2, stop=["ab", ""])
+    assert str(e.value) == "a stop string is empty: give stop strings of at least one character."
+    with pytest.raises(ConfigError) as e:
+        sampler.generate(TEXTS, 2, stop=["ab", "x\udcff"])
+    assert str(e.value) == "stop string 1 is not valid UTF-8 text (byte 1 of it): pass it as UTF-8."
+    with pytest.raises(ConfigError) as e:
+        sampler.generate(["a", "\udcfe"], 2)
+    assert str(e.value) == "prompt 1 is not valid UTF-8 text (byte 0 of it): pass it as UTF-8."
+
+    tok, vocab = sampler.tokenizer, sampler.model.vocab_size
+    for last in (vocab - 1, vocab):  # "!" encodes to that id
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(
+                tok, "encode", lambda t, bos=False, last=last: np.array([last if c == "!" else ord(c) for c in t])
+            )
+            if last < vocab:
+                assert len(sampler.generate(["a", "b!"], 1)) == 2
+                continue
+            with pytest.raises(ConfigError) as e:
+                sampler.generate(["a", "b!"], 1)
+    assert str(e.value) == (
+        f"prompt 1 encodes to token id {vocab}, which the model's {vocab} ids lack (tokenizer '{tok.name}' has "
+        f"{tok.vocab_size}): sample with the model's own tokenizer (data.tokenizer=PATH)."
+    )
+
+
+def test_one_stop_string_of_several_characters_is_one_string():
+    """``stop="xy"`` stops at "xy", not at "x" or "y" alone; ``on_token`` sees every new id as it is chosen."""
+    sampler = _sampler("tiny", (), ASCII)  # ASCII text: every token is one character
+    draw = dict(temperature=1.0, seed=0, stop_at_eos=False)
+    (full,) = sampler.generate(TEXTS[:1], NEW, **draw)
+    ch = full.text[1]
+    stop = ch + next(c for c in "qwertyuiopQWERTY" if ch + c not in full.text)
+    seen = []
+    (g,) = sampler.generate(TEXTS[:1], NEW, stop=stop, on_token=lambda i, ids: seen.append((i, int(ids[0]))), **draw)
+    assert g.text == full.text and g.finish == "length" and g.tokens == full.tokens
+    assert seen == list(enumerate(full.tokens))
+
+
+def test_from_run_restores_the_step_asked_for(tmp_path):
+    """A run with checkpoints at steps 1 and 2: ``from_run(step=1)`` holds step 1's parameters and says so; without
+    a step, the newest."""
+    from jaxdist.train.trainer import Trainer
+
+    cfg = _config(
+        "tiny",
+        [],
+        "train.steps=2",
+        "train.seq_len=32",
+        "train.batch_size=8",
+        "data.max_bytes=20000",
+        "checkpoint.every=1",
+        "train.progress=false",
+        "train.tensorboard=false",
+        f"train.runs_dir={tmp_path}",
+        "train.name=two",
+    )
+    with Trainer(cfg) as t:
+        t.fit()
+        final = jax.device_get(t.state["params"])
+    devices = jax.devices()[:1]
+    first, newest = (
+        Sampler.from_run(tmp_path / "two", step=1, devices=devices),
+        Sampler.from_run(tmp_path / "two", devices=devices),
+    )
+    assert (first.step, newest.step) == (1, 2)
+    assert describe(first).startswith("model tiny, step 1;") and describe(newest).startswith("model tiny, step 2;")
+    same = [np.array_equal(a, b) for a, b in leaf_pairs(jax.device_get(newest.params), final)]
+    assert same and all(same)
+    assert not all(np.array_equal(a, b) for a, b in leaf_pairs(jax.device_get(first.params), final))
 
 
 def test_describe_names_the_model_the_step_and_the_mesh():
