@@ -292,6 +292,10 @@ def test_an_empty_prompt_starts_from_eos():
     sampler = _sampler("tiny")
     tok = sampler.tokenizer
     assert [p.tolist() for p in sampler.prompt_ids(["de", ""])] == [tok.encode("de").tolist(), [tok.eos_id]]
+    with pytest.MonkeyPatch.context() as mp:  # a tokenizer that adds BOS: after the EOS of an empty prompt too
+        mp.setattr(tok, "add_bos", True)
+        want = [tok.encode("de", bos=True).tolist(), [tok.eos_id, tok.bos_id]]
+        assert [p.tolist() for p in sampler.prompt_ids(["de", ""])] == want
     (g,) = sampler.generate([""], 3, stop_at_eos=False)
     assert len(g.tokens) == 3 and g.prompt == ""
 
