@@ -35,24 +35,6 @@ if "JAXDIST_TEST_OLD_EMITTERS" not in os.environ:
     os.environ["JAXDIST_TEST_OLD_EMITTERS"] = "1" if _probe.returncode == 0 else "0"
 if os.environ["JAXDIST_TEST_OLD_EMITTERS"] == "1":
     os.environ["XLA_FLAGS"] += " " + OLD_EMITTERS
-# XLA's newer CPU fusion emitters spend about twice the compile time of the older ones on these programs (two
-# compile-bound modules: 97 -> 52 s of CPU, benchmarks/README "The test suite's time"); the older emitters
-# generate code for the same HLO.  Only where this jaxlib knows the flag (an unknown flag in XLA_FLAGS aborts
-# every process that starts XLA): asked once, in a child, and the answer inherited by every process after.
-_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-if "JAXDIST_TEST_OLD_EMITTERS" not in os.environ:
-    import subprocess
-    import sys
-
-    _probe = subprocess.run(
-        [sys.executable, "-c", "import jax; jax.devices()"],
-        env={**os.environ, "XLA_FLAGS": _EMITTERS, "JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        timeout=300,
-    )
-    os.environ["JAXDIST_TEST_OLD_EMITTERS"] = "1" if _probe.returncode == 0 else "0"
-if os.environ["JAXDIST_TEST_OLD_EMITTERS"] == "1":
-    os.environ["XLA_FLAGS"] += " " + _EMITTERS
 # One persistent compilation cache per test session.  Many tests compile the same programs (the tiny model's
 # train step on the same mesh, built by a new Trainer each time), and each group of the multi-process
 # checkpoint tests (tests/checkpoint/worker.py reads $JAXDIST_TEST_COMPILE_CACHE) compiles what the previous
