@@ -345,6 +345,57 @@ def test_one_stop_string_of_several_characters_is_one_string():
     assert seen == list(enumerate(full.tokens))
 
 
+def test_the_text_is_cut_at_the_first_stop_even_at_its_start():
+    """With a tokenizer whose every token decodes to two characters, the first token already holds the stop string
+    twice: the text is cut before the first, to nothing."""
+    sampler = _sampler("tiny", (), ASCII)
+    draw = dict(temperature=1.0, seed=0, stop_at_eos=False)
+    (full,) = sampler.generate(TEXTS[:1], NEW, **draw)
+    tok = sampler.tokenizer
+    plain = tok.decode
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tok, "decode", lambda ids: "".join(2 * ch for ch in plain(ids)))
+        (g,) = sampler.generate(TEXTS[:1], NEW, stop=full.text[0], **draw)
+    assert g.text == "" and g.finish == "stop" and g.tokens == full.tokens[:1]
+
+
+@pytest.mark.parametrize(
+    "mesh, rows",
+    [
+        ((), 1),
+        (("mesh.data=8",), 8),
+        (tuple(MESH), 4),  # data x fsdp; tensor does not split rows
+        (("mesh.data=2", "mesh.context=4"), 8),  # the tokens split over context too
+    ],
+)
+def test_the_rows_are_a_multiple_of_what_splits_them(mesh, rows):
+    """A batch of prompts is padded to a multiple of the batch axes and of the axes that split the tokens."""
+    assert _sampler("tiny", mesh)._row_multiple() == rows
+
+
+def test_rows_split_over_an_axis_the_tokens_are_not_split_over():
+    """Rules of one's own that split rows over ``tensor`` (data 4 x tensor 2), where the experts' hidden width is
+    split too, so the MoE tokens are not: the rows are a multiple of 8, not of the tokens' 4."""
+    from jaxdist.parallel.rules import DEFAULT_RULES
+
+    rules = tuple(("batch", ("data", "tensor")) if name == "batch" else (name, axes) for name, axes in DEFAULT_RULES)
+    cfg = _config("tiny", ["mesh.data=4", "mesh.tensor=2"])
+    par = Parallelism.for_mesh(Parallelism.build(cfg, jax.devices()).mesh, rules)
+    assert par.expert_layout.size(par.expert_layout.token_axes) == 4
+    assert Sampler(cfg, _params(cfg), par)._row_multiple() == 8
+
+
+def test_a_mesh_of_one_data_axis_samples():
+    """A mesh built by hand with only a ``data`` axis (the others absent, not of size 1) pads to 8 rows and decodes
+    as the single device does."""
+    from jax.sharding import Mesh
+
+    cfg = _config("tiny", ["mesh.data=8"])
+    sampler = Sampler(cfg, _params(cfg), Parallelism.for_mesh(Mesh(np.array(jax.devices()), ("data",))))
+    assert sampler._row_multiple() == 8
+    assert _ids(sampler.decode(PROMPTS, NEW)) == _ids(_sampler("tiny").decode(PROMPTS, NEW))
+
+
 def test_from_run_restores_the_step_asked_for(tmp_path):
     """A run with checkpoints at steps 1 and 2: ``from_run(step=1)`` holds step 1's parameters and says so; without
     a step, the newest."""
