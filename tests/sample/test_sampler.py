@@ -385,6 +385,38 @@ def test_rows_split_over_an_axis_the_tokens_are_not_split_over():
     assert Sampler(cfg, _params(cfg), par)._row_multiple() == 8
 
 
+@pytest.mark.parametrize(
+    "mesh, extra, n",
+    [
+        (["mesh.data=2", "mesh.tensor=4"], [], 3),  # 2 KV heads: the cache is not split over tensor
+        (["mesh.data=2", "mesh.context=4"], [], 2),  # prompts of 5 and 2 tokens: 5 is not split over context
+        (["mesh.data=4", "mesh.tensor=2"], ["model.vocab_size=259"], 3),  # the logits' 259 ids are not split
+    ],
+    ids=["tensor4-kv2", "context4-prompt5", "tensor2-vocab259"],
+)
+def test_shapes_the_mesh_does_not_divide_decode_as_one_device_does(mesh, extra, n):
+    """The shardings follow the shapes (an axis that does not divide a dimension does not split it), and the tokens
+    are the single device's."""
+    cfg, one = _config("tiny", mesh, *extra), _config("tiny", ["mesh.data=1"], *extra)
+    sampler = Sampler(cfg, _params(cfg), Parallelism.build(cfg, jax.devices()))
+    single = Sampler(one, _params(one), Parallelism.build(one, jax.devices()[:1]))
+    assert _ids(sampler.decode(PROMPTS[:n], NEW)) == _ids(single.decode(PROMPTS[:n], NEW))
+
+
+def test_the_parameters_are_placed_and_several_cpu_devices_run_one_program_at_a_time():
+    """Without a parallelism the config's mesh on every device; the parameters on their shardings (some split);
+    one program at a time on two or more XLA:CPU devices, not on one."""
+    cfg = _config("tiny", MESH)
+    assert Sampler(cfg, _params(cfg)).parallelism.mesh.devices.size == 8
+    sharded = _sampler("tiny", tuple(MESH))
+    pairs = leaf_pairs(sharded.params, sharded.param_shardings)
+    assert pairs and all(p.sharding == s for p, s in pairs)
+    assert not all(p.sharding.is_fully_replicated for p, _ in pairs)
+    two = _config("tiny", ["mesh.data=2"])
+    pair = Sampler(two, _params(two), Parallelism.build(two, jax.devices()[:2]))
+    assert (sharded.one_at_a_time, pair.one_at_a_time, _sampler("tiny").one_at_a_time) == (True, True, False)
+
+
 def test_a_mesh_of_one_data_axis_samples():
     """A mesh built by hand with only a ``data`` axis (the others absent, not of size 1) pads to 8 rows and decodes
     as the single device does."""
