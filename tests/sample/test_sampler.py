@@ -403,6 +403,35 @@ def test_shapes_the_mesh_does_not_divide_decode_as_one_device_does(mesh, extra, 
     assert _ids(sampler.decode(PROMPTS[:n], NEW)) == _ids(single.decode(PROMPTS[:n], NEW))
 
 
+def test_one_sampler_decodes_a_second_shape_as_a_new_sampler_does():
+    """A sampler keeps one prefill and one decoding program per shape: after a short request, a longer one (a longer
+    prompt, more tokens: a longer cache) decodes as a sampler that never saw the first; its KV cache and logits come
+    out on the shardings planned for them."""
+    cfg = _config("tiny", MESH)
+    used, fresh = (Sampler(cfg, _params(cfg), Parallelism.build(cfg, jax.devices())) for _ in range(2))
+    used.decode([PROMPTS[1]], 2, stop_at_eos=False)
+    seen = {}
+    prefill = used._prefill
+
+    def spy(rows, p, length):
+        fn = prefill(rows, p, length)
+
+        def call(*args):
+            seen["out"], seen["planned"] = fn(*args), used._shardings(rows, p, length)
+            return seen["out"]
+
+        return call
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(used, "_prefill", spy)
+        again = used.decode(PROMPTS, NEW + 4, stop_at_eos=False)
+    assert _ids(again) == _ids(fresh.decode(PROMPTS, NEW + 4, stop_at_eos=False))
+    _, logits, cache, _ = seen["out"]
+    planned = seen["planned"]
+    assert logits.sharding.is_equivalent_to(planned["logits"], logits.ndim)
+    assert all(cache[k].sharding.is_equivalent_to(planned["cache"][k], cache[k].ndim) for k in ("k", "v"))
+
+
 def test_the_parameters_are_placed_and_several_cpu_devices_run_one_program_at_a_time():
     """Without a parallelism the config's mesh on every device; the parameters on their shardings (some split);
     one program at a time on two or more XLA:CPU devices, not on one."""
