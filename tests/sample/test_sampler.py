@@ -411,25 +411,31 @@ def test_one_sampler_decodes_a_second_shape_as_a_new_sampler_does():
     used, fresh = (Sampler(cfg, _params(cfg), Parallelism.build(cfg, jax.devices())) for _ in range(2))
     used.decode([PROMPTS[1]], 2, stop_at_eos=False)
     seen = {}
-    prefill = used._prefill
 
-    def spy(rows, p, length):
-        fn = prefill(rows, p, length)
+    def spy(program, name, p_of):
+        def build(rows, *shape):
+            fn = program(rows, *shape)
 
-        def call(*args):
-            seen["out"], seen["planned"] = fn(*args), used._shardings(rows, p, length)
-            return seen["out"]
+            def call(*args):
+                out = fn(*args)
+                seen[name] = (args, out, used._shardings(rows, p_of(shape), shape[-1]))
+                return out
 
-        return call
+            return call
+
+        return build
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(used, "_prefill", spy)
+        mp.setattr(used, "_prefill", spy(used._prefill, "prefill", lambda shape: shape[0]))
+        mp.setattr(used, "_decode_step", spy(used._decode_step, "decode", lambda shape: 1))
         again = used.decode(PROMPTS, NEW + 4, stop_at_eos=False)
     assert _ids(again) == _ids(fresh.decode(PROMPTS, NEW + 4, stop_at_eos=False))
-    _, logits, cache, _ = seen["out"]
-    planned = seen["planned"]
-    assert logits.sharding.is_equivalent_to(planned["logits"], logits.ndim)
-    assert all(cache[k].sharding.is_equivalent_to(planned["cache"][k], cache[k].ndim) for k in ("k", "v"))
+    for name in ("prefill", "decode"):  # the logits and the KV cache on their planned shardings
+        _, (_, logits, cache, _), planned = seen[name]
+        assert logits.sharding.is_equivalent_to(planned["logits"], logits.ndim), name
+        assert all(cache[k].sharding.is_equivalent_to(planned["cache"][k], cache[k].ndim) for k in "kv"), name
+    args, _, _ = seen["decode"]
+    assert args[4]["k"].is_deleted() and args[4]["v"].is_deleted()  # the step updated the cache in place
 
 
 def test_the_parameters_are_placed_and_several_cpu_devices_run_one_program_at_a_time():
