@@ -276,6 +276,49 @@ def test_bad_requests_raise_config_error(kw, words):
     assert words in str(e.value) and str(e.value).count(". ") == 0  # one sentence
 
 
+def test_decode_refuses_prompts_with_its_whole_sentences_and_takes_the_edges():
+    """No prompt, an empty one, one longer than max_seq_len, an id below 0 or at vocab_size: one sentence each. A
+    prompt of exactly max_seq_len tokens with ids 0 and vocab_size - 1 decodes, and a prompt given as a 2-D array
+    is its flattened ids."""
+    sampler = _sampler("tiny")
+    vocab, limit = sampler.model.vocab_size, sampler.model.max_seq_len
+    outside = f"prompt 0 has token ids outside 0..{vocab - 1}: fix its ids."
+    for prompts, sentence in [
+        ([], "no prompt given: pass at least one prompt."),
+        ([[1], []], "prompt 1 has no tokens: give it at least one token."),
+        (
+            [[1] * (limit + 1)],
+            f"prompt 0 has {limit + 1} tokens, more than the model's max length model.max_seq_len={limit}: shorten it.",
+        ),
+        ([[1, -1]], outside),
+        ([[1, vocab]], outside),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            sampler.decode(prompts, 2)
+        assert str(e.value) == sentence
+    assert len(sampler.decode([[0] * (limit - 1) + [vocab - 1]], 1).tokens[0]) == 1
+    flat = sampler.decode([PROMPTS[0][:4]], 2).tokens[0].tolist()
+    assert sampler.decode([np.array(PROMPTS[0][:4]).reshape(2, 2)], 2).tokens[0].tolist() == flat
+
+
+def test_decode_defaults_end_at_eos_draw_with_seed_0_and_keep_no_logits():
+    sampler = _sampler("tiny", (), ASCII)
+    full = sampler.decode(PROMPTS, NEW, stop_at_eos=False)
+    assert full.logits is None
+    warm = sampler.decode(PROMPTS, NEW, temperature=1.5)
+    assert _ids(warm) == _ids(sampler.decode(PROMPTS, NEW, temperature=1.5, seed=0))
+    eos = int(full.tokens[0][2])
+    sampler.tokenizer.eos_id = eos  # a traced setting: the same programs
+    try:
+        ended = sampler.decode(PROMPTS, NEW)
+    finally:
+        del sampler.tokenizer.eos_id
+    assert (
+        ended.finish[0] == "eos"
+        and ended.tokens[0].tolist() == full.tokens[0].tolist()[: full.tokens[0].tolist().index(eos) + 1]
+    )
+
+
 def test_generate_defaults_are_greedy_and_seed_0():
     """``generate`` without settings is greedy (temperature 0), and a temperature without a seed draws with seed 0."""
     sampler = _sampler("tiny")
