@@ -308,11 +308,18 @@ def test_decode_defaults_end_at_eos_draw_with_seed_0_and_keep_no_logits():
     warm = sampler.decode(PROMPTS, NEW, temperature=1.5)
     assert _ids(warm) == _ids(sampler.decode(PROMPTS, NEW, temperature=1.5, seed=0))
     eos = int(full.tokens[0][2])
+    first = int(full.tokens[0][0])
+    streamed = []
     sampler.tokenizer.eos_id = eos  # a traced setting: the same programs
     try:
         ended = sampler.decode(PROMPTS, NEW)
+        assert _ids(sampler.decode(PROMPTS, NEW, stop_at_eos=False)) == _ids(full)  # EOS is only a token then
+        sampler.tokenizer.eos_id = first  # prompt 0 ends at its first token: after it, it streams -1
+        sampler.decode(PROMPTS, NEW, on_token=lambda i, ids: streamed.append(ids.copy()))
     finally:
         del sampler.tokenizer.eos_id
+    assert [int(ids[0]) for ids in streamed] == [first] + [-1] * (len(streamed) - 1) and len(streamed) > 1
+    assert all(ids.dtype == np.int32 for ids in streamed)
     assert (
         ended.finish[0] == "eos"
         and ended.tokens[0].tolist() == full.tokens[0].tolist()[: full.tokens[0].tolist().index(eos) + 1]
