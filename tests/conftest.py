@@ -14,8 +14,8 @@ os.environ["XLA_FLAGS"] = (
     "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
     " --xla_llvm_disable_expensive_passes=true"
 )
-# XLA's newer CPU fusion emitters spend about twice the compile time of the older ones on these programs (two
-# compile-bound modules: 97 -> 52 s of CPU; the suite: benchmarks/README "The test suite's time").  The older
+# XLA's newer CPU fusion emitters spend about twice the compile time of the older ones on these programs
+# (benchmarks/README, "The test suite's time").  The older
 # emitters compile the same HLO but may reduce in another order, so a module whose claim is the same bits from
 # two *different* programs (another mesh or device order, the ordered sum, a probability that sums to top_p
 # exactly) says ``pytestmark = pytest.mark.default_emitters`` and compiles at XLA's default, as users do
