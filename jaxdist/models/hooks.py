@@ -21,6 +21,9 @@
 
 * **block remat** ``fn -> fn``: a user's model marks its blocks with :func:`remat_block`; the Trainer
   installs ``jax.checkpoint`` with ``train.remat``'s policy (``jaxdist.train.custom``).
+* **block stack** ``(graphdef, stacked state, x) -> x``: how a user's stack of identical blocks runs
+  (``jaxdist.models.blocks.run_blocks``): without one installed, a scan over the blocks; with
+  ``mesh.pipeline > 1`` the pipeline's stages (``parallel/pipeline_blocks.py``).
 
 The parallelism layer (``parallel/``) installs them (``activation_sharding``,
 ``context_parallelism``, ``expert_parallelism``; ``Parallelism.bind`` enters them inside the jitted
@@ -156,3 +159,24 @@ def rematerializing(wrap: BlockRemat | None) -> Iterator[None]:
         yield
     finally:
         _BLOCK_REMAT.reset(token)
+
+
+# (graphdef, stacked state, x) -> x: a user's stack of identical blocks run in order (jaxdist.models.blocks).
+StackRun = Callable[[Any, Any, Any], Any]
+_STACK_RUN: contextvars.ContextVar[StackRun | None] = contextvars.ContextVar("jaxdist_stack_run", default=None)
+
+
+def stack_run() -> StackRun | None:
+    """The installed way to run a stack of blocks, or None (jaxdist.models.blocks scans them)."""
+    return _STACK_RUN.get()
+
+
+@contextlib.contextmanager
+def running_stacks(fn: StackRun | None) -> Iterator[None]:
+    """Within this block :func:`jaxdist.models.blocks.run_blocks` runs each stack with ``fn`` (None: a scan).
+    Nests; the outer one is restored."""
+    token = _STACK_RUN.set(fn)
+    try:
+        yield
+    finally:
+        _STACK_RUN.reset(token)

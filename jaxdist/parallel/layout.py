@@ -65,15 +65,20 @@ class Parallelism:
     pipeline: PipelinePlan | None = None
 
     @classmethod
-    def build(cls, config, devices: Sequence[Any] | None = None) -> Parallelism:
-        """The parallelism of a whole Config on ``devices`` (default all); ConfigError if the config cannot run."""
+    def build(cls, config, devices: Sequence[Any] | None = None, own_model: bool = False) -> Parallelism:
+        """The parallelism of a whole Config on ``devices`` (default all); ConfigError if the config cannot run.
+        ``own_model``: a user's model, whose stages run its own stack (jaxdist.parallel.pipeline_blocks), so no
+        plan of jaxdist's transformer's stages is made."""
         # A mesh smaller than the devices (every axis size given) runs on the first ones, as resolve() chose.
         mesh = build_mesh(config.mesh, mesh_devices(config.mesh, devices if devices is not None else jax.devices()))
+        rules = DEFAULT_RULES
+        if own_model and config.mesh.pipeline > 1:  # outside its stack a user's model runs on rows of every stage
+            rules = tuple((n, (*a, "pipeline") if n == "batch" else a) for n, a in rules)
         return cls.for_mesh(
             mesh,
-            DEFAULT_RULES,
+            rules,
             config.mesh.expert_tensor,
-            pipeline_plan_for(config) if config.mesh.pipeline > 1 else None,
+            pipeline_plan_for(config) if config.mesh.pipeline > 1 and not own_model else None,
         )
 
     @classmethod

@@ -33,6 +33,11 @@ against the tags the forward pass has.  Run the blocks with a scan (``nnx.scan``
 compiler schedules the recomputation early), a scan does.  ``train.remat=auto`` compiles the candidates
 (:mod:`jaxdist.train.custom_remat`).
 
+Pipeline stages: a module that runs its stack of blocks with :func:`jaxdist.models.blocks.run_blocks` (``x =
+run_blocks(self.blocks, x)``, each block marked for remat) can be split over ``mesh.pipeline`` stages with
+``pipeline.schedule=gpipe`` (:mod:`jaxdist.parallel.pipeline_blocks`); ``train.microbatches`` are then the
+pipeline's microbatches, and outside the stack the batch's rows are split over the stages too.
+
 The optimizer is any ``optax.GradientTransformation`` (default: the AdamW of the ``[train]`` settings); its
 state is checkpointed and resumed with the parameters.  ``train.grad_clip`` still clips the global norm
 first.  A user's optimizer has no schedule jaxdist knows, so its steps log no ``lr``.
@@ -56,6 +61,7 @@ from jaxdist.config import Config, ConfigError
 from jaxdist.config.schema import validate, validate_devices
 from jaxdist.data.items import ItemSource
 from jaxdist.models import hooks
+from jaxdist.models.blocks import scan_blocks, stack_length
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 
 
@@ -191,18 +197,22 @@ def vocab_size(abstract: dict, names: dict) -> int | None:
 
 def check_user_config(cfg: Config, n_devices: int | None, names: dict | None = None, abstract: dict | None = None):
     """The config's checks that do not concern jaxdist's own transformer, and what a user's model cannot do
-    (ConfigError, one sentence): a mesh axis none of its parameter names maps to, pipeline stages and a context
-    axis (the module declares neither), and the settings that need the built-in model's blocks."""
-    validate(cfg, own_model=True)  # the sections; jaxdist's transformer's own rules are not this model's
+    (ConfigError, one sentence): a mesh axis none of its parameter names maps to, a pipeline schedule other than
+    gpipe or with a context axis, and the settings that need the built-in model's blocks."""
     sizes = cfg.mesh.checked_sizes()
-    for axis, why in (
-        ("pipeline", "stages need a stack of identical blocks, which jaxdist's own transformer declares"),
-    ):
-        if sizes[axis] > 1:
-            raise ConfigError(
-                f"mesh.{axis}={sizes[axis]} is not available to your own model yet ({why}): set mesh.{axis}=1 and "
-                "use data, fsdp or tensor."
-            )
+    stages = sizes["pipeline"]
+    if stages > 1 and cfg.pipeline.schedule != "gpipe":  # before the sections' checks of the other schedules
+        raise ConfigError(
+            f"pipeline.schedule={cfg.pipeline.schedule} needs the loss inside the last stage, and your own model's "
+            f"loss runs after its stack of blocks, on the whole batch: set pipeline.schedule=gpipe for "
+            f"mesh.pipeline={stages}."
+        )
+    validate(cfg, own_model=True)  # the sections; jaxdist's transformer's own rules are not this model's
+    if stages > 1 and sizes["context"] > 1:
+        raise ConfigError(
+            f"mesh.context={sizes['context']} does not run with pipeline stages yet (mesh.pipeline={stages}): set "
+            "mesh.pipeline=1 or mesh.context=1."
+        )
     fixed = (
         ("train.grad_sync", cfg.train.grad_sync, "end"),
         ("data.packing", cfg.data.packing, "stream"),
@@ -238,6 +248,13 @@ def _check_axes_split_something(sizes: dict[str, int], names: dict, abstract: di
             raise ConfigError(f"{e}: use the names of jaxdist.parallel.rules.DEFAULT_RULES.") from None
         for entry in spec:
             used.update((entry,) if isinstance(entry, str) else entry or ())
+    if sizes["pipeline"] > 1 and "pipeline" not in used:
+        raise ConfigError(
+            f"mesh.pipeline={sizes['pipeline']} splits a stack of blocks whose parameters lead with the axis "
+            "'layers', and your model has none: stack its blocks with nnx.vmap(..., transform_metadata="
+            "{nnx.PARTITION_NAME: 'layers'}) and run them with jaxdist.models.blocks.run_blocks, or set "
+            "mesh.pipeline=1."
+        )
     for axis in ("fsdp", "tensor", "expert"):
         if sizes[axis] > 1 and axis not in used:
             takers = ", ".join(n for n, axes in DEFAULT_RULES if axis in axes and n != "batch")
@@ -266,10 +283,13 @@ def _loss_parts(out: Any) -> tuple[jax.Array, dict]:
     return value.astype(jnp.float32), {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
 
 
-def objective(user: UserModel, graphdef, remat: Any = None, wrap: Callable | None = None) -> Callable:
+def objective(
+    user: UserModel, graphdef, remat: Any = None, wrap: Callable | None = None, stacks: hooks.StackRun | None = None
+) -> Callable:
     """``fn(params, batch) -> (loss, metrics)``: the module's forward pass, each block it marks with
     :func:`jaxdist.models.hooks.remat_block` under ``remat`` (a jax.checkpoint policy, "full" or None; ``wrap``:
-    another function of the block instead), and the user's loss."""
+    another function of the block instead), its stacks of blocks (:func:`jaxdist.models.blocks.run_blocks`) run
+    by ``stacks`` (None: a scan; with pipeline stages: jaxdist.parallel.pipeline_blocks), and the user's loss."""
     if wrap is not None:
         pass
     elif remat is None:
@@ -280,7 +300,7 @@ def objective(user: UserModel, graphdef, remat: Any = None, wrap: Callable | Non
         wrap = functools.partial(jax.checkpoint, policy=remat)
 
     def fn(params, batch):
-        with hooks.rematerializing(wrap):
+        with hooks.rematerializing(wrap), hooks.running_stacks(stacks):
             out = nnx.merge(graphdef, params)(batch)
         return _loss_parts(user.loss(out, batch))
 
@@ -295,6 +315,7 @@ class Traced:
     names: tuple[str, ...]
     blocks: int
     axes: tuple[str, ...] = ()  # the logical names its activations are constrained by (constrain), in order
+    stacks: tuple[int, ...] = ()  # the blocks of each stack it runs with jaxdist.models.blocks.run_blocks
 
 
 def check_loss(user: UserModel, graphdef, remat: Any, abstract_params: dict, batch: Any) -> Traced:
@@ -310,12 +331,46 @@ def check_loss(user: UserModel, graphdef, remat: Any, abstract_params: dict, bat
         axes.update(dict.fromkeys(a for a in logical if a))
         return x
 
+    stacks: list[int] = []
+
+    def stacked(graphdef_, state, x):
+        stacks.append(stack_length(state))
+        return scan_blocks(graphdef_, state, x)
+
     names = tuple(
         dict.fromkeys(_names_in(jax.make_jaxpr(objective(user, graphdef, remat))(abstract_params, batch).jaxpr))
     )
     with hooks.constraining(seen):
-        jax.eval_shape(objective(user, graphdef, wrap=count), abstract_params, batch)
-    return Traced(names, blocks[0], tuple(axes))
+        jax.eval_shape(objective(user, graphdef, wrap=count, stacks=stacked), abstract_params, batch)
+    return Traced(names, blocks[0], tuple(axes), tuple(stacks))
+
+
+def check_pipeline(cfg: Config, traced: Traced, sizes: dict[str, int]) -> None:
+    """ConfigError (one sentence) for pipeline stages (``sizes``: the mesh's axes) on a model that runs no stack
+    of blocks through :func:`jaxdist.models.blocks.run_blocks` (the stages would hold its blocks and run none of
+    them), a stack the stages do not divide, or a batch whose rows the data axes and the stages do not divide
+    (outside its stack the model runs on every stage's rows)."""
+    p = sizes.get("pipeline", 1)
+    if p == 1:
+        return
+    ways = math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert", "pipeline"))
+    if cfg.train.batch_size % ways:
+        raise ConfigError(
+            f"train.batch_size={cfg.train.batch_size} does not split over the data axes and the {p} pipeline "
+            f"stages ({ways} ways), where your model's layers outside its stack run: make it a multiple of {ways}."
+        )
+    if not traced.stacks:
+        raise ConfigError(
+            f"mesh.pipeline={p} runs the stacks of blocks your model gives to jaxdist.models.blocks.run_blocks, and "
+            "it gives none: call x = run_blocks(self.blocks, x) instead of its own loop or scan, or set "
+            "mesh.pipeline=1."
+        )
+    for n in traced.stacks:
+        if n % p:
+            raise ConfigError(
+                f"your model's stack of {n} blocks does not split into mesh.pipeline={p} stages: use a number of "
+                f"stages that divides {n}."
+            )
 
 
 def check_context(cfg: Config, traced: Traced) -> None:

@@ -17,6 +17,7 @@ from jaxdist.cluster import load_cluster
 from jaxdist.models import create_abstract, init_params
 from jaxdist.parallel.comm import plan_comm, xla_gpu_options
 from jaxdist.parallel.layout import Parallelism
+from jaxdist.parallel.pipeline_blocks import blocks_pipeline
 from jaxdist.remat.named import remat_policy
 from jaxdist.train import custom
 from jaxdist.train.faults import hooks_on, with_device_hang
@@ -47,7 +48,7 @@ class Program:
         self.devices = list(self.resolved.devices)
         self.cluster = load_cluster(c.mesh.cluster)
         # Mesh, logical rules, expert layout (MoE weights on the expert view, mesh.expert_tensor), pipeline plan.
-        self.parallelism = Parallelism.build(c, self.devices)
+        self.parallelism = Parallelism.build(c, self.devices, own_model=resolved.user is not None)
         self.mesh, self.rules = self.parallelism.mesh, self.parallelism.rules
         self.expert_layout = self.parallelism.expert_layout
 
@@ -118,13 +119,19 @@ class Program:
         )
         packed = c.data.packing == "documents"  # rows packed from documents (jaxdist.data.documents)
         if user is not None:  # the user's loss over the user's module, microbatched (jaxdist.train.custom)
-            objective = custom.objective(user, self.graphdef, self.remat_policy)
             self.traced = custom.check_loss(
                 user, self.graphdef, self.remat_policy, self.abstract_params, self.abstract_batch()
             )
             custom.check_remat(self.resolved.remat, self.traced)
             custom.check_context(c, self.traced)
-            grads, eval_step = custom.grads_fn(objective, c.train.microbatches), lambda p, b: objective(p, b)[0]
+            custom.check_pipeline(c, self.traced, dict(self.mesh.shape))
+            # Pipeline stages run its stack over train.microbatches microbatches (jaxdist.parallel.pipeline_blocks);
+            # without them the microbatches are the gradient accumulation's.
+            staged = c.mesh.pipeline > 1
+            stacks = blocks_pipeline(self.mesh, c.train.microbatches, self.rules) if staged else None
+            objective = custom.objective(user, self.graphdef, self.remat_policy, stacks=stacks)
+            micro = 1 if staged else c.train.microbatches
+            grads, eval_step = custom.grads_fn(objective, micro), lambda p, b: objective(p, b)[0]
         else:
             grads, eval_step = self._grads_fn(), make_eval_step(self.graphdef, packed)
         train_step = make_train_step(

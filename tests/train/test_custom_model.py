@@ -250,7 +250,7 @@ class NoTensor(nnx.Module):
             ["mesh.context=2", "mesh.tensor=1"],
             "mesh.context=2 splits the sequence axis your model names, and it names none",
         ),
-        ({}, ["mesh.pipeline=2", "mesh.data=1"], "mesh.pipeline=2 is not available"),
+        ({}, ["mesh.pipeline=2", "mesh.data=1"], "set pipeline.schedule=gpipe for mesh.pipeline=2"),
         ({}, ["train.grad_sync=per_block"], "train.grad_sync=per_block works with jaxdist's own transformer"),
         (
             {"model": lambda rngs: NoTensor(rngs=rngs)},

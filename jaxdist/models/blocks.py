@@ -1,0 +1,57 @@
+"""A stack of identical blocks in a model of your own, run so that jaxdist can split it into pipeline stages.
+
+    @nnx.split_rngs(splits=layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def stack(rngs):                      # the blocks' parameters stacked on a leading axis named "layers"
+        return Block(width, rngs=rngs)
+
+    self.blocks = stack(rngs)
+    ...
+    x = run_blocks(self.blocks, x)        # in __call__: block 0, then block 1, ...
+
+:func:`run_blocks` applies each block of the stack in order to ``x`` (an array, or a pytree of arrays, whose
+leading axis is the batch's rows; a block returns the same structure).  Each block is recomputed in the
+backward pass as ``train.remat`` says (:func:`jaxdist.models.hooks.remat_block`).  By default the blocks run as
+a scan; with ``mesh.pipeline > 1`` jaxdist runs them as pipeline stages (stage k holds blocks k*L/p ..
+(k+1)*L/p - 1, ``jaxdist.parallel.pipeline_blocks``): the batch's rows split into ``train.microbatches``
+microbatches that flow through the stages.  What runs before and after the stack (an embedding, a head, the
+loss) runs on the whole batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxdist.models import hooks
+
+
+def run_blocks(blocks: nnx.Module, x: Any) -> Any:
+    """``x`` through every block of ``blocks`` (a module made by ``nnx.vmap``: each parameter's leading axis is
+    the block's index, named ``"layers"``), in order; see the module docstring."""
+    graphdef, state = nnx.split(blocks)
+    run = hooks.stack_run()
+    return scan_blocks(graphdef, state, x) if run is None else run(graphdef, state, x)
+
+
+def scan_blocks(graphdef: Any, state: Any, x: Any) -> Any:
+    """``x`` through the blocks whose parameters ``state`` stacks on its leading axis (graphdef: one block's),
+    a scan with each block under :func:`jaxdist.models.hooks.remat_block`."""
+
+    def body(h, one):
+        return hooks.remat_block(nnx.merge(graphdef, one))(h), None
+
+    return jax.lax.scan(body, x, state)[0]
+
+
+def stack_length(state: Any) -> int:
+    """The number of blocks a stacked state holds (its leaves' leading axis); ValueError if they disagree."""
+    lengths = {leaf.shape[0] if leaf.ndim else 0 for leaf in jax.tree.leaves(state)}
+    if len(lengths) != 1 or 0 in lengths:
+        raise ValueError(
+            f"the stack's parameters lead with {sorted(lengths)} blocks: stack identical blocks with nnx.vmap, "
+            "every parameter on a leading axis of the same length."
+        )
+    return lengths.pop()
