@@ -22,12 +22,12 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.models.blocks import scan_blocks, stack_length
 from jaxdist.models.hooks import StackRun
 from jaxdist.parallel.grad_sync import without_axes
-from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding
+from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, logical_to_spec
 
 AXIS = "pipeline"
 
@@ -38,6 +38,10 @@ def blocks_pipeline(mesh: Mesh, microbatches: int, rules: Rules = DEFAULT_RULES)
     sentence) for a stack the stages do not divide or rows the microbatches do not divide."""
     p, m = dict(mesh.shape).get(AXIS, 1), microbatches
     inner = without_axes(rules, (AXIS,))  # the constraints inside a stage name the automatic axes only
+
+    def on_rows(a):  # [m, rows, ...]: a microbatch's rows split as inside a stage
+        spec = logical_to_spec((None, "batch"), inner, mesh, a.shape[:2])
+        return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
 
     def run(graphdef, state, x):
         n = stack_length(state)
@@ -54,7 +58,8 @@ def blocks_pipeline(mesh: Mesh, microbatches: int, rules: Rules = DEFAULT_RULES)
                 "batch's rows."
             )
         b = jax.tree.leaves(x)[0].shape[0]
-        xs = jax.tree.map(lambda a: a.reshape(b // m, m, *a.shape[1:]).swapaxes(0, 1), x)
+        # [m, rows, ...], the rows on the data axes only: the stages' all-gather said to XLA, not left to guess
+        xs = jax.tree.map(lambda a: on_rows(a.reshape(b // m, m, *a.shape[1:]).swapaxes(0, 1)), x)
         fn = jax.shard_map(
             partial(_stage, graphdef, p=p, m=m, inner=inner),
             mesh=mesh,
@@ -63,7 +68,7 @@ def blocks_pipeline(mesh: Mesh, microbatches: int, rules: Rules = DEFAULT_RULES)
             axis_names={AXIS},
         )
         ys = fn(state, xs)
-        return jax.tree.map(lambda y: y[p - 1].swapaxes(0, 1).reshape(b, *y.shape[3:]), ys)
+        return jax.tree.map(lambda y: on_rows(y[p - 1]).swapaxes(0, 1).reshape(b, *y.shape[3:]), ys)
 
     return run
 
