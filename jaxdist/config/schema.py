@@ -193,11 +193,11 @@ def validate_devices(cfg: Config, n_devices: int) -> None:
         )
 
 
-# Why an MoE model has no pipeline stages yet (jaxdist.parallel.pipeline raises the same).
+# Why an MoE model has no 1f1b or seq1f1b stages yet (jaxdist.parallel.pipeline raises the same).
 MOE_NOT_PIPELINED = (
-    "pipeline stages do not support MoE models yet: a stage runs the dense sequence-chunked block "
-    "only, and the router losses of every stage's MoE layers would have to join the last stage's "
-    "loss: set mesh.pipeline=1 or model.moe.experts=0."
+    "an MoE model's pipeline stages run the gpipe schedule only (the 1f1b and seq1f1b executor runs the dense "
+    "block, and a sequence chunk's router losses would need every chunk's counts): set pipeline.schedule=gpipe, "
+    "mesh.pipeline=1 or model.moe.experts=0."
 )
 
 
@@ -206,8 +206,9 @@ def _pipeline_on_model(cfg: Config, stages: int) -> None:
     m, t, p = cfg.model, cfg.train, cfg.pipeline
     if stages == 1:
         return
-    if m.moe.experts:
-        raise ConfigError(MOE_NOT_PIPELINED)
+    if m.moe.experts:  # its blocks run as gpipe stages by autodiff (jaxdist.parallel.pipeline_blocks)
+        _moe_pipeline_on_model(cfg, stages)
+        return
     if m.n_layers % stages:
         raise ConfigError(
             f"model.n_layers={m.n_layers} is not divisible by mesh.pipeline={stages}: "
@@ -223,6 +224,24 @@ def _pipeline_on_model(cfg: Config, stages: int) -> None:
         raise ConfigError(
             f"the 1f1b schedule needs train.microbatches >= mesh.pipeline, got {t.microbatches} < "
             f"{stages}: set train.microbatches={stages} or more, or use gpipe or seq1f1b."
+        )
+
+
+def _moe_pipeline_on_model(cfg: Config, stages: int) -> None:
+    """An MoE model's gpipe stages: their schedule, their share of the blocks, unpacked rows (ConfigError)."""
+    m = cfg.model
+    if cfg.pipeline.schedule != "gpipe":
+        raise ConfigError(MOE_NOT_PIPELINED)
+    groups = m.n_layers // max(m.moe.every, 1)
+    if groups % stages:
+        raise ConfigError(
+            f"model.n_layers={m.n_layers} / model.moe.every={m.moe.every} = {groups} groups of blocks, which "
+            f"mesh.pipeline={stages} stages do not divide: choose a number of stages that divides {groups}."
+        )
+    if cfg.data.packing == "documents":
+        raise ConfigError(
+            "data.packing=documents does not run on an MoE model's pipeline stages yet (a stage's microbatch would "
+            "need its rows' segments): set data.packing=stream or mesh.pipeline=1."
         )
 
 

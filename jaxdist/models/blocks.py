@@ -32,26 +32,9 @@ def run_blocks(blocks: nnx.Module, x: Any) -> Any:
     """``x`` through every block of ``blocks`` (a module made by ``nnx.vmap``: each parameter's leading axis is
     the block's index, named ``"layers"``), in order; see the module docstring."""
     graphdef, state = nnx.split(blocks)
-    run = hooks.stack_run()
-    return scan_blocks(graphdef, state, x) if run is None else run(graphdef, state, x)
 
-
-def scan_blocks(graphdef: Any, state: Any, x: Any) -> Any:
-    """``x`` through the blocks whose parameters ``state`` stacks on its leading axis (graphdef: one block's),
-    a scan with each block under :func:`jaxdist.models.hooks.remat_block`."""
-
-    def body(h, one):
+    def body(h, one):  # one block: its parameters are the stack's at one index
         return hooks.remat_block(nnx.merge(graphdef, one))(h), None
 
-    return jax.lax.scan(body, x, state)[0]
-
-
-def stack_length(state: Any) -> int:
-    """The number of blocks a stacked state holds (its leaves' leading axis); ValueError if they disagree."""
-    lengths = {leaf.shape[0] if leaf.ndim else 0 for leaf in jax.tree.leaves(state)}
-    if len(lengths) != 1 or 0 in lengths:
-        raise ValueError(
-            f"the stack's parameters lead with {sorted(lengths)} blocks: stack identical blocks with nnx.vmap, "
-            "every parameter on a leading axis of the same length."
-        )
-    return lengths.pop()
+    run = hooks.layer_scan()
+    return (jax.lax.scan if run is None else run)(body, x, state)[0]

@@ -21,9 +21,10 @@
 
 * **block remat** ``fn -> fn``: a user's model marks its blocks with :func:`remat_block`; the Trainer
   installs ``jax.checkpoint`` with ``train.remat``'s policy (``jaxdist.train.custom``).
-* **block stack** ``(graphdef, stacked state, x) -> x``: how a user's stack of identical blocks runs
-  (``jaxdist.models.blocks.run_blocks``): without one installed, a scan over the blocks; with
-  ``mesh.pipeline > 1`` the pipeline's stages (``parallel/pipeline_blocks.py``).
+* **layer scan** ``(body, x, stacked layers) -> (x, ys)``: how a stack of layers runs (a user's
+  ``jaxdist.models.blocks.run_blocks``, and an MoE transformer's blocks): without one installed,
+  ``jax.lax.scan``; with ``mesh.pipeline > 1`` the gpipe stages of ``parallel/pipeline_blocks.py``, whose
+  ``ys`` lead with the microbatch axis.
 
 The parallelism layer (``parallel/``) installs them (``activation_sharding``,
 ``context_parallelism``, ``expert_parallelism``; ``Parallelism.bind`` enters them inside the jitted
@@ -161,22 +162,24 @@ def rematerializing(wrap: BlockRemat | None) -> Iterator[None]:
         _BLOCK_REMAT.reset(token)
 
 
-# (graphdef, stacked state, x) -> x: a user's stack of identical blocks run in order (jaxdist.models.blocks).
-StackRun = Callable[[Any, Any, Any], Any]
-_STACK_RUN: contextvars.ContextVar[StackRun | None] = contextvars.ContextVar("jaxdist_stack_run", default=None)
+# (body, x, stacked layers) -> (x, ys): a stack of layers scanned as jax.lax.scan(body, x, stacked) would, but
+# as pipeline stages over microbatches of x's rows (ys then lead with the microbatch axis).
+LayerScan = Callable[[Callable, Any, Any], tuple[Any, Any]]
+_LAYER_SCAN: contextvars.ContextVar[LayerScan | None] = contextvars.ContextVar("jaxdist_layer_scan", default=None)
 
 
-def stack_run() -> StackRun | None:
-    """The installed way to run a stack of blocks, or None (jaxdist.models.blocks scans them)."""
-    return _STACK_RUN.get()
+def layer_scan() -> LayerScan | None:
+    """The installed way to scan a stack of layers as pipeline stages, or None (``jax.lax.scan``)."""
+    return _LAYER_SCAN.get()
 
 
 @contextlib.contextmanager
-def running_stacks(fn: StackRun | None) -> Iterator[None]:
-    """Within this block :func:`jaxdist.models.blocks.run_blocks` runs each stack with ``fn`` (None: a scan).
-    Nests; the outer one is restored."""
-    token = _STACK_RUN.set(fn)
+def scanning_layers(fn: LayerScan | None) -> Iterator[None]:
+    """Within this block the model's stacks of layers (jaxdist's transformer's, and a user's
+    :func:`jaxdist.models.blocks.run_blocks`) run through ``fn`` (None: a scan).  Nests; the outer one is
+    restored."""
+    token = _LAYER_SCAN.set(fn)
     try:
         yield
     finally:
-        _STACK_RUN.reset(token)
+        _LAYER_SCAN.reset(token)

@@ -310,6 +310,18 @@ def summarize_aux(per_layer: dict[str, jax.Array], cfg: ModelConfig) -> dict[str
     return out
 
 
+def summarize_microbatches(per_layer: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
+    """:func:`summarize_aux` of per-MoE-layer aux stacked [microbatches, layers, ...] (pipeline stages run the
+    microbatches through one forward pass): each microbatch summarized, then their mean (a step of microbatches
+    one after the other gives the same: ``jaxdist.train.step.loss_metrics_and_grads``), each block's ``tokens``
+    summed."""
+    each = jax.vmap(lambda a: summarize_aux(a, cfg))(per_layer)
+    out = jax.tree.map(lambda v: jnp.mean(v, axis=0), each)
+    for name, layer in out["moe_layers"].items():
+        layer["tokens"] = jnp.sum(each["moe_layers"][name]["tokens"], axis=0)
+    return out
+
+
 def router_metrics(layers: dict[str, dict[str, jax.Array]]) -> dict[str, jax.Array]:
     """Per MoE block, the step's router figures as scalars named ``moe/block<i>/<figure>``: ``tokens_max``,
     ``tokens_min``, ``tokens_mean`` (tokens routed to one expert: the most and least loaded expert, and the mean

@@ -36,6 +36,7 @@ from jaxdist.models.moe import (
     moe_param_specs,
     split_group,
     summarize_aux,
+    summarize_microbatches,
 )
 from jaxdist.models.names import CHECKPOINT_NAMES, block_param_specs  # noqa: F401  (re-exported)
 
@@ -430,8 +431,13 @@ class Transformer(nnx.Module):
 
             stacked = split_group(stacked, cfg)
         body = _with_remat(body, self.remat_policy)
-        x, aux = jax.lax.scan(body, x, stacked)
-        aux = summarize_aux(aux, cfg) if cfg.moe.experts else {}
+        staged = hooks.layer_scan()  # an MoE model's pipeline stages (jaxdist.parallel.pipeline_blocks), or None
+        if staged is not None and cfg.moe.experts and segments is None and positions is None:
+            x, aux = staged(body, x, stacked)  # aux per microbatch: [m, groups, ...]
+            aux = summarize_microbatches(aux, cfg)
+        else:
+            x, aux = jax.lax.scan(body, x, stacked)
+            aux = summarize_aux(aux, cfg) if cfg.moe.experts else {}
 
         weights = {"final_norm": self.final_norm, "embed": self.embed, "lm_head": getattr(self, "lm_head", None)}
         hp = {k: v[...] for k, v in head_params(weights, cfg).items()}

@@ -213,6 +213,8 @@ def run_experts(
         P(layout.ep_axes or None, None, layout.etp_axes or None),
         P(layout.ep_axes or None, layout.etp_axes or None, None),
     )
+    if _manual_axes():  # inside pipeline stages (jaxdist.parallel.pipeline_blocks): XLA partitions the experts
+        return local_experts(x, experts, weights, params, cfg)
     fn = jax.shard_map(
         partial(
             _dispatch,
@@ -230,6 +232,14 @@ def run_experts(
         y, keep = fn(x, experts, weights, params)
     # Back onto the model's mesh: tokens split over tensor_ep exist only in the expert view.
     return _tokens_on_model_mesh(y), _tokens_on_model_mesh(keep)
+
+
+def _manual_axes() -> set[str]:
+    """The mesh axes a surrounding shard_map made manual (none outside one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return set()
+    return {n for n, t in zip(mesh.axis_names, mesh.axis_types) if t == jax.sharding.AxisType.Manual}
 
 
 def _tokens_on_model_mesh(y: jax.Array) -> jax.Array:

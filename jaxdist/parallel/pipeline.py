@@ -58,11 +58,12 @@ from jaxdist.parallel.pipeline_sync import STAGE_MANUAL, StageSync
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, constrain
 from jaxdist.parallel.schedule import ExecutorTables, Schedule, build_schedule, executor_tables
 
-# Why MoE x pipeline cannot run (jaxdist.config.schema says the same for a config).
+# Why this executor does not run MoE (jaxdist.config.schema says the same for a config; an MoE model's gpipe
+# stages run by autodiff, jaxdist.parallel.pipeline_blocks).
 MOE_NOT_PIPELINED = (
-    "pipeline stages do not support MoE models yet: a stage runs the dense sequence-chunked "
-    "block only, and the router losses of every stage's MoE layers would have to join the last "
-    "stage's loss: set mesh.pipeline=1."
+    "an MoE model's pipeline stages run the gpipe schedule only (the 1f1b and seq1f1b executor runs the dense "
+    "block, and a sequence chunk's router losses would need every chunk's counts): set pipeline.schedule=gpipe "
+    "or mesh.pipeline=1."
 )
 
 

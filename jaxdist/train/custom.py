@@ -61,7 +61,7 @@ from jaxdist.config import Config, ConfigError
 from jaxdist.config.schema import validate, validate_devices
 from jaxdist.data.items import ItemSource
 from jaxdist.models import hooks
-from jaxdist.models.blocks import scan_blocks, stack_length
+from jaxdist.parallel.pipeline_blocks import stack_length
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 
 
@@ -284,7 +284,7 @@ def _loss_parts(out: Any) -> tuple[jax.Array, dict]:
 
 
 def objective(
-    user: UserModel, graphdef, remat: Any = None, wrap: Callable | None = None, stacks: hooks.StackRun | None = None
+    user: UserModel, graphdef, remat: Any = None, wrap: Callable | None = None, stacks: hooks.LayerScan | None = None
 ) -> Callable:
     """``fn(params, batch) -> (loss, metrics)``: the module's forward pass, each block it marks with
     :func:`jaxdist.models.hooks.remat_block` under ``remat`` (a jax.checkpoint policy, "full" or None; ``wrap``:
@@ -300,7 +300,7 @@ def objective(
         wrap = functools.partial(jax.checkpoint, policy=remat)
 
     def fn(params, batch):
-        with hooks.rematerializing(wrap), hooks.running_stacks(stacks):
+        with hooks.rematerializing(wrap), hooks.scanning_layers(stacks):
             out = nnx.merge(graphdef, params)(batch)
         return _loss_parts(user.loss(out, batch))
 
@@ -333,9 +333,9 @@ def check_loss(user: UserModel, graphdef, remat: Any, abstract_params: dict, bat
 
     stacks: list[int] = []
 
-    def stacked(graphdef_, state, x):
+    def stacked(body, x, state):
         stacks.append(stack_length(state))
-        return scan_blocks(graphdef_, state, x)
+        return jax.lax.scan(body, x, state)
 
     names = tuple(
         dict.fromkeys(_names_in(jax.make_jaxpr(objective(user, graphdef, remat))(abstract_params, batch).jaxpr))

@@ -17,14 +17,14 @@ from jaxdist.cluster import load_cluster
 from jaxdist.models import create_abstract, init_params
 from jaxdist.parallel.comm import plan_comm, xla_gpu_options
 from jaxdist.parallel.layout import Parallelism
-from jaxdist.parallel.pipeline_blocks import blocks_pipeline
+from jaxdist.parallel.pipeline_blocks import pipelined_scan
 from jaxdist.remat.named import remat_policy
 from jaxdist.train import custom
 from jaxdist.train.faults import hooks_on, with_device_hang
 from jaxdist.train.optimizer import make_optimizer
 from jaxdist.train.programs import bf16_notice, executed_flops
 from jaxdist.train.resolved import Resolved
-from jaxdist.train.step import init_state, make_eval_step, make_train_step
+from jaxdist.train.step import init_state, make_eval_step, make_train_step, staged_grads_fn
 
 
 class Program:
@@ -128,7 +128,7 @@ class Program:
             # Pipeline stages run its stack over train.microbatches microbatches (jaxdist.parallel.pipeline_blocks);
             # without them the microbatches are the gradient accumulation's.
             staged = c.mesh.pipeline > 1
-            stacks = blocks_pipeline(self.mesh, c.train.microbatches, self.rules) if staged else None
+            stacks = pipelined_scan(self.mesh, c.train.microbatches, self.rules) if staged else None
             objective = custom.objective(user, self.graphdef, self.remat_policy, stacks=stacks)
             micro = 1 if staged else c.train.microbatches
             grads, eval_step = custom.grads_fn(objective, micro), lambda p, b: objective(p, b)[0]
@@ -158,8 +158,13 @@ class Program:
         )
 
     def _grads_fn(self):
-        """The gradient path Parallelism chooses for train.grad_sync (None: the model's own)."""
-        return self.parallelism.grads_fn(self.config, self.graphdef, self.param_shardings, self.comm_plan)
+        """The gradient path Parallelism chooses for train.grad_sync (None: the model's own); an MoE model's
+        pipeline stages: gpipe by autodiff (jaxdist.parallel.pipeline_blocks)."""
+        c = self.config
+        if c.mesh.pipeline > 1 and c.model.moe.experts:
+            stages = pipelined_scan(self.mesh, c.train.microbatches, self.rules)
+            return staged_grads_fn(self.graphdef, stages, c.data.packing == "documents")
+        return self.parallelism.grads_fn(c, self.graphdef, self.param_shardings, self.comm_plan)
 
     def sharding(self, logical: tuple[str | None, ...], shape: tuple[int, ...] | None = None) -> NamedSharding:
         """NamedSharding on this mesh for an array with these logical axis names."""

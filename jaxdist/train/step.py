@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxdist.data.batchlist import batch_digest
-from jaxdist.models import apply, apply_with_aux
+from jaxdist.models import apply, apply_with_aux, hooks
+from jaxdist.models.hooks import LayerScan
 from jaxdist.models.moe import MOE_METRICS, router_metrics
 from jaxdist.models.packed import target_count, unpack
 from jaxdist.parallel.rules import constrain
@@ -116,6 +117,19 @@ def loss_metrics_and_grads(graphdef, params: dict, tokens: jax.Array, microbatch
     for name, layer in metrics.get("moe_layers", {}).items():  # counts: the step's, summed over microbatches
         layer["tokens"] = metric_sum["moe_layers"][name]["tokens"]
     return loss_sum * scale, metrics, jax.tree.map(lambda g: g * scale, grad_sum)
+
+
+def staged_grads_fn(graphdef, stages: LayerScan, packed: bool = False) -> Callable:
+    """``fn(params, tokens) -> (objective, metrics, grads)`` of an MoE model whose blocks run as gpipe pipeline
+    stages (``stages``: jaxdist.parallel.pipeline_blocks.pipelined_scan, which splits the rows into the
+    microbatches): one forward pass over the batch, its router losses and metrics those of the microbatches one
+    after the other (:func:`loss_metrics_and_grads`)."""
+
+    def fn(params, tokens):
+        with hooks.scanning_layers(stages):
+            return loss_metrics_and_grads(graphdef, params, tokens, 1, packed)
+
+    return fn
 
 
 def init_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:

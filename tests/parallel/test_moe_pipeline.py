@@ -1,0 +1,78 @@
+"""An MoE model on pipeline stages (jaxdist/parallel/pipeline_blocks.py, the gpipe schedule by autodiff): the
+loss, the router's losses and figures and the parameters of the same model on one device with the same
+microbatches, fp32, with dropless and capacity dispatch and the expert, data and tensor axes inside the stages."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from jaxdist.config import ConfigError, load_config
+from jaxdist.train.metrics import read_metrics
+from jaxdist.train.trainer import Trainer
+from tests.trees import leaf_pairs
+
+
+def run(tmp_path, name, extra, devices=None):
+    cfg = load_config(
+        None,
+        [
+            "model=moe-tiny",
+            "model.dtype=float32",
+            "train.steps=3",
+            "train.seq_len=32",
+            "train.batch_size=8",
+            "train.log_every=1",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "data.max_bytes=300000",
+            "checkpoint.enabled=false",
+            f"train.runs_dir={tmp_path}",
+            f"train.name={name}",
+            *extra,
+        ],
+    )
+    with Trainer(cfg, devices) as t:
+        t.fit()
+        return jax.device_get(t.state["params"]), read_metrics(tmp_path / name), t
+
+
+@pytest.mark.parametrize(
+    "dispatch, micro, mesh",
+    [
+        ("dropless", 2, ["mesh.data=2", "mesh.expert=2", "mesh.fsdp=1"]),
+        ("capacity", 4, ["mesh.tensor=2", "mesh.expert=2", "mesh.fsdp=1", "mesh.data=1"]),
+    ],
+)
+def test_moe_stages_equal_one_device(tmp_path, dispatch, micro, mesh):
+    """pipeline=2 (one MoE block per stage) with the expert axis and data or tensor inside the stages against one
+    device running the microbatches one after the other: every step's loss, each block's router losses, token
+    counts and drop rate, and the parameters after 3 AdamW steps (1e-5)."""
+    common = [f"model.moe.dispatch={dispatch}", f"train.microbatches={micro}"]
+    one, ref, _ = run(tmp_path, "one", [*common, "mesh.data=1", "mesh.fsdp=1"], [jax.devices()[0]])
+    staged, rows, t = run(tmp_path, "staged", [*common, *mesh, "mesh.pipeline=2", "pipeline.schedule=gpipe"])
+    assert t.param_shardings["layers"]["we_up"].spec[:2] == ("pipeline", "expert")  # a stage's blocks' experts
+    assert "collective-permute" in t.compile_train_step().as_text()  # activations go stage to stage
+    for a, b in zip(ref, rows, strict=True):
+        assert a["step"] == b["step"]
+        figures = [k for k in a if k == "loss" or k.startswith("moe")]
+        assert len(figures) > 10
+        for k in figures:
+            np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    if dispatch == "capacity":
+        assert any(r["moe_drop_rate"] > 0 for r in ref)  # the capacity dropped tokens, in both alike
+    assert ref[-1]["loss"] < ref[0]["loss"]
+    for a, b in leaf_pairs(staged, one):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_moe_stages_refuse_what_they_cannot_run():
+    """The 1f1b and seq1f1b executor runs dense blocks only: an MoE model is told to use gpipe, in one sentence."""
+    for schedule in ("seq1f1b", "1f1b"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, ["model=moe-tiny", "mesh.pipeline=2", f"pipeline.schedule={schedule}",
+                               "train.microbatches=2"])  # fmt: skip
+        msg = str(e.value)
+        assert "run the gpipe schedule only" in msg and "set pipeline.schedule=gpipe" in msg, msg
+        assert msg.count(". ") == 0 and msg.endswith(".")
