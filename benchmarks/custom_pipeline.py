@@ -6,9 +6,10 @@ The model is the mixer language model of tests/train/test_custom_model.py run th
 ``--batch`` of ``--seq`` tokens, fp32, on 8 CPU devices: ``data = 8 / pipeline``.  For each stage count p and
 microbatch count m: the median step time over ``--steps`` steps against the 8-way data-parallel step's (the 8 CPU
 devices share this machine's cores, so the time follows the work all devices do, and the bubble's ticks compute
-too: gpipe's closed form for the stack's share is (m + p - 1) / m), the train state's bytes per device (the
-stack's parameters and optimizer state divide by p; ``memory_analysis``) and the compiled temporaries.  FLOPs are
-not given: ``cost_analysis`` counts a loop's body once, whatever its trip count.
+too: gpipe's closed form for the stack's share is (m + p - 1) / m); the compiled step's FLOPs per device
+(``cost_analysis`` plus the loop bodies it counts once, ``jaxdist.parallel.hlo.loop_flops_correction``) against
+the data=8 step's, an operation count the host's load does not move; the train state's bytes per device (the
+stack's parameters and optimizer state divide by p; ``memory_analysis``) and the compiled temporaries.
 
     python benchmarks/custom_pipeline.py
     python benchmarks/custom_pipeline.py --width 256 --layers 16
@@ -32,14 +33,15 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 from jaxdist.config import load_config  # noqa: E402
+from jaxdist.parallel.hlo import loop_flops_correction  # noqa: E402
 from jaxdist.train.metrics import read_metrics  # noqa: E402
 from jaxdist.train.trainer import Trainer  # noqa: E402
 from tests.train.test_custom_model import lm_loss  # noqa: E402
 from tests.train.test_custom_pipeline import StagedLM  # noqa: E402
 
 
-def compiled(a, stages: int, micro: int, runs: str):
-    """(median step seconds, state bytes per device, temporaries) of one configuration's train step."""
+def measure(a, stages: int, micro: int, runs: str):
+    """(median step seconds, FLOPs per device, state bytes per device, temporaries) of one configuration's step."""
     cfg = load_config(
         None,
         [
@@ -65,10 +67,12 @@ def compiled(a, stages: int, micro: int, runs: str):
         return StagedLM(width=a.width, hidden=4 * a.width, layers=a.layers, rngs=rngs)
 
     with Trainer(cfg, model=build, loss=lm_loss, optimizer=optax.adamw(1e-3)) as t:
-        mem = t.compile_train_step().memory_analysis()
+        compiled = t.compile_train_step()
+        mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
+        flops = (cost[0] if isinstance(cost, list) else cost)["flops"] + loop_flops_correction(compiled.as_text())
         t.fit()
         times = [r["step_time"] for r in read_metrics(t.config.run_dir)[2:]]  # the first two: compile, warm-up
-        return statistics.median(times), mem.argument_size_in_bytes, mem.temp_size_in_bytes
+        return statistics.median(times), flops, mem.argument_size_in_bytes, mem.temp_size_in_bytes
 
 
 def main() -> None:
@@ -81,17 +85,17 @@ def main() -> None:
     a = ap.parse_args()
     assert len(jax.devices()) >= 8
     runs = tempfile.mkdtemp(prefix="jd-pipe-")
-    base = compiled(a, 1, 1, runs)
+    base = measure(a, 1, 1, runs)
     print(
-        f"{'stages':>6} {'micro':>5} {'step ms':>9} {'vs data=8':>9} {'(m+p-1)/m':>9} {'state MB':>8} "
-        f"{'vs data=8':>9} {'temp MB':>7}"
+        f"{'stages':>6} {'micro':>5} {'step ms':>8} {'x data=8':>8} {'GFLOP/dev':>9} {'x data=8':>8} "
+        f"{'(m+p-1)/m':>9} {'state MB':>8} {'x data=8':>8} {'temp MB':>7}"
     )
     rows = [(1, 1)] + [(p, m) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p) if a.batch % (m * (8 // p)) == 0]
     for p, m in rows:
-        secs, state, temp = base if (p, m) == (1, 1) else compiled(a, p, m, runs)
+        secs, flops, state, temp = base if (p, m) == (1, 1) else measure(a, p, m, runs)
         print(
-            f"{p:>6} {m:>5} {secs * 1e3:>9.1f} {secs / base[0]:>9.2f} {(m + p - 1) / m:>9.2f} "
-            f"{state / 2**20:>8.2f} {state / base[1]:>9.2f} {temp / 2**20:>7.2f}"
+            f"{p:>6} {m:>5} {secs * 1e3:>8.1f} {secs / base[0]:>8.2f} {flops / 1e9:>9.3f} {flops / base[1]:>8.2f} "
+            f"{(m + p - 1) / m:>9.2f} {state / 2**20:>8.2f} {state / base[2]:>8.2f} {temp / 2**20:>7.2f}"
         )
 
 

@@ -12,8 +12,17 @@ Table 2: tokens/s of the Trainer's train step for the MoE model on several
 meshes, and for a dense model with the same active parameters (d_ff = k x the
 expert width), after a warmup, median of ``--steps`` steps.
 
+Table 3: the MoE model on gpipe pipeline stages (jaxdist/parallel/pipeline_blocks.py) against data=8: step time
+(the 8 CPU devices share the cores, so it follows the work of all of them), the compiled step's FLOPs per device
+(``cost_analysis`` plus the loop bodies it counts once), gpipe's closed form for the blocks' share of the work,
+(m + p - 1) / m, and the collectives' bytes per step parsed from the compiled program (all-to-all, and the
+collective-permutes between stages).  Inside a stage XLA partitions the experts (jaxdist's dispatch is not
+nested in the stages' shard_map), so there is no planned all-to-all to predict.  XLA:CPU runs the dropless
+``ragged_dot`` as a dense product over the experts: the FLOPs are CPU's.
+
     python benchmarks/moe.py                   # both tables (about 2-3 minutes on 2 cores)
     python benchmarks/moe.py --steps 5 --only accounting
+    python benchmarks/moe.py --only pipeline
 """
 
 from __future__ import annotations
@@ -161,6 +170,59 @@ def throughput(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
     return rows
 
 
+PIPELINES = [  # (stages, microbatches, mesh overrides): expert=2 inside each stage
+    (1, 1, ["mesh.data=8"]),
+    (2, 2, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
+    (2, 4, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
+    (2, 8, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
+    (4, 4, ["mesh.pipeline=4", "mesh.expert=2", "mesh.data=1"]),
+    (4, 8, ["mesh.pipeline=4", "mesh.expert=2", "mesh.data=1"]),
+]
+
+
+def pipelined(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
+    """Rows of table 3."""
+    import jax
+
+    from jaxdist.parallel.hlo import collective_bytes, loop_flops_correction
+    from jaxdist.train.trainer import Trainer
+
+    rows, base = [], None
+    for p, m, mesh in PIPELINES:
+        extra = ["pipeline.schedule=gpipe", f"train.microbatches={m}", "mesh.fsdp=1"] if p > 1 else ["mesh.fsdp=1"]
+        cfg = config(MODEL + mesh + extra, steps + 3, runs, batch, seq)
+        with Trainer(cfg) as t:
+            compiled = t.compile_train_step()
+            cost = compiled.cost_analysis()
+            text = compiled.as_text()
+            flops = (cost[0] if isinstance(cost, list) else cost)["flops"] + loop_flops_correction(text)
+            moved = collective_bytes(text, 8)
+            state, b = t.init_state(), t.batch(0)
+            times = []
+            for i in range(steps + 2):
+                t0 = time.perf_counter()
+                state, metrics = t.train_step(state, b)
+                jax.block_until_ready(metrics)
+                if i >= 2:
+                    times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        base = base or (med, flops)
+        rows.append(
+            [
+                " ".join(o.removeprefix("mesh.") for o in mesh),
+                str(m),
+                f"{1e3 * med:.0f}",
+                f"{med / base[0]:.2f}",
+                f"{flops / 1e9:.3f}",
+                f"{flops / base[1]:.2f}",
+                f"{(m + p - 1) / m:.2f}",
+                f"{moved.get('all-to-all', 0) / 2**20:.2f}",
+                f"{moved.get('collective-permute', 0) / 2**20:.2f}",
+            ]
+        )
+    return rows
+
+
 def table(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -172,7 +234,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=32, help="sequences per step (default 32)")
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence (default 128)")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per case (default 8)")
-    ap.add_argument("--only", choices=["accounting", "throughput"], help="print one table only")
+    ap.add_argument("--only", choices=["accounting", "throughput", "pipeline"], help="print one table only")
     args = ap.parse_args(argv)
     import jax
 
@@ -182,7 +244,7 @@ def main(argv=None) -> None:
         file=sys.stderr,
     )
     with tempfile.TemporaryDirectory(prefix="jaxdist-moe-") as runs:
-        if args.only != "throughput":
+        if args.only in (None, "accounting"):
             print("\nPer device, one MoE layer (bytes): expert weights; all-to-all operands, predicted vs compiled")
             print(
                 table(
@@ -199,7 +261,7 @@ def main(argv=None) -> None:
                     accounting(runs, args.batch, args.seq),
                 )
             )
-        if args.only != "accounting":
+        if args.only in (None, "throughput"):
             print(f"\nTrain step on 8 CPU devices (median of {args.steps} steps)")
             print(
                 table(
@@ -207,6 +269,15 @@ def main(argv=None) -> None:
                     throughput(runs, args.batch, args.seq, args.steps),
                 )
             )
+        if args.only in (None, "pipeline"):
+            print(f"\nMoE on gpipe stages, expert=2 inside each, against data=8 (median of {args.steps} steps)")
+            print(
+                table(
+                    ["mesh", "micro", "step ms", "x data=8", "GFLOP/dev", "x data=8", "(m+p-1)/m", "a2a MiB",
+                     "permute MiB"],
+                    pipelined(runs, args.batch, args.seq, args.steps),
+                )
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
