@@ -39,12 +39,13 @@ per period.
 N = 64, 256 and 1,024 simulated nodes (``tests/controller/sim_cluster.py``: the real protocol, CURVE and HMAC,
 heartbeats every 0.25 s, stub workers; N - 2 train, 2 are standbys; one host process per 128 nodes on the
 same machine as the controller): seconds to the first step, the controller's CPU share (of one core), memory
-and event-log growth over 10 fault-free seconds, failures in that phase (false alarms), ``state.json`` size
+and event-log growth over 10 fault-free seconds (``--quiet-s``), failures in that phase (false alarms), ``state.json`` size
 and save time, then one member node lost: seconds to the failure (``detect s``) and from it to the new
 group's assignments sent (``told s``); pings of the link checks.
 
     python benchmarks/scale.py                  # every table but the controller's (about 5 minutes here)
     python benchmarks/scale.py --tables controller
+    python benchmarks/scale.py --tables controller --nodes 1024 --quiet-s 600   # a 10-minute fault-free phase
     python benchmarks/scale.py --quick          # smaller sizes, for a smoke run
 """
 
@@ -387,6 +388,8 @@ def main() -> None:
     ap.add_argument(
         "--tables", default="batchlist,checkpoint,planner,slurm,health", help="which tables, comma-separated"
     )
+    ap.add_argument("--quiet-s", type=float, default=10.0, help="controller: the fault-free phase's seconds")
+    ap.add_argument("--nodes", default="", help="controller: node counts, comma-separated (default 64,256,1024)")
     args = ap.parse_args()
     tables, q = set(args.tables.split(",")), args.quick
     print(f"host load (1 min) at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
@@ -406,8 +409,10 @@ def main() -> None:
         rows = [health_row(n) for n in (64, 256, 1024)]
         print_rows("The controller's health detector", rows, "ranks", ["ms per round", "us per period"])
     if "controller" in tables:
-        rows = [controller_row(n, 10.0) for n in ((16, 32, 64) if q else (64, 256, 1024))]
+        sizes = [int(n) for n in args.nodes.split(",") if n] or ([16, 32, 64] if q else [64, 256, 1024])
+        rows = [controller_row(n, args.quiet_s) for n in sizes]
         costs = ["start s", "ctl CPU share", "ctl RSS MB", "state KB", "state save ms", "events KB/h", "pings"]
+        print(f"(fault-free phase: {args.quiet_s:g} s per row)")
         print_rows("The controller against simulated nodes (defaults)", rows, "nodes", costs)
     if "slurm" in tables:
         rows = [slurm_row(n) for n in ((10, 100, 1000) if q else (100, 1000, 10000))]
