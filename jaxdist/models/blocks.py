@@ -15,7 +15,7 @@ backward pass as ``train.remat`` says (:func:`jaxdist.models.hooks.remat_block`)
 a scan; with ``mesh.pipeline > 1`` jaxdist runs them as pipeline stages (stage k holds blocks k*L/p ..
 (k+1)*L/p - 1, ``jaxdist.parallel.pipeline_blocks``): the batch's rows split into ``train.microbatches``
 microbatches that flow through the stages.  What runs before and after the stack (an embedding, a head, the
-loss) runs on the whole batch.
+loss) runs once on the whole batch, not per microbatch, its rows split over the data axes and the stages.
 """
 
 from __future__ import annotations

@@ -68,11 +68,13 @@ class Parallelism:
     def build(cls, config, devices: Sequence[Any] | None = None, own_model: bool = False) -> Parallelism:
         """The parallelism of a whole Config on ``devices`` (default all); ConfigError if the config cannot run.
         ``own_model``: a user's model, whose stages run its own stack (jaxdist.parallel.pipeline_blocks), so no
-        plan of jaxdist's transformer's stages is made."""
+        plan of jaxdist's transformer's stages is made.  Where the stages run by autodiff (a user's model, an
+        MoE model), the layers outside the stack take their rows over the stages too (``batch`` maps to
+        ``pipeline`` as well), so no stage repeats them."""
         # A mesh smaller than the devices (every axis size given) runs on the first ones, as resolve() chose.
         mesh = build_mesh(config.mesh, mesh_devices(config.mesh, devices if devices is not None else jax.devices()))
         rules = DEFAULT_RULES
-        if own_model and config.mesh.pipeline > 1:  # outside its stack a user's model runs on rows of every stage
+        if config.mesh.pipeline > 1 and (own_model or config.model.moe.experts):
             rules = tuple((n, (*a, "pipeline") if n == "batch" else a) for n, a in rules)
         return cls.for_mesh(
             mesh,

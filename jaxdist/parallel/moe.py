@@ -200,7 +200,9 @@ def run_experts(
     view; otherwise on the local arrays.
     """
     layout = current_layout()
-    if layout is None:
+    # Inside pipeline stages (jaxdist.parallel.pipeline_blocks) XLA partitions the experts: this dispatch's
+    # shard_map, nested in the stages' shard_map, does not lower on JAX 0.10 (Shardy's verifier refuses it).
+    if layout is None or _manual_axes():
         return local_experts(x, experts, weights, params, cfg)
     n_shards = layout.size(layout.token_axes)
     if x.shape[0] % n_shards:
@@ -213,8 +215,6 @@ def run_experts(
         P(layout.ep_axes or None, None, layout.etp_axes or None),
         P(layout.ep_axes or None, layout.etp_axes or None, None),
     )
-    if _manual_axes():  # inside pipeline stages (jaxdist.parallel.pipeline_blocks): XLA partitions the experts
-        return local_experts(x, experts, weights, params, cfg)
     fn = jax.shard_map(
         partial(
             _dispatch,

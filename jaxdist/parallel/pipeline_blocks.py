@@ -21,6 +21,7 @@ order; a stage keeps the residuals its layers' remat policy saves for each of it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxdist.config import ConfigError
 from jaxdist.models.hooks import LayerScan
 from jaxdist.parallel.grad_sync import without_axes
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, logical_to_spec
@@ -45,6 +47,17 @@ def stack_length(stacked: Any) -> int:
             "every parameter on a leading axis of the same length."
         )
     return lengths.pop()
+
+
+def check_rows_over_stages(batch_size: int, sizes: dict[str, int], outside: str) -> None:
+    """ConfigError (one sentence) for a batch whose rows the data axes times the stages do not divide: outside
+    the stack (``outside``: what runs there) the rows split over the stages too."""
+    ways = math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert", AXIS))
+    if batch_size % ways:
+        raise ConfigError(
+            f"train.batch_size={batch_size} does not split over the data axes and the {sizes.get(AXIS, 1)} pipeline "
+            f"stages ({ways} ways), where {outside} run: make it a multiple of {ways}."
+        )
 
 
 def pipelined_scan(mesh: Mesh, microbatches: int, rules: Rules = DEFAULT_RULES) -> LayerScan:

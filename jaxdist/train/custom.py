@@ -61,7 +61,7 @@ from jaxdist.config import Config, ConfigError
 from jaxdist.config.schema import validate, validate_devices
 from jaxdist.data.items import ItemSource
 from jaxdist.models import hooks
-from jaxdist.parallel.pipeline_blocks import stack_length
+from jaxdist.parallel.pipeline_blocks import check_rows_over_stages, stack_length
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 
 
@@ -353,12 +353,7 @@ def check_pipeline(cfg: Config, traced: Traced, sizes: dict[str, int]) -> None:
     p = sizes.get("pipeline", 1)
     if p == 1:
         return
-    ways = math.prod(sizes.get(a, 1) for a in ("data", "fsdp", "expert", "pipeline"))
-    if cfg.train.batch_size % ways:
-        raise ConfigError(
-            f"train.batch_size={cfg.train.batch_size} does not split over the data axes and the {p} pipeline "
-            f"stages ({ways} ways), where your model's layers outside its stack run: make it a multiple of {ways}."
-        )
+    check_rows_over_stages(cfg.train.batch_size, sizes, "your model's layers outside its stack")
     if not traced.stacks:
         raise ConfigError(
             f"mesh.pipeline={p} runs the stacks of blocks your model gives to jaxdist.models.blocks.run_blocks, and "

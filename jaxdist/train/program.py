@@ -17,7 +17,7 @@ from jaxdist.cluster import load_cluster
 from jaxdist.models import create_abstract, init_params
 from jaxdist.parallel.comm import plan_comm, xla_gpu_options
 from jaxdist.parallel.layout import Parallelism
-from jaxdist.parallel.pipeline_blocks import pipelined_scan
+from jaxdist.parallel.pipeline_blocks import check_rows_over_stages, pipelined_scan
 from jaxdist.remat.named import remat_policy
 from jaxdist.train import custom
 from jaxdist.train.faults import hooks_on, with_device_hang
@@ -162,6 +162,7 @@ class Program:
         pipeline stages: gpipe by autodiff (jaxdist.parallel.pipeline_blocks)."""
         c = self.config
         if c.mesh.pipeline > 1 and c.model.moe.experts:
+            check_rows_over_stages(c.train.batch_size, dict(self.mesh.shape), "the embedding and head")
             stages = pipelined_scan(self.mesh, c.train.microbatches, self.rules)
             return staged_grads_fn(self.graphdef, stages, c.data.packing == "documents")
         return self.parallelism.grads_fn(c, self.graphdef, self.param_shardings, self.comm_plan)

@@ -67,8 +67,10 @@ def test_moe_stages_equal_one_device(tmp_path, dispatch, micro, mesh):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-def test_moe_stages_refuse_what_they_cannot_run():
-    """The 1f1b and seq1f1b executor runs dense blocks only: an MoE model is told to use gpipe, in one sentence."""
+def test_moe_stages_refuse_what_they_cannot_run(tmp_path):
+    """The 1f1b and seq1f1b executor runs dense blocks only: an MoE model is told to use gpipe, in one sentence;
+    a batch whose rows the data axes times the stages do not divide (the embedding and head run on every stage's
+    rows) is refused in one sentence before anything is written."""
     for schedule in ("seq1f1b", "1f1b"):
         with pytest.raises(ConfigError) as e:
             load_config(None, ["model=moe-tiny", "mesh.pipeline=2", f"pipeline.schedule={schedule}",
@@ -76,3 +78,10 @@ def test_moe_stages_refuse_what_they_cannot_run():
         msg = str(e.value)
         assert "run the gpipe schedule only" in msg and "set pipeline.schedule=gpipe" in msg, msg
         assert msg.count(". ") == 0 and msg.endswith(".")
+    with pytest.raises(ConfigError) as e:
+        run(tmp_path, "odd", ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2", "mesh.fsdp=1",
+                              "pipeline.schedule=gpipe", "train.batch_size=12"])  # fmt: skip
+    msg = str(e.value)
+    assert "train.batch_size=12 does not split over the data axes and the 2 pipeline stages (8 ways)" in msg, msg
+    assert msg.count(". ") == 0 and msg.endswith(".")
+    assert not (tmp_path / "odd").exists()
