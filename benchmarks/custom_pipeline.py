@@ -7,7 +7,7 @@ The model is the mixer language model of tests/train/test_custom_model.py run th
 microbatch count m: the median step time over ``--steps`` steps against the 8-way data-parallel step's (the 8 CPU
 devices share this machine's cores, so the time follows the work all devices do, and the bubble's ticks compute
 too: gpipe's closed form for the stack's share is (m + p - 1) / m); the compiled step's FLOPs per device
-(``cost_analysis`` plus the loop bodies it counts once, ``jaxdist.parallel.hlo.loop_flops_correction``) against
+(``cost_analysis`` plus the loop bodies it counts once: ``jaxdist.train.programs.executed_flops``) against
 the data=8 step's, an operation count the host's load does not move; the train state's bytes per device (the
 stack's parameters and optimizer state divide by p; ``memory_analysis``) and the compiled temporaries.
 
@@ -33,8 +33,8 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 from jaxdist.config import load_config  # noqa: E402
-from jaxdist.parallel.hlo import loop_flops_correction  # noqa: E402
 from jaxdist.train.metrics import read_metrics  # noqa: E402
+from jaxdist.train.programs import executed_flops  # noqa: E402
 from jaxdist.train.trainer import Trainer  # noqa: E402
 from tests.train.test_custom_model import lm_loss  # noqa: E402
 from tests.train.test_custom_pipeline import StagedLM  # noqa: E402
@@ -68,8 +68,7 @@ def measure(a, stages: int, micro: int, runs: str):
 
     with Trainer(cfg, model=build, loss=lm_loss, optimizer=optax.adamw(1e-3)) as t:
         compiled = t.compile_train_step()
-        mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
-        flops = (cost[0] if isinstance(cost, list) else cost)["flops"] + loop_flops_correction(compiled.as_text())
+        mem, flops = compiled.memory_analysis(), executed_flops(compiled, 1)  # every loop trip counted
         t.fit()
         times = [r["step_time"] for r in read_metrics(t.config.run_dir)[2:]]  # the first two: compile, warm-up
         return statistics.median(times), flops, mem.argument_size_in_bytes, mem.temp_size_in_bytes

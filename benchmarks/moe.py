@@ -131,9 +131,23 @@ def accounting(runs: str, batch: int, seq: int) -> list[list[str]]:
     return rows
 
 
+def step_seconds(trainer, steps: int) -> float:
+    """The median seconds of ``steps`` train steps on one batch, after two warm-up steps."""
+    import jax
+
+    state, b = trainer.init_state(), trainer.batch(0)
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        state, metrics = trainer.train_step(state, b)
+        jax.block_until_ready(metrics)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def throughput(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
     """Rows of table 2."""
-    import jax
 
     from jaxdist.train.trainer import Trainer
 
@@ -147,16 +161,7 @@ def throughput(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
     for model, overrides, label in cases:
         cfg = config(overrides, steps + 3, runs, batch, seq)
         with Trainer(cfg) as t:
-            state = t.init_state()
-            b = t.batch(0)
-            times = []
-            for i in range(steps + 2):
-                t0 = time.perf_counter()
-                state, metrics = t.train_step(state, b)
-                jax.block_until_ready(metrics)
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
-            med = statistics.median(times)
+            med = step_seconds(t, steps)
             rows.append(
                 [
                     model,
@@ -182,9 +187,9 @@ PIPELINES = [  # (stages, microbatches, mesh overrides): expert=2 inside each st
 
 def pipelined(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
     """Rows of table 3."""
-    import jax
 
-    from jaxdist.parallel.hlo import collective_bytes, loop_flops_correction
+    from jaxdist.parallel.hlo import collective_bytes
+    from jaxdist.train.programs import executed_flops
     from jaxdist.train.trainer import Trainer
 
     rows, base = [], None
@@ -193,19 +198,9 @@ def pipelined(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
         cfg = config(MODEL + mesh + extra, steps + 3, runs, batch, seq)
         with Trainer(cfg) as t:
             compiled = t.compile_train_step()
-            cost = compiled.cost_analysis()
-            text = compiled.as_text()
-            flops = (cost[0] if isinstance(cost, list) else cost)["flops"] + loop_flops_correction(text)
-            moved = collective_bytes(text, 8)
-            state, b = t.init_state(), t.batch(0)
-            times = []
-            for i in range(steps + 2):
-                t0 = time.perf_counter()
-                state, metrics = t.train_step(state, b)
-                jax.block_until_ready(metrics)
-                if i >= 2:
-                    times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
+            flops = executed_flops(compiled, 1)  # cost_analysis with every loop trip counted
+            moved = collective_bytes(compiled.as_text(), 8)
+            med = step_seconds(t, steps)
         base = base or (med, flops)
         rows.append(
             [
