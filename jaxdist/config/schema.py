@@ -344,14 +344,22 @@ def _ordered_on_model(cfg: Config, sizes: dict[str, int]) -> None:
 
 def _grad_sync_on_model(cfg: Config, sizes: dict[str, int]) -> None:
     """train.grad_sync=per_block's reach (ConfigError, one sentence): the shard_map form covers dense models
-    on data, fsdp, tensor and pipeline axes, with microbatches only as pipeline microbatches."""
+    on data, fsdp, tensor and pipeline axes, MoE models on data, fsdp, tensor and expert axes (each expert on
+    all of tensor), with microbatches only as pipeline microbatches."""
     if cfg.train.grad_sync == "ordered":
         _ordered_on_model(cfg, sizes)
     if cfg.train.grad_sync != "per_block":
         return
-    if cfg.model.moe.experts:
+    moe = cfg.model.moe
+    if moe.experts and sizes["pipeline"] > 1:
         raise ConfigError(
-            "train.grad_sync=per_block covers dense models only: set train.grad_sync=end for an MoE model."
+            "train.grad_sync=per_block does not run an MoE model on pipeline stages yet: set "
+            "train.grad_sync=end or mesh.pipeline=1."
+        )
+    if moe.experts and sizes["expert"] > 1 and cfg.mesh.expert_tensor not in (0, sizes["tensor"]):
+        raise ConfigError(
+            f"train.grad_sync=per_block runs each expert on all of mesh.tensor={sizes['tensor']}: set "
+            f"mesh.expert_tensor=0 or train.grad_sync=end."
         )
     if cfg.train.microbatches > 1 and sizes["pipeline"] == 1:
         raise ConfigError(
@@ -359,7 +367,7 @@ def _grad_sync_on_model(cfg: Config, sizes: dict[str, int]) -> None:
             f"{cfg.train.microbatches} without pipeline stages would repeat per microbatch: set "
             "train.microbatches=1, mesh.pipeline > 1 or train.grad_sync=end."
         )
-    for axis in ("context", "expert"):
+    for axis in ("context",) if moe.experts else ("context", "expert"):
         if sizes[axis] > 1:
             raise ConfigError(
                 f"train.grad_sync=per_block does not run with mesh.{axis}={sizes[axis]} yet: set mesh.{axis}=1 "

@@ -19,6 +19,11 @@
   (``parallel/grad_sync.py``).  Without one installed nothing is applied and the scan runs one
   block per step.
 
+* **token totals** ``tree -> tree``: a pytree of sums over the tokens this trace sees (an MoE router's
+  assignment counts, probabilities and logits) summed over the shards a surrounding ``shard_map`` split the
+  tokens into, so that the router's losses are the whole batch's (``train.grad_sync=per_block``); its
+  backward hands each shard its own share.  Without one installed the tokens traced are all there are.
+
 * **block remat** ``fn -> fn``: a user's model marks its blocks with :func:`remat_block`; the Trainer
   installs ``jax.checkpoint`` with ``train.remat``'s policy (``jaxdist.train.custom``).
 * **layer scan** ``(body, x, stacked layers) -> (x, ys)``: how a stack of layers runs (a user's
@@ -113,6 +118,26 @@ class GradSync:
 
     def __call__(self, params: dict, where: str) -> dict:  # pragma: no cover - an interface
         return params
+
+
+_TOKEN_TOTALS: contextvars.ContextVar[Callable[[Any], Any] | None] = contextvars.ContextVar(
+    "jaxdist_token_totals", default=None
+)
+
+
+def token_totals() -> Callable[[Any], Any] | None:
+    """The installed token totals (see the module docstring), or None: the traced tokens are the batch."""
+    return _TOKEN_TOTALS.get()
+
+
+@contextlib.contextmanager
+def totalling_tokens(fn: Callable[[Any], Any] | None) -> Iterator[None]:
+    """Within this block sums over tokens go through ``fn`` (see the module docstring).  Nests."""
+    token = _TOKEN_TOTALS.set(fn)
+    try:
+        yield
+    finally:
+        _TOKEN_TOTALS.reset(token)
 
 
 _GRAD_SYNC: contextvars.ContextVar[GradSync | None] = contextvars.ContextVar("jaxdist_grad_sync", default=None)

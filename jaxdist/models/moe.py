@@ -24,6 +24,10 @@ Routing (per token, float32):
   gradient) and P_e the mean router probability of e (sigmoid scores are
   normalised per token first).  It is 1 when the load is perfectly even.
 * z-loss (ST-MoE): mean over tokens of logsumexp(router logits)^2.
+
+Both are means over the whole batch's tokens.  Where a surrounding ``shard_map`` split the tokens over devices
+(``train.grad_sync=per_block``), the sums behind them go through the installed token totals
+(:func:`jaxdist.models.hooks.token_totals`), and the same for the drop rate.
 """
 
 from __future__ import annotations
@@ -37,55 +41,18 @@ import jax.numpy as jnp
 
 from jaxdist.config import ModelConfig
 from jaxdist.models import hooks
+from jaxdist.models.names import (  # noqa: F401 (re-exported; they live there without JAX for the planner)
+    DENSE_MLP_KEYS,
+    EXPERT_KEYS,
+    SHARED_KEYS,
+    expert_d_ff,
+    is_moe_layer,
+    moe_layer_count,
+    moe_param_specs,
+)
 
-# Per-layer expert parameters and the dense MLP parameters an MoE layer replaces.
-EXPERT_KEYS = ("we_gate", "we_up", "we_down")
-SHARED_KEYS = ("ws_gate", "ws_up", "ws_down")
-DENSE_MLP_KEYS = ("w_gate", "w_up", "w_down")
 # Scalar metrics the model reports per step (means over MoE layers).
 MOE_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_drop_rate", "moe_load_max", "moe_load_min")
-
-
-def expert_d_ff(cfg: ModelConfig) -> int:
-    """Hidden width of one routed expert (``moe.d_ff``, or ``d_ff`` when that is 0)."""
-    return cfg.moe.d_ff or cfg.d_ff
-
-
-def moe_layer_count(cfg: ModelConfig) -> int:
-    """Number of MoE blocks: every ``moe.every``-th block of ``n_layers`` (0 for a dense model)."""
-    return cfg.n_layers // cfg.moe.every if cfg.moe.experts else 0
-
-
-def is_moe_layer(cfg: ModelConfig, i: int) -> bool:
-    """Whether block i (0-based) is an MoE block: the last block of each group of ``moe.every``."""
-    return bool(cfg.moe.experts) and (i + 1) % cfg.moe.every == 0
-
-
-def moe_param_specs(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], tuple[str | None, ...]]]:
-    """Shape and logical axes of one MoE block's weights (without the leading layers axis).
-
-    The router's expert dimension is left unnamed (replicated): every token
-    needs all E scores.
-    """
-    if not cfg.moe.experts:
-        return {}
-    d, e, f = cfg.d_model, cfg.moe.experts, expert_d_ff(cfg)
-    specs = {
-        "router": ((d, e), ("embed", None)),
-        "we_gate": ((e, d, f), ("expert", "embed", "expert_mlp")),
-        "we_up": ((e, d, f), ("expert", "embed", "expert_mlp")),
-        "we_down": ((e, f, d), ("expert", "expert_mlp", "embed")),
-    }
-    if cfg.moe.shared_d_ff:
-        fs = cfg.moe.shared_d_ff
-        specs.update(
-            {
-                "ws_gate": ((d, fs), ("embed", "mlp")),
-                "ws_up": ((d, fs), ("embed", "mlp")),
-                "ws_down": ((fs, d), ("mlp", "embed")),
-            }
-        )
-    return specs
 
 
 # --------------------------------------------------------------------------- routing
@@ -123,6 +90,15 @@ def router_losses(r: Routing, n_experts: int) -> dict[str, jax.Array]:
     """Load-balancing loss, z-loss (scalars), the per-expert share of assignments [E] (sums to 1) and their counts
     ``tokens`` [E] (float32: the tokens routed to each expert, before any capacity drop)."""
     tokens = expert_counts(r.experts, n_experts).astype(jnp.float32)
+    total = hooks.token_totals()
+    if total is not None:  # the tokens are split over devices: the losses of the whole batch's (module docstring)
+        n = r.experts.shape[0]
+        tokens, probs, squares, n = total(
+            (tokens, jnp.sum(r.probs, axis=0), jnp.sum(jnp.square(jax.nn.logsumexp(r.logits, axis=-1))), jnp.float32(n))
+        )
+        share = tokens / (n * r.experts.shape[1])
+        balance = n_experts * jnp.sum(jax.lax.stop_gradient(share) * (probs / n))
+        return {"balance": balance, "z": squares / n, "share": share, "tokens": tokens}
     share = tokens / r.experts.size
     balance = n_experts * jnp.sum(jax.lax.stop_gradient(share) * jnp.mean(r.probs, axis=0))
     z = jnp.mean(jnp.square(jax.nn.logsumexp(r.logits, axis=-1)))
@@ -271,7 +247,12 @@ def moe_forward(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> tupl
     if cfg.moe.shared_d_ff:
         y = y + swiglu(tokens, *(p[k].astype(x.dtype) for k in SHARED_KEYS))
     aux = router_losses(r, cfg.moe.experts)
-    aux["drop_rate"] = 1.0 - jnp.mean(keep.astype(jnp.float32))
+    total = hooks.token_totals()
+    if total is None:
+        aux["drop_rate"] = 1.0 - jnp.mean(keep.astype(jnp.float32))
+    else:
+        kept, assigned = total((jnp.sum(keep.astype(jnp.float32)), jnp.float32(keep.size)))
+        aux["drop_rate"] = 1.0 - kept / assigned
     return y.reshape(b, t, d).astype(x.dtype), aux
 
 
@@ -337,14 +318,15 @@ def router_metrics(layers: dict[str, dict[str, jax.Array]]) -> dict[str, jax.Arr
     return out
 
 
-def split_group(stacked: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:
+def split_group(stacked: dict[str, jax.Array], cfg: ModelConfig, groups: int = 0) -> dict[str, jax.Array]:
     """Stacked layer weights reshaped to a leading [groups] axis for scanning groups of ``moe.every`` blocks.
 
     Attention weights [L, ...] -> [G, k, ...]; dense MLP weights [G*(k-1), ...]
-    -> [G, k-1, ...]; MoE weights [G, ...] stay.  G = n_layers / moe.every.
+    -> [G, k-1, ...]; MoE weights [G, ...] stay.  G = ``groups``, default n_layers / moe.every (the weights
+    of G consecutive groups: all of them by default).
     """
     k = cfg.moe.every
-    g = cfg.n_layers // k
+    g = groups or cfg.n_layers // k
     moe_keys = set(moe_param_specs(cfg))
     out = {}
     for name, v in stacked.items():

@@ -410,25 +410,34 @@ class Transformer(nnx.Module):
             return block_forward(p, x, cos, sin, cfg, segments=segments), None
 
         stacked = {k: v[...] for k, v in self.layers.items()}
-        if sync is not None:  # scan steps of k blocks, each group's weights through the sync (dense models)
-            k = sync.layers_per_step
 
-            def body(x, group):
-                group = sync(group, "layers")
-                for j in range(k):
-                    x = block_forward({n: w[j] for n, w in group.items()}, x, cos, sin, cfg, segments=segments)
-                return x, None
+        def moe_group(x, group):  # moe.every blocks, the last an MoE block: (x, its router figures)
+            aux = {}
+            for j in range(cfg.moe.every):
+                x, a = block_forward(group_member(group, j, cfg), x, cos, sin, cfg, True, segments)
+                aux = a or aux
+            return x, aux
 
-            stacked = {n: w.reshape(cfg.n_layers // k, k, *w.shape[1:]) for n, w in stacked.items()}
+        if sync is not None:  # scan steps of k blocks, each step's weights through the sync
+            k = sync.layers_per_step  # a multiple of moe.every for an MoE model
+            steps = cfg.n_layers // k
+
+            def body(x, bucket):
+                bucket = sync(bucket, "layers")
+                if not cfg.moe.experts:
+                    for j in range(k):
+                        x = block_forward({n: w[j] for n, w in bucket.items()}, x, cos, sin, cfg, segments=segments)
+                    return x, None
+                groups, auxs = split_group(bucket, cfg, k // cfg.moe.every), []
+                for g in range(k // cfg.moe.every):
+                    x, a = moe_group(x, {n: w[g] for n, w in groups.items()})
+                    auxs.append(a)
+                return x, jax.tree.map(lambda *a: jnp.stack(a), *auxs)  # [groups per step, ...]
+
+            # Each weight's stack (every layer's, the dense MLPs', the MoE layers') in ``steps`` equal parts.
+            stacked = {n: w.reshape(steps, w.shape[0] // steps, *w.shape[1:]) for n, w in stacked.items()}
         elif cfg.moe.experts:  # scan over groups of moe.every blocks, the last of each an MoE block
-
-            def body(x, group):
-                aux = {}
-                for j in range(cfg.moe.every):
-                    x, a = block_forward(group_member(group, j, cfg), x, cos, sin, cfg, True, segments)
-                    aux = a or aux
-                return x, aux
-
+            body = moe_group
             stacked = split_group(stacked, cfg)
         body = _with_remat(body, self.remat_policy)
         staged = hooks.layer_scan()  # an MoE model's pipeline stages (jaxdist.parallel.pipeline_blocks), or None
@@ -437,6 +446,8 @@ class Transformer(nnx.Module):
             aux = summarize_microbatches(aux, cfg)
         else:
             x, aux = jax.lax.scan(body, x, stacked)
+            if cfg.moe.experts and sync is not None:  # [steps, groups per step, ...] -> [groups, ...]
+                aux = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), aux)
             aux = summarize_aux(aux, cfg) if cfg.moe.experts else {}
 
         weights = {"final_norm": self.final_norm, "embed": self.embed, "lm_head": getattr(self, "lm_head", None)}

@@ -20,6 +20,10 @@ the same order.  :func:`plan_comm` decides that order, from the model alone (so 
   over ``data`` of the scattered shards.  The embedding's lookup gradient is summed over ``data`` x ``fsdp`` at
   once, as automatic sharding sums a scatter-add (so the sums agree to the bit): a reduce-scatter over both,
   then an all-gather over ``data`` of each fsdp shard's parts (the same bytes on the wire as the pair above).
+* **Mixture of experts**: the scanned unit is a group of ``moe.every`` layers (the last an MoE layer), so a
+  bucket holds ``k`` groups.  The rows are split over ``expert`` as well, so the dense weights' gradients are
+  reduced over ``data`` x ``expert`` (and fsdp); the experts' own weights, split over ``expert``, over ``data``
+  (and fsdp) only.
 * **Issue point**: right after the backward of the bucket's last block (in backward order).  With pipeline
   stages each stage reduces its blocks' gradients, accumulated over the step's microbatches, once, right after
   its last backward (``k`` then divides the stage's layers); the shared weights' (head, embedding), summed over
@@ -37,11 +41,13 @@ from dataclasses import dataclass
 from jaxdist.cluster import ClusterSpec
 from jaxdist.config import ConfigError, ModelConfig
 from jaxdist.models.arithmetic import DTYPE_BYTES
-from jaxdist.models.names import block_param_specs
+from jaxdist.models.names import DENSE_MLP_KEYS, block_param_specs, moe_param_specs
 
-# Logical names split over the tensor axis and over fsdp (jaxdist.parallel.rules.DEFAULT_RULES says the same).
-_TENSOR_NAMES = ("heads", "kv_heads", "mlp", "vocab")
+# Logical names split over the tensor axis, over fsdp and over expert (jaxdist.parallel.rules.DEFAULT_RULES says
+# the same; an expert's hidden width takes all of tensor, mesh.expert_tensor's default).
+_TENSOR_NAMES = ("heads", "kv_heads", "mlp", "vocab", "expert_mlp")
 _FSDP_NAMES = ("embed",)
+_EXPERT_NAMES = ("expert",)
 # Multiplies n x latency x bandwidth in the default threshold (the latency term ~ a tenth of the transfer).
 THRESHOLD_FACTOR = 10
 
@@ -68,9 +74,11 @@ class Bucket:
 class CommPlan:
     """The gradient collectives of one step, in the order every device issues them (:func:`plan_comm`).
 
-    ``threshold_bytes``: the bucket size limit used; ``layers_per_bucket``: k, layers per layer bucket;
+    ``threshold_bytes``: the bucket size limit used; ``layers_per_bucket``: k, layers per layer bucket
+    (a multiple of ``moe.every`` for an MoE model);
     ``link``: ``intra`` or ``inter`` (node link the data axes use); ``bandwidth`` (bytes/s), ``latency`` (s);
-    ``reduce_devices``: devices in one gradient reduction (data x fsdp).
+    ``reduce_devices``: devices in one gradient reduction (data x fsdp; x expert for an MoE model's dense
+    weights).
     """
 
     buckets: tuple[Bucket, ...]
@@ -114,11 +122,13 @@ def local_elements(shape: tuple[int, ...], names: tuple[str, ...], sizes: Mappin
     """(elements per device before the gradient reduction, after it) of one weight of ``shape`` with logical
     ``names``: tensor-split dimensions (heads, kv_heads, mlp, vocab) divided by ``tensor`` where it divides
     them; after a reduce-scatter the ``embed`` dimension is also divided by ``fsdp`` where it divides it."""
-    tensor, fsdp = sizes.get("tensor", 1), sizes.get("fsdp", 1)
+    tensor, fsdp, expert = sizes.get("tensor", 1), sizes.get("fsdp", 1), sizes.get("expert", 1)
     before, after = 1, 1
     for n, name in zip(shape, names):
         if name in _TENSOR_NAMES and n % tensor == 0:
             n //= tensor
+        if name in _EXPERT_NAMES and n % expert == 0:
+            n //= expert
         before *= n
         after *= n // fsdp if name in _FSDP_NAMES and n % fsdp == 0 else n
     return before, after
@@ -126,12 +136,17 @@ def local_elements(shape: tuple[int, ...], names: tuple[str, ...], sizes: Mappin
 
 def block_grad_bytes(m: ModelConfig, sizes: Mapping[str, int]) -> dict[str, tuple[int, int]]:
     """Gradient bytes per device (before, after the reduction) of each block kind: ``layer`` (one dense
-    layer), ``head`` (final norm + lm_head, or the table's head gradient with tied embeddings), ``embed``
-    (the table's lookup gradient)."""
-    if m.moe.experts:
-        raise ConfigError("the gradient communication plan covers dense models: set model.moe.experts=0.")
+    layer; with experts one group of ``moe.every`` layers, the last an MoE layer: the unit the model scans),
+    ``head`` (final norm + lm_head, or the table's head gradient with tied embeddings), ``embed`` (the table's
+    lookup gradient)."""
     width = DTYPE_BYTES[m.param_dtype]
-    layer = [local_elements(s, n, sizes) for s, n in block_param_specs(m).values()]
+    every = m.moe.every if m.moe.experts else 1  # layers per unit
+    dense_mlps = every - 1 if m.moe.experts else 1  # the unit's MoE layer has no dense MLP
+    layer = [
+        tuple(x * (dense_mlps if name in DENSE_MLP_KEYS else every) for x in local_elements(s, n, sizes))
+        for name, (s, n) in block_param_specs(m).items()
+    ]
+    layer += [local_elements(s, n, sizes) for s, n in moe_param_specs(m).values()]
     d, v = m.d_model, m.vocab_size
     head = [local_elements((d,), ("norm",), sizes)]
     embed = local_elements((v, d), ("vocab", "embed"), sizes)
@@ -157,10 +172,13 @@ def plan_comm(
     """The gradient collectives of one training step of model ``m`` on a mesh of axis ``sizes`` (data, fsdp,
     tensor, ...) on ``cluster``; ``threshold_bytes`` 0 = :func:`default_threshold`.  Pure."""
     data, fsdp = sizes.get("data", 1), sizes.get("fsdp", 1)
-    n = data * fsdp
+    # An MoE model's rows are split over expert too: its dense weights are reduced over data x expert (the
+    # experts' own weights over data only, the axis that replicates them).
+    replicas = ("data", "expert") if m.moe.experts and sizes.get("expert", 1) > 1 else ("data",)
+    n = fsdp * math.prod(sizes.get(a, 1) for a in replicas)
     # The data axes are the ones allowed to cross nodes (jaxdist.cluster.NODE_LOCAL_AXES): over the inter-node
     # link when the cluster has several nodes and the reduction spans more devices than a node holds.
-    inter = cluster.nodes > 1 and n * math.prod(v for a, v in sizes.items() if a not in ("data", "fsdp")) > (
+    inter = cluster.nodes > 1 and n * math.prod(v for a, v in sizes.items() if a not in ("fsdp", *replicas)) > (
         cluster.devices_per_node
     )
     bw = cluster.inter_node_bandwidth if inter else cluster.intra_node_bandwidth
@@ -176,26 +194,29 @@ def plan_comm(
             "(latency about a tenth of the transfer time)"
         )
     grads = block_grad_bytes(m, sizes)
-    layer_in, layer_out = grads["layer"]
-    stages = sizes.get("pipeline", 1)
-    per_stage = m.n_layers // stages if m.n_layers % stages == 0 else m.n_layers  # the config check says why not
-    fits = [d for d in range(1, per_stage + 1) if per_stage % d == 0 and d * layer_in <= threshold]
+    unit_in, unit_out = grads["layer"]
+    every = m.moe.every if m.moe.experts else 1  # layers per scanned unit (block_grad_bytes' ``layer``)
+    units, stages = m.n_layers // every, sizes.get("pipeline", 1)
+    per_stage = units // stages if units % stages == 0 else units  # the config check says why not
+    fits = [d for d in range(1, per_stage + 1) if per_stage % d == 0 and d * unit_in <= threshold]
     k = max(fits, default=1)
-    kind = "all-reduce(data)" if fsdp == 1 else "reduce-scatter(fsdp) + all-reduce(data)"
+    over = ", ".join(replicas)
+    kind = f"all-reduce({over})" if fsdp == 1 else f"reduce-scatter(fsdp) + all-reduce({over})"
     buckets: list[Bucket] = []
 
     def add(blocks: tuple[str, ...], nbytes: int, reduced: int, after: str, collective: str = kind) -> None:
         buckets.append(Bucket(len(buckets), blocks, nbytes, reduced, collective, after))
 
-    def layer_buckets(top_layer: int, bottom_layer: int, after) -> None:
-        for top in range(top_layer, bottom_layer - 1, -k):
-            blocks = tuple(f"layer {i}" for i in range(top, top - k, -1))
-            add(blocks, k * layer_in, k * layer_out, after(top - k + 1))
+    def layer_buckets(top_unit: int, bottom_unit: int, after) -> None:
+        for top in range(top_unit, bottom_unit - 1, -k):
+            low = (top - k + 1) * every  # the bucket's first layer
+            blocks = tuple(f"layer {i}" for i in range((top + 1) * every - 1, low - 1, -1))
+            add(blocks, k * unit_in, k * unit_out, after(low))
 
-    lookup = lookup_collective(data, fsdp)
+    lookup = lookup_collective(data, fsdp, replicas)
     if stages == 1:
         add(("head",), *grads["head"], "backward of head")
-        layer_buckets(m.n_layers - 1, 0, lambda low: f"backward of layer {low}")
+        layer_buckets(units - 1, 0, lambda low: f"backward of layer {low}")
         add(("embed",), *grads["embed"], "backward of embed", lookup)
     else:  # each stage's buckets after its last backward; the shared weights' after the tick loop
         for s in range(stages - 1, -1, -1):
@@ -203,15 +224,27 @@ def plan_comm(
         add(("head",), *grads["head"], "the tick loop", "all-reduce(pipeline) + " + kind)
         add(("embed",), *grads["embed"], "the tick loop", "all-reduce(pipeline) + " + lookup)
     return CommPlan(
-        tuple(buckets), threshold, rule, k, "inter" if inter else "intra", bw, lat, n, tuple(sorted(sizes.items()))
+        tuple(buckets),
+        threshold,
+        rule,
+        k * every,
+        "inter" if inter else "intra",
+        bw,
+        lat,
+        n,
+        tuple(sorted(sizes.items())),
     )
 
 
-def lookup_collective(data: int, fsdp: int) -> str:
-    """The collective of the embedding's lookup gradient (see the module docstring)."""
+def lookup_collective(data: int, fsdp: int, replicas: tuple[str, ...] = ("data",)) -> str:
+    """The collective of the embedding's lookup gradient (see the module docstring; ``replicas``: the axes
+    besides fsdp the rows are split over, ``data`` and with experts ``expert``)."""
+    over = ", ".join(replicas)
     if fsdp == 1:
-        return "all-reduce(data)"
-    return "reduce-scatter(fsdp)" if data == 1 else "reduce-scatter(data, fsdp) + all-gather(data)"
+        return f"all-reduce({over})"
+    if data == 1 and replicas == ("data",):
+        return "reduce-scatter(fsdp)"
+    return f"reduce-scatter({over}, fsdp) + all-gather({over})"
 
 
 def plan_for_config(config, cluster: ClusterSpec) -> CommPlan:

@@ -27,6 +27,7 @@ tensor-split dimension before a collective over a manual axis, doubling its byte
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -37,7 +38,8 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.models import apply_with_aux
-from jaxdist.models.hooks import GradSync, syncing_grads
+from jaxdist.models.hooks import GradSync, syncing_grads, totalling_tokens
+from jaxdist.models.moe import MOE_METRICS
 from jaxdist.parallel.comm import CommPlan
 from jaxdist.parallel.rules import Rules, activation_sharding
 
@@ -77,20 +79,25 @@ class Weight(NamedTuple):
     """What :class:`BucketSync` needs of one weight: ``dim`` its fsdp-sharded dimension (None: not sharded over
     fsdp), ``spec`` its spec over ``tensor``, ``transposed``: gathered as its transpose (the tied table at the
     head, which projects with ``table.T``: the layout automatic sharding gathers, so XLA:CPU picks the same
-    matmul kernel for the head's backward and the sums agree to the bit)."""
+    matmul kernel for the head's backward and the sums agree to the bit); ``replicas``: the axes besides fsdp
+    its gradient is summed over (``data``; an MoE model's rows are split over ``expert`` too, which replicates
+    its dense weights but splits its experts')."""
 
     dim: int | None
     spec: P
     transposed: bool = False
+    replicas: tuple[str, ...] = ("data",)
 
 
 class Site(NamedTuple):
-    """The mesh's ``data``, ``fsdp``, ``tensor`` sizes and whether the weights are the lookup's table."""
+    """The devices over the rows' axes besides fsdp (``data``, x ``expert`` for an MoE model), the ``fsdp`` and
+    ``tensor`` sizes, whether the weights are the lookup's table, and those axes (``replicas``)."""
 
     data: int
     fsdp: int
     tensor: int
     lookup: bool
+    replicas: tuple[str, ...] = ("data",)
 
 
 def on_tensor_shards(fn: Callable, tree: dict, specs: dict, tensor: int) -> dict:
@@ -112,44 +119,53 @@ def gather_weight(w: jax.Array, weight: Weight) -> jax.Array:
     return jax.lax.all_gather(w, "fsdp", axis=weight.dim, tiled=True)
 
 
-def _lookup_reduce(c: jax.Array, dim: int, data: int, fsdp: int) -> jax.Array:
-    """The lookup's table gradient ``c`` (whole along ``dim``) summed over data x fsdp in one sum (device order,
-    as automatic sharding all-reduces a scatter-add), each device left with its fsdp shard of ``dim``.
+def _lookup_reduce(c: jax.Array, dim: int, site: Site) -> jax.Array:
+    """The lookup's table gradient ``c`` (whole along ``dim``) summed over the rows' axes (data x fsdp, with an
+    MoE model's expert axis beside data) in one sum (device order, as automatic sharding all-reduces a
+    scatter-add), each device left with its fsdp shard of ``dim``.
 
     A reduce-scatter over (data, fsdp) of the columns reordered [fsdp, data, n] -> [data, fsdp, n] hands device
     (i, j) the i-th part of fsdp shard j; an all-gather over data completes the shard.  XLA:CPU sums a
     reduce-scatter in the same device order as an all-reduce (tests/parallel/test_grad_sync.py checks it)."""
+    data, fsdp, axes = site.data, site.fsdp, (*site.replicas, "fsdp")
     if fsdp == 1:
-        return jax.lax.psum(c, MANUAL)
+        return jax.lax.psum(c, axes)
     if data == 1:
         return jax.lax.psum_scatter(c, "fsdp", scatter_dimension=dim, tiled=True)
     n = c.shape[dim]
     if n % (data * fsdp):  # columns do not split evenly: all-reduce the whole table, keep the own shard
-        whole = jax.lax.psum(c, MANUAL)
+        whole = jax.lax.psum(c, axes)
         return jax.lax.dynamic_slice_in_dim(whole, jax.lax.axis_index("fsdp") * (n // fsdp), n // fsdp, dim)
     parts = c.reshape(*c.shape[:dim], fsdp, data, n // (fsdp * data), *c.shape[dim + 1 :])
     c = jnp.swapaxes(parts, dim, dim + 1).reshape(c.shape)
-    part = jax.lax.psum_scatter(c, MANUAL, scatter_dimension=dim, tiled=True)
-    return jax.lax.all_gather(part, "data", axis=dim, tiled=True)
+    part = jax.lax.psum_scatter(c, axes, scatter_dimension=dim, tiled=True)
+    return jax.lax.all_gather(part, site.replicas, axis=dim, tiled=True)
 
 
-def reduce_bucket(g: dict, dims: dict, site: Site) -> dict:
+def reduce_bucket(g: dict, dims: dict, site: Site, replicas: dict | None = None) -> dict:
     """One bucket's gradients ``g`` reduced (see the module docstring), on this device's tensor shard: ``dims``
-    the fsdp dimension of each (None: not sharded over fsdp), ``site`` the mesh sizes and the lookup's rule."""
+    the fsdp dimension of each (None: not sharded over fsdp), ``site`` the mesh sizes and the lookup's rule,
+    ``replicas`` the axes besides fsdp each is summed over (default ``site.replicas``: an MoE model's experts
+    are summed over ``data`` only, its dense weights over ``data`` and ``expert``)."""
     if site.lookup:
         return {
-            n: jax.lax.psum(c, MANUAL) if dims[n] is None else _lookup_reduce(c, dims[n], site.data, site.fsdp)
+            n: jax.lax.psum(c, (*site.replicas, "fsdp")) if dims[n] is None else _lookup_reduce(c, dims[n], site)
             for n, c in g.items()
         }
-    scattered = {
-        n: jax.lax.psum_scatter(c, "fsdp", scatter_dimension=dims[n], tiled=True)
-        for n, c in g.items()
-        if dims[n] is not None
-    }
-    out = jax.lax.psum(scattered, "data") if scattered else {}
-    whole = {n: c for n, c in g.items() if dims[n] is None}
-    if whole:
-        out = {**out, **jax.lax.psum(whole, MANUAL)}
+    over = {n: (replicas or {}).get(n, site.replicas) for n in g}
+    out = {}
+    for axes in dict.fromkeys(over.values()):  # one all-reduce per set of axes, in a fixed order
+        names = [n for n in g if over[n] == axes]
+        scattered = {
+            n: jax.lax.psum_scatter(g[n], "fsdp", scatter_dimension=dims[n], tiled=True)
+            for n in names
+            if dims[n] is not None
+        }
+        if scattered:
+            out.update(jax.lax.psum(scattered, axes))
+        whole = {n: g[n] for n in names if dims[n] is None}
+        if whole:
+            out.update(jax.lax.psum(whole, (*axes, "fsdp")))
     return {n: out[n] for n in g}
 
 
@@ -166,9 +182,9 @@ def _bucket_fwd(params, before, weights, site):
 
 def _bucket_bwd(weights, site, before, g):
     w = dict(weights)
-    dims = {n: x.dim for n, x in w.items()}
+    dims, replicas = {n: x.dim for n, x in w.items()}, {n: x.replicas for n, x in w.items()}
     with jax.named_scope(SCOPE):
-        reduce = lambda g: reduce_bucket(g, dims, site)  # noqa: E731
+        reduce = lambda g: reduce_bucket(g, dims, site, replicas)  # noqa: E731
         out = on_tensor_shards(reduce, g, {n: x.spec for n, x in w.items()}, site.tensor)
     if before is None:
         return out, None
@@ -185,7 +201,8 @@ class BucketSync(GradSync):
     """The model's gradient sync inside the shard_map (see the module docstring).
 
     ``weights[where][name]``: the :class:`Weight` of each weight the model passes at ``where`` (``embed``,
-    ``layers``, ``head``); ``sizes``: the mesh's axis sizes; ``layers_per_step``: the plan's k.
+    ``layers``, ``head``); ``sizes``: the mesh's axis sizes; ``layers_per_step``: the plan's k (layers; a
+    multiple of ``moe.every`` for an MoE model); ``replicas``: the axes besides fsdp the rows are split over.
 
     XLA's all-reduce combiner merges all-reduces that do not depend on each other, which would move the head
     bucket's (issued first) to the embedding's (issued last, outside the layer loop too).  So the head bucket
@@ -194,25 +211,37 @@ class BucketSync(GradSync):
     stays at its planned point.  Nothing else waits for the head's reductions, so they still overlap the
     layers' backward.  (The embedding's call comes first in the model's forward, in the same trace.)"""
 
-    def __init__(self, weights: dict[str, dict[str, Weight]], sizes: dict[str, int], layers_per_step: int):
-        self.weights, self.layers_per_step = weights, layers_per_step
-        self.sizes = (sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get(AUTO, 1))
+    def __init__(
+        self,
+        weights: dict[str, dict[str, Weight]],
+        sizes: dict[str, int],
+        layers_per_step: int,
+        replicas: tuple[str, ...] = ("data",),
+    ):
+        self.weights, self.layers_per_step, self.replicas = weights, layers_per_step, replicas
+        self.sizes = (math.prod(sizes.get(a, 1) for a in replicas), sizes.get("fsdp", 1), sizes.get(AUTO, 1))
         self._lookup = None  # one element of the embedding's gathered table, for the head's call
 
     def __call__(self, params: dict, where: str) -> dict:
         weights = tuple(sorted((n, self.weights[where][n]) for n in params))
         before, self._lookup = (self._lookup, None) if where == "head" else (None, self._lookup)
-        out = _bucket(params, before, weights, Site(*self.sizes, where == "embed"))
+        out = _bucket(params, before, weights, Site(*self.sizes, where == "embed", self.replicas))
         if where == "embed":
             self._lookup = out["embed"].reshape(-1)[0]
         return out
 
 
-def bucket_weights(specs: dict, fsdp: int, tied: bool) -> dict[str, dict[str, Weight]]:
-    """:class:`BucketSync`'s ``weights`` from the parameters' full specs (``fsdp``: the mesh's fsdp size)."""
+def bucket_weights(
+    specs: dict, fsdp: int, tied: bool, replicas: tuple[str, ...] = ("data",)
+) -> dict[str, dict[str, Weight]]:
+    """:class:`BucketSync`'s ``weights`` from the parameters' full specs (``fsdp``: the mesh's fsdp size,
+    ``replicas``: the axes besides fsdp the rows are split over; a weight split over one of them, an MoE
+    model's experts over ``expert``, is summed over the others)."""
 
     def weight(spec: P, transposed: bool = False) -> Weight:
-        return Weight(fsdp_dim(spec) if fsdp > 1 else None, keep_axes(spec, (AUTO,)), transposed)
+        own = {a for entry in spec for a in _axes(entry)}
+        summed = tuple(a for a in replicas if a not in own)
+        return Weight(fsdp_dim(spec) if fsdp > 1 else None, keep_axes(spec, (AUTO,)), transposed, summed)
 
     head = {"final_norm": weight(specs["final_norm"])}
     if tied:
@@ -226,25 +255,72 @@ def bucket_weights(specs: dict, fsdp: int, tied: bool) -> dict[str, dict[str, We
     }
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(1,))
+def token_total(tree, axes: tuple[str, ...]):
+    """``tree`` summed over the manual ``axes`` the tokens are split over; the backward hands each device its
+    own share (the cotangent as it is): every device holds the whole sum in its objective, so the devices'
+    gradients add up to the whole batch's.  The model's token totals (jaxdist.models.hooks.token_totals)."""
+    return jax.lax.psum(tree, axes)
+
+
+def _token_total_fwd(tree, axes):
+    return jax.lax.psum(tree, axes), None
+
+
+def _token_total_bwd(axes, _, ct):
+    return (ct,)
+
+
+token_total.defvjp(_token_total_fwd, _token_total_bwd)
+
+
+def row_axes(model, sizes: dict[str, int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the axes per_block's shard_map makes manual, in the batch rule's order; the rows' axes besides fsdp):
+    (data, fsdp) and data, or for an MoE model on ``expert`` > 1, whose rows are split over expert too and
+    whose dispatch then runs on the local tokens, (data, fsdp, expert) and (data, expert)."""
+    if model.moe.experts and sizes.get("expert", 1) > 1:
+        return (*MANUAL, "expert"), ("data", "expert")
+    return MANUAL, ("data",)
+
+
 def per_block_grads_fn(graphdef, model, mesh, rules: Rules, param_shardings: dict, plan: CommPlan) -> Callable:
-    """``fn(params, tokens) -> (loss, {}, grads)`` for jaxdist.train.step.make_train_step's ``grads_fn``: the
-    mean next-token cross-entropy of ``tokens`` [B, T+1] and its gradients, reduced at ``plan``'s points.
-    Dense models; call under jit."""
+    """``fn(params, tokens) -> (objective, metrics, grads)`` for jaxdist.train.step.make_train_step's
+    ``grads_fn``: the mean next-token cross-entropy of ``tokens`` [B, T+1] (an MoE model's plus its router
+    losses, and its metrics as jaxdist.train.step.objective gives them) and its gradients, reduced at
+    ``plan``'s points.  Call under jit, with the expert layout installed (``Parallelism.bind``).
+
+    An MoE model's dispatch runs on each device's tokens (the shard_map is manual over the axes it would
+    split the tokens over, jaxdist.parallel.moe.run_experts), and its router statistics are summed over the
+    devices (:func:`token_total`), so its losses are the whole batch's."""
     specs = jax.tree.map(lambda s: s.spec, param_shardings)
-    manual = jax.tree.map(lambda s: keep_axes(s, MANUAL), specs, is_leaf=lambda x: isinstance(x, P))
     sizes = dict(mesh.shape)
-    sync = BucketSync(bucket_weights(specs, sizes.get("fsdp", 1), model.tie_embeddings), sizes, plan.layers_per_bucket)
-    inner_rules = without_axes(rules, MANUAL)
+    manual_axes, replicas = row_axes(model, sizes)
+    manual = jax.tree.map(lambda s: keep_axes(s, manual_axes), specs, is_leaf=lambda x: isinstance(x, P))
+    weights = bucket_weights(specs, sizes.get("fsdp", 1), model.tie_embeddings, replicas)
+    sync = BucketSync(weights, sizes, plan.layers_per_bucket, replicas)
+    inner_rules = without_axes(rules, manual_axes)
+    totals = partial(token_total, axes=manual_axes) if model.moe.experts else None
 
     def local(params, tokens, n_tokens):
         def loss_fn(p):
-            logits, _ = apply_with_aux(graphdef, p, tokens[:, :-1])
+            logits, aux = apply_with_aux(graphdef, p, tokens[:, :-1])
             ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-            return jnp.sum(ce) / n_tokens  # the global mean's share of these rows: the same 1/N cotangent
+            ce = jnp.sum(ce) / n_tokens  # the global mean's share of these rows: the same 1/N cotangent
+            # The router losses are the whole batch's on every device (token_total): each device's backward
+            # carries its own tokens' share of them.
+            return ce + aux.get("moe_loss", 0.0), (ce, aux)
 
-        with activation_sharding(jax.sharding.get_abstract_mesh(), inner_rules), syncing_grads(sync):
-            loss, grads = jax.value_and_grad(loss_fn)(params)
-        return jax.lax.psum(loss, MANUAL), grads
+        with (
+            activation_sharding(jax.sharding.get_abstract_mesh(), inner_rules),
+            syncing_grads(sync),
+            totalling_tokens(totals),
+        ):
+            (_, (ce, aux)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        ce = jax.lax.psum(ce, manual_axes)
+        if not aux:
+            return ce, {}, grads
+        metrics = {"loss": ce, **{k: aux[k] for k in MOE_METRICS}, "moe_layers": aux["moe_layers"]}
+        return ce + aux["moe_loss"], metrics, grads
 
     def fn(params, tokens):
         b, t1 = tokens.shape
@@ -252,13 +328,12 @@ def per_block_grads_fn(graphdef, model, mesh, rules: Rules, param_shardings: dic
         run = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(manual, P(MANUAL)),
-            out_specs=(P(), manual),
-            axis_names=set(MANUAL),
+            in_specs=(manual, P(manual_axes)),
+            out_specs=(P(), P(), manual),
+            axis_names=set(manual_axes),
             check_vma=False,
         )
-        loss, grads = run(params, tokens)
-        return loss, {}, grads
+        return run(params, tokens)
 
     fn.plan = plan
     return fn

@@ -200,9 +200,27 @@ def run_experts(
     view; otherwise on the local arrays.
     """
     layout = current_layout()
+    if layout is None:
+        return local_experts(x, experts, weights, params, cfg)
+    manual = _manual_axes()
+    if manual and _splits_as_dispatch(layout, manual):
+        # A surrounding shard_map split the tokens and the experts as this dispatch would
+        # (train.grad_sync=per_block, jaxdist.parallel.grad_sync): run its body on the local arrays; the
+        # expert tensor axis, automatic there, is XLA's.
+        return _dispatch(
+            x,
+            experts,
+            weights,
+            params,
+            cfg=cfg,
+            ep_axes=layout.ep_axes,
+            ep_size=layout.ep_size,
+            etp_axes=(),
+            exchange=layout.exchange,
+        )
     # Inside pipeline stages (jaxdist.parallel.pipeline_blocks) XLA partitions the experts: this dispatch's
     # shard_map, nested in the stages' shard_map, does not lower on JAX 0.10 (Shardy's verifier refuses it).
-    if layout is None or _manual_axes():
+    if manual:
         return local_experts(x, experts, weights, params, cfg)
     n_shards = layout.size(layout.token_axes)
     if x.shape[0] % n_shards:
@@ -232,6 +250,16 @@ def run_experts(
         y, keep = fn(x, experts, weights, params)
     # Back onto the model's mesh: tokens split over tensor_ep exist only in the expert view.
     return _tokens_on_model_mesh(y), _tokens_on_model_mesh(keep)
+
+
+def _splits_as_dispatch(layout: ExpertLayout, manual: set[str]) -> bool:
+    """Whether the ``manual`` axes are the dispatch's own: its token and expert axes, none of its expert tensor
+    axes, on the model's mesh (no ``tensor_ep`` view)."""
+    return (
+        set(layout.token_axes) | set(layout.ep_axes) <= manual
+        and not set(layout.etp_axes) & manual
+        and EXPERT_TENSOR_SPLIT_AXIS not in layout.mesh.axis_names
+    )
 
 
 def _manual_axes() -> set[str]:

@@ -59,11 +59,8 @@ class Program:
         if self.resolved.user is not None:  # the plan follows jaxdist's own blocks; XLA places a user model's
             self.comm_plan, self.xla_options = None, {}
             return
-        dense = not c.model.moe.experts
-        self.comm_plan = (
-            plan_comm(c.model, dict(self.mesh.shape), self.cluster, c.train.grad_bucket_bytes) if dense else None
-        )
-        gpu = self.devices[0].platform == "gpu" and dense
+        self.comm_plan = plan_comm(c.model, dict(self.mesh.shape), self.cluster, c.train.grad_bucket_bytes)
+        gpu = self.devices[0].platform == "gpu" and not c.model.moe.experts  # measured for dense models only
         self.xla_options = xla_gpu_options(self.comm_plan) if gpu else {}
 
     def _adopted_step(self):

@@ -124,7 +124,11 @@ def test_cli_prints_the_table(capsys):
     [
         (["train.microbatches=2"], "without pipeline stages"),
         (["mesh.context=2"], "mesh.context=2"),
-        (["model=moe-tiny"], "dense models only"),
+        (
+            ["model=moe-tiny", "mesh.pipeline=2", "pipeline.schedule=gpipe", "train.microbatches=2"],
+            "does not run an MoE model on pipeline stages yet",
+        ),
+        (["model=moe-tiny", "mesh.expert=2", "mesh.tensor=2", "mesh.expert_tensor=1"], "each expert on all of"),
         (["train.grad_bucket_bytes=-1"], "grad_bucket_bytes"),
     ],
 )
@@ -133,8 +137,10 @@ def test_per_block_refuses_what_it_does_not_cover(over, match):
 
     with pytest.raises(ConfigError, match=match):
         load_config(None, ["train.grad_sync=per_block", *over])
-    # Microbatches as pipeline microbatches are per_block's (jaxdist.parallel.pipeline_sync).
+    # Microbatches as pipeline microbatches are per_block's (jaxdist.parallel.pipeline_sync); an MoE model on
+    # the expert axis is (jaxdist.parallel.grad_sync).
     load_config(None, ["train.grad_sync=per_block", "mesh.pipeline=2", "train.microbatches=2"])
+    load_config(None, ["train.grad_sync=per_block", "model=moe-tiny", "mesh.expert=2", "mesh.tensor=2"])
 
 
 def test_the_table_by_hand():
@@ -209,11 +215,30 @@ def test_an_untied_head_is_split_over_fsdp_by_its_embed_dimension():
     assert block_grad_bytes(untied, {"fsdp": 2})["head"] == ((128 + 128 * 260) * 4, (128 + 64 * 260) * 4)
 
 
+def test_an_moe_models_plan_by_hand():
+    """An MoE model's unit is a group of moe.every layers; its dense weights reduce over data x expert."""
+    moe = apply_preset(M, "moe-tiny")  # d 64, 4 heads x 16, 2 kv heads, 2 layers, 8 experts of width 64, every 1
+    attention = 2 * 64 + 64 * 64 + 2 * (64 * 32) + 64 * 64  # norms, wq, wk, wv, wo
+    router, experts = 64 * 8, 3 * (8 // 2) * 64 * 64  # the experts split over expert=2
+    g = block_grad_bytes(moe, {"data": 2, "fsdp": 2, "expert": 2})
+    assert g["layer"] == ((attention + router + experts) * 4, (128 + (attention - 128 + router + experts) // 2) * 4)
+    p = plan_comm(moe, {"data": 2, "fsdp": 2, "expert": 2}, CPU8)
+    assert p.reduce_devices == 8 and p.layers_per_bucket == 2
+    assert [b.collective for b in p.buckets] == [
+        "reduce-scatter(fsdp) + all-reduce(data, expert)",
+        "reduce-scatter(fsdp) + all-reduce(data, expert)",
+        "reduce-scatter(data, expert, fsdp) + all-gather(data, expert)",
+    ]
+    # Every other layer an MoE layer: a unit is 2 layers, one dense MLP (gate/up/down, 64 x 128) and one MoE.
+    every2 = dataclasses.replace(moe, n_layers=4, moe=dataclasses.replace(moe.moe, every=2))
+    unit = block_grad_bytes(every2, {"data": 8})["layer"][0]
+    assert unit == (2 * attention + 3 * 64 * 128 + router + 3 * 8 * 64 * 64) * 4
+    p = plan_comm(every2, {"data": 8}, CPU8, unit)
+    assert p.layers_per_bucket == 2 and p.buckets[1].blocks == ("layer 3", "layer 2")
+    assert p.buckets[1].collective == "all-reduce(data)" and p.buckets[2].issue_after == "backward of layer 0"
+
+
 def test_refusals_and_descriptions_in_full():
-    with pytest.raises(
-        ConfigError, match=r"^the gradient communication plan covers dense models: set model\.moe\.experts=0\.$"
-    ):
-        block_grad_bytes(apply_preset(M, "moe-tiny"), {"data": 8})
     with pytest.raises(
         ConfigError, match=r"^train\.grad_bucket_bytes=-5 must be 0 \(the default rule\) or positive\.$"
     ):
