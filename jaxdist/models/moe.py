@@ -92,9 +92,10 @@ def router_losses(r: Routing, n_experts: int) -> dict[str, jax.Array]:
     tokens = expert_counts(r.experts, n_experts).astype(jnp.float32)
     total = hooks.token_totals()
     if total is not None:  # the tokens are split over devices: the losses of the whole batch's (module docstring)
-        n = r.experts.shape[0]
+        lse = jax.nn.logsumexp(r.logits, axis=-1)
+        # Each sum from the tokens themselves (a count too: the same on every device, it must still be summed).
         tokens, probs, squares, n = total(
-            (tokens, jnp.sum(r.probs, axis=0), jnp.sum(jnp.square(jax.nn.logsumexp(r.logits, axis=-1))), jnp.float32(n))
+            (tokens, jnp.sum(r.probs, axis=0), jnp.sum(jnp.square(lse)), jnp.sum(jnp.ones_like(lse)))
         )
         share = tokens / (n * r.experts.shape[1])
         balance = n_experts * jnp.sum(jax.lax.stop_gradient(share) * (probs / n))
@@ -251,7 +252,7 @@ def moe_forward(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> tupl
     if total is None:
         aux["drop_rate"] = 1.0 - jnp.mean(keep.astype(jnp.float32))
     else:
-        kept, assigned = total((jnp.sum(keep.astype(jnp.float32)), jnp.float32(keep.size)))
+        kept, assigned = total((jnp.sum(keep.astype(jnp.float32)), jnp.sum(jnp.ones_like(keep, jnp.float32))))
         aux["drop_rate"] = 1.0 - kept / assigned
     return y.reshape(b, t, d).astype(x.dtype), aux
 

@@ -255,19 +255,23 @@ def bucket_weights(
     }
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1,))
-def token_total(tree, axes: tuple[str, ...]):
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def token_total(tree, axes: tuple[str, ...], varying: bool = False):
     """``tree`` summed over the manual ``axes`` the tokens are split over; the backward hands each device its
     own share (the cotangent as it is): every device holds the whole sum in its objective, so the devices'
-    gradients add up to the whole batch's.  The model's token totals (jaxdist.models.hooks.token_totals)."""
+    gradients add up to the whole batch's.  The model's token totals (jaxdist.models.hooks.token_totals): every
+    leaf computed from the device's own tokens.  ``varying``: in a shard_map that checks varying axes (the
+    cotangent is cast back to varying over ``axes``)."""
     return jax.lax.psum(tree, axes)
 
 
-def _token_total_fwd(tree, axes):
+def _token_total_fwd(tree, axes, varying):
     return jax.lax.psum(tree, axes), None
 
 
-def _token_total_bwd(axes, _, ct):
+def _token_total_bwd(axes, varying, _, ct):
+    if varying:
+        ct = jax.tree.map(lambda c: jax.lax.pcast(c, axes, to="varying"), ct)
     return (ct,)
 
 

@@ -17,6 +17,13 @@ ticks a stage computes on an input no output depends on (the schedule's bubble, 
 stage's ticks): its cotangent is zero, so the gradients are the scan's.  The backward is JAX's transpose of that
 loop (``ppermute`` sends each cotangent back a stage): every forward, then every backward, which is gpipe's
 order; a stage keeps the residuals its layers' remat policy saves for each of its ticks.
+
+An MoE transformer's stages with dropless dispatch run jaxdist's planned expert dispatch inside them
+(``rows``, from :func:`jaxdist.parallel.moe.stage_row_axes`): the ``shard_map`` is then manual over the axes the
+dispatch splits the tokens and the experts over too (data, expert), each device's tokens reach their experts by
+the all-to-all over ``expert`` (jaxdist.parallel.moe.run_experts runs the dispatch's body on the local arrays),
+and the router's statistics are summed over those axes (jaxdist.models.hooks.token_totals).  Without it XLA
+partitions the experts itself, gathering a stage's tokens over its data axis.
 """
 
 from __future__ import annotations
@@ -31,8 +38,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.config import ConfigError
-from jaxdist.models.hooks import LayerScan
-from jaxdist.parallel.grad_sync import without_axes
+from jaxdist.models.hooks import LayerScan, totalling_tokens
+from jaxdist.parallel.grad_sync import keep_axes, token_total, without_axes
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, logical_to_spec
 
 AXIS = "pipeline"
@@ -60,16 +67,27 @@ def check_rows_over_stages(batch_size: int, sizes: dict[str, int], outside: str)
         )
 
 
-def pipelined_scan(mesh: Mesh, microbatches: int, rules: Rules = DEFAULT_RULES) -> LayerScan:
+def pipelined_scan(
+    mesh: Mesh,
+    microbatches: int,
+    rules: Rules = DEFAULT_RULES,
+    rows: tuple[str, ...] = (),
+    specs: dict[str, P] | None = None,
+) -> LayerScan:
     """``run(body, x, stacked) -> (x, ys)``: ``jax.lax.scan(body, x, stacked)`` as ``mesh.shape['pipeline']``
     stages over ``microbatches`` microbatches of ``x``'s rows (see the module docstring); ``ys`` are stacked
-    [microbatches, layers, ...].  Call under jit.  ValueError (one sentence) for a stack the stages do not
-    divide or rows the microbatches do not divide."""
+    [microbatches, layers, ...].  ``rows``: further axes the stages hold manual, the rows split over them in
+    this order (an MoE model's planned dispatch, see the module docstring; ``specs``: the stacked weights' full
+    specs by name, ``stacked`` then a dict of them).  Call under jit.  ValueError (one sentence) for a stack the
+    stages do not divide or rows the microbatches do not divide."""
     p, m = dict(mesh.shape).get(AXIS, 1), microbatches
-    inner = without_axes(rules, (AXIS,))  # the constraints inside a stage name the automatic axes only
+    manual = (AXIS, *rows)
+    inner = without_axes(rules, manual)  # the constraints inside a stage name the automatic axes only
+    totals = partial(token_total, axes=rows, varying=True) if rows else None
+    outer = without_axes(rules, (AXIS,))  # a microbatch's rows as a stage holds them: over the data axes
 
     def on_rows(a):  # [m, rows, ...]: a microbatch's rows split as inside a stage
-        spec = logical_to_spec((None, "batch"), inner, mesh, a.shape[:2])
+        spec = logical_to_spec((None, "batch"), outer, mesh, a.shape[:2])
         return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
 
     def run(body: Callable, x: Any, stacked: Any):
@@ -79,22 +97,27 @@ def pipelined_scan(mesh: Mesh, microbatches: int, rules: Rules = DEFAULT_RULES) 
                 f"a stack of {n} layers does not split into mesh.pipeline={p} stages: use a number of stages that "
                 f"divides {n}."
             )
-        rows = {leaf.shape[0] if leaf.ndim else 0 for leaf in jax.tree.leaves(x)}
-        b = rows.pop() if len(rows) == 1 else 0
+        lengths = {leaf.shape[0] if leaf.ndim else 0 for leaf in jax.tree.leaves(x)}
+        b = lengths.pop() if len(lengths) == 1 else 0
         if b == 0 or b % m:
             raise ValueError(
-                f"the stack's input has leading axes of {sorted(rows | {b})} rows, which train.microbatches={m} "
+                f"the stack's input has leading axes of {sorted(lengths | {b})} rows, which train.microbatches={m} "
                 "cannot split into microbatches: pass arrays whose leading axis is the batch's rows."
             )
         # [m, rows, ...], the rows on the data axes only: the stages' all-gather said to XLA, not left to guess
         xs = jax.tree.map(lambda a: on_rows(a.reshape(b // m, m, *a.shape[1:]).swapaxes(0, 1)), x)
         ys_shape = jax.eval_shape(lambda st, h: jax.lax.scan(body, h, st)[1], stacked, jax.tree.map(lambda a: a[0], xs))
+        if rows:  # each weight split over the stages and, an expert's, over expert; the rows over ``rows``
+            weights = {k: keep_axes(specs[k], manual) for k in stacked}
+            row_spec = P(None, rows)
+        else:
+            weights, row_spec = jax.tree.map(lambda _: P(AXIS), stacked), P()
         fn = jax.shard_map(
-            partial(_stage, body, p=p, m=m, inner=inner),
+            partial(_stage, body, p=p, m=m, inner=inner, totals=totals),
             mesh=mesh,
-            in_specs=(jax.tree.map(lambda _: P(AXIS), stacked), P()),
-            out_specs=(P(AXIS), jax.tree.map(lambda _: P(None, AXIS), ys_shape)),
-            axis_names={AXIS},
+            in_specs=(weights, row_spec),
+            out_specs=(P(AXIS, *row_spec), jax.tree.map(lambda _: P(None, AXIS), ys_shape)),
+            axis_names=set(manual),
         )
         out, ys = fn(stacked, xs)
         out = jax.tree.map(lambda y: on_rows(y[p - 1]).swapaxes(0, 1).reshape(b, *y.shape[3:]), out)
@@ -103,7 +126,7 @@ def pipelined_scan(mesh: Mesh, microbatches: int, rules: Rules = DEFAULT_RULES) 
     return run
 
 
-def _stage(body: Callable, stacked, xs, *, p: int, m: int, inner: Rules):
+def _stage(body: Callable, stacked, xs, *, p: int, m: int, inner: Rules, totals: Callable | None):
     """One stage's ticks (inside shard_map): see the module docstring."""
     s = jax.lax.axis_index(AXIS)
     sends = [(i, i + 1) for i in range(p - 1)]
@@ -116,7 +139,7 @@ def _stage(body: Callable, stacked, xs, *, p: int, m: int, inner: Rules):
 
     # Before a stage's first microbatch arrives it runs on microbatch 0's input: finite, and unused.
     first = jax.tree.map(lambda a: jax.lax.pcast(a[0], (AXIS,), to="varying"), xs)
-    with activation_sharding(jax.sharding.get_abstract_mesh(), inner):
+    with activation_sharding(jax.sharding.get_abstract_mesh(), inner), totalling_tokens(totals):
         _, (outs, ys) = jax.lax.scan(tick, first, jnp.arange(m + p - 1))
     outs = jax.tree.map(lambda o: o[p - 1 :][None], outs)  # [1, m, rows, ...]: the last stage's are the output
     ys = jax.tree.map(lambda y: jax.lax.dynamic_slice_in_dim(y, s, m, 0), ys)  # [m, L/p, ...]: its microbatches'

@@ -17,6 +17,7 @@ from jaxdist.cluster import load_cluster
 from jaxdist.models import create_abstract, init_params
 from jaxdist.parallel.comm import plan_comm, xla_gpu_options
 from jaxdist.parallel.layout import Parallelism
+from jaxdist.parallel.moe import stage_row_axes
 from jaxdist.parallel.pipeline_blocks import check_rows_over_stages, pipelined_scan
 from jaxdist.remat.named import remat_policy
 from jaxdist.train import custom
@@ -51,6 +52,7 @@ class Program:
         self.parallelism = Parallelism.build(c, self.devices, own_model=resolved.user is not None)
         self.mesh, self.rules = self.parallelism.mesh, self.parallelism.rules
         self.expert_layout = self.parallelism.expert_layout
+        self.stage_rows: tuple[str, ...] = ()  # an MoE model's stages: the axes they hold manual for its dispatch
 
     def _build_comm(self) -> None:
         """The gradient collectives' buckets and issue points (jaxdist comm plan); per_block applies them, and on
@@ -160,7 +162,10 @@ class Program:
         c = self.config
         if c.mesh.pipeline > 1 and c.model.moe.experts:
             check_rows_over_stages(c.train.batch_size, dict(self.mesh.shape), "the embedding and head")
-            stages = pipelined_scan(self.mesh, c.train.microbatches, self.rules)
+            # With dropless dispatch the planned dispatch runs inside the stages (manual over its axes too).
+            self.stage_rows = stage_row_axes(self.expert_layout, c.model)
+            specs = {k: s.spec for k, s in self.param_shardings["layers"].items()}
+            stages = pipelined_scan(self.mesh, c.train.microbatches, self.rules, self.stage_rows, specs)
             return staged_grads_fn(self.graphdef, stages, c.data.packing == "documents")
         return self.parallelism.grads_fn(c, self.graphdef, self.param_shardings, self.comm_plan)
 

@@ -49,7 +49,8 @@ def run(tmp_path, name, extra, devices=None):
 )
 def test_moe_stages_equal_one_device(tmp_path, dispatch, micro, mesh):
     """pipeline=2 (one MoE block per stage) with the expert axis and data or tensor (or the expert view,
-    mesh.expert_tensor=1) inside the stages against one
+    mesh.expert_tensor=1) inside the stages (with dropless dispatch on data x expert, jaxdist's planned dispatch
+    inside them) against one
     device running the microbatches one after the other: every step's loss, each block's router losses, token
     counts and drop rate, and the parameters after 3 AdamW steps (1e-5)."""
     common = [f"model.moe.dispatch={dispatch}", f"train.microbatches={micro}"]
@@ -57,7 +58,13 @@ def test_moe_stages_equal_one_device(tmp_path, dispatch, micro, mesh):
     staged, rows, t = run(tmp_path, "staged", [*common, *mesh, "mesh.pipeline=2", "pipeline.schedule=gpipe"])
     spec = t.param_shardings["layers"]["we_up"].spec  # a stage's blocks' experts
     assert spec[0] == "pipeline" and "expert" in (spec[1] if isinstance(spec[1], tuple) else (spec[1],)), spec
-    assert "collective-permute" in t.compile_train_step().as_text()  # activations go stage to stage
+    hlo = t.compile_train_step().as_text()
+    assert "collective-permute" in hlo  # activations go stage to stage
+    # Dropless dispatch on data x expert runs jaxdist's planned dispatch inside the stages (its all-to-all over
+    # expert, the shard_map manual over data and expert too); capacity and the expert view leave it to XLA.
+    planned = dispatch == "dropless" and "mesh.expert_tensor=1" not in mesh
+    assert t.stage_rows == (("data", "expert") if planned else ())
+    assert ("all-to-all" in hlo) == planned
     for a, b in zip(ref, rows, strict=True):
         assert a["step"] == b["step"]
         figures = [k for k in a if k == "loss" or k.startswith("moe")]
