@@ -1,16 +1,19 @@
-"""Where the planner's MoE memory prediction falls short: predicted against compiled peak, and the gap's sizes.
+"""The planner's MoE memory prediction against the compiled peak, with the MoE terms it adds (issue 36).
 
-For moe-tiny variants (experts, top-k, expert width, batch, mesh, remat) on 8 simulated CPU devices it prints
-the planner's predicted bytes per device (:func:`jaxdist.planner.cost.estimate`), the compiled train step's peak
-(:func:`jaxdist.train.aot.compiled_peak`, compile only), the gap, and two candidate explanations of it in MiB:
+For moe-tiny variants (experts, top-k, expert width, batch, mesh with expert=2/4/8 and expert_tensor, dropless
+and capacity dispatch, remat) on 8 simulated CPU devices it prints the planner's predicted bytes per device
+(:func:`jaxdist.planner.cost.estimate`), the compiled train step's peak (arguments + outputs + temp - aliased,
+:func:`jaxdist.train.aot.compiled_peak`, compile only), their error, and in MiB what the MoE terms of
+:data:`jaxdist.planner.cost.XLA_CPU_MEMORY` add (each coefficient times its quantity of
+:func:`jaxdist.planner.cost.memory_terms`):
 
-* ``copies``: ``local experts x dispatched rows x (d_model + expert d_ff) x 4`` per device: what XLA:CPU's
-  emulation of ``jax.lax.ragged_dot`` materialises (a masked copy of the rows per expert; a lone ``ragged_dot``
-  of [m, k] rows against [g, k, n] weights has a temp buffer of g x m x (k + 2) x 4 bytes here);
-* ``ep rows``: ``expert x dispatched rows x d_model x 4``: rows an expert-parallel device can receive from
-  every peer (dropless: the receive buffer is sized for the worst case).
+* ``rows``: the routed activations sized by the rows a device's experts take (:class:`~jaxdist.planner.cost.ExpertRows`)
+  instead of top-k rows per token: kept activations and one block's working layer, beside the top-k count;
+* ``weights``: ``expert_weight_copies`` (XLA:CPU's copies of the stacked expert weights for the layer scans);
+* ``ragged``: ``ragged_dot_working`` (XLA:CPU's emulation of ``jax.lax.ragged_dot``, dropless only);
+* ``dispatch``: ``dispatch_working`` (a block's rows gathered, exchanged and scattered back).
 
-    python benchmarks/moe_memory.py        # ~1 minute on 2 cores
+    python benchmarks/moe_memory.py        # ~2 minutes on 2 cores
 """
 
 from __future__ import annotations
@@ -20,44 +23,77 @@ import sys
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-SETTINGS = [  # (mesh, experts, top-k, expert d_ff, batch, remat)
-    (["mesh.data=8"], 8, 2, 64, 16, "none"),
-    (["mesh.data=8"], 16, 2, 64, 16, "none"),
-    (["mesh.data=8"], 8, 4, 64, 16, "none"),
-    (["mesh.data=8"], 8, 2, 128, 16, "none"),
-    (["mesh.data=8"], 8, 2, 64, 32, "none"),
-    (["mesh.data=8"], 8, 2, 64, 16, "full"),
-    (["mesh.data=4", "mesh.expert=2"], 8, 2, 64, 16, "none"),
-    (["mesh.data=4", "mesh.expert=2"], 8, 2, 64, 32, "full"),
-    (["mesh.data=2", "mesh.expert=4"], 8, 2, 64, 16, "none"),
-    (["mesh.expert=8"], 8, 2, 64, 16, "none"),
-    (["mesh.data=8", "model.n_layers=1"], 8, 2, 64, 16, "none"),
-    (["mesh.data=8", "model.n_layers=1"], 8, 2, 64, 16, "full"),
-    (["mesh.data=8", "model.n_layers=4"], 8, 2, 64, 16, "none"),
-    (["mesh.data=8", "model.n_layers=4"], 8, 2, 64, 16, "full"),
+CAP = "model.moe.dispatch=capacity"
+SETTINGS = [  # (overrides beside the mesh, mesh, experts, top-k, expert d_ff, batch, remat)
+    ([], ["mesh.data=8"], 8, 2, 64, 16, "none"),
+    ([], ["mesh.data=8"], 16, 2, 64, 16, "none"),
+    ([], ["mesh.data=8"], 8, 4, 64, 16, "none"),
+    ([], ["mesh.data=8"], 8, 2, 128, 16, "none"),
+    ([], ["mesh.data=8"], 8, 2, 64, 32, "none"),
+    ([], ["mesh.data=8"], 8, 2, 64, 16, "full"),
+    ([], ["mesh.data=4", "mesh.expert=2"], 8, 2, 64, 16, "none"),
+    ([], ["mesh.data=4", "mesh.expert=2"], 8, 2, 64, 32, "full"),
+    ([], ["mesh.data=2", "mesh.expert=4"], 8, 2, 64, 16, "none"),
+    ([], ["mesh.expert=8"], 8, 2, 64, 16, "none"),
+    (["model.n_layers=1"], ["mesh.data=8"], 8, 2, 64, 16, "none"),
+    (["model.n_layers=1"], ["mesh.data=8"], 8, 2, 64, 16, "full"),
+    (["model.n_layers=4"], ["mesh.data=8"], 8, 2, 64, 16, "none"),
+    (["model.n_layers=4"], ["mesh.data=8"], 8, 2, 64, 16, "full"),
+    # expert=4 and expert=8
+    ([], ["mesh.data=2", "mesh.expert=4"], 16, 2, 64, 32, "none"),
+    ([], ["mesh.data=2", "mesh.expert=4"], 8, 2, 128, 16, "full"),
+    ([], ["mesh.expert=4", "mesh.tensor=2"], 8, 2, 64, 16, "none"),
+    ([], ["mesh.expert=8"], 16, 4, 64, 16, "none"),
+    ([], ["mesh.expert=8"], 8, 2, 64, 32, "full"),
+    # expert_tensor: the rest of tensor joins expert parallelism
+    ([], ["mesh.data=4", "mesh.tensor=2", "mesh.expert_tensor=1"], 8, 2, 64, 16, "none"),
+    ([], ["mesh.tensor=4", "mesh.expert=2", "mesh.expert_tensor=2"], 8, 2, 64, 16, "none"),
+    ([], ["mesh.data=4", "mesh.tensor=2"], 8, 2, 64, 16, "none"),
+    # capacity dispatch
+    ([CAP], ["mesh.data=8"], 8, 2, 64, 16, "none"),
+    ([CAP], ["mesh.data=8"], 8, 2, 64, 16, "full"),
+    ([CAP, "model.moe.capacity_factor=2.0"], ["mesh.data=8"], 16, 2, 128, 16, "none"),
+    ([CAP], ["mesh.data=4", "mesh.expert=2"], 8, 2, 64, 16, "none"),
+    ([CAP], ["mesh.data=2", "mesh.expert=4"], 8, 2, 64, 32, "full"),
+    ([CAP], ["mesh.expert=8"], 8, 2, 64, 16, "none"),
+    ([CAP], ["mesh.tensor=4", "mesh.expert=2", "mesh.expert_tensor=2"], 8, 2, 64, 16, "none"),
 ]
 
 
+def label(extra: list[str], mesh: list[str]) -> str:
+    """Short text of a row's mesh and its other overrides."""
+    words = [m.split(".", 1)[1].replace("expert_tensor", "etp") for m in mesh]
+    for o in extra:
+        key, value = o.split("=")
+        words.append({"model.moe.dispatch": "cap", "model.n_layers": f"L{value}"}.get(key, f"cf{value}"))
+    return " ".join(w for w in words if w != "cap") + (" cap" if CAP in extra else "")
+
+
 def main() -> int:
+    import dataclasses
+
     import jax
 
     from jaxdist.cluster import load_cluster
     from jaxdist.config import load_config
+    from jaxdist.planner import cost
     from jaxdist.planner.candidates import strategy_of
     from jaxdist.planner.cluster import cluster_view
     from jaxdist.planner.computation import computation_view
-    from jaxdist.planner.cost import estimate
     from jaxdist.train.aot import compiled_peak
 
     view = cluster_view(load_cluster("cpu-8"))
+    coeff = cost.XLA_CPU_MEMORY
+    moe_terms = getattr(cost, "ExpertRows", None) is not None  # False on the model before issue 36's terms
     mib = 2**20
     head = (
-        f"{'mesh':<22} {'E':>3} {'k':>2} {'f':>4} {'batch':>5} {'remat':<5} {'pred MiB':>8} {'compiled':>8}"
-        f" {'error':>7} {'gap':>6} {'copies':>6} {'ep rows':>7}"
+        f"{'setting':<26} {'E':>3} {'k':>2} {'f':>4} {'batch':>5} {'remat':<5} {'pred MiB':>8} {'compiled':>8}"
+        f" {'error':>7} {'rows':>6} {'weights':>7} {'ragged':>6} {'dispatch':>8}"
     )
-    print("moe-tiny (d_model 64, 2 blocks unless n_layers says, seq 64) on 8 CPU devices")
+    print("moe-tiny (d_model 64, 2 blocks unless L says, seq 64, dropless unless cap) on 8 CPU devices")
     print(head + "\n" + "-" * len(head))
-    for mesh, experts, k, f, batch, remat in SETTINGS:
+    worst = 0.0
+    for extra, mesh, experts, k, f, batch, remat in SETTINGS:
         cfg = load_config(
             None,
             [
@@ -69,23 +105,38 @@ def main() -> int:
                 f"model.moe.experts={experts}",
                 f"model.moe.top_k={k}",
                 f"model.moe.d_ff={f}",
+                *extra,
                 *mesh,
             ],
         )
         s = strategy_of(cfg, 8)
-        e = estimate(computation_view(cfg.model, cfg.train.seq_len), view, s, batch)
+        cv = computation_view(cfg.model, cfg.train.seq_len)
+        e = cost.estimate(cv, view, s, batch)
         got = compiled_peak(cfg, jax.devices()[:8])
-        rows = batch // (s.data * s.fsdp * s.expert) * cfg.train.seq_len * k  # dispatched rows per device
-        d = cfg.model.d_model
-        copies = experts // s.expert * rows * (d + f) * 4
-        ep_rows = s.expert * rows * d * 4 if s.expert > 1 else 0
-        gap = got.peak_bytes - e.memory.total
+        err = e.memory.total / got.peak_bytes - 1
+        worst = max(worst, abs(err))
+        parts = [0.0] * 4
+        if moe_terms:
+            t = cost.memory_terms(cv, s, batch)
+            flat = dataclasses.replace(cv, blocks=tuple(dataclasses.replace(b, dispatch_rows=0) for b in cv.blocks))
+            top_k = cost.memory_terms(flat, s, batch)  # routed tensors at top-k rows per token, no MoE terms
+            parts = [
+                t.memory(coeff).activations
+                - top_k.activations
+                + coeff.working(s.remat)
+                * (t.scaled[f"layer_working:{s.remat}"] - top_k.scaled[f"layer_working:{s.remat}"]),
+                *(
+                    getattr(coeff, n) * t.scaled[n]
+                    for n in ("expert_weight_copies", "ragged_dot_working", "dispatch_working")
+                ),
+            ]
         print(
-            f"{' '.join(m.split('.', 1)[1] for m in mesh):<22} {experts:>3} {k:>2} {f:>4} {batch:>5} {remat:<5}"
-            f" {e.memory.total / mib:>8.2f} {got.peak_bytes / mib:>8.2f} {e.memory.total / got.peak_bytes - 1:>+7.1%}"
-            f" {gap / mib:>6.2f} {copies / mib:>6.2f} {ep_rows / mib:>7.2f}",
+            f"{label(extra, mesh):<26} {experts:>3} {k:>2} {f:>4} {batch:>5} {remat:<5}"
+            f" {e.memory.total / mib:>8.2f} {got.peak_bytes / mib:>8.2f} {err:>+7.1%}"
+            + "".join(f" {p / mib:>{w}.2f}" for p, w in zip(parts, (6, 7, 6, 8))),
             flush=True,
         )
+    print(f"worst |error| over {len(SETTINGS)} settings: {worst:.1%}")
     return 0
 
 

@@ -97,6 +97,9 @@ class Strategy:
     remat: str = "none"
     chunks: int = 1  # seq1f1b: chunks per sequence; 1 for every other schedule
     context: int = 1  # sequence split over the ring (planner/ring.py); last, so ordering without it is unchanged
+    # Devices per expert's hidden width (mesh.expert_tensor); 0: all of tensor.  The search leaves it at 0; a
+    # config's own value (strategy_of) moves the rest of tensor into expert parallelism (parallel/moe.py).
+    expert_tensor: int = 0
 
     @functools.cached_property
     def mesh(self) -> dict[str, int]:
@@ -115,6 +118,8 @@ class Strategy:
         sched = f" {self.schedule}" if self.pipeline > 1 else ""
         if self.schedule == "seq1f1b":
             sched += f" x{self.chunks}"
+        if self.expert_tensor:
+            axes += f" expert_tensor={self.expert_tensor}"
         return f"{axes} | mb {self.microbatches}{sched} | remat {self.remat}"
 
 
@@ -155,8 +160,17 @@ def mesh_allowed(view: ComputationView, sizes: dict[str, int], nodes: int, per_n
         return f"expert={e} needs a multiple of it as the expert count (the model has {view.n_experts})"
     if m.n_layers % p:
         return f"pipeline={p} does not divide the {m.n_layers} layers"
-    if p > 1 and view.n_experts:
-        return "the planner leaves MoE models on pipeline stages out (their gpipe stages are outside its memory model)"
+    if p > 1 and view.n_experts:  # gpipe stages by autodiff (jaxdist.parallel.pipeline_blocks)
+        if (m.n_layers // m.moe.every) % p:
+            return (
+                f"pipeline={p} does not divide the {m.n_layers // m.moe.every} groups of moe.every={m.moe.every} blocks"
+            )
+        # Where the planned dispatch runs inside the stages (jaxdist.parallel.moe.stage_row_axes); elsewhere XLA
+        # partitions the experts, gathering a stage's tokens, outside the cost model.
+        if m.moe.dispatch != "dropless" or sizes["fsdp"] > 1:
+            return (
+                f"MoE pipeline stages with fsdp={sizes['fsdp']} or {m.moe.dispatch} dispatch leave the experts to XLA"
+            )
     return None
 
 
@@ -185,6 +199,8 @@ def candidates(
         if mesh_allowed(view, sizes, nodes, per_node) is not None:
             continue
         batch_ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
+        if view.n_experts and batch_size % (batch_ways * sizes["pipeline"]):
+            continue  # an MoE model's embedding and head run on the rows split over the stages too
         schedules = _schedules(view) if sizes["pipeline"] > 1 else [("none", 1)]
         for m in _divisors(batch_size):
             if m > max_microbatches or (batch_size // m) % batch_ways:
@@ -197,7 +213,10 @@ def candidates(
 
 
 def _schedules(view: ComputationView) -> list[tuple[str, int]]:
-    """(schedule, chunks) pairs for a pipelined mesh: seq1f1b with each chunk count that divides the sequence."""
+    """(schedule, chunks) pairs for a pipelined mesh: seq1f1b with each chunk count that divides the sequence;
+    gpipe alone for an MoE model (its stages, jaxdist.parallel.pipeline_blocks, run no other schedule)."""
+    if view.n_experts:
+        return [("gpipe", 1)]
     out = [(x, 1) for x in SCHEDULES if x != "seq1f1b"]
     return out + [("seq1f1b", c) for c in CHUNK_CHOICES if view.seq_len % c == 0]
 
@@ -209,6 +228,8 @@ def with_pipeline(s: Strategy, view: ComputationView, **sizes: int) -> list[Stra
     new = replace(s, **sizes)
     if new.pipeline == 1:
         return [replace(new, schedule="none", chunks=1)]
+    if view.n_experts:
+        return [replace(new, schedule="gpipe", chunks=1)]
     if s.pipeline > 1 and (s.schedule != "1f1b" or new.microbatches >= new.pipeline):
         return [new]
     out = [replace(new, schedule="1f1b", chunks=1)] if new.microbatches >= new.pipeline else []
@@ -271,9 +292,15 @@ def valid(
         return False
     if (s.schedule == "none") != (s.pipeline == 1) or (s.schedule == "1f1b" and m < s.pipeline):
         return False
+    if view.n_experts and s.pipeline > 1 and (s.schedule != "gpipe" or batch_size % (_ways(s) * s.pipeline)):
+        return False  # an MoE model's stages: gpipe, the embedding and head on the rows split over them too
     if s.schedule == "seq1f1b":
         return s.chunks in CHUNK_CHOICES and view.seq_len % s.chunks == 0
     return s.chunks == 1
+
+
+def _ways(s: Strategy) -> int:
+    return s.data * s.fsdp * s.expert
 
 
 def _prime_factors(n: int) -> list[int]:
@@ -300,4 +327,7 @@ def strategy_of(cfg: Config, n_devices: int) -> Strategy:
         chunks = cfg.pipeline.chunks if schedule == "seq1f1b" else 1
         if chunks == 1 and schedule == "seq1f1b":
             schedule = "1f1b"  # seq1f1b with one chunk is 1f1b
-    return Strategy(**sizes, microbatches=cfg.train.microbatches, schedule=schedule, remat=remat, chunks=chunks)
+    etp = cfg.mesh.expert_tensor if cfg.model.moe.experts and cfg.mesh.expert_tensor != sizes["tensor"] else 0
+    return Strategy(
+        **sizes, microbatches=cfg.train.microbatches, schedule=schedule, remat=remat, chunks=chunks, expert_tensor=etp
+    )

@@ -60,6 +60,9 @@ class ActivationTensor:
     softmax terms).  ``checkpoint_name`` is the name a remat policy saves it by
     (empty for untagged intermediates); ``read_by_backward`` is false for a
     tensor the backward pass never needs (a policy naming it keeps nothing).
+    ``routed``: one row per routed copy of a token (top-k per token), held where
+    the token's experts run: the cost model sizes it by the rows an expert
+    device receives (:func:`jaxdist.planner.cost.expert_rows`), not by k.
     """
 
     name: str
@@ -68,6 +71,7 @@ class ActivationTensor:
     dtype_bytes: int
     checkpoint_name: str = ""
     read_by_backward: bool = True
+    routed: bool = False
 
     @property
     def elements_per_token(self) -> int:
@@ -218,13 +222,20 @@ def _score_tensors(m: ModelConfig, h: int, t: int) -> list[ActivationTensor]:
     ]
 
 
-def _swiglu(prefix: str, f: int, rows: int, axis: str, a: int) -> tuple[list[ActivationTensor], tuple[str, ...]]:
+def _swiglu(
+    prefix: str, f: int, rows: int, axis: str, a: int, routed: bool = False
+) -> tuple[list[ActivationTensor], tuple[str, ...]]:
     """The SwiGLU activations per token (``rows`` copies of width ``f``) and the six the backward keeps."""
     names = ("gate", "up", "sigmoid", "silu", "silu_grad", "hidden")
     tags = {"gate": "mlp_gate", "up": "mlp_up"} if prefix == "mlp" else {}
     acts = [
         ActivationTensor(
-            f"{prefix}_{n}", (rows, f) if rows > 1 else (f,), (None, axis) if rows > 1 else (axis,), a, tags.get(n, "")
+            f"{prefix}_{n}",
+            (rows, f) if rows > 1 else (f,),
+            (None, axis) if rows > 1 else (axis,),
+            a,
+            tags.get(n, ""),
+            routed=routed,
         )
         for n in names
     ]
@@ -259,10 +270,10 @@ def computation_view(model: ModelConfig, seq_len: int) -> ComputationView:
         experts, fe, k, fs = m.moe.experts, m.moe.d_ff or f, m.moe.top_k, m.moe.shared_d_ff
         params, acts, saved = _attention(m, t, a)
         params += [ParamTensor(name, shape, axes) for name, (shape, axes) in moe_param_specs(m).items()]
-        expert_acts, expert_saved = _swiglu("expert", fe, k, "expert_mlp", a)
+        expert_acts, expert_saved = _swiglu("expert", fe, k, "expert_mlp", a, routed=True)
         acts += expert_acts + [
             ActivationTensor("router_probs", (experts,), (None,), 4),
-            ActivationTensor("dispatched", (k, d), (None, "embed"), a),
+            ActivationTensor("dispatched", (k, d), (None, "embed"), a, routed=True),
         ]
         saved += expert_saved + ("router_probs", "dispatched")
         if fs:  # the shared expert's weights came with moe_param_specs

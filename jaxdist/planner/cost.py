@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from jaxdist.models.arithmetic import TrainStateBytes, train_flops_per_token, train_state_bytes
+from jaxdist.models.moe import expert_capacity
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 from jaxdist.planner.candidates import RematChoice, Strategy, remat_choice
 from jaxdist.planner.cluster import ClusterView
@@ -47,12 +48,20 @@ class MemoryCoefficients:
     multiple of the whole embedding (and untied head) when fsdp or tensor
     splits it.  ``fixed``: bytes.
 
-    :data:`XLA_CPU_MEMORY` is fitted by benchmarks/planner_fit.py (minimax LP,
-    :mod:`jaxdist.planner.fit`) to XLA:CPU's buffer assignment for 144 random
-    (model, batch, sequence, mesh, remat, microbatch) settings of byte-vocabulary
-    models on 8 devices; its errors in and out of the fit (3-fold cross-validation,
-    and the pairs tests/planner checks, never in the fit) are in benchmarks/README.md.
-    Models with larger vocabularies are less well described.
+    The MoE terms (see :class:`ExpertRows`; their quantities are 0 for a dense model, their defaults 0) are
+    XLA:CPU's, set in :data:`XLA_CPU_MEMORY` only: on a GPU ``ragged_dot`` is a grouped matmul and the
+    dispatch's scatters are native, so another backend's table leaves them at 0 until it is measured there.
+    ``expert_weight_copies``: multiple of the expert weights on a device (every MoE block of its stage):
+    XLA:CPU copies each stacked weight for the forward and for the backward layer scan (the dense weights'
+    copies are inside the fitted multiples above, small at the fit's shapes; an MoE block's experts are
+    ``experts`` MLPs).  ``ragged_dot_working``: multiple of local experts x expert rows x (d_model + expert
+    width / etp) elements, dropless only: XLA:CPU emulates a ``jax.lax.ragged_dot`` of [rows, k] by
+    [experts, k, n] as a dense matmul of a masked copy of the rows per expert ([experts, rows, k]) into every
+    expert's output ([rows, experts x n]), and the backward of the three expert matmuls holds several at once.
+    ``dispatch_working``: multiple of one block's expert rows x d_model (the rows gathered, exchanged and
+    scattered back, and the scatters' index buffers).  Their values are simple multiples chosen on the
+    settings of benchmarks/moe_memory.py (the smallest worst error there); the table and its worst are in
+    benchmarks/README.md.
     """
 
     layer_working: tuple[tuple[str, float], ...] = (("full", 1.022), ("names", 0.8356), ("none", 0.6258))
@@ -63,13 +72,17 @@ class MemoryCoefficients:
     grad_copies: float = 1.4501
     gathered_embedding: float = 2.0
     fixed: float = 0.0
+    expert_weight_copies: float = 0.0
+    ragged_dot_working: float = 0.0
+    dispatch_working: float = 0.0
 
     def working(self, remat: str) -> float:
         """The ``layer_working`` multiple for a remat choice name."""
         return dict(self.layer_working).get(remat, self.default_working)
 
 
-XLA_CPU_MEMORY = MemoryCoefficients()
+# The MoE terms are not in the fit: chosen on benchmarks/moe_memory.py's settings (MemoryCoefficients).
+XLA_CPU_MEMORY = MemoryCoefficients(expert_weight_copies=1.0, ragged_dot_working=2.5, dispatch_working=2.0)
 
 
 @dataclass(frozen=True)
@@ -217,20 +230,70 @@ def _block_weights(block: BlockKind, sizes: tuple) -> tuple[float, float, float]
     return matmul, norms, matmul * fsdp
 
 
-def _per_token_bytes(view: ComputationView, block: BlockKind, names, sizes: tuple, rows: int) -> float:
-    """Bytes per token on one device of the named activations of ``block`` (tensor-split dimensions divided out)."""
-    return _activation_bytes(block, tuple(names), sizes, rows, view.seq_len)
+def _per_token_bytes(
+    view: ComputationView, block: BlockKind, names, sizes: tuple, rows: int, routed: tuple = (1.0, None)
+) -> float:
+    """Bytes per token on one device of the named activations of ``block`` (tensor-split dimensions divided out).
+
+    ``routed``: (routed rows per top-k copy of a token, mesh sizes of the expert view) for the block's routed
+    tensors (:func:`expert_rows`); (1.0, None) counts top-k rows per token on the model's mesh."""
+    return _activation_bytes(block, tuple(names), sizes, rows, view.seq_len, routed)
 
 
 @functools.lru_cache(maxsize=65536)
-def _activation_bytes(block: BlockKind, names: tuple[str, ...], sizes: tuple, rows: int, seq_len: int) -> float:
+def _activation_bytes(
+    block: BlockKind, names: tuple[str, ...], sizes: tuple, rows: int, seq_len: int, routed: tuple = (1.0, None)
+) -> float:
     # Many strategies of one search share the block, the mesh sizes and the rows: computed once for them.
     total = 0.0
+    factor, expert_sizes = routed
     for n in names:
         a = block.activation(n)
-        shards = _shards(("batch", "seq") + a.axes, (rows, seq_len) + a.shape, sizes)
-        total += a.elements_per_token * a.dtype_bytes / math.prod(shards[2:])
+        on = expert_sizes if a.routed and expert_sizes is not None else sizes
+        shards = _shards(("batch", "seq") + a.axes, (rows, seq_len) + a.shape, on)
+        total += a.elements_per_token * a.dtype_bytes / math.prod(shards[2:]) * (factor if a.routed else 1.0)
     return total
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """One MoE block's dispatch on one device, per microbatch.
+
+    ``tokens``: the block's tokens on the device (those of its attention, split further over the part of
+    ``tensor`` that ``expert_tensor`` gives to expert parallelism).  ``rows``: the rows its local experts
+    take, the size of every routed buffer (jaxdist/parallel/moe.py): dropless without expert parallelism,
+    tokens x top-k; dropless with it, the padded receive buffer ``ep`` x tokens x min(top-k, local experts),
+    sized for any routing (the ragged exchange of GPUs lands in the same layout); capacity,
+    every expert's slots, experts x ceil(factor x tokens x top-k / experts).  ``local_experts``: experts
+    held here; ``ep``, ``etp``: the expert-parallel size (expert x tensor / etp) and each expert's tensor size.
+    """
+
+    tokens: int
+    rows: int
+    local_experts: int
+    ep: int
+    etp: int
+
+
+def expert_rows(view: ComputationView, s: Strategy, tokens: int) -> ExpertRows:
+    """The :class:`ExpertRows` of ``s`` for a device with ``tokens`` tokens per microbatch in its attention."""
+    moe = view.model.moe
+    etp = s.expert_tensor or s.tensor
+    ep = s.expert * (s.tensor // etp)
+    n = max(1, tokens // (s.tensor // etp))
+    local = max(1, moe.experts // ep)
+    if moe.dispatch == "capacity":
+        rows = moe.experts * expert_capacity(n, moe.top_k, moe.experts, moe.capacity_factor)
+    elif ep == 1:
+        rows = n * moe.top_k
+    else:
+        rows = ep * n * min(moe.top_k, local)
+    return ExpertRows(n, rows, local, ep, etp)
+
+
+def _expert_view_sizes(sizes: tuple, etp: int) -> tuple:
+    """Mesh sizes as the experts' rows see them: each expert's width split ``etp`` ways (``expert_mlp``)."""
+    return tuple((a, etp if a == "tensor" else n) for a, n in sizes)
 
 
 def _kept(block: BlockKind, remat: RematChoice) -> tuple[str, ...]:
@@ -295,17 +358,33 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     tokens = rows_mb // _batch_ways(s) * T // s.context  # tokens per microbatch on one device
     chunks, units = in_flight(s)  # units of 1/chunks of a microbatch on stage 0
     held = math.ceil(units / chunks)  # microbatches with a chunk in flight
+    stacked = s.pipeline > 1 and view.n_experts > 0  # MoE stages by autodiff (jaxdist.parallel.pipeline_blocks)
+    if stacked:  # the transposed loop keeps every tick's residuals, the bubble's too: m + p - 1 of them
+        units = held = s.microbatches + s.pipeline - 1
     local = sum(_local(p, sizes) for p in view.other_params)  # parameter elements on one device
     activations = working_layer = gathered = 0.0
+    expert_weights = ragged = dispatch = 0.0  # the MoE terms of MemoryCoefficients
     for b in view.blocks:
         layers = math.ceil(b.count / s.pipeline)  # blocks on one pipeline stage
         matmul, norms, full = _block_weights(b, sizes)
         local += layers * (matmul + norms)
-        activations += layers * tokens / chunks * _per_token_bytes(view, b, _kept(b, remat), sizes, rows_mb) * units
+        routed = (1.0, None)
+        if b.dispatch_rows:
+            er = expert_rows(view, s, tokens)
+            routed = (er.rows / (tokens * b.dispatch_rows), _expert_view_sizes(sizes, er.etp))
+            expert_weights += layers * sum(_local(p, sizes) for p in b.params if "expert" in p.axes) * pb
+            d, ab = view.model.d_model, view.act_bytes
+            if view.model.moe.dispatch == "dropless":
+                width = d + (view.model.moe.d_ff or view.model.d_ff) // er.etp
+                ragged = max(ragged, er.local_experts * er.rows * width * ab)
+            dispatch = max(dispatch, er.rows * d * ab)
+        kept = _per_token_bytes(view, b, _kept(b, remat), sizes, rows_mb, routed)
+        activations += layers * tokens / chunks * kept * units
         if chunks > 1:  # seq1f1b: a microbatch's earlier chunks' keys and values stay until its backward
             kv = [n for n in ("key_rotated", "value") if any(a.name == n for a in b.activations)]
             activations += layers * tokens * _per_token_bytes(view, b, kv, sizes, rows_mb) * held
-        working_layer = max(working_layer, tokens * _per_token_bytes(view, b, b.saved_without_remat, sizes, rows_mb))
+        one_layer = tokens * _per_token_bytes(view, b, b.saved_without_remat, sizes, rows_mb, routed)
+        working_layer = max(working_layer, one_layer)
         gathered = max(gathered, full * pb)
     state = train_state_bytes(local, view.model.param_dtype)
     vocab_local = view.model.vocab_size / _shards(("vocab",), (view.model.vocab_size,), sizes)[0]
@@ -319,6 +398,8 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
         "gathered_embedding": embedding if s.fsdp * s.tensor > 1 else 0.0,
         "fixed": 1.0,
     }
+    if any(b.dispatch_rows for b in view.blocks):  # a dense model's terms stay as they were
+        scaled.update(expert_weight_copies=expert_weights, ragged_dot_working=ragged, dispatch_working=dispatch)
     return MemoryTerms(
         state=state,
         activations=activations,
