@@ -28,6 +28,7 @@ nested in the stages' shard_map), so there is no planned all-to-all to predict. 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -185,6 +186,22 @@ PIPELINES = [  # (stages, microbatches, mesh overrides): expert=2 inside each st
 ]
 
 
+def stage_all_to_all_bytes(m, sizes: dict[str, int], rows: tuple[str, ...], tokens: int, micro: int) -> int:
+    """All-to-all operand bytes per device per step of an MoE model on gpipe stages with the planned dispatch
+    inside (``rows``: the axes the stages split a microbatch's tokens over; none: no all-to-all).  Every tick,
+    the bubble's too, each of the stage's MoE blocks exchanges the padded buffer of expert x tokens x
+    min(top-k, local experts) rows, as jaxdist.parallel.moe.dispatch_bytes counts: the forward its rows and
+    int32 expert ids, the backward the rows again (the ids carry no gradient)."""
+    ep, p = sizes.get("expert", 1), sizes.get("pipeline", 1)
+    if not rows or ep == 1:
+        return 0
+    n = tokens // micro // math.prod(sizes[a] for a in rows)  # one device's tokens of a microbatch
+    buffer_rows = ep * n * min(m.moe.top_k, m.moe.experts // ep)
+    per_block = 4 * buffer_rows * m.d_model * 4 + buffer_rows * 4  # fp32 rows out and back, twice; the ids
+    blocks = m.n_layers // m.moe.every // p
+    return per_block * blocks * (micro + p - 1)
+
+
 def pipelined(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
     """Rows of table 3."""
 
@@ -201,6 +218,7 @@ def pipelined(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
             flops = executed_flops(compiled, 1)  # cost_analysis with every loop trip counted
             moved = collective_bytes(compiled.as_text(), 8)
             med = step_seconds(t, steps)
+            predicted = stage_all_to_all_bytes(t.config.model, dict(t.mesh.shape), t.stage_rows, batch * seq, m)
         base = base or (med, flops)
         rows.append(
             [
@@ -211,6 +229,7 @@ def pipelined(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
                 f"{flops / 1e9:.3f}",
                 f"{flops / base[1]:.2f}",
                 f"{(m + p - 1) / m:.2f}",
+                f"{predicted / 2**20:.2f}",
                 f"{moved.get('all-to-all', 0) / 2**20:.2f}",
                 f"{moved.get('collective-permute', 0) / 2**20:.2f}",
             ]
@@ -268,7 +287,8 @@ def main(argv=None) -> None:
             print(f"\nMoE on gpipe stages, expert=2 inside each, against data=8 (median of {args.steps} steps)")
             print(
                 table(
-                    ["mesh", "micro", "step ms", "x data=8", "GFLOP/dev", "x data=8", "(m+p-1)/m", "a2a MiB",
+                    ["mesh", "micro", "step ms", "x data=8", "GFLOP/dev", "x data=8", "(m+p-1)/m", "a2a MiB pred",
+                     "a2a MiB",
                      "permute MiB"],
                     pipelined(runs, args.batch, args.seq, args.steps),
                 )

@@ -266,12 +266,12 @@ def stage_row_axes(layout: ExpertLayout | None, cfg: ModelConfig) -> tuple[str, 
     """The axes an MoE model's pipeline stages hold manual beside ``pipeline`` so that the planned dispatch runs
     inside them (jaxdist.parallel.pipeline_blocks), in the batch rule's order; () where XLA partitions the
     experts instead: capacity dispatch (its groups would be each device's tokens rather than the microbatch's),
-    the expert view (``mesh.expert_tensor`` < tensor), or tokens split over fsdp or context (whose weights or
-    sequence the stages would have to gather themselves)."""
+    the expert view (``mesh.expert_tensor`` < tensor), or tokens split over context.  Over fsdp the stages
+    gather each layer's weights themselves (jaxdist.parallel.pipeline_blocks)."""
     if layout is None or not cfg.moe.experts or cfg.moe.dispatch != "dropless":
         return ()
     axes = set(layout.token_axes) | set(layout.ep_axes)
-    if EXPERT_TENSOR_SPLIT_AXIS in layout.mesh.axis_names or axes & {"fsdp", "context"}:
+    if EXPERT_TENSOR_SPLIT_AXIS in layout.mesh.axis_names or "context" in axes:
         return ()
     return tuple(a for a in ("data", "fsdp", "expert") if a in axes)
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.config import ConfigError
@@ -107,13 +108,16 @@ def pipelined_scan(
         # [m, rows, ...], the rows on the data axes only: the stages' all-gather said to XLA, not left to guess
         xs = jax.tree.map(lambda a: on_rows(a.reshape(b // m, m, *a.shape[1:]).swapaxes(0, 1)), x)
         ys_shape = jax.eval_shape(lambda st, h: jax.lax.scan(body, h, st)[1], stacked, jax.tree.map(lambda a: a[0], xs))
+        stage_body = body
         if rows:  # each weight split over the stages and, an expert's, over expert; the rows over ``rows``
-            weights = {k: keep_axes(specs[k], manual) for k in stacked}
+            weights = {k: _stacked_spec(keep_axes(specs[k], manual), stacked[k].ndim) for k in stacked}
             row_spec = P(None, rows)
+            if "fsdp" in rows:
+                stage_body = _gathering(body, _slice_fsdp_dims(stacked, specs))
         else:
             weights, row_spec = jax.tree.map(lambda _: P(AXIS), stacked), P()
         fn = jax.shard_map(
-            partial(_stage, body, p=p, m=m, inner=inner, totals=totals),
+            partial(_stage, stage_body, p=p, m=m, inner=inner, totals=totals),
             mesh=mesh,
             in_specs=(weights, row_spec),
             out_specs=(P(AXIS, *row_spec), jax.tree.map(lambda _: P(None, AXIS), ys_shape)),
@@ -124,6 +128,44 @@ def pipelined_scan(
         return out, ys
 
     return run
+
+
+GATHERED = "fsdp_gathered"  # the checkpoint name of a layer's weights gathered over fsdp inside a stage
+
+
+def _stacked_spec(spec: P, ndim: int) -> P:
+    """``spec`` of a weight [layers, ...] for its stacked form with ``ndim`` dimensions: [groups, blocks per
+    group, ...] (an MoE transformer's, one more) splits the groups as the layers were."""
+    return P(spec[0], None, *spec[1:]) if ndim == len(spec) + 1 else spec
+
+
+def _slice_fsdp_dims(stacked: dict, specs: dict[str, P]) -> dict[str, int | None]:
+    """Each weight's fsdp dimension in one layer's slice of ``stacked`` (the scan's step), from its full spec
+    (``specs``: as long as the weight's dimensions; ``stacked`` may hold it with one more leading axis, an MoE
+    transformer's groups of blocks), or None."""
+    out = {}
+    for k, leaf in stacked.items():
+        dims = [i for i, e in enumerate(specs[k]) if "fsdp" in ((e,) if isinstance(e, str) else tuple(e or ()))]
+        extra = leaf.ndim - len(specs[k])  # 1: [groups, blocks per group, ...] for [layers, ...]
+        out[k] = dims[0] - 1 + extra if dims else None
+    return out
+
+
+def _gathering(body: Callable, dims: dict[str, int | None]) -> Callable:
+    """``body`` with each step's weights all-gathered over fsdp first (their transpose reduce-scatters the
+    gradients).  The gathered weights are never kept for the backward: each tick's backward gathers again, so a
+    stage holds one layer's whole weights at a time, not every tick's."""
+
+    def gather(layer):
+        return {
+            k: w if dims[k] is None else jax.lax.all_gather(w, "fsdp", axis=dims[k], tiled=True)
+            for k, w in layer.items()
+        }
+
+    def step(h, layer):
+        return body(h, checkpoint_name(gather(layer), GATHERED))
+
+    return jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
 
 
 def _stage(body: Callable, stacked, xs, *, p: int, m: int, inner: Rules, totals: Callable | None):

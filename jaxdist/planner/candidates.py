@@ -165,12 +165,10 @@ def mesh_allowed(view: ComputationView, sizes: dict[str, int], nodes: int, per_n
             return (
                 f"pipeline={p} does not divide the {m.n_layers // m.moe.every} groups of moe.every={m.moe.every} blocks"
             )
-        # Where the planned dispatch runs inside the stages (jaxdist.parallel.moe.stage_row_axes); elsewhere XLA
-        # partitions the experts, gathering a stage's tokens, outside the cost model.
-        if m.moe.dispatch != "dropless" or sizes["fsdp"] > 1:
-            return (
-                f"MoE pipeline stages with fsdp={sizes['fsdp']} or {m.moe.dispatch} dispatch leave the experts to XLA"
-            )
+        # Where the planned dispatch runs inside the stages (jaxdist.parallel.moe.stage_row_axes); with capacity
+        # dispatch XLA partitions the experts, gathering a stage's tokens, outside the cost model.
+        if m.moe.dispatch != "dropless":
+            return f"MoE pipeline stages with {m.moe.dispatch} dispatch leave the experts to XLA"
     return None
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 import optax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxdist.cluster import load_cluster
 from jaxdist.models import create_abstract, init_params
@@ -164,7 +164,10 @@ class Program:
             check_rows_over_stages(c.train.batch_size, dict(self.mesh.shape), "the embedding and head")
             # With dropless dispatch the planned dispatch runs inside the stages (manual over its axes too).
             self.stage_rows = stage_row_axes(self.expert_layout, c.model)
-            specs = {k: s.spec for k, s in self.param_shardings["layers"].items()}
+            specs = {  # each spec as long as its weight's dimensions
+                k: P(*s.spec, *(None,) * (self.abstract_params["layers"][k].ndim - len(s.spec)))
+                for k, s in self.param_shardings["layers"].items()
+            }
             stages = pipelined_scan(self.mesh, c.train.microbatches, self.rules, self.stage_rows, specs)
             return staged_grads_fn(self.graphdef, stages, c.data.packing == "documents")
         return self.parallelism.grads_fn(c, self.graphdef, self.param_shardings, self.comm_plan)

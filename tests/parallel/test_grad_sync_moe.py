@@ -103,3 +103,40 @@ def test_per_block_with_capacity_dispatch_equals_end():
     want = jax.device_get(_jit(par, lambda p, t: loss_metrics_and_grads(graphdef, p, t), shardings)(params, tokens))
     _close(got, want)
     assert got[1]["moe_drop_rate"] > 0
+
+
+def test_the_trainer_runs_per_block_with_experts(tmp_path):
+    """``jaxdist train model=moe-tiny train.grad_sync=per_block`` on data=2 fsdp=2 expert=2 compiles the step
+    with the plan's buckets (a bucket is k groups of moe.every layers) and the dispatch's all-to-all, and
+    logs the router's figures."""
+    from jaxdist.train.metrics import read_metrics
+    from jaxdist.train.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            "model=moe-tiny",
+            "train.grad_sync=per_block",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.expert=2",
+            "train.steps=2",
+            "train.seq_len=32",
+            "train.batch_size=8",
+            "train.log_every=1",
+            "train.progress=false",
+            "train.tensorboard=false",
+            "data.max_bytes=300000",
+            "checkpoint.enabled=false",
+            f"train.runs_dir={tmp_path}",
+        ],
+    )
+    with Trainer(cfg) as t:
+        assert t.comm_plan.layers_per_bucket % cfg.model.moe.every == 0
+        assert "all-reduce(data, expert)" in t.comm_plan.table()
+        hlo = t.compile_train_step().as_text()
+        assert SCOPE in hlo and "all-to-all" in hlo
+        t.fit()
+    rows = read_metrics(tmp_path / cfg.train.name)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["moe/block1/tokens_mean"] == 8 * 32 * 2 / 8 for r in rows)  # top-2 of 256 tokens over 8 experts

@@ -42,6 +42,8 @@ def run(tmp_path, name, extra, devices=None):
     "dispatch, micro, mesh",
     [
         ("dropless", 2, ["mesh.data=2", "mesh.expert=2", "mesh.fsdp=1"]),
+        # fsdp inside the stages: each layer's weights gathered in the stage, the gradients reduce-scattered
+        ("dropless", 2, ["mesh.fsdp=2", "mesh.expert=2", "mesh.data=1"]),
         ("capacity", 4, ["mesh.tensor=2", "mesh.expert=2", "mesh.fsdp=1", "mesh.data=1"]),
         # the expert view: each expert on one device of the tensor pair (its weights over expert x tensor_ep)
         ("dropless", 2, ["mesh.tensor=2", "mesh.expert=2", "mesh.expert_tensor=1", "mesh.fsdp=1", "mesh.data=1"]),
@@ -60,10 +62,11 @@ def test_moe_stages_equal_one_device(tmp_path, dispatch, micro, mesh):
     assert spec[0] == "pipeline" and "expert" in (spec[1] if isinstance(spec[1], tuple) else (spec[1],)), spec
     hlo = t.compile_train_step().as_text()
     assert "collective-permute" in hlo  # activations go stage to stage
-    # Dropless dispatch on data x expert runs jaxdist's planned dispatch inside the stages (its all-to-all over
-    # expert, the shard_map manual over data and expert too); capacity and the expert view leave it to XLA.
+    # Dropless dispatch runs jaxdist's planned dispatch inside the stages (its all-to-all over expert, the
+    # shard_map manual over data, fsdp and expert too); capacity and the expert view leave it to XLA.
     planned = dispatch == "dropless" and "mesh.expert_tensor=1" not in mesh
-    assert t.stage_rows == (("data", "expert") if planned else ())
+    manual = tuple(a for a in ("data", "fsdp", "expert") if f"mesh.{a}=2" in mesh)
+    assert t.stage_rows == (manual if planned else ())
     assert ("all-to-all" in hlo) == planned
     for a, b in zip(ref, rows, strict=True):
         assert a["step"] == b["step"]

@@ -27,8 +27,8 @@ def brute_force(m, nodes, per_node, batch, max_mb=64, seq=64):
         if m.n_layers % pipe:
             continue
         moe_stages = pipe > 1 and m.moe.experts
-        if moe_stages and ((m.n_layers // m.moe.every) % pipe or fsdp > 1 or batch % (data * expert * pipe)):
-            continue  # MoE stages: whole groups per stage, the planned dispatch (no fsdp), rows over the stages
+        if moe_stages and ((m.n_layers // m.moe.every) % pipe or batch % (data * fsdp * expert * pipe)):
+            continue  # MoE stages: whole groups per stage, the rows over the stages too
         for mb in range(1, min(batch, max_mb) + 1):
             if batch % mb or (batch // mb) % (data * fsdp * expert):
                 continue
