@@ -22,8 +22,11 @@ An MoE transformer's stages with dropless dispatch run jaxdist's planned expert 
 (``rows``, from :func:`jaxdist.parallel.moe.stage_row_axes`): the ``shard_map`` is then manual over the axes the
 dispatch splits the tokens and the experts over too (data, expert), each device's tokens reach their experts by
 the all-to-all over ``expert`` (jaxdist.parallel.moe.run_experts runs the dispatch's body on the local arrays),
-and the router's statistics are summed over those axes (jaxdist.models.hooks.token_totals).  Without it XLA
-partitions the experts itself, gathering a stage's tokens over its data axis.
+and the router's statistics are summed over those axes (jaxdist.models.hooks.token_totals).  A weight the same
+on every device of those axes is cast to varying once, before the tick loop, so that its gradient is summed
+over them once a step, after the backward loop, rather than at every tick; with fsdp each layer's weights are
+gathered as its step begins (their gradients reduce-scattered at every tick, as ZeRO-3 does per microbatch).
+Without it XLA partitions the experts itself, gathering a stage's tokens over its data axis.
 """
 
 from __future__ import annotations
@@ -108,16 +111,19 @@ def pipelined_scan(
         # [m, rows, ...], the rows on the data axes only: the stages' all-gather said to XLA, not left to guess
         xs = jax.tree.map(lambda a: on_rows(a.reshape(b // m, m, *a.shape[1:]).swapaxes(0, 1)), x)
         ys_shape = jax.eval_shape(lambda st, h: jax.lax.scan(body, h, st)[1], stacked, jax.tree.map(lambda a: a[0], xs))
-        stage_body = body
+        stage_body, replicated = body, None
         if rows:  # each weight split over the stages and, an expert's, over expert; the rows over ``rows``
             weights = {k: _stacked_spec(keep_axes(specs[k], manual), stacked[k].ndim) for k in stacked}
             row_spec = P(None, rows)
+            replicated = {
+                k: tuple(a for a in rows if a != "fsdp" and a not in _spec_axes(w)) for k, w in weights.items()
+            }
             if "fsdp" in rows:
                 stage_body = _gathering(body, _slice_fsdp_dims(stacked, specs))
         else:
             weights, row_spec = jax.tree.map(lambda _: P(AXIS), stacked), P()
         fn = jax.shard_map(
-            partial(_stage, stage_body, p=p, m=m, inner=inner, totals=totals),
+            partial(_stage, stage_body, p=p, m=m, inner=inner, totals=totals, replicated=replicated),
             mesh=mesh,
             in_specs=(weights, row_spec),
             out_specs=(P(AXIS, *row_spec), jax.tree.map(lambda _: P(None, AXIS), ys_shape)),
@@ -168,8 +174,26 @@ def _gathering(body: Callable, dims: dict[str, int | None]) -> Callable:
     return jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
 
 
-def _stage(body: Callable, stacked, xs, *, p: int, m: int, inner: Rules, totals: Callable | None):
-    """One stage's ticks (inside shard_map): see the module docstring."""
+def _spec_axes(spec: P) -> set[str]:
+    return {a for e in spec for a in ((e,) if isinstance(e, str) else tuple(e or ()))}
+
+
+def _stage(
+    body: Callable,
+    stacked,
+    xs,
+    *,
+    p: int,
+    m: int,
+    inner: Rules,
+    totals: Callable | None,
+    replicated: dict[str, tuple[str, ...]] | None,
+):
+    """One stage's ticks (inside shard_map): see the module docstring.  ``replicated``: per weight the manual
+    row axes it is the same on (data, and expert for a dense weight): cast to varying once, before the tick
+    loop, so that the transpose sums its gradient over them once, after the backward loop, not every tick."""
+    if replicated:
+        stacked = {k: jax.lax.pcast(w, replicated[k], to="varying") if replicated[k] else w for k, w in stacked.items()}
     s = jax.lax.axis_index(AXIS)
     sends = [(i, i + 1) for i in range(p - 1)]
 

@@ -99,3 +99,38 @@ def test_moe_stages_refuse_what_they_cannot_run(tmp_path):
     assert "train.batch_size=12 does not split over the data axes and the 2 pipeline stages (8 ways)" in msg, msg
     assert msg.count(". ") == 0 and msg.endswith(".")
     assert not (tmp_path / "odd").exists()
+
+
+def test_moe_stages_reduce_the_gradients_once_a_step(tmp_path):
+    """With data inside the stages the weights' gradients are summed over data once, after the backward loop,
+    not at each of its m + p - 1 ticks.  Counted in the compiled step at 2 and 4 microbatches (3 and 5 ticks):
+    the all-reduces inside the tick loops carry only a microbatch's activations and the router's statistics,
+    which halve with the microbatch, so their bytes fall from 2 to 4 microbatches; a gradient reduction each
+    tick (the weights' bytes 5 times instead of 3) would make them grow."""
+    from jaxdist.parallel.hlo import parse_collectives
+
+    in_loops = []
+    for micro in (2, 4):
+        cfg = load_config(
+            None,
+            [
+                "model=moe-tiny",
+                "train.seq_len=32",
+                "train.batch_size=16",
+                "mesh.pipeline=2",
+                "mesh.data=2",
+                "mesh.expert=2",
+                "mesh.fsdp=1",
+                "pipeline.schedule=gpipe",
+                f"train.microbatches={micro}",
+                "checkpoint.enabled=false",
+                f"train.runs_dir={tmp_path}",
+                f"train.name=m{micro}",
+            ],
+        )
+        with Trainer(cfg) as t:
+            collectives = parse_collectives(t.compile_train_step().as_text())
+        loop = [c for c in collectives if c.kind == "all-reduce" and c.count > 1]  # count: the loop's trips
+        assert {c.count for c in loop} == {micro + 1}, [(c.bytes, c.count) for c in loop]
+        in_loops.append(sum(c.bytes * c.count for c in loop))
+    assert in_loops[1] < in_loops[0], in_loops
