@@ -26,6 +26,8 @@ and the router's statistics are summed over those axes (jaxdist.models.hooks.tok
 on every device of those axes is cast to varying once, before the tick loop, so that its gradient is summed
 over them once a step, after the backward loop, rather than at every tick; with fsdp each layer's weights are
 gathered as its step begins (their gradients reduce-scattered at every tick, as ZeRO-3 does per microbatch).
+The microbatches are cast to varying over the stages once as well (stage 0 picks them each tick; their
+cotangent, zero on the other stages, is summed once).
 Without it XLA partitions the experts itself, gathering a stage's tokens over its data axis.
 """
 
@@ -194,6 +196,9 @@ def _stage(
     loop, so that the transpose sums its gradient over them once, after the backward loop, not every tick."""
     if replicated:
         stacked = {k: jax.lax.pcast(w, replicated[k], to="varying") if replicated[k] else w for k, w in stacked.items()}
+    # The microbatches as varying over the stages once, too: stage 0 picks them each tick, and the cotangent
+    # (zero on the other stages) is summed over the stages once, after the backward loop.
+    xs = jax.tree.map(lambda a: jax.lax.pcast(a, (AXIS,), to="varying"), xs)
     s = jax.lax.axis_index(AXIS)
     sends = [(i, i + 1) for i in range(p - 1)]
 
@@ -204,7 +209,7 @@ def _stage(
         return jax.tree.map(lambda o: jax.lax.ppermute(o, AXIS, sends), out), (out, ys)
 
     # Before a stage's first microbatch arrives it runs on microbatch 0's input: finite, and unused.
-    first = jax.tree.map(lambda a: jax.lax.pcast(a[0], (AXIS,), to="varying"), xs)
+    first = jax.tree.map(lambda a: a[0], xs)
     with activation_sharding(jax.sharding.get_abstract_mesh(), inner), totalling_tokens(totals):
         _, (outs, ys) = jax.lax.scan(tick, first, jnp.arange(m + p - 1))
     outs = jax.tree.map(lambda o: o[p - 1 :][None], outs)  # [1, m, rows, ...]: the last stage's are the output
