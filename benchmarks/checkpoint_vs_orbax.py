@@ -1,8 +1,8 @@
 """jaxdist's RunCheckpointer against plain orbax on the same state, side by side (issue 41).
 
-One process with 8 simulated CPU devices saves a pytree of pseudo-random
-float32 arrays (so compression cannot flatter anyone), sharded over ``fsdp=8``
-and fully replicated, at about 200 MB and 1 GB (``--big``: also 4 GB), with
+A pytree of pseudo-random float32 arrays (so compression cannot flatter anyone) on 8 simulated CPU devices,
+sharded over ``fsdp=8`` and fully replicated, at about 200 MB and 1 GB (``--sizes``; ``--big``: also 4 GB), is
+saved and restored by
 
 * ``jaxdist``: :class:`jaxdist.checkpoint.RunCheckpointer` (async, balanced plan,
   CRC-32C checksums, commit marker; restore verifies the files first);
@@ -13,21 +13,29 @@ and fully replicated, at about 200 MB and 1 GB (``--big``: also 4 GB), with
   ``enable_async_checkpointing=True``, OCDBT and replica-parallel writing (the
   defaults on CPU).
 
-Each keeps one step, the previous one deleted between saves outside the
-timing (deleting a step costs the same to all three).
+Every (size, sharding, checkpointer, round) runs in a child process of its own (this script again, with the
+hidden ``--one``), one child at a time, so that no checkpointer's host copies or restored arrays share memory
+with another's: a child holds the state, then one save's host copy, then (the state freed) one restored copy.
+A child builds the state, saves it twice (a warm-up, then the timed save; the warm-up step deleted outside the
+timing, like ``keep=1``), frees it, restores twice (a warm-up, freed, then the timed restore) and prints its
+seconds and its peak RSS as one JSON line. The round's children run in the order of ``KINDS``, reversed every
+other round, so that host noise hits all of them; a child that runs past ``--timeout`` is killed.
 
-For each it prints, median over ``--rounds`` rounds with the three alternated:
-``save s``: from ``save()`` until the checkpoint is committed (jaxdist: its
-marker is written; orbax: ``wait_until_finished``), ``blocked s``: of which
-``save()`` blocked the caller, ``restore s``: a restore onto the same sharding
-(jaxdist: with its checksum verification), and the ratios jaxdist / orbax.
+It prints, median over ``--rounds`` rounds: ``save s``: from ``save()`` until the checkpoint is committed
+(jaxdist: its marker is written; orbax: ``wait_until_finished``), ``blocked s``: of which ``save()`` blocked the
+caller, ``restore s``: a restore onto the same sharding (jaxdist: with its checksum verification), ``peak RSS
+GB``: the largest child's peak resident memory (10^9 bytes), and the ratios jaxdist / this checkpointer.
 
-    python benchmarks/checkpoint_vs_orbax.py                  # 200 MB and 1 GB, ~2-3 minutes on 2 cores
+    python benchmarks/checkpoint_vs_orbax.py                  # 200 MB and 1 GB, ~20 minutes on 2 busy cores
     python benchmarks/checkpoint_vs_orbax.py --sizes 200      # one size
+    python benchmarks/checkpoint_vs_orbax.py --sizes 200 1000 4000 --sharding fsdp  # the 4 GB row
     python benchmarks/checkpoint_vs_orbax.py --profile jaxdist  # py-spy-free profile of one save (cProfile,
                                                                 # all threads), top functions by own time
     python benchmarks/checkpoint_vs_orbax.py --checksums      # the checksums alone: CRC-32C against CRC-32
                                                               # over 200 MB, 1 GB and 4 GB of files
+
+A replicated state is held once per device (8 copies on the CPU backend), so a ``--sharding replicated`` child
+needs more than 8x the state's size in memory (benchmarks/README.md has the peaks).
 
 ``--checksums`` writes files of random bytes (64 MiB each, as large as orbax's OCDBT data files get here), reads
 them once into the page cache, then times :func:`jaxdist.checkpoint.integrity.files_checksums` over them with each
@@ -43,8 +51,14 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import ctypes  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import resource  # noqa: E402
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -66,17 +80,41 @@ ROWS = 2048  # each array is ROWS x COLS float32 = 16 MiB
 COLS = 2048
 
 
+def n_arrays(mb: int) -> int:
+    """How many ROWS x COLS float32 arrays make about ``mb`` MB."""
+    return max(1, round(mb * 1e6 / (ROWS * COLS * 4)))
+
+
 def make_state(mb: int, sharding: str) -> dict:
     """About ``mb`` MB of pseudo-random float32 arrays on 8 devices, ``fsdp``-sharded on rows or replicated."""
     mesh = Mesh(np.array(jax.devices()[:8]), ("fsdp",))
     spec = P("fsdp") if sharding == "fsdp" else P()
     sh = NamedSharding(mesh, spec)
-    n = max(1, round(mb * 1e6 / (ROWS * COLS * 4)))
+    n = n_arrays(mb)
     make = jax.jit(lambda k: jax.random.normal(k, (ROWS, COLS), jnp.float32), out_shardings=sh)
     keys = jax.random.split(jax.random.key(0), n)
     state = {"params": {f"w{i:03d}": make(keys[i]) for i in range(n)}, "step": jnp.int32(7)}
     jax.block_until_ready(state)
     return state
+
+
+def free(tree) -> None:
+    """Delete the device buffers of ``tree`` now, not when the garbage collector gets to them."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array):
+            leaf.delete()
+    gc.collect()
+
+
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's ``malloc_trim``); elsewhere, nothing.
+
+    Freed buffers otherwise stay in the process's RSS, and the restore's arrays would be counted on top of
+    the state and the save's host copy."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class Jaxdist:
@@ -101,7 +139,9 @@ class Jaxdist:
         t0 = time.perf_counter()
         state, _ = self.ckpt.restore(abstract, self.step)
         jax.block_until_ready(state)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        free(state)
+        return seconds
 
     def close(self):
         self.ckpt.close()
@@ -141,7 +181,9 @@ class OrbaxStandard:
         t0 = time.perf_counter()
         state = self.ckpt.restore(self.root / str(self.step), abstract)
         jax.block_until_ready(state)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        free(state)
+        return seconds
 
     def close(self):
         self.ckpt.close()
@@ -170,7 +212,9 @@ class OrbaxManager:
         t0 = time.perf_counter()
         state = self.mgr.restore(self.step, args=ocp.args.StandardRestore(abstract))
         jax.block_until_ready(state)
-        return time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        free(state)
+        return seconds
 
     def close(self):
         self.mgr.close()
@@ -179,29 +223,119 @@ class OrbaxManager:
 KINDS = (Jaxdist, JaxdistCrc32, OrbaxStandard, OrbaxManager)
 
 
-def measure(tmp: Path, mb: int, sharding: str, rounds: int) -> dict[str, dict[str, float]]:
+def measure_one(root: Path, mb: int, sharding: str, kind: str) -> dict[str, float]:
+    """One child's measurement: a warm-up and a timed save, then (the state freed) a warm-up and a timed restore.
+
+    Returns seconds (``save``, ``blocked``, ``restore``), the state's ``bytes`` and this process's
+    ``peak_rss`` (bytes)."""
     state = make_state(mb, sharding)
     abstract = abstract_like(state)
     nbytes = sum(a.nbytes for a in jax.tree.leaves(state))
-    runners = [k(tmp / f"{mb}-{sharding}-{k.__name__}") for k in KINDS]
-    for r in runners:  # warm-up: orbax's and jax's first-call costs
-        r.save(state)
-        r.restore(abstract)
-    times: dict[str, dict[str, list[float]]] = {r.name: {"save": [], "blocked": [], "restore": []} for r in runners}
+    r = {k.__name__: k for k in KINDS}[kind](root)
+    r.save(state)  # warm-up: orbax's and jax's first-call costs
+    save, blocked = r.save(state)
+    free(state)  # a restore then needs no room for the state beside its own arrays
+    del state
+    return_freed_memory()  # only here: the timed save and restore reuse their warm-ups' memory, as in training
+    r.restore(abstract)
+    restore = r.restore(abstract)
+    r.close()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"save": save, "blocked": blocked, "restore": restore, "bytes": nbytes, "peak_rss": peak}
+
+
+def run_child(root: Path, mb: int, sharding: str, kind: str, timeout: float) -> dict:
+    """:func:`measure_one` in a child process (this script with ``--one``), killed after ``timeout`` seconds.
+
+    Returns its JSON line, or ``{"error": ...}``; ``peak_rss`` (bytes) is the child's as the kernel counted it
+    (``wait4``), so it is there for a child that was killed too."""
+    shutil.rmtree(root, ignore_errors=True)
+    out_path, err_path = root.with_suffix(".stdout"), root.with_suffix(".stderr")
+    cmd = [sys.executable, os.path.abspath(__file__), "--one", str(mb), sharding, kind, str(root)]
+    t0 = time.perf_counter()
+    with open(out_path, "w") as out, open(err_path, "w") as err:  # files: a full pipe cannot stall the child
+        child = subprocess.Popen(cmd, stdout=out, stderr=err)
+        killed = False
+        try:
+            while True:  # wait4 rather than Popen.wait: it hands back this child's own rusage
+                pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+                if pid:
+                    break
+                if not killed and time.perf_counter() - t0 > timeout:
+                    child.kill()
+                    killed = True
+                time.sleep(0.2)
+        except BaseException:  # interrupted or terminated: a child left behind would hold its GBs
+            child.kill()
+            child.wait()
+            raise
+        child.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - t0
+    shutil.rmtree(root, ignore_errors=True)
+    lines = [line for line in out_path.read_text().splitlines() if line.startswith("{")]
+    if child.returncode == 0 and lines:
+        res = json.loads(lines[-1])
+    elif killed:
+        res = {"error": f"timed out after {timeout:.0f} s"}
+    elif child.returncode < 0:  # SIGKILL without our timeout: most likely the OOM killer
+        res = {"error": f"killed by signal {-child.returncode}"}
+    else:
+        tail = err_path.read_text().strip().splitlines()[-3:]
+        res = {"error": f"exit status {child.returncode}" + (": " + " | ".join(tail) if tail else "")}
+    out_path.unlink(missing_ok=True)
+    err_path.unlink(missing_ok=True)
+    res["peak_rss"] = max(res.get("peak_rss", 0), usage.ru_maxrss * 1024)
+    res["wall"] = wall
+    return res
+
+
+def measure(tmp: Path, mb: int, sharding: str, rounds: int, timeout: float) -> dict[str, dict]:
+    """Median seconds and the largest peak RSS of each checkpointer over ``rounds`` rounds, one child each.
+
+    A checkpointer whose child fails is left out of the later rounds; its entry then holds ``error``."""
+    names = {k.__name__: k.name for k in KINDS}
+    runs: dict[str, list[dict]] = {k: [] for k in names}
     for i in range(rounds):
-        for r in runners if i % 2 == 0 else runners[::-1]:
-            total, blocked = r.save(state)
-            t = times[r.name]
-            t["save"].append(total)
-            t["blocked"].append(blocked)
-            t["restore"].append(r.restore(abstract))
-    for r in runners:
-        r.close()
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True, exist_ok=True)
-    out = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
-    out["_bytes"] = {"n": nbytes}
+        for kind in list(names) if i % 2 == 0 else list(names)[::-1]:
+            if runs[kind] and "error" in runs[kind][-1]:
+                continue
+            res = run_child(tmp / f"{mb}-{sharding}-{kind}", mb, sharding, kind, timeout)
+            runs[kind].append(res)
+            what = res.get("error") or f"save {res['save']:.3f} s, restore {res['restore']:.3f} s"
+            print(
+                f"  round {i + 1}/{rounds} {mb} MB {sharding} {names[kind]}: {what}, peak RSS"
+                f" {res['peak_rss'] / 1e9:.2f} GB, child {res['wall']:.0f} s, load {os.getloadavg()[0]:.1f}",
+                file=sys.stderr,
+                flush=True,
+            )
+    out = {}
+    for kind, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        t = {k: statistics.median(r[k] for r in ok) for k in ("save", "blocked", "restore")} if ok else {}
+        if len(ok) < len(rs):
+            t["error"] = rs[-1]["error"]
+        t["peak_rss"] = max(r["peak_rss"] for r in rs)
+        t["bytes"] = ok[0]["bytes"] if ok else n_arrays(mb) * ROWS * COLS * 4
+        t["rounds"] = len(ok)
+        out[names[kind]] = t
     return out
+
+
+def print_rows(res: dict[str, dict], sharding: str) -> None:
+    """The table's rows of one (size, sharding): seconds, peak RSS and ratios jaxdist / this."""
+    size = f"{next(iter(res.values()))['bytes'] / 2**20:.0f} MiB"
+    j = res["jaxdist"]
+    for name, t in res.items():
+        if "save" in t:
+            cells = f" {t['save']:>7.3f} {t['blocked']:>9.3f} {t['restore']:>9.3f}"
+        else:
+            cells = f" {'-':>7} {'-':>9} {'-':>9}"
+        cells += f" {t['peak_rss'] / 1e9:>11.2f}"
+        if name != "jaxdist" and "save" in t and "save" in j:
+            cells += "".join(f" {j[k] / t[k]:>{w}.2f}" for k, w in (("save", 7), ("blocked", 9), ("restore", 9)))
+        if "error" in t:
+            cells += f"  ({t['rounds']} rounds; then {t['error']})"
+        print(f"{size:>8} {sharding:<10} {name:<10}{cells}", flush=True)
 
 
 def profile(tmp: Path, mb: int, which: str) -> None:
@@ -284,9 +418,16 @@ def main(argv=None) -> int:
     ap.add_argument("--big", action="store_true", help="also 4 GB")
     ap.add_argument("--rounds", type=int, default=3, help="timed rounds per configuration (after one warm-up)")
     ap.add_argument("--sharding", nargs="+", default=["fsdp", "replicated"], choices=["fsdp", "replicated"])
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds one child may run before it is killed")
     ap.add_argument("--profile", choices=["jaxdist", "orbax"], help="profile one save + restore instead")
     ap.add_argument("--checksums", action="store_true", help="time the checksums alone (200 MB, 1 GB, 4 GB)")
+    ap.add_argument("--one", nargs=4, metavar=("MB", "SHARDING", "KIND", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.one:  # a child of run_child: one measurement, one JSON line
+        mb, sharding, kind, root = args.one
+        print(json.dumps(measure_one(Path(root), int(mb), sharding, kind)), flush=True)
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` kills the child, removes tmp
     tmp = Path(tempfile.mkdtemp(prefix="jaxdist-vs-orbax-"))
     try:
         if args.profile:
@@ -299,28 +440,17 @@ def main(argv=None) -> int:
         sizes = args.sizes + ([4000] if args.big else [])
         head = (
             f"{'state':>8} {'sharding':<10} {'checkpointer':<10} {'save s':>7} {'blocked s':>9} {'restore s':>9}"
-            f" {'save x':>7} {'blocked x':>9} {'restore x':>9}"
+            f" {'peak RSS GB':>11} {'save x':>7} {'blocked x':>9} {'restore x':>9}"
         )
-        print(f"1 process x 8 CPU devices, {os.cpu_count()} cores, median of {args.rounds}; x: jaxdist / this")
-        print(head + "\n" + "-" * len(head))
+        print(
+            f"1 process x 8 CPU devices, one child process per measurement, {os.cpu_count()} cores,"
+            f" median of {args.rounds}; x: jaxdist / this"
+        )
+        print(f"load: {open('/proc/loadavg').read().strip()}")
+        print(head + "\n" + "-" * len(head), flush=True)
         for mb in sizes:
             for sharding in args.sharding:
-                res = measure(tmp / "runs", mb, sharding, args.rounds)
-                size = f"{res.pop('_bytes')['n'] / 2**20:.0f} MiB"
-                j = res["jaxdist"]
-                for name, t in res.items():
-                    ratios = (
-                        ""
-                        if name == "jaxdist"
-                        else "".join(
-                            f" {j[k] / t[k]:>{w}.2f}" for k, w in (("save", 7), ("blocked", 9), ("restore", 9))
-                        )
-                    )
-                    print(
-                        f"{size:>8} {sharding:<10} {name:<10} {t['save']:>7.3f} {t['blocked']:>9.3f}"
-                        f" {t['restore']:>9.3f}{ratios}",
-                        flush=True,
-                    )
+                print_rows(measure(tmp, mb, sharding, args.rounds, args.timeout), sharding)
         print(f"load: {open('/proc/loadavg').read().strip()}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
