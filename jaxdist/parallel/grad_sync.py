@@ -62,6 +62,11 @@ def keep_axes(spec: P, axes: tuple[str, ...]) -> P:
     return P(*(keep(e) for e in spec))
 
 
+def spec_axes(spec: P) -> set[str]:
+    """The mesh axes ``spec`` splits any dimension over."""
+    return {a for entry in spec for a in _axes(entry)}
+
+
 def fsdp_dim(spec: P) -> int | None:
     """The dimension of a parameter's spec that ``fsdp`` shards (its gradient is reduce-scattered there), or None."""
     for i, entry in enumerate(spec):
@@ -239,8 +244,7 @@ def bucket_weights(
     model's experts over ``expert``, is summed over the others)."""
 
     def weight(spec: P, transposed: bool = False) -> Weight:
-        own = {a for entry in spec for a in _axes(entry)}
-        summed = tuple(a for a in replicas if a not in own)
+        summed = tuple(a for a in replicas if a not in spec_axes(spec))
         return Weight(fsdp_dim(spec) if fsdp > 1 else None, keep_axes(spec, (AUTO,)), transposed, summed)
 
     head = {"final_norm": weight(specs["final_norm"])}

@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxdist.config import ConfigError
 from jaxdist.models.hooks import LayerScan, totalling_tokens
-from jaxdist.parallel.grad_sync import keep_axes, token_total, without_axes
+from jaxdist.parallel.grad_sync import fsdp_dim, keep_axes, spec_axes, token_total, without_axes
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, activation_sharding, logical_to_spec
 
 AXIS = "pipeline"
@@ -118,7 +118,7 @@ def pipelined_scan(
             weights = {k: _stacked_spec(keep_axes(specs[k], manual), stacked[k].ndim) for k in stacked}
             row_spec = P(None, rows)
             replicated = {
-                k: tuple(a for a in rows if a != "fsdp" and a not in _spec_axes(w)) for k, w in weights.items()
+                k: tuple(a for a in rows if a != "fsdp" and a not in spec_axes(w)) for k, w in weights.items()
             }
             if "fsdp" in rows:
                 stage_body = _gathering(body, _slice_fsdp_dims(stacked, specs))
@@ -153,9 +153,9 @@ def _slice_fsdp_dims(stacked: dict, specs: dict[str, P]) -> dict[str, int | None
     transformer's groups of blocks), or None."""
     out = {}
     for k, leaf in stacked.items():
-        dims = [i for i, e in enumerate(specs[k]) if "fsdp" in ((e,) if isinstance(e, str) else tuple(e or ()))]
+        dim = fsdp_dim(specs[k])
         extra = leaf.ndim - len(specs[k])  # 1: [groups, blocks per group, ...] for [layers, ...]
-        out[k] = dims[0] - 1 + extra if dims else None
+        out[k] = None if dim is None else dim - 1 + extra
     return out
 
 
@@ -174,10 +174,6 @@ def _gathering(body: Callable, dims: dict[str, int | None]) -> Callable:
         return body(h, checkpoint_name(gather(layer), GATHERED))
 
     return jax.checkpoint(step, policy=jax.checkpoint_policies.save_anything_except_these_names(GATHERED))
-
-
-def _spec_axes(spec: P) -> set[str]:
-    return {a for e in spec for a in ((e,) if isinstance(e, str) else tuple(e or ()))}
 
 
 def _stage(
