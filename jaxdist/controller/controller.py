@@ -140,7 +140,7 @@ class Controller(GenerationLifecycle, HealthActions):
         if not port and prev is not None and not new_allocation and (self.dir / "endpoint").is_file():
             port = int((self.dir / "endpoint").read_text().strip().rsplit(":", 1)[1])  # re-attach where workers look
         self.liveness_s = max(2 * cc.heartbeat_interval, cc.heartbeat_timeout - 2 * cc.heartbeat_interval)
-        self.endpoint = Endpoint(self.token, cc.bind, port, cc.allow_remote, cc.heartbeat_interval, self.liveness_s)
+        self.endpoint = Endpoint(self.token, cc.bind, port, cc.allow_remote, self.liveness_s)
         # No replay across a restart: nothing signed before this start, no (sid, seq) seen by the last controller.
         self.endpoint.verifier.not_before = time.time() - NOT_BEFORE_SLACK_S
         if prev is not None and not new_allocation:
@@ -194,6 +194,8 @@ class Controller(GenerationLifecycle, HealthActions):
         self.failed_nodes: set[str] = set()  # nodes the last settled blame found failed (lost, or silent)
         self.spare_failures: dict[str, int] = {}
         self.last_save = self.last_watch = 0.0
+        self.judge_at = 0.0  # when the running generation is judged next (monotonic; see tick)
+        self.ready: list[NodeView] = []  # the ready nodes at the last judgment, oldest first
         self.running = True
 
     # ------------------------------------------------------------------ messages
@@ -325,8 +327,12 @@ class Controller(GenerationLifecycle, HealthActions):
         if g is not None and w.step > g.last_step:
             g.last_step = s.last_step = w.step
             self.progress_at = now
-        for record in msg.get("periods", ()):
-            self._on_period(Period.from_dict(record))
+        periods = msg.get("periods")
+        if periods:
+            health = self._health()
+            for record in periods:  # the newest few, resent on every heartbeat until superseded
+                if health.is_next(record):
+                    self._on_period(Period.from_dict(record))
         if "probe" in msg:
             self._on_device_probe(msg["probe"])
         if g is not None and g.first_step_at is None and w.state == "training":
@@ -358,12 +364,17 @@ class Controller(GenerationLifecycle, HealthActions):
                 self.setup.invalidate(self.entry.key)
         self._save(force=True)
 
-    def _on_period(self, p: Period) -> None:
-        """A member's efficiency record: keep it, and judge each round every member has now reported."""
+    def _health(self) -> HealthHistory:
+        """This generation's efficiency records (a new history at a new generation)."""
         s = self.state
         if self.health is None or self.health.gen != s.generation:
             self.health = HealthHistory(s.generation, len(s.members))
-        if not self.health.add(p):
+        return self.health
+
+    def _on_period(self, p: Period) -> None:
+        """A member's efficiency record: keep it, and judge each round every member has now reported."""
+        s = self.state
+        if not self._health().add(p):
             return  # resent, or of an ended generation
         with open(self.dir / "health.jsonl", "a") as f:
             f.write(json.dumps({"record": "period", **p.to_dict()}) + "\n")
@@ -404,6 +415,7 @@ class Controller(GenerationLifecycle, HealthActions):
             return
         w.exit_code, w.exited_at = rc, now
         self.killed.pop((node, pid), None)
+        self._judge_by(now)
         member = w.gen == self.state.generation and self.state.members.get(w.rank) == node
         self.events.add("worker_exit", node=node, pid=pid, rc=rc, gen=w.gen, rank=w.rank, member=member)
         if member and rc == 2 and self.state.phase in ("starting", "running"):
@@ -468,7 +480,17 @@ class Controller(GenerationLifecycle, HealthActions):
 
     # ------------------------------------------------------------------ decisions
 
+    def _judge_by(self, t: float) -> None:
+        """Judge the running generation again no later than ``t`` (monotonic): something happened to it."""
+        self.judge_at = min(self.judge_at, t)
+
     def tick(self, now: float) -> None:
+        """Judge the job: every tick while it starts no generation (waiting, recovering), else every heartbeat
+        interval and soon after an exit or a dropped connection (each judgment is O(nodes): at 1,024 nodes, every
+        tick's was half the controller's time, and a silence is only measured to a heartbeat interval)."""
+        if self.state.phase in ("starting", "running") and now < self.judge_at:
+            return self._save()
+        self.judge_at = now + self.cc.heartbeat_interval - TICK_S / 2  # the tick nearest one interval on
         for v in self._live_nodes():
             silent = now - v.last_heartbeat
             if silent <= 2 * self.cc.heartbeat_timeout:
@@ -499,7 +521,7 @@ class Controller(GenerationLifecycle, HealthActions):
                 step=self.state.last_step,
             )
         self._lift_bans(time.time())
-        ready = self._ready_nodes()  # also records when each node became ready (standbys too)
+        ready = self.ready = self._ready_nodes()  # also records when each node became ready (standbys too)
         phase = self.state.phase
         if phase == "waiting":
             self._try_start(ready)
@@ -519,7 +541,7 @@ class Controller(GenerationLifecycle, HealthActions):
             self.state.stale_messages = self.stale_before + ep.verifier.stale
             _write_marks(self.dir / "replay.json", ep.verifier.marks())
             members = set(self.state.members.values())
-            self.state.standbys = [v.name for v in self._ready_nodes() if v.name not in members]
+            self.state.standbys = [v.name for v in self.ready if v.name not in members]  # as of the last judgment
             self.state.warm_nodes = sorted(v.name for v in self._live_nodes() if self._warm_worker(v.name))
             self.state.save(self.dir / "state.json")
             self.last_save = now
@@ -543,13 +565,12 @@ class Controller(GenerationLifecycle, HealthActions):
         last_tick = 0.0
         try:
             while self.running:
-                got = self.endpoint.recv(TICK_S)
-                while got is not None:
+                for got in self.endpoint.recv_batch(TICK_S):
                     self.handle(*got)
-                    got = self.endpoint.recv(0)
                 for ident, t in self.endpoint.take_disconnects():
                     if ident in self.workers:
                         self.workers[ident].disconnected_at = t
+                        self._judge_by(t + self.cc.heartbeat_interval + TICK_S)  # find_failures' disconnect grace
                 if time.monotonic() - last_tick >= TICK_S:  # O(nodes) each: not after every message of a flood
                     last_tick = time.monotonic()
                     self.tick(last_tick)

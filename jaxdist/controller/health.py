@@ -263,6 +263,19 @@ class HealthHistory:
     streaks: dict[tuple[str, int | None], int] = field(default_factory=dict)  # (kind, rank) -> abnormal rounds
     reported: dict[int, int] = field(default_factory=dict)  # round -> ranks that sent it (a round is complete in O(1))
 
+    def is_next(self, record: Any) -> bool:
+        """Whether ``record`` (a Period's dict, as a heartbeat carries it) is the next of its rank: the records a
+        heartbeat resends are skipped without being read into Periods."""
+        if not isinstance(record, dict):
+            return False
+        rank = record.get("rank")
+        return (
+            record.get("gen") == self.gen
+            and isinstance(rank, int)
+            and 0 <= rank < self.ranks
+            and record.get("index") == len(self.periods.get(rank, ()))
+        )
+
     def add(self, p: Period) -> bool:
         """Record ``p`` (a duplicate or another generation's is ignored); True if it is new."""
         if p.gen != self.gen or not 0 <= p.rank < self.ranks:

@@ -38,7 +38,7 @@ from typing import Any
 
 import zmq
 
-from jaxdist.controller.agent import first_heartbeat, record_step
+from jaxdist.controller.agent import PERIOD_BEATS, first_heartbeat, record_step
 from jaxdist.controller.local import LocalJob, write_cpu_cluster
 from jaxdist.controller.node import self_check
 from jaxdist.controller.protocol import TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client, free_port
@@ -72,7 +72,7 @@ class SimWorker:
         self.beating = True  # False: stopped (SIGSTOP), neither beating nor stepping
         self.stepping = True  # False: stuck (beats, does not step)
         self.clock: LoopClock | None = None
-        self.periods: list[dict[str, Any]] = []
+        self.periods: list[list[Any]] = []  # [efficiency record, heartbeats left to carry it]
         self.index = 0
         host.poller.register(self.peer.sock, zmq.POLLIN)
         host.socks[self.peer.sock] = self._on_message
@@ -89,9 +89,12 @@ class SimWorker:
         if self.clock is not None:
             c = self.clock
             info["loop"] = {"phase": c.phase, "dispatched": c.dispatched, "since": c.since}
-        if self.periods:
-            info["periods"] = list(self.periods)
-        self.peer.send({"t": "hb", "node": self.node.name, "pid": self.pid, **info})
+        if self.periods:  # each record on the next PERIOD_BEATS heartbeats queued, as WorkerAgent sends them
+            info["periods"] = [record for record, _ in self.periods]
+        if self.peer.send({"t": "hb", "node": self.node.name, "pid": self.pid, **info}) and self.periods:
+            for p in self.periods:
+                p[1] -= 1
+            self.periods = [p for p in self.periods if p[1] > 0]
         self.host.count("hb")
 
     def _on_message(self) -> None:
@@ -369,7 +372,7 @@ class HostGen:
                     record = {"gen": self.gen, "rank": r, "node": w.node.name, "index": w.index}
                     record.update(c.take_period(step))
                     w.index += 1
-                    w.periods = (w.periods + [record])[-4:]
+                    w.periods.append([record, PERIOD_BEATS])
             if last:
                 w.info["state"] = "done"
                 w.next_beat = 0.0

@@ -57,7 +57,9 @@ def _hb(name: str, pid: int, state: str, gen: int = -1, rank: int = -1, step: in
     return {"t": "hb", "node": name, "pid": pid, "state": state, "gen": gen, "rank": rank, "step": step}
 
 
-def visits_per_node(tmp_path, n: int) -> float:
+def running_controller(tmp_path, n: int, counting: bool = False) -> tuple[Controller, dict[str, int]]:
+    """A controller in this process whose generation 0 runs on ``n`` nodes (each member reported a step);
+    the pid of each node's worker.  ``counting``: its worker tables count the entries their walks visit."""
     cluster = write_cpu_cluster(tmp_path / f"c{n}.toml", n, 1)
     cfg = load_config(
         None,
@@ -72,31 +74,41 @@ def visits_per_node(tmp_path, n: int) -> float:
         ],
     )
     ctl = Controller(cfg, [])
-    try:
+    if counting:
         ctl.workers = CountingDict()
         ctl.node_workers = CountingDict()
         ctl.rank_workers = CountingDict()
-        names = [f"n{i:04d}" for i in range(n)]
-        pid = {name: 1000 + i for i, name in enumerate(names)}
-        for name in names:
-            ctl.handle(f"n:{name}", _node_hb(name, pid[name]))
-            ctl.handle(f"n:{name}", {"t": "probe_result", "node": name, "rtt": {name: 0.001}})
-            ctl.handle(f"w:{name}:{pid[name]}", _hb(name, pid[name], "warm"))
-        ctl.tick(time.monotonic())  # starts generation 0 on every node
-        s = ctl.state
-        assert s.generation == 0 and len(s.members) == n, ctl.state
+    names = [f"n{i:04d}" for i in range(n)]
+    pid = {name: 1000 + i for i, name in enumerate(names)}
+    for name in names:
+        ctl.handle(f"n:{name}", _node_hb(name, pid[name]))
+        ctl.handle(f"n:{name}", {"t": "probe_result", "node": name, "rtt": {name: 0.001}})
+        ctl.handle(f"w:{name}:{pid[name]}", _hb(name, pid[name], "warm"))
+    ctl.tick(time.monotonic())  # starts generation 0 on every node
+    s = ctl.state
+    assert s.generation == 0 and len(s.members) == n, ctl.state
+    CountingDict.visited = 0
+    for r, name in s.members.items():  # one round of heartbeats: every node, every member training
+        ctl.handle(f"n:{name}", _node_hb(name, pid[name]))
+        ctl.handle(f"w:{name}:{pid[name]}", _hb(name, pid[name], "training", 0, r, 1))
+    assert s.phase == "running"
+    return ctl, pid
 
-        CountingDict.visited = 0
-        for r, name in s.members.items():  # one round of heartbeats: every node, every member training
-            ctl.handle(f"n:{name}", _node_hb(name, pid[name]))
-            ctl.handle(f"w:{name}:{pid[name]}", _hb(name, pid[name], "training", 0, r, 1))
-        assert s.phase == "running"
-        for _ in range(TICKS):
-            ctl.tick(time.monotonic())
+
+def close(ctl: Controller) -> None:
+    ctl.endpoint.close()
+    ctl.run_lock.release()
+
+
+def visits_per_node(tmp_path, n: int) -> float:
+    ctl, _ = running_controller(tmp_path, n, counting=True)
+    try:
+        now = time.monotonic()
+        for i in range(TICKS):  # a judgment each (a tick judges the running job every heartbeat interval)
+            ctl.tick(now + i * ctl.cc.heartbeat_interval)
         return CountingDict.visited / n
     finally:
-        ctl.endpoint.close()
-        ctl.run_lock.release()
+        close(ctl)
 
 
 @pytest.mark.skipif(os.name != "posix", reason="the controller's run lock and sockets are POSIX")
@@ -165,3 +177,55 @@ def test_the_event_log_keeps_a_bounded_tail_in_memory_and_every_event_on_disk(tm
         log.add("tick", i=i)
     assert [e["i"] for e in log.events] == list(range(5, EVENTS_KEPT + 5))
     assert [e["i"] for e in read_events(tmp_path / "events.jsonl")] == list(range(EVENTS_KEPT + 5))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the controller's run lock and sockets are POSIX")
+def test_a_running_job_is_judged_every_heartbeat_interval_and_at_once_after_an_exit(tmp_path):
+    """Each judgment of a running job walks every member (O(nodes)): at 1,024 nodes, one every tick (0.05 s) was
+    half the controller's time.  Now one per heartbeat interval while nothing happens (a silence is measured to
+    a heartbeat interval anyway), and the next tick after a member's exit report."""
+    ctl, pid = running_controller(tmp_path, 8)
+    judged = [0]
+    check = ctl._check_generation
+
+    def counted(now):
+        judged[0] += 1
+        return check(now)
+
+    ctl._check_generation = counted
+    try:
+        now, tick = time.monotonic(), 0.05
+        for i in range(20):  # 1 s of ticks, nothing happening (and no member silent for heartbeat_timeout yet)
+            ctl.tick(now + i * tick)
+        assert ctl.state.phase == "running"
+        assert 1 / ctl.cc.heartbeat_interval - 1 <= judged[0] <= 1 / ctl.cc.heartbeat_interval + 1, judged  # not 20
+        name = ctl.state.members[3]
+        ctl.handle(f"n:{name}", {**_node_hb(name, pid[name]), "procs": [{"pid": pid[name], "rc": -9}]})
+        ctl.tick(now + 20 * tick)  # the very next tick, though the last judgment was under an interval ago
+        assert ctl.state.phase == "recovering" and ctl.state.current.end.startswith("failed"), ctl.state
+    finally:
+        close(ctl)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the controller's run lock and sockets are POSIX")
+def test_the_efficiency_records_a_heartbeat_resends_are_not_read_again(tmp_path, monkeypatch):
+    """A heartbeat carries each record for a few beats: the copies the controller has are skipped unread."""
+    from jaxdist.controller.health import Period
+
+    ctl, pid = running_controller(tmp_path, 2)
+    reads = [0]
+    from_dict = Period.from_dict.__func__
+
+    def counted(cls, d):
+        reads[0] += 1
+        return from_dict(cls, d)
+
+    monkeypatch.setattr(Period, "from_dict", classmethod(counted))
+    try:
+        name = ctl.state.members[0]
+        records = [Period(0, 0, name, i, 10 * i + 1, 10 * i + 10, time.time(), 10, 1.0).to_dict() for i in range(4)]
+        for _ in range(5):  # the same four records on five heartbeats
+            ctl.handle(f"w:{name}:{pid[name]}", {**_hb(name, pid[name], "training", 0, 0, 2), "periods": records})
+        assert reads[0] == 4 and len(ctl.health.periods[0]) == 4
+    finally:
+        close(ctl)
