@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxdist.controller.protocol import START_ENV, TOKEN_ENV, Peer
+from jaxdist.controller.relay import RELAY_ENV, RelayClient, goes_direct
 from jaxdist.controller.setup_cache import library_versions
 
 log = logging.getLogger(__name__)
@@ -88,10 +89,15 @@ def first_heartbeat() -> dict[str, Any]:
 class WorkerAgent:
     """Heartbeats and assignments of one worker process (see the module docstring)."""
 
-    def __init__(self, controller: str, token: str, node: str, interval: float = 0.25, liveness: float = 1.0):
+    def __init__(
+        self, controller: str, token: str, node: str, interval: float = 0.25, liveness: float = 1.0, relay: str = ""
+    ):
         self.node, self.pid, self.interval = node, os.getpid(), interval
         self.identity = f"w:{node}:{self.pid}"
         self._peer = Peer(token, controller, self.identity, interval, liveness, os.environ.get(START_ENV, ""))
+        # ``relay``: the node agent's socket (jaxdist.controller.relay); heartbeats go there, few go directly
+        self._relay = RelayClient(self._peer.ctx, relay, self.identity) if relay else None
+        self._beats = 0
         self._lock = threading.Lock()
         self._info: dict[str, Any] = first_heartbeat()
         self._assigned = threading.Event()
@@ -122,6 +128,8 @@ class WorkerAgent:
                 self._handle(msg)
         self._beat()  # the final state
         time.sleep(0.05)  # let the last heartbeat leave (the socket does not linger)
+        if self._relay is not None:
+            self._relay.close()
         self._peer.close()
 
     def _beat(self) -> None:
@@ -133,7 +141,13 @@ class WorkerAgent:
             info["loop"] = {"phase": clock.phase, "dispatched": clock.dispatched, "since": clock.since}
         if carried:
             info["periods"] = [record for record, _ in carried]
-        if self._peer.send({"t": "hb", "node": self.node, "pid": self.pid, **info}) and carried:
+        self._beats += 1
+        msg = {"t": "hb", "node": self.node, "pid": self.pid, **info, "beat": self._beats, "sent": time.time()}
+        relay = self._relay
+        sent = relay is not None and relay.send(msg)
+        if relay is None or goes_direct(self._beats, relay.since_ack(), self.interval):
+            sent = self._peer.send(msg) or sent
+        if sent and carried:
             with self._lock:
                 for p in carried:
                     p[1] -= 1
@@ -363,4 +377,5 @@ def agent_from_env(env: dict[str, str] | None = None) -> WorkerAgent | None:
         env.get("JAXDIST_NODE", "local"),
         float(env.get("JAXDIST_HEARTBEAT_INTERVAL", "0.25")),
         float(env.get("JAXDIST_LIVENESS_TIMEOUT", "1.0")),
+        env.get(RELAY_ENV, ""),
     )

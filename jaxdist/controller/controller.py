@@ -61,11 +61,18 @@ SPARE_FAILURES_TO_BAN = 3  # warm processes of one node that crashed before an a
 MESSAGE_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "node_hb": (
         {"node": str, "procs": list},
-        {"host": str, "checks": dict, "probe": str, "free_port": int, "stall": (dict, NONE)},
+        {"host": str, "checks": dict, "probe": str, "free_port": int, "stall": (dict, NONE), "workers": list},
     ),
     "hb": (
         {"node": str, "pid": int, "state": str, "gen": int, "rank": int, "step": int},
-        {"resume_step": (int, NONE), "tokens_per_s": NUMBER, "periods": list, "loop": (dict, NONE)},
+        {
+            "resume_step": (int, NONE),
+            "tokens_per_s": NUMBER,
+            "periods": list,
+            "loop": (dict, NONE),
+            "beat": int,
+            "age": NUMBER,
+        },
     ),
     "exit": ({"node": str, "pid": int, "rc": int}, {}),
     "probe_result": ({"node": str}, {"rtt": dict}),
@@ -79,6 +86,14 @@ def message_problem(msg: dict[str, Any]) -> str | None:
         for p in msg["procs"]:
             if not isinstance(p, dict) or not isinstance(p.get("pid"), int) or not isinstance(p.get("rc"), (int, NONE)):
                 return "a 'node_hb' message with a process entry that is not {pid, rc}"
+        for w in msg.get("workers", ()):  # its workers' heartbeats (jaxdist.controller.relay): of its own workers
+            if not isinstance(w, dict):
+                return "a 'node_hb' message with a worker heartbeat that is not a dict"
+            inner = fields_problem({**w, "t": "hb"}, MESSAGE_FIELDS)
+            if inner is not None:
+                return f"a 'node_hb' message carrying {inner}"
+            if w["node"] != msg["node"]:
+                return "a 'node_hb' message carrying another node's worker heartbeat"
     return problem
 
 
@@ -140,7 +155,7 @@ class Controller(GenerationLifecycle, HealthActions):
         if not port and prev is not None and not new_allocation and (self.dir / "endpoint").is_file():
             port = int((self.dir / "endpoint").read_text().strip().rsplit(":", 1)[1])  # re-attach where workers look
         self.liveness_s = max(2 * cc.heartbeat_interval, cc.heartbeat_timeout - 2 * cc.heartbeat_interval)
-        self.endpoint = Endpoint(self.token, cc.bind, port, cc.allow_remote, self.liveness_s)
+        self.endpoint = Endpoint(self.token, cc.bind, port, cc.allow_remote, cc.heartbeat_interval, self.liveness_s)
         # No replay across a restart: nothing signed before this start, no (sid, seq) seen by the last controller.
         self.endpoint.verifier.not_before = time.time() - NOT_BEFORE_SLACK_S
         if prev is not None and not new_allocation:
@@ -239,6 +254,8 @@ class Controller(GenerationLifecycle, HealthActions):
         v.probe, v.free_port, v.procs = str(msg.get("probe", "")), int(msg.get("free_port", 0)), list(msg["procs"])
         if not msg.get("welcomed"):
             self._welcome(v)
+        for hb in msg.get("workers", ()):  # relayed: heard by the agent ``age`` seconds ago
+            self._on_worker_hb(f"w:{name}:{hb['pid']}", hb, now - min(max(float(hb.get("age", 0)), 0.0), 60.0), True)
         for p in v.procs:
             if p.get("rc") is not None:
                 self._on_exit(name, int(p["pid"]), int(p["rc"]), now)
@@ -304,9 +321,17 @@ class Controller(GenerationLifecycle, HealthActions):
                     rtt={f"{a}>{b}": t for (a, b), t in self.rtt.items()},
                 )
 
-    def _on_worker_hb(self, ident: str, msg: dict[str, Any], now: float) -> None:
+    def _on_worker_hb(self, ident: str, msg: dict[str, Any], now: float, relayed: bool = False) -> None:
+        """A worker's heartbeat, sent at ``now`` (monotonic): directly, or ``relayed`` by its node agent."""
         w = self.workers.get(ident) or self._new_worker(ident, str(msg["node"]), int(msg["pid"]), now)
-        w.last_heartbeat, w.disconnected_at = now, None
+        if not relayed:
+            w.disconnected_at = None  # a message on its own connection: the connection is up
+        beat, sent = msg.get("beat"), msg.get("sent")
+        if isinstance(beat, int) and isinstance(sent, (int, float)):  # numbered: a worker that relays
+            if beat <= w.beat and sent <= w.sent:
+                return  # the same heartbeat by both paths, or an older one (a process reusing a pid sends later)
+            w.beat, w.sent = beat, float(sent)
+        w.last_heartbeat = max(w.last_heartbeat, now)
         if msg["state"] == "warm" and w.warm_at is None:
             w.warm_at = now
         if (int(msg["gen"]), int(msg["rank"])) != (w.gen, w.rank):

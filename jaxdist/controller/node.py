@@ -33,6 +33,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from jaxdist.controller.protocol import START_ENV, TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client, free_port
+from jaxdist.controller.relay import RELAY_ENV, RelayServer
 
 log = logging.getLogger("jaxdist.controller.node")
 
@@ -139,6 +140,7 @@ class NodeAgent:
         self.stall: dict[str, Any] | None = None
         self.reconnects = 0
         self.monitor = self.peer.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.relay = RelayServer(self.peer.ctx)  # the workers' heartbeats, carried in this agent's own
 
     # ------------------------------------------------------------------ processes
 
@@ -155,6 +157,7 @@ class NodeAgent:
             "JAXDIST_NODE": self.node,
             "JAXDIST_HEARTBEAT_INTERVAL": str(self.interval),
             "JAXDIST_LIVENESS_TIMEOUT": str(w.get("liveness_s", 1.0)),
+            RELAY_ENV: self.relay.address,
             "PYTHONUNBUFFERED": "1",
         }
         logs = Path(w.get("log_dir") or self.work_dir)
@@ -220,7 +223,9 @@ class NodeAgent:
             {"pid": pid, "role": p.role, "gen": p.gen, "rank": p.rank, "rc": p.exit_code}
             for pid, p in self.procs.items()
         ]
-        self.peer.send(
+        self.relay.take()
+        workers = self.relay.entries()
+        sent = self.peer.send(
             {
                 "t": "node_hb",
                 "node": self.node,
@@ -232,8 +237,11 @@ class NodeAgent:
                 "welcomed": self.welcome is not None,
                 "reconnects": self.reconnects,
                 **({"stall": self.stall} if self.stall else {}),
+                **({"workers": workers} if workers else {}),
             }
         )
+        if sent and workers:  # else they go with the next heartbeat (merged with newer ones)
+            self.relay.ack(self.relay.carried())
         if self.stall and time.time() - self.stall["at"] > STALL_KEEP_S:
             self.stall = None
         if self.probe_result is not None:
@@ -364,6 +372,7 @@ class NodeAgent:
             self.peer.sock.disable_monitor()
             self.monitor.close(0)
             self.probe_gate.stop()
+            self.relay.close()
             self.peer.close()
         return 0
 

@@ -311,6 +311,7 @@ class Endpoint:
         host: str,
         port: int,
         allow_remote: bool = False,
+        interval_s: float = 0.25,
         liveness_s: float = 1.0,
     ):
         check_bind(host, allow_remote)
@@ -321,10 +322,10 @@ class Endpoint:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unknown identities: drop silently
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an agent reconnecting takes its identity back at once
         self.sock.setsockopt(zmq.SNDHWM, 1000)
-        # A ping every liveness_s / 2 (not every heartbeat interval): a silent connection is dropped within
-        # 1.5 x liveness_s all the same, and each ping and its answer are two CURVE frames for the I/O thread
-        # (at 256 simulated nodes, pinging every 0.25 s took that thread from 0.065 to 0.098 of a core).
-        _zmq_heartbeats(self.sock, liveness_s / 2, liveness_s)
+        # A ping every heartbeat interval: a stopped process is found within interval_s + liveness_s of its last
+        # message (a ping every liveness_s / 2 saved a third of the I/O thread's work at 256 simulated nodes, but
+        # made a SIGSTOPped worker's detection late by up to a quarter of a second more than the target allows)
+        _zmq_heartbeats(self.sock, interval_s, liveness_s)
         self.gate.serve(self.sock)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.poller = zmq.Poller()
@@ -452,10 +453,10 @@ class Peer:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
-        # The controller pings every peer every ``liveness_s / 2`` and drops one that does not answer within
+        # The controller pings every peer every ``interval_s`` and drops one that does not answer within
         # ``liveness_s``; the peer answers those pings, and pings the controller only PEER_PING_FACTOR times less
         # often (to find a controller whose host died without closing the connection).  Each ping is a CURVE
-        # frame the controller's I/O thread decrypts and answers: at every heartbeat interval, from every peer,
+        # frame the controller's I/O thread decrypts and answers: at the controller's own rate, from every peer,
         # they were half of that thread's work.
         _zmq_heartbeats(self.sock, PEER_PING_FACTOR * interval_s, liveness_s)
         self.sock.setsockopt(zmq.SNDHWM, 50)

@@ -202,6 +202,8 @@ class WorkerInfo:
     assigned: bool = False
     warm_at: float | None = None
     disconnected_at: float | None = None
+    beat: int = 0  # the newest numbered heartbeat handled (a relaying worker's come by two paths) ...
+    sent: float = 0.0  # ... and when its worker sent it (time.time())
     info: dict[str, Any] = field(default_factory=dict)
 
     @property

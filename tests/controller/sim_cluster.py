@@ -42,6 +42,7 @@ from jaxdist.controller.agent import PERIOD_BEATS, first_heartbeat, record_step
 from jaxdist.controller.local import LocalJob, write_cpu_cluster
 from jaxdist.controller.node import self_check
 from jaxdist.controller.protocol import TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client, free_port
+from jaxdist.controller.relay import RelayBuffer, goes_direct
 from jaxdist.train.efficiency import LoopClock
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -70,6 +71,8 @@ class SimWorker:
         self.next_beat = 0.0
         self.role, self.exit_code, self.reported, self.killed = "spare", None, False, False
         self.beating = True  # False: stopped (SIGSTOP), neither beating nor stepping
+        self.beats = 0
+        self.last_ack: float | None = None  # when the node agent last carried a heartbeat of this worker
         self.stepping = True  # False: stuck (beats, does not step)
         self.clock: LoopClock | None = None
         self.periods: list[list[Any]] = []  # [efficiency record, heartbeats left to carry it]
@@ -91,7 +94,16 @@ class SimWorker:
             info["loop"] = {"phase": c.phase, "dispatched": c.dispatched, "since": c.since}
         if self.periods:  # each record on the next PERIOD_BEATS heartbeats queued, as WorkerAgent sends them
             info["periods"] = [record for record, _ in self.periods]
-        if self.peer.send({"t": "hb", "node": self.node.name, "pid": self.pid, **info}) and self.periods:
+        self.beats += 1
+        msg = {"t": "hb", "node": self.node.name, "pid": self.pid, **info, "beat": self.beats, "sent": time.time()}
+        # To the node agent (its relay: jaxdist.controller.relay, in memory here), and directly when the relay's
+        # rules say so, as WorkerAgent does.
+        self.node.relay.add(str(self.pid), msg)
+        since_ack = None if self.last_ack is None else now - self.last_ack
+        if goes_direct(self.beats, since_ack, self.host.interval):
+            self.peer.send(msg)
+            self.host.count("hb_direct")
+        if self.periods:  # the relay took it
             for p in self.periods:
                 p[1] -= 1
             self.periods = [p for p in self.periods if p[1] > 0]
@@ -141,6 +153,7 @@ class SimNode:
         self.rtt: dict[str, float | None] = {}
         self.probe_result: dict[str, Any] | None = None
         self.lost = False
+        self.relay = RelayBuffer()  # its workers' heartbeats, by pid
         for sock, fn in ((self.peer.sock, self._on_message), (self.probe_sock, self._answer_probe)):
             host.poller.register(sock, zmq.POLLIN)
             host.socks[sock] = fn
@@ -153,7 +166,8 @@ class SimNode:
             {"pid": pid, "role": w.role, "gen": w.info["gen"], "rank": w.info["rank"], "rc": w.exit_code}
             for pid, w in self.procs.items()
         ]
-        self.peer.send(
+        workers = self.relay.entries()
+        sent = self.peer.send(
             {
                 "t": "node_hb",
                 "node": self.name,
@@ -164,8 +178,14 @@ class SimNode:
                 "procs": procs,
                 "welcomed": self.welcome is not None,
                 "reconnects": 0,
+                **({"workers": workers} if workers else {}),
             }
         )
+        if sent and workers:
+            for pid in self.relay.carried():  # the acks
+                w = self.procs.get(int(pid))
+                if w is not None:
+                    w.last_ack = now
         self.host.count("node_hb")
         if self.probe_result is not None:
             self.peer.send({"t": "probe_result", "node": self.name, **self.probe_result})

@@ -68,3 +68,6 @@ def test_a_simulated_cluster_trains_exactly_once_through_a_lost_node_and_a_crash
     counts = job.host_counts()
     assert counts["ping_sent"] == counts["ping_answered"]  # every link answered
     assert NODES <= counts["ping_sent"] <= NODES * (PROBE_PEERS + 1), counts  # linear: all pairs would be 300
+    # The workers' heartbeats went through their node agents (jaxdist.controller.relay): one in DIRECT_EVERY
+    # directly, and the first few before the agent's first ack (all would go directly without the relay)
+    assert counts["hb_direct"] < 0.5 * counts["hb"], counts
