@@ -37,11 +37,15 @@ per period.
 
 **The controller** (``--tables controller``, not in the default set: about 10 minutes) at its defaults against
 N = 64, 256 and 1,024 simulated nodes (``tests/controller/sim_cluster.py``: the real protocol, CURVE and HMAC,
-heartbeats every 0.25 s, stub workers; N - 2 train, 2 are standbys; one host process per 128 nodes on the
-same machine as the controller): seconds to the first step, the controller's CPU share (of one core), memory
-and event-log growth over 10 fault-free seconds (``--quiet-s``), failures in that phase (false alarms), ``state.json`` size
-and save time, then one member node lost: seconds to the failure (``detect s``) and from it to the new
-group's assignments sent (``told s``); pings of the link checks.
+heartbeats every 0.25 s, stub workers; N - 6 train, 6 are standbys; one host process per 128 nodes on the
+same machine as the controller): seconds to the first step; over 10 fault-free seconds (``--quiet-s``) the
+controller's CPU share (of one core; ``IO thread``: ZeroMQ's, which encrypts and decrypts), its memory and
+event-log growth, and its own load figures from ``state.json`` (``controller_load``: messages a second, the
+time to handle one p50/p99 in microseconds, how late one is read p99); failures in that phase (false
+alarms); ``state.json`` size and save time; then 5 member nodes lost one after the other: seconds from each
+loss to the failure (``detect s``) and from it to the new group's assignments sent (``told s``), p50 and
+p99 (the largest of 5); pings of the link checks, and the share of the workers' heartbeats sent to the
+controller directly rather than through their node agent (``jaxdist.controller.relay``).
 
     python benchmarks/scale.py                  # every table but the controller's (about 5 minutes here)
     python benchmarks/scale.py --tables controller
@@ -269,6 +273,17 @@ def _proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of each thread of ``pid`` by thread name (the Python main thread is named as the process;
+    ZeroMQ's I/O thread ``ZMQbg/IO/0``), summed over threads of one name."""
+    out: dict[str, float] = {}
+    for t in Path(f"/proc/{pid}/task").iterdir():
+        text = (t / "stat").read_text()
+        name, fields = text[text.index("(") + 1 : text.rindex(")")], text.rsplit(")", 1)[1].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def _proc_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -276,15 +291,23 @@ def _proc_rss_mb(pid: int) -> float:
     return float("nan")
 
 
+def _quantile(xs: list[float], p: float) -> float:
+    xs = sorted(x for x in xs if x == x)
+    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
+
+
+LOSSES = 5  # member nodes lost one after the other in each controller row (detection and "told" p50/p99)
+
+
 def controller_row(n: int, quiet_s: float) -> dict:
     """The real controller at its defaults against ``n`` simulated nodes (tests/controller/sim_cluster.py, one
-    host process per 128 nodes, at least 2): the start, a fault-free phase of ``quiet_s`` seconds, then one
-    member node lost (its sockets closed, nothing said) and the recovery onto a standby."""
+    host process per 128 nodes, at least 2): the start, a fault-free phase of ``quiet_s`` seconds, then LOSSES
+    member nodes lost one after the other (its sockets closed, nothing said), each recovered onto a standby."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "controller"))
     from sim_cluster import SimCluster  # the test harness: simulated agents speaking the real protocol
 
     root = Path(tempfile.mkdtemp(prefix=f"jaxdist-sim{n}-"))
-    job = SimCluster(n, n - 2, max(2, math.ceil(n / 128)), root, steps=100_000, step_s=0.5)
+    job = SimCluster(n, n - LOSSES - 1, max(2, math.ceil(n / 128)), root, steps=100_000, step_s=0.5)
     row: dict = {"nodes": n}
     try:
         t0 = time.monotonic()
@@ -299,11 +322,17 @@ def controller_row(n: int, quiet_s: float) -> dict:
             return row
         row["start s"] = time.monotonic() - t0
         events0 = (job.dir / "events.jsonl").stat().st_size
-        c0, w0 = _proc_cpu_s(pid), time.monotonic()
+        c0, th0, w0 = _proc_cpu_s(pid), _thread_cpu_s(pid), time.monotonic()
         time.sleep(quiet_s)
-        c1, w1 = _proc_cpu_s(pid), time.monotonic()
+        c1, th1, w1 = _proc_cpu_s(pid), _thread_cpu_s(pid), time.monotonic()
         row["ctl CPU share"] = (c1 - c0) / (w1 - w0)
+        row["IO thread"] = (th1.get("ZMQbg/IO/0", 0) - th0.get("ZMQbg/IO/0", 0)) / (w1 - w0)
         row["ctl RSS MB"] = _proc_rss_mb(pid)
+        load = job.state().get("controller_load", {})  # the controller's own figures (state.LoadMeter)
+        row["msgs/s"] = load.get("messages_per_s", float("nan"))
+        row["handle us p50"] = load.get("handle_us_p50", float("nan"))
+        row["handle us p99"] = load.get("handle_us_p99", float("nan"))
+        row["lag ms p99"] = load.get("lag_ms_p99", float("nan"))
         row["events KB/h"] = ((job.dir / "events.jsonl").stat().st_size - events0) / (w1 - w0) * 3600 / 1e3
         row["false losses"] = sum(1 for e in job.events() if e["event"] in ("node_lost", "failure"))
         state_path = job.dir / "state.json"
@@ -313,19 +342,25 @@ def controller_row(n: int, quiet_s: float) -> dict:
         for _ in range(10):
             st.save(root / "state-copy.json")
         row["state save ms"] = (time.perf_counter() - t) / 10 * 1e3
-        lost, host = job.rank_host(1)
-        at = time.time()
-        job.command(host, "lose", nodes=[lost])
-        job.wait_until(lambda s: s["generation"] >= 1, 300, "generation 1 assigned")
-        ev = job.events()
-        found = [e for e in ev if e["event"] == "failure" and e["time"] >= at]
-        told = [e for e in ev if e["event"] == "start" and e["time"] >= at]
-        row["detect s"] = found[0]["time"] - at if found else float("nan")
-        row["told s"] = told[0]["time"] - found[0]["time"] if found and told else float("nan")
+        detect, told = [], []
+        for k in range(LOSSES):
+            job.wait_until(lambda s, g=k: s["generation"] == g and s["phase"] == "running", 300, f"gen {k} running")
+            lost, host = job.rank_host(1 + k)
+            at = time.time()
+            job.command(host, "lose", nodes=[lost])
+            job.wait_until(lambda s, g=k: s["generation"] >= g + 1, 300, f"generation {k + 1} assigned")
+            ev = job.events()
+            found = [e for e in ev if e["event"] == "failure" and e["time"] >= at]
+            started = [e for e in ev if e["event"] == "start" and e["time"] >= at]
+            detect.append(found[0]["time"] - at if found else float("nan"))
+            told.append(started[0]["time"] - found[0]["time"] if found and started else float("nan"))
+        row["detect s p50"], row["detect s p99"] = _quantile(detect, 0.5), _quantile(detect, 0.99)
+        row["told s p50"], row["told s p99"] = _quantile(told, 0.5), _quantile(told, 0.99)
     finally:
         job.close()
         counts = job.host_counts()
         row["pings"] = counts.get("ping_sent", 0)
+        row["direct hb share"] = counts.get("hb_direct", 0) / max(counts.get("hb", 0), 1)
         shutil.rmtree(root, ignore_errors=True)
     return row
 
@@ -411,7 +446,8 @@ def main() -> None:
     if "controller" in tables:
         sizes = [int(n) for n in args.nodes.split(",") if n] or ([16, 32, 64] if q else [64, 256, 1024])
         rows = [controller_row(n, args.quiet_s) for n in sizes]
-        costs = ["start s", "ctl CPU share", "ctl RSS MB", "state KB", "state save ms", "events KB/h", "pings"]
+        costs = ["start s", "ctl CPU share", "IO thread", "msgs/s", "ctl RSS MB", "state KB", "state save ms"]
+        costs += ["events KB/h", "pings"]
         print(f"(fault-free phase: {args.quiet_s:g} s per row)")
         print_rows("The controller against simulated nodes (defaults)", rows, "nodes", costs)
     if "slurm" in tables:

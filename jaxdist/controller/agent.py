@@ -145,7 +145,7 @@ class WorkerAgent:
         msg = {"t": "hb", "node": self.node, "pid": self.pid, **info, "beat": self._beats, "sent": time.time()}
         relay = self._relay
         sent = relay is not None and relay.send(msg)
-        if relay is None or goes_direct(self._beats, relay.since_ack(), self.interval):
+        if relay is None or goes_direct(self._beats, relay.since_ack(), self.interval, str(info.get("state"))):
             sent = self._peer.send(msg) or sent
         if sent and carried:
             with self._lock:

@@ -47,7 +47,7 @@ from jaxdist.controller.health import HealthHistory, Period, Thresholds, job_ste
 from jaxdist.controller.health_actions import HealthActions
 from jaxdist.controller.protocol import NONE, NUMBER, Endpoint, fields_problem, load_or_create_token
 from jaxdist.controller.setup_cache import SetupCache, SetupEntry
-from jaxdist.controller.state import EventLog, Generation, JobState, NodeView, WorkerInfo
+from jaxdist.controller.state import EventLog, Generation, JobState, LoadMeter, NodeView, WorkerInfo
 from jaxdist.run_owner import HISTORY_SINCE_ENV, RunLock, set_aside_history
 
 log = logging.getLogger("jaxdist.controller")
@@ -210,6 +210,7 @@ class Controller(GenerationLifecycle, HealthActions):
         self.spare_failures: dict[str, int] = {}
         self.last_save = self.last_watch = 0.0
         self.judge_at = 0.0  # when the running generation is judged next (monotonic; see tick)
+        self.load = LoadMeter()  # in state.json: messages/s, handling and lag p50/p99, busy share
         self.ready: list[NodeView] = []  # the ready nodes at the last judgment, oldest first
         self.running = True
 
@@ -564,6 +565,7 @@ class Controller(GenerationLifecycle, HealthActions):
                 self.rejected_before + ep.verifier.rejected + ep.gate.refused + self.malformed
             )
             self.state.stale_messages = self.stale_before + ep.verifier.stale
+            self.state.controller_load = self.load.snapshot(ep.waited_s)
             _write_marks(self.dir / "replay.json", ep.verifier.marks())
             members = set(self.state.members.values())
             self.state.standbys = [v.name for v in self.ready if v.name not in members]  # as of the last judgment
@@ -591,7 +593,9 @@ class Controller(GenerationLifecycle, HealthActions):
         try:
             while self.running:
                 for got in self.endpoint.recv_batch(TICK_S):
+                    t = time.perf_counter()
                     self.handle(*got)
+                    self.load.message(time.perf_counter() - t, got[1].get("ts"))
                 for ident, t in self.endpoint.take_disconnects():
                     if ident in self.workers:
                         self.workers[ident].disconnected_at = t

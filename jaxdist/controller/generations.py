@@ -17,7 +17,7 @@ from jaxdist.controller import policy
 from jaxdist.controller.health import LoopPosition, stuck_ranks
 from jaxdist.controller.protocol import port_is_free
 from jaxdist.controller.setup_cache import SetupEntry, SetupKey
-from jaxdist.controller.state import Generation, NodeView
+from jaxdist.controller.state import Generation, NodeView, WorkerInfo
 
 log = logging.getLogger("jaxdist.controller")
 
@@ -141,6 +141,7 @@ class GenerationLifecycle:
             if w is None:
                 views.append(policy.WorkerView(r, node, self.gen_started))
                 continue
+            connected = self._connected(w, now)
             views.append(
                 policy.WorkerView(
                     r,
@@ -150,7 +151,7 @@ class GenerationLifecycle:
                     w.state,
                     w.exit_code,
                     w.exited_at,
-                    self.endpoint.connected.get(w.identity),
+                    connected,
                     w.disconnected_at,
                 )
             )
@@ -177,6 +178,20 @@ class GenerationLifecycle:
             failures = self._stuck(now)
         if failures:
             self._fail(failures, now)
+
+    def _connected(self, w: WorkerInfo, now: float) -> bool | None:
+        """Whether member ``w``'s own connection is up, as far as the judgment needs to know: asked of the socket
+        (Endpoint.routable) for a worker silent for ``heartbeat_timeout`` or said to be disconnected for longer
+        than the grace -- a disconnect it contradicts named the wrong peer, and is forgotten."""
+        if w.exit_code is not None:
+            return False
+        late = w.disconnected_at is not None and now - w.disconnected_at > self.cc.heartbeat_interval
+        if not late and now - w.last_heartbeat <= self.cc.heartbeat_timeout:
+            return self.endpoint.connected.get(w.identity)
+        if self.endpoint.routable(w.identity):
+            w.disconnected_at = None
+            return True
+        return False  # gone (an event named it, or named another peer by the descriptor it reused)
 
     def _stuck(self, now: float) -> list[policy.Failure]:
         """A member alive and heartbeating whose step does not finish while the others wait (health.stuck_ranks)."""

@@ -334,6 +334,7 @@ class Endpoint:
         self._fd_ident: dict[int, str] = {}
         self.connected: dict[str, bool] = {}
         self._disconnects: list[tuple[str, float]] = []
+        self.waited_s = 0.0  # seconds spent waiting in recv_batch for a message (the rest is work)
         self._pending: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
         host = host.strip("[]")  # controller.bind=[::1] is written as in a URL: the brackets are added below
         host_part = f"[{host}]" if ":" in host else host
@@ -367,7 +368,9 @@ class Endpoint:
 
         One poll serves the whole batch: under a flood of heartbeats a poll per message was a fifth of the
         controller's time (256 simulated nodes).  The monitor's disconnects are read before the messages."""
+        t = time.monotonic()
         events = dict(self.poller.poll(int(timeout_s * 1000)))
+        self.waited_s += time.monotonic() - t
         if self.monitor in events:
             self._read_monitor()
         out: list[tuple[str, dict[str, Any]]] = []
@@ -410,6 +413,27 @@ class Endpoint:
             self._fd_ident[fd] = ident
             self.connected[ident] = True
         return ident, msg
+
+    def routable(self, ident: str) -> bool:
+        """Whether ``ident`` has a connection now, asked of the socket itself (a ping it may ignore is sent).
+
+        The monitor's disconnects name a connection by its file descriptor, mapped to an identity by the
+        messages read from it: when a new connection reuses a closed one's descriptor before the old one's
+        event is read, the event names the wrong peer.  A peer that sends few messages of its own (a worker
+        whose node agent relays its heartbeats) keeps a wrong mapping long, so a disconnect is believed only
+        once this says so too."""
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self.sock.send_multipart([ident.encode(), *self.signer.frames({"t": "ping"})], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return True  # routed; its queue is full
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        finally:
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
 
     def take_disconnects(self) -> list[tuple[str, float]]:
         """Identities whose connection dropped since the last call, with when (``time.monotonic()``)."""

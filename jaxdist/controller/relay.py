@@ -52,10 +52,12 @@ def merge(old: dict[str, Any] | None, new: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def goes_direct(beat: int, since_ack_s: float | None, interval_s: float) -> bool:
+def goes_direct(beat: int, since_ack_s: float | None, interval_s: float, state: str = "") -> bool:
     """Whether a relaying worker's ``beat``-th heartbeat also goes to the controller directly: its first, every
-    DIRECT_EVERY-th, and each while its node agent has not acked for TRUST_BEATS heartbeats (None: never)."""
-    return beat % DIRECT_EVERY == 1 or since_ack_s is None or since_ack_s > TRUST_BEATS * interval_s
+    DIRECT_EVERY-th, each while its node agent has not acked for TRUST_BEATS heartbeats (None: never), and
+    each once it is ``done`` (its last efficiency records must not wait in the agent while its exit, which the
+    agent reports at once, ends the job)."""
+    return beat % DIRECT_EVERY == 1 or since_ack_s is None or since_ack_s > TRUST_BEATS * interval_s or state == "done"
 
 
 class RelayBuffer:

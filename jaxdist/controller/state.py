@@ -70,6 +70,7 @@ class JobState:
     allocation: str = ""  # the scheduler's allocation the job runs in (Slurm: JOBID.RESTARTS), '' if none
     history_since: float = 0.0  # checkpoint.resume=false: when the job set the run's earlier history aside
     history: list[Generation] = field(default_factory=list)
+    controller_load: dict[str, float] = field(default_factory=dict)  # its own (LoadMeter.snapshot)
     updated: float = 0.0
 
     def in_new_allocation(self) -> JobState:
@@ -125,6 +126,51 @@ class JobState:
     @property
     def current(self) -> Generation | None:
         return self.history[-1] if self.history and self.history[-1].gen == self.generation else None
+
+
+class LoadMeter:
+    """The controller's own load, over windows of at least WINDOW_S seconds: messages a second, the share of
+    its loop's time not spent waiting for a message (``busy``), and over the newest SAMPLES messages the time
+    to handle one (p50/p99, microseconds) and how late it was read (now - when it was signed, p50/p99, ms):
+    a lag that grows is a controller falling behind its heartbeats."""
+
+    WINDOW_S = 5.0
+    SAMPLES = 4096
+
+    def __init__(self) -> None:
+        self.handle_s: collections.deque[float] = collections.deque(maxlen=self.SAMPLES)
+        self.lag_s: collections.deque[float] = collections.deque(maxlen=self.SAMPLES)
+        self.count, self.since, self.waited_since = 0, time.monotonic(), 0.0
+        self.last: dict[str, float] = {}
+
+    def message(self, seconds: float, signed_at: Any) -> None:
+        """One message handled in ``seconds``, signed at ``signed_at`` (time.time() of its sender)."""
+        self.count += 1
+        self.handle_s.append(seconds)
+        if isinstance(signed_at, (int, float)):
+            self.lag_s.append(time.time() - signed_at)
+
+    def snapshot(self, waited_s: float) -> dict[str, float]:
+        """The figures of the window that ends now (the last window's until WINDOW_S have passed); ``waited_s``:
+        the loop's total seconds waiting for messages so far."""
+        span = time.monotonic() - self.since
+        if span < self.WINDOW_S:
+            return self.last
+        handle, lag = sorted(self.handle_s), sorted(self.lag_s)
+
+        def q(xs: list[float], p: float, scale: float) -> float:
+            return round(xs[min(len(xs) - 1, int(p * len(xs)))] * scale, 2) if xs else 0.0
+
+        self.last = {
+            "messages_per_s": round(self.count / span, 1),
+            "busy": round(max(0.0, 1.0 - (waited_s - self.waited_since) / span), 3),
+            "handle_us_p50": q(handle, 0.5, 1e6),
+            "handle_us_p99": q(handle, 0.99, 1e6),
+            "lag_ms_p50": q(lag, 0.5, 1e3),
+            "lag_ms_p99": q(lag, 0.99, 1e3),
+        }
+        self.count, self.since, self.waited_since = 0, time.monotonic(), waited_s
+        return self.last
 
 
 EVENTS_KEPT = 1000  # events an EventLog keeps in memory (the file keeps every one)

@@ -8,7 +8,9 @@ admitted by the job token, HMAC-signed messages, the real ``Peer``) at the confi
   ``warm_spares`` simulated worker processes (fake pids), answers and sends link probes (signed pings over
   CURVE), kills the workers the controller names and reports each exit;
 * a **worker** heartbeats (``hb``) as ``jaxdist.controller.agent.WorkerAgent`` does: warming, warm, joining,
-  restoring, training, done, its step, where its loop is and its efficiency periods (a real ``LoopClock``);
+  restoring, training, done, its step, where its loop is and its efficiency periods (a real ``LoopClock``),
+  through its node's relay (``jaxdist.controller.relay``'s ``RelayBuffer`` and ``goes_direct``, in memory
+  instead of the Unix socket: the node carries them in its ``node_hb``) and directly when those rules say so;
   assigned a rank, it "trains" the stub workers' hash chain (``stub_worker.advance``): the ranks of a
   generation wait for each other at every step (one file per host and step: a rank that died or stopped
   makes the others wait, as a collective does), and rank 0 commits a checkpoint every step.  The final
@@ -100,7 +102,7 @@ class SimWorker:
         # rules say so, as WorkerAgent does.
         self.node.relay.add(str(self.pid), msg)
         since_ack = None if self.last_ack is None else now - self.last_ack
-        if goes_direct(self.beats, since_ack, self.host.interval):
+        if goes_direct(self.beats, since_ack, self.host.interval, str(info.get("state"))):
             self.peer.send(msg)
             self.host.count("hb_direct")
         if self.periods:  # the relay took it

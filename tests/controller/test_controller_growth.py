@@ -229,3 +229,27 @@ def test_the_efficiency_records_a_heartbeat_resends_are_not_read_again(tmp_path,
         assert reads[0] == 4 and len(ctl.health.periods[0]) == 4
     finally:
         close(ctl)
+
+
+def test_the_controllers_load_meter_reports_rate_busy_share_and_percentiles(monkeypatch):
+    """state.json's ``controller_load``: 1,000 messages in a 10 s window, each handled in 10 us but one in 5 ms,
+    each read 2 ms after it was signed, 9 s of the 10 spent waiting for messages."""
+    from jaxdist.controller import state as st
+
+    clock = {"mono": 100.0, "wall": 1e9}
+    monkeypatch.setattr(st.time, "monotonic", lambda: clock["mono"])
+    monkeypatch.setattr(st.time, "time", lambda: clock["wall"])
+    meter = st.LoadMeter()
+    for i in range(1000):
+        meter.message(5e-3 if i == 500 else 10e-6, clock["wall"] - 2e-3)
+    assert meter.snapshot(waited_s=1.0) == {}  # under WINDOW_S: nothing yet
+    clock["mono"] += 10.0
+    got = meter.snapshot(waited_s=9.0)
+    assert got["messages_per_s"] == 100.0 and got["busy"] == 0.1
+    assert got["handle_us_p50"] == 10.0 and got["handle_us_p99"] == 10.0  # one slow message in 1,000 is not p99
+    assert got["lag_ms_p50"] == got["lag_ms_p99"] == 2.0
+    for _ in range(50):
+        meter.message(5e-3, clock["wall"] - 0.5)
+    clock["mono"] += 10.0
+    late = meter.snapshot(waited_s=9.0 + 1.0)
+    assert late["handle_us_p99"] == 5000.0 and late["lag_ms_p99"] == 500.0 and late["busy"] == 0.9

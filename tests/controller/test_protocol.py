@@ -272,3 +272,22 @@ def test_a_flood_of_messages_is_read_in_batches_one_poll_each():
     finally:
         peer.close()
         ep.close()
+
+
+def test_routable_tells_a_connected_peer_from_a_gone_one():
+    """What the controller asks before it believes a disconnect (the monitor names connections by a file
+    descriptor a new connection may have reused) or a silent worker's connection."""
+    ep = Endpoint("tok", "127.0.0.1", 0)
+    peer = Peer("tok", ep.address, "w:n0:1")
+    try:
+        assert not ep.routable("w:n0:2")  # never connected
+        deadline = time.monotonic() + 30
+        while not ep.routable("w:n0:1"):  # connected once the CURVE handshake is done (no message needed)
+            assert time.monotonic() < deadline, "the peer did not connect in 30 s"
+            time.sleep(0.05)
+        peer.close()
+        while ep.routable("w:n0:1"):
+            assert time.monotonic() < deadline, "the closed peer stayed routable"
+            time.sleep(0.05)
+    finally:
+        ep.close()

@@ -113,3 +113,7 @@ def test_a_relayed_heartbeat_counts_from_when_its_worker_sent_it_and_each_beat_o
         assert w.beat == 1 and w.state == "warm"
     finally:
         close(ctl)
+
+
+def test_a_done_worker_reports_directly():
+    assert goes_direct(7, 0.1, 0.25, "done") and not goes_direct(7, 0.1, 0.25, "training")

@@ -1,0 +1,184 @@
+"""Issue 37's fault injections at scale: the real controller at its defaults against N simulated nodes.
+
+``tests/controller/sim_cluster.py`` runs N node agents and their workers (the real protocol: CURVE, HMAC,
+heartbeats every 0.25 s through each node's relay) in one process per 128 nodes on this machine; N - 16 train
+(the stub workers' hash chain, a checkpoint every step), 16 are standbys.  After the start and a fault-free
+phase of ``--quiet-s`` seconds (any failure, lost node or health alarm in it is a false alarm), the faults
+come one after the other, each judged before the next:
+
+- ``lose``: one member node gone (its sockets closed, nothing said): a failure naming it, the node blamed
+  (``node_lost``, the blame's scope "node"), its rank on a standby;
+- ``crash``: a member's worker exits -9, reported by its node: the process blamed, the rank restarted on its
+  own node;
+- ``stop``: a member hangs (neither steps nor heartbeats; its connection still answers): found silent;
+- ``stuck``: a member heartbeats but does not step while the others wait: a "stuck" failure naming it;
+- ``slow``: a member's steps take 1 s longer: a health alarm (``slow_node``) naming its node (then normal);
+- ``lose 1 %``: ceil(N / 100) member nodes on different simulated hosts lost in the same instant: those
+  blamed and only those;
+- ``controller restart``: the controller SIGKILLed and started again: it attaches to the running job, no
+  failure, and the job steps on.
+
+Then the job's bookkeeping: every step rank 0 recorded (``trained.jsonl``) belongs to one lineage that trains
+each batch exactly once in order (``policy.lineage``), and the newest checkpoint's hash chain is the chain of
+every batch up to its step.  One row per fault: seconds from the injection to the failure (or alarm), to the
+new group's assignments, who was blamed, and whether that is right.
+
+    python benchmarks/scale_faults.py --nodes 1024 --quiet-s 600     # about 20 minutes here
+    python benchmarks/scale_faults.py --nodes 64 --quiet-s 10        # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "controller"))
+from sim_cluster import SimCluster  # noqa: E402  (the test harness: simulated agents speaking the real protocol)
+from stub_worker import expected_final  # noqa: E402
+
+from jaxdist.controller.policy import lineage  # noqa: E402
+from jaxdist.controller.timeline import generations_trained  # noqa: E402
+
+STANDBYS = 16
+ALARMS = ("node_lost", "failure", "health", "slow_node", "agent_silent")
+
+
+def _after(job: SimCluster, kind: str, at: float) -> list[dict]:
+    return [e for e in job.events() if e["event"] == kind and e["time"] >= at]
+
+
+def _member_on_host(job: SimCluster, host: int, avoid: set[str]) -> tuple[int, str]:
+    s = job.state()
+    return next((int(r), n) for r, n in sorted(s["members"].items(), key=lambda x: int(x[0]))
+                if int(r) > 0 and n not in avoid and job.host_of(n) == host)  # fmt: skip
+
+
+def recovery(job: SimCluster, at: float, timeout: float) -> dict:
+    """Wait for the failure after ``at`` and the next generation's first step; what the events say."""
+    gen = job.state()["generation"]
+    job.wait_until(lambda s: s["generation"] > gen and s["phase"] == "running", timeout, "the recovery")
+    (failure, *more), start = _after(job, "failure", at), _after(job, "start", at)[0]
+    blame = _after(job, "blame", at)
+    return {
+        "detect s": failure["time"] - at,
+        "told s": start["time"] - failure["time"],
+        "kinds": failure["kinds"] + [k for f in more for k in f["kinds"]],
+        "nodes": sorted({n for f in [failure, *more] for n in f["nodes"]}),
+        "scope": blame[0]["scope"] if blame else {},
+        "lost": sorted(e["node"] for e in _after(job, "node_lost", at)),
+    }
+
+
+def run(n: int, quiet_s: float, timeout: float) -> list[dict]:
+    root = Path(tempfile.mkdtemp(prefix=f"jaxdist-faults{n}-"))
+    hosts = max(2, math.ceil(n / 128))
+    job = SimCluster(n, n - STANDBYS, hosts, root, steps=1_000_000, step_s=0.5)
+    rows: list[dict] = []
+    try:
+        t0 = time.monotonic()
+        job.start()
+        job.wait_until(lambda s: s["phase"] == "running" and s["last_step"] >= 3, timeout, "the first steps")
+        print(f"{n} nodes: training after {time.monotonic() - t0:.1f} s", flush=True)
+        at = time.time()
+        time.sleep(quiet_s)
+        false = [e for e in job.events() if e["event"] in ALARMS and e["time"] >= at]
+        rows.append({"fault": f"none ({quiet_s:g} s)", "right": not false, "what": [e["event"] for e in false]})
+
+        node, host = job.rank_host(1)
+        at = time.time()
+        job.command(host, "lose", nodes=[node])
+        r = recovery(job, at, timeout)
+        right = r["nodes"] == [node] and r["lost"] == [node] and r["scope"] == {node: "node"}
+        rows.append({"fault": "lose", **r, "right": right})
+
+        for do in ("crash", "stop", "stuck"):
+            rank = 2
+            node, host = job.rank_host(rank)
+            at = time.time()
+            job.command(host, do, rank=rank)
+            r = recovery(job, at, timeout)
+            kind = {"crash": "exit", "stop": "silent", "stuck": "stuck"}[do]
+            right = r["nodes"] == [node] and kind in r["kinds"] and not r["lost"]
+            rows.append({"fault": do, **r, "right": right})
+
+        node, host = job.rank_host(3)
+        at = time.time()
+        job.command(host, "slow", rank=3, s=1.0)
+        job.wait_until(lambda s: _after(job, "slow_node", at), timeout, "a slow-node alarm", need_state=False)
+        job.command(host, "slow", rank=3, s=0.0)
+        alarm = _after(job, "slow_node", at)[0]
+        rows.append(
+            {"fault": "slow", "detect s": alarm["time"] - at, "nodes": [alarm["node"]], "right": alarm["node"] == node}
+        )
+
+        k, avoid = math.ceil(n / 100), set()
+        lost = []
+        for i in range(k):
+            _, name = _member_on_host(job, i % hosts, avoid)
+            avoid.add(name)
+            lost.append(name)
+        at = time.time()
+        for h in range(hosts):
+            if names := [x for x in lost if job.host_of(x) == h]:
+                job.command(h, "lose", nodes=names)
+        r = recovery(job, at, timeout)
+        right = r["lost"] == sorted(lost) and set(r["scope"]) == set(lost) and set(r["nodes"]) <= set(lost)
+        rows.append({"fault": f"lose {k} at once", **r, "right": right})
+
+        step, at = job.state()["last_step"], time.time()
+        job.kill_controller()
+        job.start_controller()
+        job.wait_until(lambda s: s["last_step"] >= step + 10, timeout, "10 steps after the controller restart")
+        failures = _after(job, "failure", at)
+        attached = _after(job, "attached", at)
+        rows.append(
+            {
+                "fault": "controller restart",
+                "detect s": attached[0]["time"] - at if attached else float("nan"),
+                "right": bool(attached) and not failures,
+                "what": [f["detail"] for f in failures],
+            }
+        )
+        time.sleep(5)
+    finally:
+        job.close()
+    gens = [[s for s, _ in g] for g in generations_trained(job.run_dir).values()]
+    last = max(g[-1] for g in gens)
+    once = lineage([(g[0] - 1, g[-1]) for g in gens], last) == list(range(last))
+    ckpt = job.run_dir / "checkpoints"
+    newest = max(int(p.parent.name) for p in ckpt.glob("*/jaxdist_commit.json"))
+    chain = json.loads((ckpt / str(newest) / "state.json").read_text())["state"] == expected_final(newest)
+    rows.append({"fault": "bookkeeping", "right": once and chain, "what": [f"{last} steps", f"checkpoint {newest}"]})
+    shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=1024)
+    ap.add_argument("--quiet-s", type=float, default=600.0, help="the fault-free phase's seconds")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds each wait may take")
+    args = ap.parse_args()
+    print(f"host load (1 min) at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    rows = run(args.nodes, args.quiet_s, args.timeout)
+    head = ["fault", "detect s", "told s", "kinds", "nodes", "scope", "right", "what"]
+    print(f"\nFault injections at {args.nodes} simulated nodes (controller defaults)")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = [f"{r[h]:.2f}" if isinstance(r.get(h), float) else str(r.get(h, "-")) for h in head]
+        print("| " + " | ".join(cells) + " |")
+    print(f"\nhost load (1 min) at end: {os.getloadavg()[0]:.2f}")
+    if not all(r["right"] for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
