@@ -442,7 +442,14 @@ class Controller(GenerationLifecycle, HealthActions):
         w.exit_code, w.exited_at = rc, now
         self.killed.pop((node, pid), None)
         self._judge_by(now)
-        member = w.gen == self.state.generation and self.state.members.get(w.rank) == node
+        s = self.state
+        if w.gen < 0:  # its heartbeats since the assignment are not in yet (they may come through its node agent)
+            r = next((r for r, p in s.pids.items() if p == pid and s.members.get(r) == node), None)
+            if r is not None:
+                self.rank_workers.get((w.gen, w.rank), {}).pop(ident, None)
+                w.gen, w.rank = s.generation, r
+                self.rank_workers.setdefault((w.gen, w.rank), {})[ident] = w
+        member = w.gen == s.generation and s.members.get(w.rank) == node
         self.events.add("worker_exit", node=node, pid=pid, rc=rc, gen=w.gen, rank=w.rank, member=member)
         if member and rc == 2 and self.state.phase in ("starting", "running"):
             # Exit code 2: the worker refused its config or data, or its run could only produce nonsense (a NaN
@@ -514,8 +521,8 @@ class Controller(GenerationLifecycle, HealthActions):
         """Judge the job: every tick while it starts no generation (waiting, recovering), else every heartbeat
         interval and soon after an exit or a dropped connection (each judgment is O(nodes): at 1,024 nodes, every
         tick's was half the controller's time, and a silence is only measured to a heartbeat interval)."""
-        if self.state.phase in ("starting", "running") and now < self.judge_at:
-            return self._save()
+        if self.state.phase in ("starting", "running") and now < self.judge_at and not self.attaching:
+            return self._save()  # (a restarted controller saves nothing until it has heard the job: below)
         self.judge_at = now + self.cc.heartbeat_interval - TICK_S / 2  # the tick nearest one interval on
         for v in self._live_nodes():
             silent = now - v.last_heartbeat

@@ -117,3 +117,22 @@ def test_a_relayed_heartbeat_counts_from_when_its_worker_sent_it_and_each_beat_o
 
 def test_a_done_worker_reports_directly():
     assert goes_direct(7, 0.1, 0.25, "done") and not goes_direct(7, 0.1, 0.25, "training")
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the controller's run lock and sockets are POSIX")
+def test_a_member_that_exits_before_its_relayed_heartbeats_arrive_is_still_a_member(tmp_path):
+    """The agent reports an exit at once; the worker's heartbeats since its assignment wait in the agent's
+    relay.  The controller knows the pid it assigned each rank: an exit with code 2 there ends the job."""
+    from .test_controller_growth import _node_hb, close, running_controller
+
+    ctl, pid = running_controller(tmp_path, 2)
+    try:
+        name = ctl.state.members[1]
+        w = ctl.workers[f"w:{name}:{pid[name]}"]
+        w.gen, w.rank = -1, -1  # as the warm spare's last heartbeat said
+        ctl.handle(f"n:{name}", {**_node_hb(name, pid[name]), "procs": [{"pid": pid[name], "rc": 2}]})
+        assert ctl.state.phase == "failed" and (w.gen, w.rank) == (0, 1)
+        (exit_event,) = [e for e in ctl.events.events if e["event"] == "worker_exit"]
+        assert exit_event["member"] and exit_event["rank"] == 1
+    finally:
+        close(ctl)
