@@ -336,9 +336,7 @@ class Controller(GenerationLifecycle, HealthActions):
         if msg["state"] == "warm" and w.warm_at is None:
             w.warm_at = now
         if (int(msg["gen"]), int(msg["rank"])) != (w.gen, w.rank):
-            self.rank_workers.get((w.gen, w.rank), {}).pop(ident, None)
-            w.gen, w.rank = int(msg["gen"]), int(msg["rank"])
-            self.rank_workers.setdefault((w.gen, w.rank), {})[ident] = w
+            self._place(w, int(msg["gen"]), int(msg["rank"]))
         w.state, w.step = str(msg["state"]), int(msg["step"])
         w.resume_step, w.tokens_per_s = msg.get("resume_step"), float(msg.get("tokens_per_s", 0.0))
         for k in ("versions", "cache_hits", "cache_misses", "mesh_device_order", "step_time", "resumed_from", "loop"):
@@ -356,7 +354,7 @@ class Controller(GenerationLifecycle, HealthActions):
         periods = msg.get("periods")
         if periods:
             health = self._health()
-            for record in periods:  # the newest few, resent on every heartbeat until superseded
+            for record in periods:  # each rides on a few heartbeats: the copies already here are skipped unread
                 if health.is_next(record):
                     self._on_period(Period.from_dict(record))
         if "probe" in msg:
@@ -446,9 +444,7 @@ class Controller(GenerationLifecycle, HealthActions):
         if w.gen < 0:  # its heartbeats since the assignment are not in yet (they may come through its node agent)
             r = next((r for r, p in s.pids.items() if p == pid and s.members.get(r) == node), None)
             if r is not None:
-                self.rank_workers.get((w.gen, w.rank), {}).pop(ident, None)
-                w.gen, w.rank = s.generation, r
-                self.rank_workers.setdefault((w.gen, w.rank), {})[ident] = w
+                self._place(w, s.generation, r)
         member = w.gen == s.generation and s.members.get(w.rank) == node
         self.events.add("worker_exit", node=node, pid=pid, rc=rc, gen=w.gen, rank=w.rank, member=member)
         if member and rc == 2 and self.state.phase in ("starting", "running"):
@@ -471,6 +467,12 @@ class Controller(GenerationLifecycle, HealthActions):
         self.node_workers.setdefault(node, {})[ident] = w
         self.rank_workers.setdefault((w.gen, w.rank), {})[ident] = w
         return w
+
+    def _place(self, w: WorkerInfo, gen: int, rank: int) -> None:
+        """``w`` is rank ``rank`` of generation ``gen`` now (its entry in the per-rank index moves with it)."""
+        self.rank_workers.get((w.gen, w.rank), {}).pop(w.identity, None)
+        w.gen, w.rank = gen, rank
+        self.rank_workers.setdefault((gen, rank), {})[w.identity] = w
 
     def _workers_on(self, node: str) -> list[WorkerInfo]:
         return list(self.node_workers.get(node, {}).values())
