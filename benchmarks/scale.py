@@ -306,7 +306,7 @@ def controller_row(n: int, quiet_s: float) -> dict:
     sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "controller"))
     from sim_cluster import SimCluster  # the test harness: simulated agents speaking the real protocol
 
-    root = Path(tempfile.mkdtemp(prefix=f"jaxdist-sim{n}-"))
+    root, keep = Path(tempfile.mkdtemp(prefix=f"jaxdist-sim{n}-")), False
     job = SimCluster(n, n - LOSSES - 1, max(2, math.ceil(n / 128)), root, steps=100_000, step_s=0.5)
     row: dict = {"nodes": n}
     try:
@@ -344,7 +344,11 @@ def controller_row(n: int, quiet_s: float) -> dict:
         row["state save ms"] = (time.perf_counter() - t) / 10 * 1e3
         detect, told = [], []
         for k in range(LOSSES):
-            job.wait_until(lambda s, g=k: s["generation"] == g and s["phase"] == "running", 300, f"gen {k} running")
+            try:
+                job.wait_until(lambda s, g=k: s["generation"] == g and s["phase"] == "running", 300, f"gen {k} running")
+            except TimeoutError as e:  # kept for a look: the row says where
+                row["stuck"], keep = f"{e} ({root})", True
+                break
             lost, host = job.rank_host(1 + k)
             at = time.time()
             job.command(host, "lose", nodes=[lost])
@@ -361,7 +365,8 @@ def controller_row(n: int, quiet_s: float) -> dict:
         counts = job.host_counts()
         row["pings"] = counts.get("ping_sent", 0)
         row["direct hb share"] = counts.get("hb_direct", 0) / max(counts.get("hb", 0), 1)
-        shutil.rmtree(root, ignore_errors=True)
+        if not keep:
+            shutil.rmtree(root, ignore_errors=True)
     return row
 
 

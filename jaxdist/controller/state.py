@@ -248,6 +248,7 @@ class WorkerInfo:
     assigned: bool = False
     warm_at: float | None = None
     disconnected_at: float | None = None
+    direct: bool = False  # heard on its own connection since that last dropped (an assignment must reach it)
     beat: int = 0  # the newest numbered heartbeat handled (a relaying worker's come by two paths) ...
     sent: float = 0.0  # ... and when its worker sent it (time.time())
     info: dict[str, Any] = field(default_factory=dict)
@@ -260,7 +261,14 @@ class WorkerInfo:
     def warm(self) -> bool:
         """Ready for an assignment: warmed up, never assigned, still running, and connected (a spare whose
         connection dropped without a message since is gone with its agent, even when the node's new agent came
-        back too soon for the node to count as lost; a live spare's next heartbeat reconnects it)."""
+        back too soon for the node to count as lost; a live spare's next heartbeat reconnects it), and heard on
+        its own connection (one whose heartbeats only its node agent relays may have none that works yet: its
+        assignment would be lost, and the new group would wait for it until start_timeout)."""
         return (
-            self.alive and self.state == "warm" and not self.assigned and self.gen < 0 and self.disconnected_at is None
+            self.alive
+            and self.state == "warm"
+            and not self.assigned
+            and self.gen < 0
+            and self.disconnected_at is None
+            and self.direct
         )

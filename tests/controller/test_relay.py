@@ -136,3 +136,22 @@ def test_a_member_that_exits_before_its_relayed_heartbeats_arrive_is_still_a_mem
         assert exit_event["member"] and exit_event["rank"] == 1
     finally:
         close(ctl)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="the controller's run lock and sockets are POSIX")
+def test_a_spare_heard_only_through_its_agent_is_not_given_a_rank(tmp_path):
+    """At 1,024 simulated nodes a new generation waited forever: 447 of its ranks had gone to spares whose own
+    connection had never come up (their heartbeats came through their agents), and the assignments were lost.
+    A spare takes a rank only once it has been heard on its own connection."""
+    from .test_controller_growth import _node_hb, close, running_controller
+
+    ctl, pid = running_controller(tmp_path, 2)
+    try:
+        name = ctl.state.members[0]
+        spare = {**_hb(1, 0, pid=5000, node=name), "state": "warm", "gen": -1, "rank": -1}
+        ctl.handle(f"n:{name}", {**_node_hb(name, pid[name]), "workers": [spare]})
+        assert ctl.workers[f"w:{name}:5000"].state == "warm" and ctl._warm_worker(name) is None
+        ctl.handle(f"w:{name}:5000", {**spare, "beat": 2})
+        assert ctl._warm_worker(name) is ctl.workers[f"w:{name}:5000"]
+    finally:
+        close(ctl)
