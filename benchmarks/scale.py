@@ -322,7 +322,7 @@ def controller_row(n: int, quiet_s: float) -> dict:
             return row
         row["start s"] = time.monotonic() - t0
         events0 = (job.dir / "events.jsonl").stat().st_size
-        c0, th0, w0 = _proc_cpu_s(pid), _thread_cpu_s(pid), time.monotonic()
+        c0, th0, w0, w0_wall = _proc_cpu_s(pid), _thread_cpu_s(pid), time.monotonic(), time.time()
         time.sleep(quiet_s)
         c1, th1, w1 = _proc_cpu_s(pid), _thread_cpu_s(pid), time.monotonic()
         row["ctl CPU share"] = (c1 - c0) / (w1 - w0)
@@ -334,7 +334,9 @@ def controller_row(n: int, quiet_s: float) -> dict:
         row["handle us p99"] = load.get("handle_us_p99", float("nan"))
         row["lag ms p99"] = load.get("lag_ms_p99", float("nan"))
         row["events KB/h"] = ((job.dir / "events.jsonl").stat().st_size - events0) / (w1 - w0) * 3600 / 1e3
-        row["false losses"] = sum(1 for e in job.events() if e["event"] in ("node_lost", "failure"))
+        alarms = [e for e in job.events() if e["event"] in ("node_lost", "failure")]
+        row["false losses"] = sum(1 for e in alarms if e["time"] >= w0_wall)  # in the fault-free phase
+        row["start losses"] = len(alarms) - row["false losses"]  # nodes taken for lost while the job started
         state_path = job.dir / "state.json"
         row["state KB"] = state_path.stat().st_size / 1e3
         st = JobState.load(state_path)

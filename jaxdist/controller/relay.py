@@ -93,7 +93,9 @@ class RelayServer(RelayBuffer):
 
     def __init__(self, ctx: zmq.Context):
         super().__init__()
-        self.dir = Path(tempfile.mkdtemp(prefix="jaxdist-relay-"))  # mode 0700: only this user connects
+        # mode 0700: only this user connects; a Unix socket's path must stay short (108 bytes on Linux)
+        base = None if len(tempfile.gettempdir()) <= 64 else "/tmp"
+        self.dir = Path(tempfile.mkdtemp(prefix="jaxdist-relay-", dir=base))
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_RELAY_BYTES)
