@@ -45,7 +45,8 @@ from jaxdist.controller import policy
 from jaxdist.controller.generations import GenerationLifecycle
 from jaxdist.controller.health import HealthHistory, Period, Thresholds, job_step_s
 from jaxdist.controller.health_actions import HealthActions
-from jaxdist.controller.protocol import NONE, NUMBER, Endpoint, fields_problem, load_or_create_token
+from jaxdist.controller.messages import message_problem
+from jaxdist.controller.protocol import Endpoint, load_or_create_token
 from jaxdist.controller.setup_cache import SetupCache, SetupEntry
 from jaxdist.controller.state import EventLog, Generation, JobState, LoadMeter, NodeView, WorkerInfo
 from jaxdist.run_owner import HISTORY_SINCE_ENV, RunLock, set_aside_history
@@ -54,47 +55,6 @@ log = logging.getLogger("jaxdist.controller")
 
 TICK_S = 0.05  # seconds between two judgments of the job (tick): timeouts are seconds, floods of heartbeats frequent
 SPARE_FAILURES_TO_BAN = 3  # warm processes of one node that crashed before an assignment: the node is not used
-
-
-# What each kind of message must carry, and the types of what it may carry: an authentic message that does not
-# match (an agent of another jaxdist version, a bug in one) is refused at the edge, never a crash of the controller.
-MESSAGE_FIELDS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "node_hb": (
-        {"node": str, "procs": list},
-        {"host": str, "checks": dict, "probe": str, "free_port": int, "stall": (dict, NONE), "workers": list},
-    ),
-    "hb": (
-        {"node": str, "pid": int, "state": str, "gen": int, "rank": int, "step": int},
-        {
-            "resume_step": (int, NONE),
-            "tokens_per_s": NUMBER,
-            "periods": list,
-            "loop": (dict, NONE),
-            "beat": int,
-            "age": NUMBER,
-        },
-    ),
-    "exit": ({"node": str, "pid": int, "rc": int}, {}),
-    "probe_result": ({"node": str}, {"rtt": dict}),
-}
-
-
-def message_problem(msg: dict[str, Any]) -> str | None:
-    """Why ``msg`` is not a controller message of its kind (one phrase), or None (see MESSAGE_FIELDS)."""
-    problem = fields_problem(msg, MESSAGE_FIELDS)
-    if problem is None and msg.get("t") == "node_hb":
-        for p in msg["procs"]:
-            if not isinstance(p, dict) or not isinstance(p.get("pid"), int) or not isinstance(p.get("rc"), (int, NONE)):
-                return "a 'node_hb' message with a process entry that is not {pid, rc}"
-        for w in msg.get("workers", ()):  # its workers' heartbeats (jaxdist.controller.relay): of its own workers
-            if not isinstance(w, dict):
-                return "a 'node_hb' message with a worker heartbeat that is not a dict"
-            inner = fields_problem({**w, "t": "hb"}, MESSAGE_FIELDS)
-            if inner is not None:
-                return f"a 'node_hb' message carrying {inner}"
-            if w["node"] != msg["node"]:
-                return "a 'node_hb' message carrying another node's worker heartbeat"
-    return problem
 
 
 def cluster_shape(cfg: Config) -> tuple[int, int, str]:

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from jaxdist.controller.controller import message_problem
+from jaxdist.controller.messages import message_problem
 
 GOOD_NODE_HB = {"t": "node_hb", "node": "n0", "host": "h", "checks": {}, "probe": "h:1", "free_port": 1, "procs": []}
 GOOD_HB = {"t": "hb", "node": "n0", "pid": 7, "state": "warm", "gen": -1, "rank": -1, "step": 0, "tokens_per_s": 0.0}

@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from jaxdist.controller.controller import message_problem
+from jaxdist.controller.messages import message_problem
 from jaxdist.controller.relay import DIRECT_EVERY, TRUST_BEATS, RelayClient, RelayServer, goes_direct, merge
 
 
