@@ -93,7 +93,7 @@ ROWS: list[tuple[str, int, str, dict[str, str]]] = [
     ("config mesh.data=0", 2, "mesh.data=0 is not a valid axis size", {}),
     ("config mesh.tensor=-2", 2, "mesh.tensor=-2 is not a valid axis size", {}),
     ("config mesh.tensor=3", 2, "not divisible by mesh.tensor=3", {}),
-    ("config mesh.pipeline=2 model.moe.experts=4", 2, "pipeline stages run the gpipe schedule only", {}),
+    ("config mesh.pipeline=2 model.moe.experts=4 model.moe.dispatch=capacity", 2, "a sequence chunk would drop", {}),
     ("config data.source=bogus", 2, "data.source='bogus' is unknown", {}),
     ("config data.source=tokens", 2, "needs data.path", {}),
     ("config data.source=tokens data.path=/nonexistent.bin", 2, "does not exist", {}),

@@ -45,7 +45,7 @@ from jaxdist.config.mesh import JAX_POLICIES, MESH_AXES, MeshConfig, Remat
 from jaxdist.config.model import MODEL_PRESETS, ModelConfig, MoEConfig
 from jaxdist.config.run import CheckpointConfig, DataConfig, PipelineConfig, TrainConfig
 from jaxdist.config.schema import (
-    MOE_NOT_PIPELINED,
+    MOE_CAPACITY_CHUNKS,
     SECTIONS,
     Config,
     check_ordered,
@@ -64,7 +64,7 @@ __all__ = [
     "JAX_POLICIES",
     "MESH_AXES",
     "MODEL_PRESETS",
-    "MOE_NOT_PIPELINED",
+    "MOE_CAPACITY_CHUNKS",
     "MOVED_KEYS",
     "PIPELINE_SCHEDULES",
     "SECTIONS",

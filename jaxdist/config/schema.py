@@ -106,7 +106,7 @@ def validate(cfg: Config, n_devices: int | None = None, *, own_model: bool = Fal
             "lower train.seq_len or raise model.max_seq_len."
         )
     sizes = validate_model_on_mesh(cfg)
-    _pipeline_on_model(cfg, sizes["pipeline"])
+    _pipeline_on_model(cfg, sizes)
     _context_on_model(cfg, sizes)
     _grad_sync_on_model(cfg, sizes)
     _documents_on_model(cfg, sizes)
@@ -193,22 +193,24 @@ def validate_devices(cfg: Config, n_devices: int) -> None:
         )
 
 
-# Why an MoE model has no 1f1b or seq1f1b stages yet (jaxdist.parallel.pipeline raises the same).
-MOE_NOT_PIPELINED = (
-    "an MoE model's pipeline stages run the gpipe schedule only (the 1f1b and seq1f1b executor runs the dense "
-    "block, and a sequence chunk's router losses would need every chunk's counts): set pipeline.schedule=gpipe, "
-    "mesh.pipeline=1 or model.moe.experts=0."
+# Why capacity dispatch does not run on sequence chunks (jaxdist.parallel.pipeline raises the same).
+MOE_CAPACITY_CHUNKS = (
+    "capacity dispatch gives each expert slots for the tokens of one layer call, so a sequence chunk would drop "
+    "other tokens than its whole microbatch does: set model.moe.dispatch=dropless, pipeline.chunks=1 or "
+    "pipeline.schedule=1f1b."
 )
 
 
-def _pipeline_on_model(cfg: Config, stages: int) -> None:
+def _pipeline_on_model(cfg: Config, sizes: dict[str, int]) -> None:
     """The pipeline's fit to the model and the batch (ConfigError, one sentence)."""
     m, t, p = cfg.model, cfg.train, cfg.pipeline
+    stages = sizes["pipeline"]
     if stages == 1:
         return
-    if m.moe.experts:  # its blocks run as gpipe stages by autodiff (jaxdist.parallel.pipeline_blocks)
+    if m.moe.experts:  # whole groups of moe.every blocks per stage
         _moe_pipeline_on_model(cfg, stages)
-        return
+        if p.schedule == "gpipe":  # its blocks run as gpipe stages by autodiff (jaxdist.parallel.pipeline_blocks)
+            return
     if m.n_layers % stages:
         raise ConfigError(
             f"model.n_layers={m.n_layers} is not divisible by mesh.pipeline={stages}: "
@@ -225,23 +227,33 @@ def _pipeline_on_model(cfg: Config, stages: int) -> None:
             f"the 1f1b schedule needs train.microbatches >= mesh.pipeline, got {t.microbatches} < "
             f"{stages}: set train.microbatches={stages} or more, or use gpipe or seq1f1b."
         )
+    if m.moe.experts and chunks > 1 and m.moe.dispatch == "capacity":
+        raise ConfigError(MOE_CAPACITY_CHUNKS)
+    expert_view = (cfg.mesh.expert_tensor or sizes["tensor"]) < sizes["tensor"]
+    by_xla = m.moe.dispatch == "capacity" or expert_view  # the planned dispatch does not run inside the stages
+    if m.moe.experts and by_xla and sizes["fsdp"] > 1 and sizes["expert"] > 1:
+        # XLA 0.10's SPMD partitioner aborts the process (a failed CHECK in spmd_partitioner_util) on it.
+        raise ConfigError(
+            f"an MoE model's {p.schedule} stages leave {'capacity dispatch' if not expert_view else 'the expert view'}"
+            f" to XLA, whose partitioner fails on mesh.fsdp={sizes['fsdp']} with mesh.expert={sizes['expert']} "
+            "there: set mesh.fsdp=1, model.moe.dispatch=dropless with mesh.expert_tensor=0, or "
+            "pipeline.schedule=gpipe."
+        )
 
 
 def _moe_pipeline_on_model(cfg: Config, stages: int) -> None:
-    """An MoE model's gpipe stages: their schedule, their share of the blocks, unpacked rows (ConfigError)."""
+    """An MoE model's stages: their share of the blocks; gpipe's unpacked rows (ConfigError)."""
     m = cfg.model
-    if cfg.pipeline.schedule != "gpipe":
-        raise ConfigError(MOE_NOT_PIPELINED)
     groups = m.n_layers // max(m.moe.every, 1)
     if groups % stages:
         raise ConfigError(
             f"model.n_layers={m.n_layers} / model.moe.every={m.moe.every} = {groups} groups of blocks, which "
             f"mesh.pipeline={stages} stages do not divide: choose a number of stages that divides {groups}."
         )
-    if cfg.data.packing == "documents":
+    if cfg.data.packing == "documents" and cfg.pipeline.schedule == "gpipe":
         raise ConfigError(
-            "data.packing=documents does not run on an MoE model's pipeline stages yet (a stage's microbatch would "
-            "need its rows' segments): set data.packing=stream or mesh.pipeline=1."
+            "data.packing=documents does not run on an MoE model's gpipe stages yet (a stage's microbatch would "
+            "need its rows' segments): set data.packing=stream, pipeline.schedule=1f1b or mesh.pipeline=1."
         )
 
 
@@ -345,16 +357,22 @@ def _ordered_on_model(cfg: Config, sizes: dict[str, int]) -> None:
 def _grad_sync_on_model(cfg: Config, sizes: dict[str, int]) -> None:
     """train.grad_sync=per_block's reach (ConfigError, one sentence): the shard_map form covers dense models
     on data, fsdp, tensor and pipeline axes, MoE models on data, fsdp, tensor and expert axes (each expert on
-    all of tensor), with microbatches only as pipeline microbatches."""
+    all of tensor) and on 1f1b or seq1f1b stages with dropless dispatch, with microbatches only as pipeline
+    microbatches."""
     if cfg.train.grad_sync == "ordered":
         _ordered_on_model(cfg, sizes)
     if cfg.train.grad_sync != "per_block":
         return
     moe = cfg.model.moe
-    if moe.experts and sizes["pipeline"] > 1:
+    if moe.experts and sizes["pipeline"] > 1 and cfg.pipeline.schedule == "gpipe":
         raise ConfigError(
-            "train.grad_sync=per_block does not run an MoE model on pipeline stages yet: set "
-            "train.grad_sync=end or mesh.pipeline=1."
+            "train.grad_sync=per_block does not run an MoE model's gpipe stages: set pipeline.schedule=1f1b, "
+            "pipeline.schedule=seq1f1b or train.grad_sync=end."
+        )
+    if moe.experts and sizes["pipeline"] > 1 and moe.dispatch != "dropless":
+        raise ConfigError(
+            "train.grad_sync=per_block runs an MoE model's pipeline stages with dropless dispatch only: set "
+            "model.moe.dispatch=dropless or train.grad_sync=end."
         )
     if moe.experts and sizes["expert"] > 1 and cfg.mesh.expert_tensor not in (0, sizes["tensor"]):
         raise ConfigError(

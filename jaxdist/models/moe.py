@@ -229,6 +229,17 @@ def local_experts(
 # --------------------------------------------------------------------------- the block
 
 
+def _routed(p: dict[str, jax.Array], tokens: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, Routing, jax.Array]:
+    """(expert output [N, d] in the weights' handling of :func:`moe_forward`, the routing, keep [N, k]) of tokens
+    [N, d]: the router, the installed dispatch and the shared expert."""
+    r = route(tokens, p["router"], cfg)
+    dispatch = hooks.expert_dispatch() or local_experts
+    y, keep = dispatch(tokens, r.experts, r.weights, {k: p[k] for k in EXPERT_KEYS}, cfg)
+    if cfg.moe.shared_d_ff:
+        y = y + swiglu(tokens, *(p[k].astype(tokens.dtype) for k in SHARED_KEYS))
+    return y, r, keep
+
+
 def moe_forward(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE feed-forward of one block on normed activations x [B, T, d].
 
@@ -241,12 +252,7 @@ def moe_forward(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> tupl
     to spread them over the devices), else :func:`local_experts`.
     """
     b, t, d = x.shape
-    tokens = x.reshape(b * t, d)
-    r = route(tokens, p["router"], cfg)
-    dispatch = hooks.expert_dispatch() or local_experts
-    y, keep = dispatch(tokens, r.experts, r.weights, {k: p[k] for k in EXPERT_KEYS}, cfg)
-    if cfg.moe.shared_d_ff:
-        y = y + swiglu(tokens, *(p[k].astype(x.dtype) for k in SHARED_KEYS))
+    y, r, keep = _routed(p, x.reshape(b * t, d), cfg)
     aux = router_losses(r, cfg.moe.experts)
     total = hooks.token_totals()
     if total is None:
@@ -255,6 +261,59 @@ def moe_forward(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> tupl
         kept, assigned = total((jnp.sum(keep.astype(jnp.float32)), jnp.sum(jnp.ones_like(keep, jnp.float32))))
         aux["drop_rate"] = 1.0 - kept / assigned
     return y.reshape(b, t, d).astype(x.dtype), aux
+
+
+# The router's sums over a part of a microbatch's tokens (a sequence chunk of pipeline stages): the load-balancing
+# and z losses are formed from them once every part has been routed (:func:`losses_from_sums`).
+ROUTER_SUMS = ("probs", "squares", "tokens", "kept", "assigned")
+
+
+def moe_forward_sums(p: dict[str, jax.Array], x: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """:func:`moe_forward` on a part of a microbatch's tokens (x [B, Tc, d]), with the router's sums over them in
+    place of its losses: ``probs`` [E] (the router distribution summed over the tokens: the load-balancing loss's
+    gradient flows through it), ``squares`` (logsumexp(router logits)^2 summed: the z-loss's), ``tokens`` [E]
+    (assignments per expert), ``kept`` and ``assigned`` (assignments kept and made); all float32.  The losses of
+    the whole microbatch are :func:`losses_from_sums` of the parts' sums added up."""
+    b, t, d = x.shape
+    y, r, keep = _routed(p, x.reshape(b * t, d), cfg)
+    sums = {
+        "probs": jnp.sum(r.probs, axis=0),
+        "squares": jnp.sum(jnp.square(jax.nn.logsumexp(r.logits, axis=-1))),
+        "tokens": expert_counts(r.experts, cfg.moe.experts),
+        "kept": jnp.sum(keep.astype(jnp.float32)),
+        "assigned": jnp.float32(keep.size),
+    }
+    return y.reshape(b, t, d).astype(x.dtype), sums
+
+
+def losses_from_sums(sums: dict[str, jax.Array], n_tokens, cfg: ModelConfig) -> dict[str, jax.Array]:
+    """:func:`moe_forward`'s aux (``balance``, ``z``, ``share``, ``tokens``, ``drop_rate``) of ``n_tokens`` tokens
+    from their :func:`moe_forward_sums` added up (any leading axes: per microbatch and block, say).  The same
+    numbers as one call on all the tokens: each is a sum over tokens divided once."""
+    share = sums["tokens"] / (n_tokens * cfg.moe.top_k)
+    return {
+        "balance": cfg.moe.experts * jnp.sum(share * sums["probs"] / n_tokens, axis=-1),
+        "z": sums["squares"] / n_tokens,
+        "share": share,
+        "tokens": sums["tokens"],
+        "drop_rate": 1.0 - sums["kept"] / sums["assigned"],
+    }
+
+
+def sums_cotangent(tokens: jax.Array, n_tokens, weight, cfg: ModelConfig) -> dict[str, jax.Array]:
+    """The cotangent of one block's :func:`moe_forward_sums` for an objective that adds ``weight`` x (aux_loss_coef
+    x balance + z_loss_coef x z) of a microbatch of ``n_tokens`` tokens, ``tokens`` [E] that microbatch's
+    assignments per expert in this block (all of its parts'): the balance's share takes no gradient, so each
+    part's gradient needs only the counts of the whole microbatch."""
+    share = tokens / (n_tokens * cfg.moe.top_k)
+    zero = jnp.zeros((), jnp.float32)
+    return {
+        "probs": (weight * cfg.moe.aux_loss_coef * cfg.moe.experts / n_tokens) * share,
+        "squares": jnp.asarray(weight * cfg.moe.z_loss_coef / n_tokens, jnp.float32),
+        "tokens": jnp.zeros_like(tokens),
+        "kept": zero,
+        "assigned": zero,
+    }
 
 
 def summarize_aux(per_layer: dict[str, jax.Array], cfg: ModelConfig) -> dict[str, jax.Array]:

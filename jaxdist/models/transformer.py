@@ -32,6 +32,7 @@ from jaxdist.models.moe import (
     DENSE_MLP_KEYS,
     group_member,
     moe_forward,
+    moe_forward_sums,
     moe_layer_count,
     moe_param_specs,
     split_group,
@@ -178,7 +179,7 @@ def block_forward_cached(
     segments: jax.Array | None = None,
     kv_segments: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One dense block on a chunk of a sequence whose earlier positions' keys and values are cached.
+    """One block on a chunk of a sequence whose earlier positions' keys and values are cached.
 
     x [B, Tc, d] holds positions P..P+Tc-1, P = k_prefix.shape[1] (0 without a
     prefix); cos, sin [Tc, head_dim/2] are the rotary tables of those positions;
@@ -190,7 +191,8 @@ def block_forward_cached(
     (``parallel/pipeline.py``) runs it.  Weights already in x's dtype are used
     as they are (no copy, so remat residuals can refer to them).  Packed documents: ``segments`` [B, Tc] are the
     chunk's tokens' segments, ``kv_segments`` [B, P+Tc] those of positions 0..P+Tc-1, and cos, sin per row
-    [B, Tc, head_dim/2].
+    [B, Tc, head_dim/2].  An MoE block (weights with a ``router``) returns a fourth output, its router's sums over
+    the chunk's tokens (:func:`jaxdist.models.moe.moe_forward_sums`: the losses need every chunk's counts).
     """
     dt = x.dtype
     w = {k: v if v.dtype == dt else v.astype(dt) for k, v in p.items()}
@@ -200,6 +202,9 @@ def block_forward_cached(
     values = v if v_prefix is None else jnp.concatenate([v_prefix, v], axis=1)
     x = _attention_residual(w, x, attention(q, keys, values, cfg, offset, segments, kv_segments))
     h = checkpoint_name(rms_norm(x, w["mlp_norm"], cfg.norm_eps), "mlp_norm")
+    if "router" in p:  # MoE block: the chunk's router sums travel out (jaxdist.models.moe.moe_forward_sums)
+        out, sums = moe_forward_sums(p, h, cfg)
+        return constrain(x + checkpoint_name(out, "mlp_out"), ("batch", "seq", "embed")), k, v, sums
     return _mlp_residual(w, x, h), k, v
 
 

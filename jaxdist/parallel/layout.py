@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdist.parallel.context import context_parallelism
 from jaxdist.parallel.grad_sync import per_block_grads_fn
 from jaxdist.parallel.mesh import build_mesh, mesh_devices
-from jaxdist.parallel.moe import ExpertLayout, expert_layout, expert_parallelism
+from jaxdist.parallel.moe import ExpertLayout, expert_layout, expert_parallelism, stage_row_axes
 from jaxdist.parallel.ordered_sum import ordered_grads_fn
 from jaxdist.parallel.pipeline import PipelinePlan, pipeline_grads_fn, pipeline_plan_for
 from jaxdist.parallel.pipeline_sync import StageSync
@@ -69,12 +69,13 @@ class Parallelism:
         """The parallelism of a whole Config on ``devices`` (default all); ConfigError if the config cannot run.
         ``own_model``: a user's model, whose stages run its own stack (jaxdist.parallel.pipeline_blocks), so no
         plan of jaxdist's transformer's stages is made.  Where the stages run by autodiff (a user's model, an
-        MoE model), the layers outside the stack take their rows over the stages too (``batch`` maps to
-        ``pipeline`` as well), so no stage repeats them."""
+        MoE model's gpipe stages), the layers outside the stack take their rows over the stages too (``batch``
+        maps to ``pipeline`` as well), so no stage repeats them."""
         # A mesh smaller than the devices (every axis size given) runs on the first ones, as resolve() chose.
         mesh = build_mesh(config.mesh, mesh_devices(config.mesh, devices if devices is not None else jax.devices()))
         rules = DEFAULT_RULES
-        if config.mesh.pipeline > 1 and (own_model or config.model.moe.experts):
+        by_autodiff = own_model or (config.model.moe.experts and config.pipeline.schedule == "gpipe")
+        if config.mesh.pipeline > 1 and by_autodiff:
             rules = tuple((n, (*a, "pipeline") if n == "batch" else a) for n, a in rules)
         return cls.for_mesh(
             mesh,
@@ -138,9 +139,13 @@ class Parallelism:
         t = config.train
         if t.grad_sync == "ordered":
             return ordered_grads_fn(graphdef, self.mesh, self.rules, param_shardings, t.grad_unit_rows)
-        if t.grad_sync == "per_block" and self.pipeline is not None:  # each stage reduces after its last backward
+        # Each stage reduces after its last backward: per_block's, and an MoE model's stages whose planned
+        # dispatch runs inside them (manual over its axes, jaxdist.parallel.pipeline_sync) under either setting.
+        moe_rows = self.pipeline is not None and bool(stage_row_axes(self.expert_layout, config.model))
+        if self.pipeline is not None and (t.grad_sync == "per_block" or moe_rows):
             specs = jax.tree.map(lambda s: s.spec, param_shardings)
-            sync = StageSync(specs, dict(self.mesh.shape), comm_plan.layers_per_bucket, config.model.tie_embeddings)
+            model = config.model
+            sync = StageSync(specs, dict(self.mesh.shape), comm_plan.layers_per_bucket, model.tie_embeddings, model)
             return self.pipeline_grads_fn(config, sync)
         if t.grad_sync == "per_block":
             return per_block_grads_fn(graphdef, config.model, self.mesh, self.rules, param_shardings, comm_plan)

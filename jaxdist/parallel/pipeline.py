@@ -38,6 +38,16 @@ per-unit residuals: p microbatches on stage 0 for 1f1b, s+p-1 chunks for
 seq1f1b.  Units are padded to the longest chunk so every slot has one shape.
 The loss is the mean next-token cross-entropy over the global batch, and the
 gradients equal the non-pipelined model's (tests compare to 1e-5).
+
+An MoE model's blocks (groups of ``moe.every`` blocks, the last an MoE block; a stage holds whole groups) run
+the same way; its experts are XLA's to partition over the automatic axes inside a stage.  The router's losses
+are a microbatch's, as in ``jaxdist.train.step.loss_metrics_and_grads``: the mean over the microbatches of
+``aux_loss_coef`` x load-balancing loss + ``z_loss_coef`` x z-loss, each a mean over the MoE blocks.  A sequence
+chunk adds its router's sums (probabilities and assignments per expert, logsumexp squares) to its microbatch's;
+the load-balancing loss E x sum_e share_e x P_e takes no gradient through share_e (the assignments' share), so a
+chunk's backward needs only the microbatch's counts, which are whole by then: every stage runs all of a
+microbatch's forwards before its first backward (:func:`check_router_order`).  The losses are then formed from
+the microbatch's sums, equal to the unpipelined model's.
 """
 
 from __future__ import annotations
@@ -50,21 +60,31 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxdist.config import ConfigError, ModelConfig, Remat
+from jaxdist.config import MOE_CAPACITY_CHUNKS, ConfigError, ModelConfig, Remat
+from jaxdist.models.moe import MOE_METRICS, summarize_microbatches
 from jaxdist.models.packed import target_count
 from jaxdist.parallel.chunks import chunk_boundaries, chunk_cost_model
 from jaxdist.parallel.pipeline_stage import AXIS, run_stage, stage_remat_policy
-from jaxdist.parallel.pipeline_sync import STAGE_MANUAL, StageSync
+from jaxdist.parallel.pipeline_sync import StageSync
 from jaxdist.parallel.rules import DEFAULT_RULES, Rules, constrain
 from jaxdist.parallel.schedule import ExecutorTables, Schedule, build_schedule, executor_tables
 
-# Why this executor does not run MoE (jaxdist.config.schema says the same for a config; an MoE model's gpipe
-# stages run by autodiff, jaxdist.parallel.pipeline_blocks).
-MOE_NOT_PIPELINED = (
-    "an MoE model's pipeline stages run the gpipe schedule only (the 1f1b and seq1f1b executor runs the dense "
-    "block, and a sequence chunk's router losses would need every chunk's counts): set pipeline.schedule=gpipe "
-    "or mesh.pipeline=1."
-)
+
+def check_router_order(schedule: Schedule) -> None:
+    """ValueError unless every stage runs all of a microbatch's forwards before its first backward: an MoE
+    block's load-balancing loss needs the microbatch's counts per expert (jaxdist.parallel.pipeline_stage)."""
+    for k in range(schedule.stages):
+        last_f, first_b = {}, {}
+        for t, row in enumerate(schedule.grid):
+            a = row[k]
+            if a is not None:
+                (last_f if a.op == "F" else first_b).setdefault(a.microbatch, []).append(t)
+        for mb, ticks in first_b.items():
+            if min(ticks) < max(last_f[mb]):
+                raise ValueError(
+                    f"the {schedule.kind} schedule runs a backward of microbatch {mb} on stage {k} before its last "
+                    "forward there, which an MoE block's load-balancing loss cannot follow: use gpipe, 1f1b or seq1f1b."
+                )
 
 
 @dataclass(frozen=True)
@@ -112,6 +132,7 @@ def pipeline_loss_and_grads(
     tables: tuple[jax.Array, jax.Array] | None = None,
     sync: StageSync | None = None,
     packed: bool = False,
+    with_metrics: bool = False,
 ):
     """(mean next-token loss, grads) of ``tokens`` [B, T+1], run as a pipeline over ``mesh``'s pipeline axis.
 
@@ -134,13 +155,19 @@ def pipeline_loss_and_grads(
     ``packed``: rows packed from documents (data.packing=documents, jaxdist.models.packed): the loss is the mean
     over their targets, and each chunk attends within its documents (the key/value cache of the earlier chunks
     carries their segments).
+
+    An MoE model's loss is its objective: the cross-entropy plus the router losses (module docstring).
+    ``with_metrics``: a last output, the metrics ``jaxdist.train.step.objective`` gives ({} for a dense model;
+    for an MoE model the cross-entropy as ``loss``, the router's figures and ``moe_layers``).
     """
     sch = plan.schedule
     p, m = sch.stages, sch.microbatches
     if dict(mesh.shape).get(AXIS, 1) != p:
         raise ValueError(f"the plan has {p} stages but the mesh's pipeline axis has {dict(mesh.shape).get(AXIS, 1)}.")
     if model.moe.experts:
-        raise ValueError(MOE_NOT_PIPELINED)
+        check_router_order(sch)
+        if sch.chunks > 1 and model.moe.dispatch == "capacity":
+            raise ValueError(MOE_CAPACITY_CHUNKS)
     b, t1 = tokens.shape
     assert b % m == 0 and t1 - 1 == plan.bounds[-1], (tokens.shape, m, plan.bounds)
     mb_tokens = constrain(tokens.reshape(b // m, m, t1).swapaxes(0, 1), (None, "batch", "seq"))
@@ -150,21 +177,30 @@ def pipeline_loss_and_grads(
     if sync is None:
         specs, manual = (P(AXIS), P(), P()), {AXIS}
     else:  # per_block: data and fsdp manual too (the rules inside name only the automatic axes)
-        specs, manual = sync.in_specs(), set(STAGE_MANUAL)
+        specs, manual = sync.in_specs(), set(sync.manual)
         rules = tuple((name, tuple(a for a in axes if a not in manual)) for name, axes in rules)
     n_tokens = target_count(tokens) if packed else jnp.float32(b * (t1 - 1))
     body = partial(run_stage, model=model, plan=plan, remat=remat, rules=rules, packed=packed, sync=sync)
+    out_specs = (P(), specs[0], specs[1], P(AXIS))
+    if model.moe.experts:  # per microbatch and MoE block, the router's figures: [m, MoE blocks, ...]
+        out_specs += (P(None, AXIS),)
     fn = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(*specs, P(), P()),
-        out_specs=(P(), specs[0], specs[1], P(AXIS)),
+        out_specs=out_specs,
         axis_names=manual,
         check_vma=False,
     )
-    loss, g_layers, g_shared, trace = fn(params["layers"], shared, mb_tokens, tables, n_tokens)
+    loss, g_layers, g_shared, trace, *router = fn(params["layers"], shared, mb_tokens, tables, n_tokens)
     grads = dict(g_shared, layers=g_layers)
-    return (loss, grads, trace) if with_trace else (loss, grads)
+    metrics = {}
+    if router:  # the objective adds the router losses, as jaxdist.train.step.objective does
+        aux = summarize_microbatches(router[0], model)
+        metrics = {"loss": loss, **{k: aux[k] for k in MOE_METRICS}, "moe_layers": aux["moe_layers"]}
+        loss = loss + aux["moe_loss"]
+    out = (loss, grads, trace) if with_trace else (loss, grads)
+    return (*out, metrics) if with_metrics else out
 
 
 def pipeline_plan_for(config) -> PipelinePlan:
@@ -192,7 +228,7 @@ def pipeline_grads_fn(
     plan = plan or pipeline_plan_for(config)
 
     def fn(params, tokens):
-        loss, grads = pipeline_loss_and_grads(
+        loss, grads, metrics = pipeline_loss_and_grads(
             params,
             tokens,
             model=config.model,
@@ -202,8 +238,9 @@ def pipeline_grads_fn(
             rules=rules,
             sync=sync,
             packed=config.data.packing == "documents",
+            with_metrics=True,
         )
-        return loss, {}, grads
+        return loss, metrics, grads
 
     fn.plan = plan
     return fn

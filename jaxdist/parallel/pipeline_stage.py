@@ -20,6 +20,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.config import ModelConfig, Remat
+from jaxdist.models.moe import (
+    ROUTER_SUMS,
+    group_member,
+    losses_from_sums,
+    moe_layer_count,
+    moe_param_specs,
+    split_group,
+    sums_cotangent,
+)
 from jaxdist.models.packed import unpack
 from jaxdist.models.transformer import (
     CHECKPOINT_NAMES,
@@ -32,7 +41,6 @@ from jaxdist.models.transformer import (
     token_cross_entropy,
 )
 from jaxdist.packed_row import ID_MASK
-from jaxdist.parallel.pipeline_sync import STAGE_MANUAL
 from jaxdist.parallel.rules import Rules, activation_sharding
 
 AXIS = "pipeline"
@@ -163,28 +171,58 @@ class _StageRun:
         sch = plan.schedule
         self.p, self.s = sch.stages, sch.chunks
         self.dt = array_dtype(cfg.dtype)
-        # Cast once per step, so every unit's vjp refers to these same arrays (not a copy per unit).
-        self.lp = {k: v.astype(self.dt) for k, v in layers.items()}
+        # Cast once per step, so every unit's vjp refers to these same arrays (not a copy per unit).  An MoE
+        # block's router and experts keep their storage dtype: the MoE computes its own (jaxdist.models.moe).
+        self.moe_keys = set(moe_param_specs(cfg)) if cfg.moe.experts else set()
+        self.lp = {k: v if k in self.moe_keys else v.astype(self.dt) for k, v in layers.items()}
         self.param_dtypes = {k: v.dtype for k, v in layers.items()}
         self.shared, self.tokens = shared, tokens
         self.stage = jax.lax.axis_index(AXIS)
         self.is_first, self.is_last = self.stage == 0, self.stage == self.p - 1
-        self.n_layers = next(iter(layers.values())).shape[0]
+        self.n_layers = layers["wq"].shape[0]
+        # The block loop's steps: one block (dense), or a group of moe.every blocks whose last is an MoE block.
+        self.members = cfg.moe.every if cfg.moe.experts else 1
+        self.groups = self.n_layers // self.members
+        self.grouped = split_group(self.lp, cfg, self.groups) if cfg.moe.experts else self.lp
+        self.microbatches = tokens.shape[0]
         self.batch = tokens.shape[1]
+        # A microbatch's tokens (its router losses' count): with sync, every device of the stage holds a part.
+        self.rows = () if sync is None else sync.rows
+        self.mb_tokens = float(self.batch * plan.bounds[-1] * (1 if sync is None else sync.row_devices))
         self.lengths = plan.chunk_lengths
         self.tmax = max(self.lengths)
         self.policy = stage_remat_policy(remat, self.s)
         self.table, self.unit_slot = tables
-        self.res = [self._residual_layout(c) for c in range(self.s)]
-        n = len(self.res[0]["shapes"])
-        assert all(len(r["shapes"]) == n for r in self.res), "residual structure differs between chunks"
-        self.res_shapes = [
-            tuple(max(r["shapes"][i][d] for r in self.res) for d in range(len(self.res[0]["shapes"][i])))
-            for i in range(n)
-        ]
-        self.res_dtypes = self.res[0]["dtypes"]
+        # Per chunk, per member of a step: what its vjp keeps (the stash holds the longest chunk's shapes).
+        self.res = [[self._residual_layout(c, j) for j in range(self.members)] for c in range(self.s)]
+        self.res_shapes, self.res_dtypes = [], []
+        for j in range(self.members):
+            first = self.res[0][j]
+            n = len(first["shapes"])
+            assert all(len(r[j]["shapes"]) == n for r in self.res), "residual structure differs between chunks"
+            self.res_shapes.append(
+                [
+                    tuple(max(r[j]["shapes"][i][d] for r in self.res) for d in range(len(first["shapes"][i])))
+                    for i in range(n)
+                ]
+            )
+            self.res_dtypes.append(first["dtypes"])
 
     # ---------------------------------------------------------------- per-chunk pieces
+
+    def _member(self, group: dict, j: int) -> dict:
+        """The weights of block j of one step of the block loop (a dense model's step is one block)."""
+        return group_member(group, j, self.cfg) if self.cfg.moe.experts else group
+
+    def _grad_index(self, name: str, j: int) -> tuple:
+        """Where block j's gradient of weight ``name`` goes in a step's slice of the grouped accumulators."""
+        return () if not self.cfg.moe.experts or name in self.moe_keys else (j,)
+
+    def _ungroup(self, grads: dict) -> dict:
+        """Grouped gradients [groups, blocks per group, ...] back to the stage's stacked layout [blocks, ...]."""
+        if not self.cfg.moe.experts:
+            return grads
+        return {k: g if k in self.moe_keys else g.reshape(-1, *g.shape[2:]) for k, g in grads.items()}
 
     def _block(self, c: int) -> Callable:
         cfg = self.cfg
@@ -217,16 +255,18 @@ class _StageRun:
         again = (p_l, cos, sin, *seg) if c == 0 else (p_l, cos, sin, kp, vp, *seg)
         return full, again
 
-    def _residual_layout(self, c: int) -> dict:
-        """Shapes of the residuals a block of chunk c stores, its vjp treedef and layout (traced abstractly)."""
+    def _residual_layout(self, c: int, j: int) -> dict:
+        """Shapes of the residuals block j of a step stores for chunk c, its vjp treedef and layout (traced
+        abstractly)."""
         cfg, n, bsz = self.cfg, self.lengths[c], self.batch
         a = self.plan.bounds[c]
         sd = lambda shape: jax.ShapeDtypeStruct(shape, self.dt)  # noqa: E731
-        p_l = {k: sd(v.shape[1:]) for k, v in self.lp.items()}
+        group = {k: jax.ShapeDtypeStruct(v.shape[1:], v.dtype) for k, v in self.grouped.items()}
         kv = sd((bsz, a, cfg.n_kv_heads, cfg.head_dim))
         out = {}
 
-        def trace(p_l, x, kp, vp, positions, seg):
+        def trace(group, x, kp, vp, positions, seg):
+            p_l = self._member(group, j)
             cos, sin = self._rotary(c, positions)
             full, again = self._args(c, p_l, x, cos, sin, kp, vp, seg)
             _, kept, treedef, layout = _vjp_split(self._block(c), full, again)
@@ -237,7 +277,7 @@ class _StageRun:
         if self.packed:
             i32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
             positions, seg = i32((bsz, n)), (i32((bsz, n)),) if c == 0 else (i32((bsz, n)), i32((bsz, a + n)))
-        kept = jax.eval_shape(trace, p_l, sd((bsz, n, cfg.d_model)), kv, kv, positions, seg)
+        kept = jax.eval_shape(trace, group, sd((bsz, n, cfg.d_model)), kv, kv, positions, seg)
         out.update(shapes=[k.shape for k in kept], dtypes=[k.dtype for k in kept])
         return out
 
@@ -269,38 +309,44 @@ class _StageRun:
 
             # The stash travels through the block loop so that each block's residuals are
             # written into their slot in place (no stacked copy of a whole unit).
-            def layer(state, xs):
+            def step(state, xs):
                 x, carry = state
-                p_l, l = xs
-                kp, vp = self._prefix_kv(carry, mb, c, l)
-                full, again = self._args(c, p_l, x, cos, sin, kp, vp, seg)
-                (y, k, v), kept, _, layout = _vjp_split(block, full, again)
-                assert layout == self.res[c]["layout"], (
-                    "residual layout differs from the plan",
-                    layout,
-                    self.res[c]["layout"],
-                )
-                carry = dict(
-                    carry,
-                    stash=[
-                        _set(st, (slot, l), _pad(r, shape))
-                        for st, r, shape in zip(carry["stash"], kept, self.res_shapes)
-                    ],
-                )
-                if self.s > 1:
-                    carry["kv_k"] = _set(carry["kv_k"], (slot, l), self._pad_tokens(k))
-                    carry["kv_v"] = _set(carry["kv_v"], (slot, l), self._pad_tokens(v))
-                return (y, carry), None
+                group, g = xs
+                for j in range(self.members):
+                    l = g * self.members + j
+                    p_l = self._member(group, j)
+                    kp, vp = self._prefix_kv(carry, mb, c, l)
+                    full, again = self._args(c, p_l, x, cos, sin, kp, vp, seg)
+                    outs, kept, _, layout = _vjp_split(block, full, again)
+                    assert layout == self.res[c][j]["layout"], (
+                        "residual layout differs from the plan",
+                        layout,
+                        self.res[c][j]["layout"],
+                    )
+                    stash = list(carry["stash"])
+                    stash[j] = [
+                        _set(st, (slot, g), _pad(r, shape)) for st, r, shape in zip(stash[j], kept, self.res_shapes[j])
+                    ]
+                    carry = dict(carry, stash=stash)
+                    x, k, v = outs[:3]
+                    if len(outs) == 4:  # an MoE block: its router's sums over this chunk, added to the microbatch's
+                        sums = dict(outs[3])
+                        if self.rows:  # the counts of the stage's rows: every backward of mb needs them whole
+                            sums["tokens"] = jax.lax.psum(sums["tokens"], self.rows)
+                        carry["router"] = {key: _add(carry["router"][key], (mb, g), sums[key]) for key in ROUTER_SUMS}
+                    if self.s > 1:
+                        carry["kv_k"] = _set(carry["kv_k"], (slot, l), self._pad_tokens(k))
+                        carry["kv_v"] = _set(carry["kv_v"], (slot, l), self._pad_tokens(v))
+                return (x, carry), None
 
-            (y, carry), _ = jax.lax.scan(layer, (x_in[:, :n], carry), (self.lp, jnp.arange(self.n_layers)))
+            xs = (self.grouped, jnp.arange(self.groups))
+            (y, carry), _ = jax.lax.scan(step, (x_in[:, :n], carry), xs)
             return carry, self._pad_tokens(y)
 
         return branch
 
     def _backward(self, c: int):
         a, n, s = self.plan.bounds[c], self.lengths[c], self.s
-        treedef, layout = self.res[c]["treedef"], self.res[c]["layout"]
-        shapes = self.res[c]["shapes"]
         kv_shape = (self.batch, n, self.cfg.n_kv_heads, self.cfg.head_dim)
 
         def branch(carry, row, dy_in):
@@ -308,31 +354,54 @@ class _StageRun:
             positions, seg = self._documents(c, mb)
             cos, sin = self._rotary(c, positions)
 
-            def layer(state, xs):
+            def step(state, xs):
                 dx, carry = state
-                p_l, l = xs
-                kp, vp = self._prefix_kv(carry, mb, c, l)
-                kept = [_at(st, (slot, l), shape) for st, shape in zip(carry["stash"], shapes)]
-                if c < s - 1:  # cotangents of this chunk's keys/values from the later chunks' attention
-                    dke = _at(carry["dkv_k"], (l,), (self.batch, n), (0, a))
-                    dve = _at(carry["dkv_v"], (l,), (self.batch, n), (0, a))
-                else:
-                    dke = dve = jnp.zeros(kv_shape, self.dt)
-                _, again = self._args(c, p_l, None, cos, sin, kp, vp, seg)
-                vjp = jax.tree.unflatten(treedef, _merge(kept, again, layout))
-                cts = vjp((dx, dke, dve))
-                carry = dict(carry, g_layers={k: _add(g, (l,), cts[0][k]) for k, g in carry["g_layers"].items()})
-                if c > 0:  # the first backward of a microbatch (c = s-1) starts the accumulation afresh
-                    upd = _set if c == s - 1 else _add
-                    carry["dkv_k"] = upd(carry["dkv_k"], (l,), cts[4])
-                    carry["dkv_v"] = upd(carry["dkv_v"], (l,), cts[5])
-                return (cts[1], carry), None
+                group, g = xs
+                for j in reversed(range(self.members)):
+                    l = g * self.members + j
+                    p_l = self._member(group, j)
+                    res = self.res[c][j]
+                    kp, vp = self._prefix_kv(carry, mb, c, l)
+                    kept = [_at(st, (slot, g), shape) for st, shape in zip(carry["stash"][j], res["shapes"])]
+                    if c < s - 1:  # cotangents of this chunk's keys/values from the later chunks' attention
+                        dke = _at(carry["dkv_k"], (l,), (self.batch, n), (0, a))
+                        dve = _at(carry["dkv_v"], (l,), (self.batch, n), (0, a))
+                    else:
+                        dke = dve = jnp.zeros(kv_shape, self.dt)
+                    _, again = self._args(c, p_l, None, cos, sin, kp, vp, seg)
+                    vjp = jax.tree.unflatten(res["treedef"], _merge(kept, again, res["layout"]))
+                    cotangent = (dx, dke, dve)
+                    if "router" in p_l:  # the router losses' share of the objective (jaxdist.models.moe)
+                        cotangent += (self._router_cotangent(carry, mb, g),)
+                    cts = vjp(cotangent)
+                    carry = dict(
+                        carry,
+                        g_layers={
+                            k: _add(gl, (g, *self._grad_index(k, j)), cts[0][k]) if k in cts[0] else gl
+                            for k, gl in carry["g_layers"].items()
+                        },
+                    )
+                    if c > 0:  # the first backward of a microbatch (c = s-1) starts the accumulation afresh
+                        upd = _set if c == s - 1 else _add
+                        carry["dkv_k"] = upd(carry["dkv_k"], (l,), cts[4])
+                        carry["dkv_v"] = upd(carry["dkv_v"], (l,), cts[5])
+                    dx = cts[1]
+                return (dx, carry), None
 
-            xs = (self.lp, jnp.arange(self.n_layers))
-            (dx, carry), _ = jax.lax.scan(layer, (dy_in[:, :n], carry), xs, reverse=True)
+            xs = (self.grouped, jnp.arange(self.groups))
+            (dx, carry), _ = jax.lax.scan(step, (dy_in[:, :n], carry), xs, reverse=True)
             return carry, self._pad_tokens(dx)
 
         return branch
+
+    def _router_cotangent(self, carry, mb, g) -> dict:
+        """The cotangent of an MoE block's router sums in a backward of microbatch mb: the router losses enter
+        the objective as the microbatches' mean of their means over the model's MoE blocks (as
+        jaxdist.train.step.loss_metrics_and_grads adds them), and by the first backward of a microbatch every
+        chunk of it has passed this stage's forward, so its counts per expert are whole."""
+        tokens = _at(carry["router"]["tokens"], (mb, g), (self.cfg.moe.experts,))
+        weight = 1.0 / (moe_layer_count(self.cfg) * self.microbatches)
+        return sums_cotangent(tokens, self.mb_tokens, weight, self.cfg)
 
     def _head(self, carry, y, tok, n, targets=None):
         """Last stage, after a forward: loss of the unit and the gradient of its output (padded tokens masked, and
@@ -383,12 +452,17 @@ class _StageRun:
             "grad_in": jnp.zeros((tab.grad_buffers + 1, *msg.shape), dt),
             "dy": jnp.zeros((tab.slots, *msg.shape), dt),
             "stash": [
-                jnp.zeros((tab.slots, self.n_layers, *shape), dtype)
-                for shape, dtype in zip(self.res_shapes, self.res_dtypes)
+                [jnp.zeros((tab.slots, self.groups, *shape), dtype) for shape, dtype in zip(shapes, dtypes)]
+                for shapes, dtypes in zip(self.res_shapes, self.res_dtypes)
             ],
             "loss": jnp.zeros((), jnp.float32),
-            "g_layers": {k: jnp.zeros(v.shape, self.param_dtypes[k]) for k, v in self.lp.items()},
+            "g_layers": {k: jnp.zeros(v.shape, self.param_dtypes[k]) for k, v in self.grouped.items()},
         }
+        if cfg.moe.experts:  # per microbatch and MoE block of this stage, the router's sums (ROUTER_SUMS)
+            shapes = {"probs": (cfg.moe.experts,), "tokens": (cfg.moe.experts,)}
+            carry["router"] = {
+                k: jnp.zeros((self.microbatches, self.groups, *shapes.get(k, ())), jnp.float32) for k in ROUTER_SUMS
+            }
         for k, v in self.shared.items():
             carry["g_" + k] = jnp.zeros_like(v)
         if self.sync is not None:
@@ -464,19 +538,32 @@ class _StageRun:
             return carry, op
 
         carry, trace = jax.lax.scan(tick, self._init_carry(), (self.table, ticks))  # table: [ticks, stages, 7]
+        carry["g_layers"] = self._ungroup(carry["g_layers"])
         if self.sync is not None:
             return self._reduced(carry, trace)
         loss = jax.lax.psum(carry["loss"], AXIS)
         g_shared = {k: jax.lax.psum(carry["g_" + k], AXIS).astype(v.dtype) for k, v in self.shared.items()}
-        return loss, carry["g_layers"], g_shared, trace[None]
+        return (loss, carry["g_layers"], g_shared, trace[None], *self._router_figures(carry))
+
+    def _router_figures(self, carry) -> tuple:
+        """An MoE model's router losses and figures per microbatch and MoE block of this stage [m, groups, ...]
+        (the stage's rows' sums added up), or nothing for a dense model."""
+        if not self.cfg.moe.experts:
+            return ()
+        sums = carry["router"]
+        if self.rows:  # the counts are whole already
+            sums = dict(
+                jax.lax.psum({k: v for k, v in sums.items() if k != "tokens"}, self.rows), tokens=sums["tokens"]
+            )
+        return (losses_from_sums(sums, self.mb_tokens, self.cfg),)
 
     def _reduce_layers(self, carry):
-        reduced = self.sync.reduce_layers(carry["g_layers"])
+        reduced = self.sync.reduce_layers(self._ungroup(carry["g_layers"]))
         return dict(carry, g_reduced={k: v.astype(carry["g_reduced"][k].dtype) for k, v in reduced.items()})
 
     def _reduced(self, carry, trace):
         """per_block's outputs: the loss over every device, the reduced layer and shared gradients."""
-        loss = jax.lax.psum(carry["loss"], STAGE_MANUAL)
+        loss = jax.lax.psum(carry["loss"], self.sync.manual)
         head = {k: carry[self._head_key(k)] for k in head_params(self.shared, self.cfg)}
         g_shared = self.sync.reduce_shared(head, carry["g_embed"])
-        return loss, carry["g_reduced"], g_shared, trace[None]
+        return (loss, carry["g_reduced"], g_shared, trace[None], *self._router_figures(carry))

@@ -20,9 +20,17 @@ the executor's ``shard_map`` is manual over ``pipeline``, ``data`` and ``fsdp`` 
 
 Every device of a stage takes the same branch at the same tick and the reductions' groups lie within one
 stage, so the collectives are issued in the same order on every device of a group.
+
+An MoE model's stages (with dropless dispatch, each expert on all of ``tensor``) run this way under either
+``train.grad_sync``: its rows are split over ``expert`` too, so the shard_map is manual over ``expert`` as well
+and jaxdist's planned dispatch runs inside the stage (the all-to-all over ``expert``,
+jaxdist.parallel.moe.run_experts); its dense weights' gradients are summed over data x expert, its experts'
+over data only (jaxdist.parallel.grad_sync.bucket_weights), in buckets of whole groups of ``moe.every`` blocks.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -45,17 +53,32 @@ PIPELINE = "pipeline"
 STAGE_MANUAL = (PIPELINE, *MANUAL)  # the executor's manual axes under per_block
 
 
+def stage_rows(model, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The axes a stage's rows are split over under :class:`StageSync`, in the batch rule's order: data and
+    fsdp, and an MoE model's expert axis (its dispatch runs on each device's tokens)."""
+    return (*MANUAL, "expert") if model.moe.experts and sizes.get("expert", 1) > 1 else MANUAL
+
+
 class StageSync:
     """What a pipeline stage does under ``train.grad_sync=per_block`` (see the module docstring).
 
     ``specs``: the parameters' full PartitionSpecs; ``sizes``: the mesh's axis sizes; ``layers_per_bucket``:
-    the plan's k (a divisor of the stage's layer count); ``tied``: tied embeddings.
+    the plan's k (a divisor of the stage's layer count; a multiple of ``moe.every`` for an MoE model);
+    ``tied``: tied embeddings; ``model``: the ModelConfig (an MoE model's rows and buckets, see the module
+    docstring).
     """
 
-    def __init__(self, specs: dict, sizes: dict[str, int], layers_per_bucket: int, tied: bool):
+    def __init__(self, specs: dict, sizes: dict[str, int], layers_per_bucket: int, tied: bool, model=None):
         self.specs, self.k, self.tied = specs, layers_per_bucket, tied
-        self.data, self.fsdp, self.tensor = sizes.get("data", 1), sizes.get("fsdp", 1), sizes.get(AUTO, 1)
-        self.weights = bucket_weights(specs, self.fsdp, tied)
+        moe = model is not None and model.moe.experts
+        self.every = model.moe.every if moe else 1  # layers per group (a bucket holds whole groups)
+        self.rows = stage_rows(model, sizes) if moe else MANUAL
+        self.manual = (PIPELINE, *self.rows)
+        self.replicas = tuple(a for a in self.rows if a != "fsdp")  # the axes besides fsdp a gradient sums over
+        self.row_devices = math.prod(sizes.get(a, 1) for a in self.rows)
+        self.data = math.prod(sizes.get(a, 1) for a in self.replicas)
+        self.fsdp, self.tensor = sizes.get("fsdp", 1), sizes.get(AUTO, 1)
+        self.weights = bucket_weights(specs, self.fsdp, tied, self.replicas)
         # The shared weights as they enter a stage: each gathered once (the tied table serves lookup and head).
         head = {n: w for n, w in self.weights["head"].items() if n != "embed"}
         self.shared_weights = {"embed": self.weights["embed"]["embed"], **head}
@@ -64,9 +87,9 @@ class StageSync:
 
     def in_specs(self) -> tuple[dict, dict, P]:
         """shard_map specs of (layers, shared weights, microbatched tokens [m, B/m, T+1]) over the manual axes."""
-        keep = lambda s: keep_axes(s, STAGE_MANUAL)  # noqa: E731
+        keep = lambda s: keep_axes(s, self.manual)  # noqa: E731
         shared = {n: keep(s) for n, s in self.specs.items() if n != "layers"}
-        return {n: keep(s) for n, s in self.specs["layers"].items()}, shared, P(None, MANUAL)
+        return {n: keep(s) for n, s in self.specs["layers"].items()}, shared, P(None, self.rows)
 
     # ------------------------------------------------------------------ forward: gather once per step
 
@@ -89,18 +112,22 @@ class StageSync:
     # ------------------------------------------------------------------ backward: reduce once per step
 
     def reduce_layers(self, grads: dict) -> dict:
-        """The stage's accumulated block gradients [L/p, ...] (unreduced, whole along fsdp) reduced in buckets of
-        k layers, the last layer's bucket first; each device keeps its fsdp shard."""
+        """The stage's accumulated block gradients [L/p, ...] (unreduced, whole along fsdp; an MoE model's dense
+        MLP and expert weights with their own leading lengths) reduced in buckets of k layers, the last
+        layer's bucket first; each device keeps its fsdp shard."""
         w = self.weights["layers"]
         dims, specs = {n: w[n].dim for n in grads}, {n: w[n].spec for n in grads}
-        site = Site(self.data, self.fsdp, self.tensor, False)
-        n_layers = next(iter(grads.values())).shape[0]
-        assert n_layers % self.k == 0, (n_layers, self.k)
+        replicas = {n: w[n].replicas for n in grads}
+        site = Site(self.data, self.fsdp, self.tensor, False, self.replicas)
+        groups, per = grads["wq"].shape[0] // self.every, self.k // self.every  # groups of blocks; per bucket
+        assert groups % per == 0, (groups, per)
+        share = {n: g.shape[0] // groups for n, g in grads.items()}  # each weight's entries per group
         out = []
         with jax.named_scope(SCOPE):
-            for top in range(n_layers - self.k, -1, -self.k):
-                bucket = {n: g[top : top + self.k] for n, g in grads.items()}
-                out.append(on_tensor_shards(lambda b: reduce_bucket(b, dims, site), bucket, specs, self.tensor))
+            for top in range(groups - per, -1, -per):
+                bucket = {n: g[top * share[n] : (top + per) * share[n]] for n, g in grads.items()}
+                reduce = lambda b: reduce_bucket(b, dims, site, replicas)  # noqa: E731
+                out.append(on_tensor_shards(reduce, bucket, specs, self.tensor))
         return {n: jnp.concatenate([b[n] for b in reversed(out)]) for n in grads}
 
     def gather_rows(self, dx: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -109,7 +136,7 @@ class StageSync:
         each device forms the table's lookup gradient whole, summed over the stage's rows as XLA partitions
         the lookup inside a stage (``train.grad_sync=end``) -- b t d numbers a device instead of the V d table."""
         with jax.named_scope(SCOPE):
-            return tuple(jax.lax.all_gather(x, MANUAL, axis=0, tiled=True) for x in (dx, tokens))
+            return tuple(jax.lax.all_gather(x, self.rows, axis=0, tiled=True) for x in (dx, tokens))
 
     def reduce_shared(self, head: dict, lookup: jax.Array) -> dict:
         """The shared weights' gradients, summed over the stages: ``head`` (final norm, lm_head or the tied
@@ -118,7 +145,7 @@ class StageSync:
         gradients are added after."""
         head, lookup = jax.lax.psum((head, lookup), PIPELINE)
         hw, dim = self.weights["head"], self.weights["embed"]["embed"].dim
-        site = Site(self.data, self.fsdp, self.tensor, False)
+        site = Site(self.data, self.fsdp, self.tensor, False, self.replicas)
         with jax.named_scope(SCOPE):
             out = dict(
                 on_tensor_shards(

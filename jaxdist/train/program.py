@@ -158,12 +158,14 @@ class Program:
 
     def _grads_fn(self):
         """The gradient path Parallelism chooses for train.grad_sync (None: the model's own); an MoE model's
-        pipeline stages: gpipe by autodiff (jaxdist.parallel.pipeline_blocks)."""
+        pipeline stages: gpipe by autodiff (jaxdist.parallel.pipeline_blocks), 1f1b and seq1f1b by the
+        executor (jaxdist.parallel.pipeline)."""
         c = self.config
         if c.mesh.pipeline > 1 and c.model.moe.experts:
-            check_rows_over_stages(c.train.batch_size, dict(self.mesh.shape), "the embedding and head")
             # With dropless dispatch the planned dispatch runs inside the stages (manual over its axes too).
             self.stage_rows = stage_row_axes(self.expert_layout, c.model)
+        if c.mesh.pipeline > 1 and c.model.moe.experts and c.pipeline.schedule == "gpipe":
+            check_rows_over_stages(c.train.batch_size, dict(self.mesh.shape), "the embedding and head")
             specs = {  # each spec as long as its weight's dimensions
                 k: P(*s.spec, *(None,) * (self.abstract_params["layers"][k].ndim - len(s.spec)))
                 for k, s in self.param_shardings["layers"].items()

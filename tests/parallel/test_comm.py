@@ -126,7 +126,7 @@ def test_cli_prints_the_table(capsys):
         (["mesh.context=2"], "mesh.context=2"),
         (
             ["model=moe-tiny", "mesh.pipeline=2", "pipeline.schedule=gpipe", "train.microbatches=2"],
-            "does not run an MoE model on pipeline stages yet",
+            "does not run an MoE model's gpipe stages",
         ),
         (["model=moe-tiny", "mesh.expert=2", "mesh.tensor=2", "mesh.expert_tensor=1"], "each expert on all of"),
         (["train.grad_bucket_bytes=-1"], "grad_bucket_bytes"),

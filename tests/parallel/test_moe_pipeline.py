@@ -42,6 +42,8 @@ def run(tmp_path, name, extra, devices=None):
     "dispatch, micro, mesh",
     [
         ("dropless", 2, ["mesh.data=2", "mesh.expert=2", "mesh.fsdp=1"]),
+        # the 1f1b executor's stages (jaxdist.parallel.pipeline), the planned dispatch inside them
+        ("dropless", 2, ["mesh.fsdp=2", "mesh.expert=2", "mesh.data=1", "pipeline.schedule=1f1b"]),
         # fsdp inside the stages: each layer's weights gathered in the stage, the gradients reduce-scattered
         ("dropless", 2, ["mesh.fsdp=2", "mesh.expert=2", "mesh.data=1"]),
         ("capacity", 4, ["mesh.tensor=2", "mesh.expert=2", "mesh.fsdp=1", "mesh.data=1"]),
@@ -50,14 +52,15 @@ def run(tmp_path, name, extra, devices=None):
     ],
 )
 def test_moe_stages_equal_one_device(tmp_path, dispatch, micro, mesh):
-    """pipeline=2 (one MoE block per stage) with the expert axis and data or tensor (or the expert view,
-    mesh.expert_tensor=1) inside the stages (with dropless dispatch on data x expert, jaxdist's planned dispatch
-    inside them) against one
+    """pipeline=2 (one MoE block per stage, gpipe, and one case on 1f1b) with the expert axis and data or tensor
+    (or the expert view, mesh.expert_tensor=1) inside the stages (with dropless dispatch on data x expert,
+    jaxdist's planned dispatch inside them) against one
     device running the microbatches one after the other: every step's loss, each block's router losses, token
     counts and drop rate, and the parameters after 3 AdamW steps (1e-5)."""
     common = [f"model.moe.dispatch={dispatch}", f"train.microbatches={micro}"]
     one, ref, _ = run(tmp_path, "one", [*common, "mesh.data=1", "mesh.fsdp=1"], [jax.devices()[0]])
-    staged, rows, t = run(tmp_path, "staged", [*common, *mesh, "mesh.pipeline=2", "pipeline.schedule=gpipe"])
+    schedule = [] if any(m.startswith("pipeline.schedule=") for m in mesh) else ["pipeline.schedule=gpipe"]
+    staged, rows, t = run(tmp_path, "staged", [*common, *mesh, "mesh.pipeline=2", *schedule])
     spec = t.param_shardings["layers"]["we_up"].spec  # a stage's blocks' experts
     assert spec[0] == "pipeline" and "expert" in (spec[1] if isinstance(spec[1], tuple) else (spec[1],)), spec
     hlo = t.compile_train_step().as_text()
@@ -82,16 +85,9 @@ def test_moe_stages_equal_one_device(tmp_path, dispatch, micro, mesh):
 
 
 def test_moe_stages_refuse_what_they_cannot_run(tmp_path):
-    """The 1f1b and seq1f1b executor runs dense blocks only: an MoE model is told to use gpipe, in one sentence;
-    a batch whose rows the data axes times the stages do not divide (the embedding and head run on every stage's
-    rows) is refused in one sentence before anything is written."""
-    for schedule in ("seq1f1b", "1f1b"):
-        with pytest.raises(ConfigError) as e:
-            load_config(None, ["model=moe-tiny", "mesh.pipeline=2", f"pipeline.schedule={schedule}",
-                               "train.microbatches=2"])  # fmt: skip
-        msg = str(e.value)
-        assert "run the gpipe schedule only" in msg and "set pipeline.schedule=gpipe" in msg, msg
-        assert msg.count(". ") == 0 and msg.endswith(".")
+    """On gpipe stages a batch whose rows the data axes times the stages do not divide (the embedding and head
+    run on every stage's rows) is refused in one sentence before anything is written (what the 1f1b and seq1f1b
+    stages refuse: tests/parallel/test_moe_pipeline_executor.py)."""
     with pytest.raises(ConfigError) as e:
         run(tmp_path, "odd", ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2", "mesh.fsdp=1",
                               "pipeline.schedule=gpipe", "train.batch_size=12"])  # fmt: skip

@@ -133,6 +133,7 @@ def test_plan_and_mesh_must_agree(setup):
     plan = plan_pipeline(cfg.model, 4, 4, SEQ, "1f1b")
     with pytest.raises(ValueError, match="the plan has 4 stages but the mesh's pipeline axis has 2"):
         pipeline_loss_and_grads(params, tokens, model=cfg.model, mesh=mesh, plan=plan)
-    moe = load_config(None, ["model=moe-tiny"]).model
-    with pytest.raises(ValueError, match="run the gpipe schedule only"):
-        pipeline_loss_and_grads(params, tokens, model=moe, mesh=mesh, plan=plan_pipeline(cfg.model, 2, 2, SEQ))
+    moe = load_config(None, ["model=moe-tiny", "model.moe.dispatch=capacity", "pipeline.schedule=1f1b"]).model
+    with pytest.raises(ValueError, match="a sequence chunk would drop other tokens"):
+        plan = plan_pipeline(cfg.model, 2, 2, SEQ, "seq1f1b", 2)
+        pipeline_loss_and_grads(params, tokens, model=moe, mesh=mesh, plan=plan)

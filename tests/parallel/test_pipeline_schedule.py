@@ -479,14 +479,17 @@ def test_cost_split_on_a_grid():
         (["mesh.pipeline=2", "pipeline.schedule=1f1b"], "the 1f1b schedule needs train.microbatches >= mesh.pipeline"),
         (["mesh.pipeline=2", "pipeline.schedule=zb"], "pipeline.schedule='zb' is unknown"),
         (["mesh.pipeline=2", "pipeline.chunk_split=x"], "pipeline.chunk_split='x' is unknown"),
-        (["mesh.pipeline=2", "model=moe-tiny"], "an MoE model's pipeline stages run the gpipe schedule only"),
+        (
+            ["mesh.pipeline=2", "model=moe-tiny", "model.moe.dispatch=capacity"],
+            "so a sequence chunk would drop other tokens than its whole microbatch does",
+        ),
         (
             ["mesh.pipeline=2", "model=moe-tiny", "pipeline.schedule=gpipe", "model.moe.every=2"],
             "= 1 groups of blocks, which mesh.pipeline=2 stages do not divide",
         ),
         (
             ["mesh.pipeline=2", "model=moe-tiny", "pipeline.schedule=gpipe", "data.packing=documents"],
-            "data.packing=documents does not run on an MoE model's pipeline stages",
+            "data.packing=documents does not run on an MoE model's gpipe stages",
         ),
     ],
 )
