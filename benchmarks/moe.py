@@ -12,12 +12,15 @@ Table 2: tokens/s of the Trainer's train step for the MoE model on several
 meshes, and for a dense model with the same active parameters (d_ff = k x the
 expert width), after a warmup, median of ``--steps`` steps.
 
-Table 3: the MoE model on gpipe pipeline stages (jaxdist/parallel/pipeline_blocks.py) against data=8: step time
-(the 8 CPU devices share the cores, so it follows the work of all of them), the compiled step's FLOPs per device
-(``cost_analysis`` plus the loop bodies it counts once), gpipe's closed form for the blocks' share of the work,
-(m + p - 1) / m, and the collectives' bytes per step parsed from the compiled program (all-to-all, and the
-collective-permutes between stages).  Inside a stage XLA partitions the experts (jaxdist's dispatch is not
-nested in the stages' shard_map), so there is no planned all-to-all to predict.  XLA:CPU runs the dropless
+Table 3: the MoE model on pipeline stages, gpipe (jaxdist/parallel/pipeline_blocks.py) and the 1f1b and seq1f1b
+executor (jaxdist/parallel/pipeline.py), against data=8: step time (the 8 CPU devices share the cores, so it
+follows the work of all of them), the compiled step's FLOPs per device (``cost_analysis`` plus the loop bodies it
+counts once), the schedule's bubble (its closed form: the idle share of a stage's ticks; gpipe's stages compute
+through theirs, so its blocks' work is (m + p - 1) / m of the model's), and the all-to-all bytes per step,
+predicted (:func:`stage_all_to_all_bytes`) and parsed from the compiled program, with the collective-permutes
+between stages.  With dropless dispatch jaxdist's planned dispatch runs inside the stages (manual over data and
+expert there).  An executor's collective sits in one branch of its tick's switch, which a stage runs once per
+microbatch: the parsed bytes count each branch's collectives that often.  XLA:CPU runs the dropless
 ``ragged_dot`` as a dense product over the experts: the FLOPs are CPU's.
 
     python benchmarks/moe.py                   # both tables (about 2-3 minutes on 2 cores)
@@ -176,61 +179,94 @@ def throughput(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
     return rows
 
 
-PIPELINES = [  # (stages, microbatches, mesh overrides): expert=2 inside each stage
-    (1, 1, ["mesh.data=8"]),
-    (2, 2, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
-    (2, 4, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
-    (2, 8, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
-    (4, 4, ["mesh.pipeline=4", "mesh.expert=2", "mesh.data=1"]),
-    (4, 8, ["mesh.pipeline=4", "mesh.expert=2", "mesh.data=1"]),
+PIPELINES = [  # (stages, microbatches, schedule, chunks, mesh overrides): expert=2 inside each stage
+    (1, 1, "none", 1, ["mesh.data=8"]),
+    (2, 2, "gpipe", 1, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
+    (2, 4, "gpipe", 1, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
+    (2, 8, "gpipe", 1, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
+    (2, 2, "1f1b", 1, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
+    (2, 4, "1f1b", 1, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
+    (2, 4, "seq1f1b", 2, ["mesh.pipeline=2", "mesh.expert=2", "mesh.data=2"]),
+    (4, 4, "gpipe", 1, ["mesh.pipeline=4", "mesh.expert=2", "mesh.data=1"]),
+    (4, 8, "gpipe", 1, ["mesh.pipeline=4", "mesh.expert=2", "mesh.data=1"]),
+    (4, 4, "1f1b", 1, ["mesh.pipeline=4", "mesh.expert=2", "mesh.data=1"]),
+    (4, 8, "seq1f1b", 2, ["mesh.pipeline=4", "mesh.expert=2", "mesh.data=1"]),
 ]
 
 
-def stage_all_to_all_bytes(m, sizes: dict[str, int], rows: tuple[str, ...], tokens: int, micro: int) -> int:
-    """All-to-all operand bytes per device per step of an MoE model on gpipe stages with the planned dispatch
-    inside (``rows``: the axes the stages split a microbatch's tokens over; none: no all-to-all).  Every tick,
-    the bubble's too, each of the stage's MoE blocks exchanges the padded buffer of expert x tokens x
-    min(top-k, local experts) rows, as jaxdist.parallel.moe.dispatch_bytes counts: the forward its rows and
-    int32 expert ids, the backward the rows again (the ids carry no gradient)."""
+def stage_all_to_all_bytes(
+    m, sizes: dict[str, int], rows: tuple[str, ...], tokens: int, micro: int, schedule: str = "gpipe"
+) -> int:
+    """All-to-all operand bytes per device per step of an MoE model on pipeline stages with the planned dispatch
+    inside (``rows``: the axes the stages split a microbatch's tokens over; none: no all-to-all).  An MoE block
+    exchanges the padded buffer of expert x tokens x min(top-k, local experts) rows, as
+    jaxdist.parallel.moe.dispatch_bytes counts: the forward its rows out and back (R each) and the int32 expert
+    ids (I).  gpipe: every tick, the bubble's too, the forward and its transpose, 4R + I.  The 1f1b and seq1f1b
+    executor: each unit once, forward 2R + I and backward 4R + I (its vjp recomputes the dispatch, which the
+    stage's remat policy does not save, and sends the transposes); a sequence chunk's buffer is its share of
+    the microbatch's, so the chunks add up to the microbatch."""
     ep, p = sizes.get("expert", 1), sizes.get("pipeline", 1)
     if not rows or ep == 1:
         return 0
     n = tokens // micro // math.prod(sizes[a] for a in rows)  # one device's tokens of a microbatch
     buffer_rows = ep * n * min(m.moe.top_k, m.moe.experts // ep)
-    per_block = 4 * buffer_rows * m.d_model * 4 + buffer_rows * 4  # fp32 rows out and back, twice; the ids
+    r, i = buffer_rows * m.d_model * 4, buffer_rows * 4  # fp32 rows; int32 ids
     blocks = m.n_layers // m.moe.every // p
-    return per_block * blocks * (micro + p - 1)
+    if schedule == "gpipe":
+        return (4 * r + i) * blocks * (micro + p - 1)
+    return (6 * r + 2 * i) * blocks * micro
+
+
+def executed_all_to_all(collectives, n_ticks: int, micro: int) -> int:
+    """The all-to-all bytes a device runs per step from the parsed ``collectives``: a collective in a branch of
+    the executor's tick loop (``branch_<i>_fun`` in its name) runs in ``micro`` of the ``n_ticks`` ticks its
+    loop count includes; any other as often as counted."""
+    total = 0
+    for c in collectives:
+        if c.kind != "all-to-all":
+            continue
+        in_branch = "/while/body/closed_call/cond/branch_" in c.op_name
+        total += c.bytes * (c.count // n_ticks * micro if in_branch else c.count)
+    return total
 
 
 def pipelined(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
     """Rows of table 3."""
 
-    from jaxdist.parallel.hlo import collective_bytes
+    from jaxdist.parallel.hlo import collective_bytes, parse_collectives
+    from jaxdist.parallel.schedule import bubble_formula, build_schedule
     from jaxdist.train.programs import executed_flops
     from jaxdist.train.trainer import Trainer
 
     rows, base = [], None
-    for p, m, mesh in PIPELINES:
-        extra = ["pipeline.schedule=gpipe", f"train.microbatches={m}", "mesh.fsdp=1"] if p > 1 else ["mesh.fsdp=1"]
+    for p, m, kind, chunks, mesh in PIPELINES:
+        extra = ["mesh.fsdp=1"]
+        if p > 1:
+            extra += [f"pipeline.schedule={kind}", f"pipeline.chunks={chunks}", f"train.microbatches={m}"]
         cfg = config(MODEL + mesh + extra, steps + 3, runs, batch, seq)
         with Trainer(cfg) as t:
             compiled = t.compile_train_step()
             flops = executed_flops(compiled, 1)  # cost_analysis with every loop trip counted
-            moved = collective_bytes(compiled.as_text(), 8)
+            hlo = compiled.as_text()
+            moved = collective_bytes(hlo, 8)
             med = step_seconds(t, steps)
-            predicted = stage_all_to_all_bytes(t.config.model, dict(t.mesh.shape), t.stage_rows, batch * seq, m)
+            sizes = dict(t.mesh.shape)
+            predicted = stage_all_to_all_bytes(t.config.model, sizes, t.stage_rows, batch * seq, m, kind)
+        ticks = build_schedule(p, m, chunks, kind).n_ticks if p > 1 else 1
+        parsed = executed_all_to_all(parse_collectives(hlo, 8), ticks, m) if kind not in ("none", "gpipe") else None
         base = base or (med, flops)
         rows.append(
             [
                 " ".join(o.removeprefix("mesh.") for o in mesh),
+                kind if chunks == 1 else f"{kind} x{chunks}",
                 str(m),
                 f"{1e3 * med:.0f}",
                 f"{med / base[0]:.2f}",
                 f"{flops / 1e9:.3f}",
                 f"{flops / base[1]:.2f}",
-                f"{(m + p - 1) / m:.2f}",
+                f"{bubble_formula(kind, p, m, chunks):.2f}" if p > 1 else "-",
                 f"{predicted / 2**20:.2f}",
-                f"{moved.get('all-to-all', 0) / 2**20:.2f}",
+                f"{(moved.get('all-to-all', 0) if parsed is None else parsed) / 2**20:.2f}",
                 f"{moved.get('collective-permute', 0) / 2**20:.2f}",
             ]
         )
@@ -284,12 +320,11 @@ def main(argv=None) -> None:
                 )
             )
         if args.only in (None, "pipeline"):
-            print(f"\nMoE on gpipe stages, expert=2 inside each, against data=8 (median of {args.steps} steps)")
+            print(f"\nMoE on pipeline stages, expert=2 inside each, against data=8 (median of {args.steps} steps)")
             print(
                 table(
-                    ["mesh", "micro", "step ms", "x data=8", "GFLOP/dev", "x data=8", "(m+p-1)/m", "a2a MiB pred",
-                     "a2a MiB",
-                     "permute MiB"],
+                    ["mesh", "schedule", "micro", "step ms", "x data=8", "GFLOP/dev", "x data=8", "bubble",
+                     "a2a MiB pred", "a2a MiB", "permute MiB"],
                     pipelined(runs, args.batch, args.seq, args.steps),
                 )
             )  # fmt: skip
