@@ -20,7 +20,8 @@ through theirs, so its blocks' work is (m + p - 1) / m of the model's), and the 
 predicted (:func:`stage_all_to_all_bytes`) and parsed from the compiled program, with the collective-permutes
 between stages.  With dropless dispatch jaxdist's planned dispatch runs inside the stages (manual over data and
 expert there).  An executor's collective sits in one branch of its tick's switch, which a stage runs once per
-microbatch: the parsed bytes count each branch's collectives that often.  XLA:CPU runs the dropless
+microbatch: the parsed bytes count each branch's collectives that often; XLA's FLOP count (and the loop
+correction) holds every branch at every tick, an upper bound, so those rows show none.  XLA:CPU runs the dropless
 ``ragged_dot`` as a dense product over the experts: the FLOPs are CPU's.
 
     python benchmarks/moe.py                   # both tables (about 2-3 minutes on 2 cores)
@@ -262,8 +263,8 @@ def pipelined(runs: str, batch: int, seq: int, steps: int) -> list[list[str]]:
                 str(m),
                 f"{1e3 * med:.0f}",
                 f"{med / base[0]:.2f}",
-                f"{flops / 1e9:.3f}",
-                f"{flops / base[1]:.2f}",
+                f"{flops / 1e9:.3f}" if parsed is None else "-",  # an executor's count holds every branch
+                f"{flops / base[1]:.2f}" if parsed is None else "-",
                 f"{bubble_formula(kind, p, m, chunks):.2f}" if p > 1 else "-",
                 f"{predicted / 2**20:.2f}",
                 f"{(moved.get('all-to-all', 0) if parsed is None else parsed) / 2**20:.2f}",
