@@ -19,6 +19,7 @@ import pytest
 
 from jaxdist.cluster import load_cluster
 from jaxdist.config import ConfigError, load_config
+from jaxdist.data.documents import pack
 from jaxdist.models import create_abstract, init_params
 from jaxdist.parallel.comm import plan_for_config
 from jaxdist.parallel.grad_sync import SCOPE
@@ -36,11 +37,13 @@ MODEL = ["model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "model.moe.a
          "model.moe.z_loss_coef=0.1"]  # fmt: skip
 
 
-def reference(model, micro: int, tokens):
+def reference(model, micro: int, tokens, packed: bool = False):
+    """(params, (objective, metrics, grads)) of the model on one device, ``micro`` microbatches in turn."""
     graphdef, _, _ = create_abstract(model)
     params = jax.jit(lambda: init_params(model))()
-    fn = jax.jit(lambda p, t: loss_metrics_and_grads(graphdef, p, t, micro), device=jax.devices()[0])
-    return params, fn(params, tokens)
+    one = jax.devices()[0]
+    fn = jax.jit(lambda p, t: loss_metrics_and_grads(graphdef, p, t, micro, packed))
+    return params, fn(jax.device_put(params, one), jax.device_put(tokens, one))
 
 
 def tokens_for(model):
@@ -155,6 +158,31 @@ def test_a_backward_before_the_microbatchs_last_forward_is_refused():
 
 
 # --------------------------------------------------------------------------- the planned dispatch in the stages
+
+
+def test_packed_documents_on_moe_stages_equal_one_device():
+    """data.packing=documents on seq1f1b MoE stages (the planned dispatch inside, data=2 x expert=2): each
+    chunk attends within its documents, the cross-entropy is the mean over the batch's targets, and the router
+    losses are every microbatch's tokens' (the padding's too, as on one device)."""
+    cfg = load_config(
+        None,
+        [*MODEL, "mesh.pipeline=2", "mesh.data=2", "mesh.expert=2", "pipeline.schedule=seq1f1b", "pipeline.chunks=2",
+         "train.microbatches=2", f"train.batch_size={BATCH}", f"train.seq_len={SEQ}", "data.packing=documents"],
+    )  # fmt: skip
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(2, 12, 60)
+    docs = [rng.integers(0, cfg.model.vocab_size, n).astype(np.int32) for n in lengths]
+    packed = pack(np.concatenate([[0], np.cumsum(lengths)[:-1]]), int(lengths.sum()), SEQ)
+    rows = packed.read(np.concatenate(docs).astype(np.uint16), np.arange(BATCH))
+    params, want = reference(cfg.model, 2, rows, packed=True)
+    par = Parallelism.build(cfg)
+    graphdef, abstract, names = create_abstract(cfg.model)
+    shardings = par.param_shardings(names, abstract)
+    fn = par.grads_fn(cfg, graphdef, shardings, plan_for_config(cfg, load_cluster(cfg.mesh.cluster)))
+    step = jax.jit(par.bind(fn), in_shardings=(shardings, par.batch_sharding),
+                   out_shardings=(par.replicated, par.replicated, shardings))  # fmt: skip
+    check(step(jax.device_put(params, shardings), jax.device_put(rows, par.batch_sharding)), want)
+
 
 ROWS = [
     ("1f1b", 1, ["mesh.fsdp=2", "mesh.expert=2", "mesh.data=1"], "end"),
