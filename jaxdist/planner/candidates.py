@@ -160,7 +160,7 @@ def mesh_allowed(view: ComputationView, sizes: dict[str, int], nodes: int, per_n
         return f"expert={e} needs a multiple of it as the expert count (the model has {view.n_experts})"
     if m.n_layers % p:
         return f"pipeline={p} does not divide the {m.n_layers} layers"
-    if p > 1 and view.n_experts:  # gpipe stages by autodiff (jaxdist.parallel.pipeline_blocks)
+    if p > 1 and view.n_experts:  # whole groups of blocks per stage
         if (m.n_layers // m.moe.every) % p:
             return (
                 f"pipeline={p} does not divide the {m.n_layers // m.moe.every} groups of moe.every={m.moe.every} blocks"
@@ -197,9 +197,10 @@ def candidates(
         if mesh_allowed(view, sizes, nodes, per_node) is not None:
             continue
         batch_ways = sizes["data"] * sizes["fsdp"] * sizes["expert"]
-        if view.n_experts and batch_size % (batch_ways * sizes["pipeline"]):
-            continue  # an MoE model's embedding and head run on the rows split over the stages too
         schedules = _schedules(view) if sizes["pipeline"] > 1 else [("none", 1)]
+        if view.n_experts and batch_size % (batch_ways * sizes["pipeline"]):
+            # an MoE model's gpipe stages run the embedding and head on the rows split over the stages too
+            schedules = [x for x in schedules if x[0] != "gpipe"]
         for m in _divisors(batch_size):
             if m > max_microbatches or (batch_size // m) % batch_ways:
                 continue
@@ -211,10 +212,7 @@ def candidates(
 
 
 def _schedules(view: ComputationView) -> list[tuple[str, int]]:
-    """(schedule, chunks) pairs for a pipelined mesh: seq1f1b with each chunk count that divides the sequence;
-    gpipe alone for an MoE model (its stages, jaxdist.parallel.pipeline_blocks, run no other schedule)."""
-    if view.n_experts:
-        return [("gpipe", 1)]
+    """(schedule, chunks) pairs for a pipelined mesh: seq1f1b with each chunk count that divides the sequence."""
     out = [(x, 1) for x in SCHEDULES if x != "seq1f1b"]
     return out + [("seq1f1b", c) for c in CHUNK_CHOICES if view.seq_len % c == 0]
 
@@ -226,8 +224,6 @@ def with_pipeline(s: Strategy, view: ComputationView, **sizes: int) -> list[Stra
     new = replace(s, **sizes)
     if new.pipeline == 1:
         return [replace(new, schedule="none", chunks=1)]
-    if view.n_experts:
-        return [replace(new, schedule="gpipe", chunks=1)]
     if s.pipeline > 1 and (s.schedule != "1f1b" or new.microbatches >= new.pipeline):
         return [new]
     out = [replace(new, schedule="1f1b", chunks=1)] if new.microbatches >= new.pipeline else []
@@ -290,8 +286,8 @@ def valid(
         return False
     if (s.schedule == "none") != (s.pipeline == 1) or (s.schedule == "1f1b" and m < s.pipeline):
         return False
-    if view.n_experts and s.pipeline > 1 and (s.schedule != "gpipe" or batch_size % (_ways(s) * s.pipeline)):
-        return False  # an MoE model's stages: gpipe, the embedding and head on the rows split over them too
+    if view.n_experts and s.schedule == "gpipe" and batch_size % (_ways(s) * s.pipeline):
+        return False  # an MoE model's gpipe stages: the embedding and head on the rows split over them too
     if s.schedule == "seq1f1b":
         return s.chunks in CHUNK_CHOICES and view.seq_len % s.chunks == 0
     return s.chunks == 1

@@ -327,6 +327,11 @@ class MemoryTerms:
     batch: float
     scaled: dict
     ring: float = 0.0  # bytes of the context ring's buffers (planner/ring.py), exact: no coefficient
+    # An MoE model's executor stages with the planned dispatch inside (jaxdist.parallel.pipeline_sync), exact:
+    # the stage's weights gathered over fsdp for the whole step, and its gradients accumulated whole along fsdp
+    # until they are reduced after the stage's last backward.
+    stage_weights: float = 0.0
+    stage_grads: float = 0.0
 
     def memory(self, coeff: MemoryCoefficients) -> Memory:
         """Bytes per device under ``coeff``."""
@@ -339,9 +344,9 @@ class MemoryTerms:
         extra_grads = c("grad_copies") * self.scaled.get("grad_copies", 0.0)
         working = sum(c(k) * v for k, v in self.scaled.items() if k != "grad_copies")
         return Memory(
-            params=self.state.params,
+            params=self.state.params + self.stage_weights,
             optimizer=self.state.optimizer,
-            grads=self.state.grads + extra_grads,
+            grads=self.state.grads + extra_grads + self.stage_grads,
             activations=self.activations,
             working=working + self.ring,
             batch=self.batch,
@@ -358,19 +363,26 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     tokens = rows_mb // _batch_ways(s) * T // s.context  # tokens per microbatch on one device
     chunks, units = in_flight(s)  # units of 1/chunks of a microbatch on stage 0
     held = math.ceil(units / chunks)  # microbatches with a chunk in flight
-    stacked = s.pipeline > 1 and view.n_experts > 0  # MoE stages by autodiff (jaxdist.parallel.pipeline_blocks)
+    # MoE gpipe stages by autodiff (jaxdist.parallel.pipeline_blocks); the other schedules run in the executor
+    stacked = s.pipeline > 1 and view.n_experts > 0 and s.schedule == "gpipe"
     if stacked:  # the transposed loop keeps every tick's residuals, the bubble's too: m + p - 1 of them
         units = held = s.microbatches + s.pipeline - 1
+    # The tokens an MoE block's forward and backward work on: in the executor (jaxdist.parallel.pipeline) one
+    # unit, 1/chunks of a microbatch.  (A dense model's working set keeps the microbatch's, as fitted.)
+    executor = s.pipeline > 1 and not stacked
+    unit = tokens // chunks if executor and view.n_experts else tokens
     local = sum(_local(p, sizes) for p in view.other_params)  # parameter elements on one device
+    stage_whole = 0.0  # the stage's block weights whole along fsdp (elements), for stage_sync below
     activations = working_layer = gathered = 0.0
     expert_weights = ragged = dispatch = 0.0  # the MoE terms of MemoryCoefficients
     for b in view.blocks:
         layers = math.ceil(b.count / s.pipeline)  # blocks on one pipeline stage
         matmul, norms, full = _block_weights(b, sizes)
         local += layers * (matmul + norms)
+        stage_whole += layers * (full + norms)
         routed = (1.0, None)
         if b.dispatch_rows:
-            er = expert_rows(view, s, tokens)
+            er = expert_rows(view, s, unit)
             routed = (er.rows / (tokens * b.dispatch_rows), _expert_view_sizes(sizes, er.etp))
             expert_weights += layers * sum(_local(p, sizes) for p in b.params if "expert" in p.axes) * pb
             d, ab = view.model.d_model, view.act_bytes
@@ -383,7 +395,7 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
         if chunks > 1:  # seq1f1b: a microbatch's earlier chunks' keys and values stay until its backward
             kv = [n for n in ("key_rotated", "value") if any(a.name == n for a in b.activations)]
             activations += layers * tokens * _per_token_bytes(view, b, kv, sizes, rows_mb) * held
-        one_layer = tokens * _per_token_bytes(view, b, b.saved_without_remat, sizes, rows_mb, routed)
+        one_layer = unit * _per_token_bytes(view, b, b.saved_without_remat, sizes, rows_mb, routed)
         working_layer = max(working_layer, one_layer)
         gathered = max(gathered, full * pb)
     state = train_state_bytes(local, view.model.param_dtype)
@@ -400,13 +412,27 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     }
     if any(b.dispatch_rows for b in view.blocks):  # a dense model's terms stay as they were
         scaled.update(expert_weight_copies=expert_weights, ragged_dot_working=ragged, dispatch_working=dispatch)
+    stage_weights = stage_grads = 0.0
+    if executor and view.n_experts and _stage_sync(view, s):
+        stage_grads = stage_whole * pb
+        stage_weights = stage_grads if s.fsdp > 1 else 0.0  # fsdp=1: the weights are the local ones
     return MemoryTerms(
         state=state,
         activations=activations,
         batch=batch_size // _batch_ways(s) * (T + 1) * 4,
         scaled=scaled,
         ring=ring_buffer_bytes(view, s, rows_mb // _batch_ways(s)),
+        stage_weights=stage_weights,
+        stage_grads=stage_grads,
     )
+
+
+def _stage_sync(view: ComputationView, s: Strategy) -> bool:
+    """Whether an MoE model's executor stages run manual over their rows' axes with the planned dispatch inside
+    (jaxdist.parallel.moe.stage_row_axes): dropless dispatch, each expert on all of tensor, tokens split over
+    data, fsdp or expert."""
+    whole_tensor = s.expert_tensor in (0, s.tensor)
+    return view.model.moe.dispatch == "dropless" and whole_tensor and s.data * s.fsdp * s.expert > 1
 
 
 def in_flight(s: Strategy) -> tuple[int, int]:

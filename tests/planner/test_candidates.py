@@ -27,13 +27,14 @@ def brute_force(m, nodes, per_node, batch, max_mb=64, seq=64):
         if m.n_layers % pipe:
             continue
         moe_stages = pipe > 1 and m.moe.experts
-        if moe_stages and ((m.n_layers // m.moe.every) % pipe or batch % (data * fsdp * expert * pipe)):
-            continue  # MoE stages: whole groups per stage, the rows over the stages too
+        if moe_stages and (m.n_layers // m.moe.every) % pipe:
+            continue  # MoE stages: whole groups per stage
         for mb in range(1, min(batch, max_mb) + 1):
             if batch % mb or (batch // mb) % (data * fsdp * expert):
                 continue
             scheds = [("gpipe", 1), ("1f1b", 1)] + [("seq1f1b", c) for c in (2, 4) if seq % c == 0]
-            scheds = scheds[:1] if moe_stages else scheds  # gpipe only
+            if moe_stages and batch % (data * fsdp * expert * pipe):
+                scheds = scheds[1:]  # MoE gpipe stages: the rows over the stages too
             for sched, chunks in scheds if pipe > 1 else [("none", 1)]:
                 if sched == "1f1b" and mb < pipe:
                     continue

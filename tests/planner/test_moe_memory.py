@@ -1,7 +1,8 @@
 """The planner's MoE memory against the compiled step on 8 simulated CPU devices (issue 36).
 
-Two moe-tiny settings none of benchmarks/moe_memory.py's rows uses (32-token sequences): dropless dispatch on
-expert=2, and on gpipe stages (pipeline=2 x data=2 x expert=2, one MoE block per stage).  (Capacity dispatch on expert=2 is predicted 10.2 % under its peak there, -8 to -9 % at 64 tokens: its
+Three moe-tiny settings none of benchmarks/moe_memory.py's rows uses (32-token sequences): dropless dispatch on
+expert=2, on gpipe stages (pipeline=2 x data=2 x expert=2, one MoE block per stage) and on the executor's seq1f1b
+stages (pipeline=2 x fsdp=2 x expert=2, 2 chunks).  (Capacity dispatch on expert=2 is predicted 10.2 % under its peak there, -8 to -9 % at 64 tokens: its
 slot buffers have no term of their own yet; benchmarks/README.md.)  Each prediction (:func:`jaxdist.planner.cost.estimate`) is compared
 with ``compiled.memory_analysis()`` (arguments + outputs + temp - aliased, :func:`jaxdist.train.aot.compiled_peak`),
 as tests/planner/test_measured.py compares the dense models.  Before the MoE terms (expert rows, XLA:CPU's
@@ -25,7 +26,7 @@ BASE = [
     "train.seq_len=32",
     "train.batch_size=16",
     "train.remat=none",
-    "pipeline.schedule=gpipe",  # MoE stages run gpipe only (the others are refused)
+    "pipeline.schedule=gpipe",
 ]
 
 
@@ -35,8 +36,18 @@ BASE = [
         ["mesh.data=4", "mesh.expert=2"],
         # gpipe stages by autodiff, the planned dispatch inside: every tick's residuals, the bubble's too
         ["mesh.pipeline=2", "mesh.data=2", "mesh.expert=2", "mesh.fsdp=1", "train.microbatches=2"],
+        # the executor's seq1f1b stages: min(s + p - 1, s m) chunks in flight, a block's working set on a chunk
+        [
+            "mesh.pipeline=2",
+            "mesh.fsdp=2",
+            "mesh.expert=2",
+            "mesh.data=1",
+            "train.microbatches=2",
+            "pipeline.schedule=seq1f1b",
+            "pipeline.chunks=2",
+        ],
     ],
-    ids=["dropless-expert2", "stages-pipeline2-expert2"],
+    ids=["dropless-expert2", "stages-pipeline2-expert2", "seq1f1b-pipeline2-fsdp2-expert2"],
 )
 def test_moe_memory_within_ten_percent_of_xla(overrides):
     cfg = load_config(None, BASE + overrides)
