@@ -13,7 +13,12 @@ and capacity dispatch, remat) on 8 simulated CPU devices it prints the planner's
 * ``ragged``: ``ragged_dot_working`` (XLA:CPU's emulation of ``jax.lax.ragged_dot``, dropless only);
 * ``dispatch``: ``dispatch_working`` (a block's rows gathered, exchanged and scattered back).
 
-    python benchmarks/moe_memory.py        # ~2 minutes on 2 cores
+With ``--stages``, MoE pipeline stages instead (:data:`STAGES`): gpipe by autodiff and the executor's 1f1b and
+seq1f1b stages (jaxdist/parallel/pipeline.py; with dropless dispatch manual over data, fsdp and expert, the stage's
+weights gathered whole along fsdp for the step, jaxdist/parallel/pipeline_sync.py), predicted against compiled.
+
+    python benchmarks/moe_memory.py            # ~2 minutes on 2 cores
+    python benchmarks/moe_memory.py --stages   # ~4 minutes
 """
 
 from __future__ import annotations
@@ -58,6 +63,70 @@ SETTINGS = [  # (overrides beside the mesh, mesh, experts, top-k, expert d_ff, b
     ([CAP], ["mesh.expert=8"], 8, 2, 64, 16, "none"),
     ([CAP], ["mesh.tensor=4", "mesh.expert=2", "mesh.expert_tensor=2"], 8, 2, 64, 16, "none"),
 ]
+
+
+WIDE = [
+    "model.d_model=128",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.moe.experts=16",
+    "model.moe.d_ff=512",
+    "model.d_ff=512",
+]  # fmt: skip  (more weights than activations: the gathered stage weights show)
+STAGES = [  # (schedule, chunks, microbatches, mesh beside pipeline=2, model overrides, remat); batch 16 x 64
+    ("gpipe", 1, 2, ["mesh.data=2", "mesh.expert=2"], [], "none"),
+    ("1f1b", 1, 2, ["mesh.data=2", "mesh.expert=2"], [], "none"),
+    ("1f1b", 1, 4, ["mesh.data=2", "mesh.expert=2"], [], "none"),
+    ("seq1f1b", 2, 4, ["mesh.data=2", "mesh.expert=2"], [], "none"),
+    ("seq1f1b", 4, 2, ["mesh.data=2", "mesh.expert=2"], [], "none"),
+    ("1f1b", 1, 2, ["mesh.fsdp=2", "mesh.expert=2", "mesh.data=1"], [], "none"),
+    ("1f1b", 1, 2, ["mesh.data=4"], [], "none"),
+    ("1f1b", 1, 2, ["mesh.tensor=2", "mesh.expert=2"], [], "none"),
+    ("1f1b", 1, 2, ["mesh.fsdp=2", "mesh.expert=2", "mesh.data=1"], WIDE, "none"),
+    ("seq1f1b", 2, 2, ["mesh.fsdp=4", "mesh.data=1"], WIDE, "none"),
+    ("1f1b", 1, 2, ["mesh.data=2", "mesh.expert=2"], WIDE, "none"),
+    # outside what the model covers well: several groups per stage, remat=full
+    ("1f1b", 1, 2, ["mesh.data=2", "mesh.expert=2"], ["model.n_layers=4"], "none"),
+    ("1f1b", 1, 2, ["mesh.data=2", "mesh.expert=2"], [], "full"),
+]
+
+
+def stages() -> int:
+    """Print the STAGES table (``--stages``)."""
+    import jax
+
+    from jaxdist.cluster import load_cluster
+    from jaxdist.config import load_config
+    from jaxdist.planner import cost
+    from jaxdist.planner.candidates import strategy_of
+    from jaxdist.planner.cluster import cluster_view
+    from jaxdist.planner.computation import computation_view
+    from jaxdist.train.aot import compiled_peak
+
+    view, mib = cluster_view(load_cluster("cpu-8")), 2**20
+    print(
+        "moe-tiny (d_model 64, 2 blocks, 8 experts x 64, top-2, seq 64, batch 16, dropless) on pipeline=2, 8 CPU devices"
+    )
+    head = f"{'schedule':<10} {'micro':>5} {'mesh':<22} {'model':<8} {'remat':<5} {'pred MiB':>8} {'compiled':>8} {'error':>7}"
+    print(head + "\n" + "-" * len(head))
+    for kind, chunks, micro, mesh, extra, remat in STAGES:
+        cfg = load_config(
+            None,
+            ["model=moe-tiny", "mesh.cluster=cpu-8", "train.seq_len=64", "train.batch_size=16", f"train.remat={remat}",
+             f"train.microbatches={micro}", f"pipeline.schedule={kind}", f"pipeline.chunks={chunks}", *extra,
+             "mesh.pipeline=2", *mesh],
+        )  # fmt: skip
+        e = cost.estimate(computation_view(cfg.model, 64), view, strategy_of(cfg, 8), 16)
+        got = compiled_peak(cfg, jax.devices()[:8])
+        model = "wide" if extra == WIDE else " ".join(x.split(".")[-1] for x in extra) or "-"
+        sched = kind if chunks == 1 else f"{kind} x{chunks}"
+        words = " ".join(m.removeprefix("mesh.") for m in mesh if not m.endswith("=1"))
+        print(
+            f"{sched:<10} {micro:>5} {words:<22} {model:<8} {remat:<5} {e.memory.total / mib:>8.2f}"
+            f" {got.peak_bytes / mib:>8.2f} {e.memory.total / got.peak_bytes - 1:>+7.1%}",
+            flush=True,
+        )
+    return 0
 
 
 def label(extra: list[str], mesh: list[str]) -> str:
@@ -141,4 +210,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(stages() if "--stages" in sys.argv[1:] else main())
