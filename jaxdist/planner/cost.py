@@ -25,11 +25,11 @@ import math
 from dataclasses import dataclass, field
 
 from jaxdist.models.arithmetic import TrainStateBytes, train_flops_per_token, train_state_bytes
-from jaxdist.models.moe import expert_capacity
 from jaxdist.parallel.rules import DEFAULT_RULES, logical_to_spec
 from jaxdist.planner.candidates import RematChoice, Strategy, remat_choice
 from jaxdist.planner.cluster import ClusterView
 from jaxdist.planner.computation import BlockKind, ComputationView
+from jaxdist.planner.expert_cost import ExpertRows, expert_rows, expert_view_sizes, stage_sync  # noqa: F401 (re-exported)
 from jaxdist.planner.ring import ring_buffer_bytes, ring_collectives, ring_view
 
 
@@ -255,47 +255,6 @@ def _activation_bytes(
     return total
 
 
-@dataclass(frozen=True)
-class ExpertRows:
-    """One MoE block's dispatch on one device, per microbatch.
-
-    ``tokens``: the block's tokens on the device (those of its attention, split further over the part of
-    ``tensor`` that ``expert_tensor`` gives to expert parallelism).  ``rows``: the rows its local experts
-    take, the size of every routed buffer (jaxdist/parallel/moe.py): dropless without expert parallelism,
-    tokens x top-k; dropless with it, the padded receive buffer ``ep`` x tokens x min(top-k, local experts),
-    sized for any routing (the ragged exchange of GPUs lands in the same layout); capacity,
-    every expert's slots, experts x ceil(factor x tokens x top-k / experts).  ``local_experts``: experts
-    held here; ``ep``, ``etp``: the expert-parallel size (expert x tensor / etp) and each expert's tensor size.
-    """
-
-    tokens: int
-    rows: int
-    local_experts: int
-    ep: int
-    etp: int
-
-
-def expert_rows(view: ComputationView, s: Strategy, tokens: int) -> ExpertRows:
-    """The :class:`ExpertRows` of ``s`` for a device with ``tokens`` tokens per microbatch in its attention."""
-    moe = view.model.moe
-    etp = s.expert_tensor or s.tensor
-    ep = s.expert * (s.tensor // etp)
-    n = max(1, tokens // (s.tensor // etp))
-    local = max(1, moe.experts // ep)
-    if moe.dispatch == "capacity":
-        rows = moe.experts * expert_capacity(n, moe.top_k, moe.experts, moe.capacity_factor)
-    elif ep == 1:
-        rows = n * moe.top_k
-    else:
-        rows = ep * n * min(moe.top_k, local)
-    return ExpertRows(n, rows, local, ep, etp)
-
-
-def _expert_view_sizes(sizes: tuple, etp: int) -> tuple:
-    """Mesh sizes as the experts' rows see them: each expert's width split ``etp`` ways (``expert_mlp``)."""
-    return tuple((a, etp if a == "tensor" else n) for a, n in sizes)
-
-
 def _kept(block: BlockKind, remat: RematChoice) -> tuple[str, ...]:
     if remat.saved is None:
         return block.saved_without_remat
@@ -383,7 +342,7 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
         routed = (1.0, None)
         if b.dispatch_rows:
             er = expert_rows(view, s, unit)
-            routed = (er.rows / (tokens * b.dispatch_rows), _expert_view_sizes(sizes, er.etp))
+            routed = (er.rows / (tokens * b.dispatch_rows), expert_view_sizes(sizes, er.etp))
             expert_weights += layers * sum(_local(p, sizes) for p in b.params if "expert" in p.axes) * pb
             d, ab = view.model.d_model, view.act_bytes
             if view.model.moe.dispatch == "dropless":
@@ -413,7 +372,7 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     if any(b.dispatch_rows for b in view.blocks):  # a dense model's terms stay as they were
         scaled.update(expert_weight_copies=expert_weights, ragged_dot_working=ragged, dispatch_working=dispatch)
     stage_weights = stage_grads = 0.0
-    if executor and view.n_experts and _stage_sync(view, s):
+    if executor and view.n_experts and stage_sync(view, s):
         stage_grads = stage_whole * pb
         stage_weights = stage_grads if s.fsdp > 1 else 0.0  # fsdp=1: the weights are the local ones
     return MemoryTerms(
@@ -425,14 +384,6 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
         stage_weights=stage_weights,
         stage_grads=stage_grads,
     )
-
-
-def _stage_sync(view: ComputationView, s: Strategy) -> bool:
-    """Whether an MoE model's executor stages run manual over their rows' axes with the planned dispatch inside
-    (jaxdist.parallel.moe.stage_row_axes): dropless dispatch, each expert on all of tensor, tokens split over
-    data, fsdp or expert."""
-    whole_tensor = s.expert_tensor in (0, s.tensor)
-    return view.model.moe.dispatch == "dropless" and whole_tensor and s.data * s.fsdp * s.expert > 1
 
 
 def in_flight(s: Strategy) -> tuple[int, int]:
