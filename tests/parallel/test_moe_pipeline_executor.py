@@ -26,11 +26,11 @@ from jaxdist.parallel.grad_sync import SCOPE
 from jaxdist.parallel.hlo import parse_collectives
 from jaxdist.parallel.layout import Parallelism
 from jaxdist.parallel.mesh import build_mesh
-from jaxdist.parallel.pipeline import PipelinePlan, check_router_order, pipeline_loss_and_grads, plan_pipeline
+from jaxdist.parallel.pipeline import check_router_order, pipeline_loss_and_grads
 from jaxdist.parallel.rules import activation_sharding
-from jaxdist.parallel.schedule import build_schedule, executor_tables
+from jaxdist.parallel.schedule import build_schedule
 from jaxdist.train.step import loss_metrics_and_grads
-from tests.parallel.test_pipeline import FAST_COMPILE
+from tests.parallel.test_pipeline import FAST_COMPILE, shared_plan
 
 BATCH, SEQ = 8, 16
 MODEL = ["model=moe-tiny", "model.n_layers=4", "model.moe.every=2", "model.moe.aux_loss_coef=1.0",
@@ -48,16 +48,6 @@ def reference(model, micro: int, tokens, packed: bool = False):
 
 def tokens_for(model):
     return jax.random.randint(jax.random.key(0), (BATCH, SEQ + 1), 0, model.vocab_size)
-
-
-def shared_plan(model, m, s, kinds):
-    """One plan (2 stages) whose buffers fit every kind's schedule, and each kind's tables padded to it (one
-    compiled program runs them all, as in tests/parallel/test_pipeline.py)."""
-    tabs = {k: executor_tables(build_schedule(2, m, s, k)) for k in kinds}
-    size = [max(getattr(t, f) for t in tabs.values()) for f in ("slots", "act_buffers", "grad_buffers", "n_ticks")]
-    tabs = {k: t.padded(*size) for k, t in tabs.items()}
-    base = plan_pipeline(model, 2, m, SEQ, kinds[-1], s, "equal")
-    return PipelinePlan(base.schedule, next(iter(tabs.values())), base.bounds), tabs
 
 
 def check(got, want) -> None:
@@ -107,7 +97,7 @@ def test_moe_executor_equals_the_microbatched_model(kinds, s, m, mesh, extra, re
     model = cfg.model
     tokens = tokens_for(model)
     params, want = reference(model, m, tokens)
-    plan, tabs = shared_plan(model, m, s, kinds)
+    plan, tabs = shared_plan(model, 2, m, s, kinds, seq=SEQ)
     device_mesh = build_mesh(cfg.mesh, jax.devices())
 
     def step(params, tokens, table, unit_slot):

@@ -40,12 +40,12 @@ def setup():
     return cfg, params, tokens, loss, grads
 
 
-def shared_plan(model, p, m, s, kinds, bounds=None):
+def shared_plan(model, p, m, s, kinds, bounds=None, seq=SEQ):
     """One plan whose buffers fit every kind's schedule; and each kind's tables, padded to it."""
     tabs = {k: executor_tables(build_schedule(p, m, s, k)) for k in kinds}
     size = [max(getattr(t, f) for t in tabs.values()) for f in ("slots", "act_buffers", "grad_buffers", "n_ticks")]
     tabs = {k: t.padded(*size) for k, t in tabs.items()}
-    base = plan_pipeline(model, p, m, SEQ, kinds[-1], s, "equal")
+    base = plan_pipeline(model, p, m, seq, kinds[-1], s, "equal")
     plan = PipelinePlan(base.schedule, next(iter(tabs.values())), bounds or base.bounds)
     return plan, tabs
 
