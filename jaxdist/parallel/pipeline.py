@@ -149,8 +149,9 @@ def pipeline_loss_and_grads(
     the plan's, see ``ExecutorTables.padded``).  By default the plan's tables
     are constants of the program.
 
-    ``sync``: ``train.grad_sync=per_block``'s :class:`~jaxdist.parallel.pipeline_sync.StageSync`: the stages
-    run manual over ``data`` and ``fsdp`` too and reduce their gradients once, after their last backward.
+    ``sync``: a :class:`~jaxdist.parallel.pipeline_sync.StageSync` (``train.grad_sync=per_block``, and an MoE
+    model's stages with the planned dispatch inside): the stages run manual over its rows' axes (data, fsdp, and
+    expert for an MoE model) too and reduce their gradients once, after their last backward.
 
     ``packed``: rows packed from documents (data.packing=documents, jaxdist.models.packed): the loss is the mean
     over their targets, and each chunk attends within its documents (the key/value cache of the earlier chunks
@@ -176,7 +177,7 @@ def pipeline_loss_and_grads(
         tables = (jnp.asarray(plan.tables.stacked()), jnp.asarray(plan.tables.unit_slot, jnp.int32))
     if sync is None:
         specs, manual = (P(AXIS), P(), P()), {AXIS}
-    else:  # per_block: data and fsdp manual too (the rules inside name only the automatic axes)
+    else:  # StageSync: its rows' axes manual too (the rules inside name only the automatic axes)
         specs, manual = sync.in_specs(), set(sync.manual)
         rules = tuple((name, tuple(a for a in axes if a not in manual)) for name, axes in rules)
     n_tokens = target_count(tokens) if packed else jnp.float32(b * (t1 - 1))

@@ -141,7 +141,7 @@ def run_stage(
     packed: bool = False,
     sync=None,
 ):
-    """One stage's program, inside ``shard_map`` manual over ``pipeline`` (and ``data``, ``fsdp`` with ``sync``).
+    """One stage's program, inside ``shard_map`` manual over ``pipeline`` (and the rows' axes of ``sync``).
 
     ``layers``: this stage's blocks [L/p, ...]; ``shared``: embedding, final norm
     (and lm_head); ``tokens`` [m, B/m, T+1]; ``tables``: (``ExecutorTables.

@@ -50,7 +50,6 @@ from jaxdist.parallel.grad_sync import (
 )
 
 PIPELINE = "pipeline"
-STAGE_MANUAL = (PIPELINE, *MANUAL)  # the executor's manual axes under per_block
 
 
 def stage_rows(model, sizes: dict[str, int]) -> tuple[str, ...]:
