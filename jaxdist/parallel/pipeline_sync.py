@@ -47,15 +47,10 @@ from jaxdist.parallel.grad_sync import (
     keep_axes,
     on_tensor_shards,
     reduce_bucket,
+    row_axes,
 )
 
 PIPELINE = "pipeline"
-
-
-def stage_rows(model, sizes: dict[str, int]) -> tuple[str, ...]:
-    """The axes a stage's rows are split over under :class:`StageSync`, in the batch rule's order: data and
-    fsdp, and an MoE model's expert axis (its dispatch runs on each device's tokens)."""
-    return (*MANUAL, "expert") if model.moe.experts and sizes.get("expert", 1) > 1 else MANUAL
 
 
 class StageSync:
@@ -71,9 +66,9 @@ class StageSync:
         self.specs, self.k, self.tied = specs, layers_per_bucket, tied
         moe = model is not None and model.moe.experts
         self.every = model.moe.every if moe else 1  # layers per group (a bucket holds whole groups)
-        self.rows = stage_rows(model, sizes) if moe else MANUAL
+        # The axes the rows are split over (an MoE model's over expert too), and those besides fsdp.
+        self.rows, self.replicas = row_axes(model, sizes) if moe else (MANUAL, ("data",))
         self.manual = (PIPELINE, *self.rows)
-        self.replicas = tuple(a for a in self.rows if a != "fsdp")  # the axes besides fsdp a gradient sums over
         self.row_devices = math.prod(sizes.get(a, 1) for a in self.rows)
         self.data = math.prod(sizes.get(a, 1) for a in self.replicas)
         self.fsdp, self.tensor = sizes.get("fsdp", 1), sizes.get(AUTO, 1)
