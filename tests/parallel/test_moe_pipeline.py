@@ -49,10 +49,24 @@ def run(tmp_path, name, extra, devices=None):
         ("capacity", 4, ["mesh.tensor=2", "mesh.expert=2", "mesh.fsdp=1", "mesh.data=1"]),
         # the expert view: each expert on one device of the tensor pair (its weights over expert x tensor_ep)
         ("dropless", 2, ["mesh.tensor=2", "mesh.expert=2", "mesh.expert_tensor=1", "mesh.fsdp=1", "mesh.data=1"]),
+        # the same on the executor's seq1f1b stages (XLA partitions the experts there too)
+        (
+            "dropless",
+            2,
+            [
+                "mesh.tensor=2",
+                "mesh.expert=2",
+                "mesh.expert_tensor=1",
+                "mesh.fsdp=1",
+                "mesh.data=1",
+                "pipeline.schedule=seq1f1b",
+                "pipeline.chunks=4",
+            ],
+        ),
     ],
 )
 def test_moe_stages_equal_one_device(tmp_path, dispatch, micro, mesh):
-    """pipeline=2 (one MoE block per stage, gpipe, and one case on 1f1b) with the expert axis and data or tensor
+    """pipeline=2 (one MoE block per stage, gpipe, and cases on 1f1b and seq1f1b) with the expert axis and data or tensor
     (or the expert view, mesh.expert_tensor=1) inside the stages (with dropless dispatch on data x expert,
     jaxdist's planned dispatch inside them) against one
     device running the microbatches one after the other: every step's loss, each block's router losses, token
