@@ -73,10 +73,14 @@ def show(row: dict) -> dict:
     return row
 
 
-def recovery(job: SimCluster, at: float, timeout: float) -> dict:
-    """Wait for the failure after ``at`` and the next generation's first step; what the events say."""
+def recovery(job: SimCluster, at: float, timeout: float, lost: int = 0) -> dict:
+    """Wait for the failure after ``at`` and the next generation's first step (and for ``lost`` nodes declared
+    lost: a node is declared lost once silent for twice the heartbeat timeout, which may come after the
+    recovery); what the events say."""
     gen = job.state()["generation"]
     job.wait_until(lambda s: s["generation"] > gen and s["phase"] == "running", timeout, "the recovery")
+    if lost:
+        job.wait_until(lambda s: len(_after(job, "node_lost", at)) >= lost, timeout, "the lost nodes", need_state=False)
     (failure, *more), start = _after(job, "failure", at), _after(job, "start", at)[0]
     blame = _after(job, "blame", at)
     return {
@@ -89,7 +93,12 @@ def recovery(job: SimCluster, at: float, timeout: float) -> dict:
     }
 
 
-def run(n: int, quiet_s: float, timeout: float) -> list[dict]:
+FAULTS = ("lose", "crash", "stop", "stuck", "slow", "lose1%", "restart")
+
+
+def run(n: int, quiet_s: float, timeout: float, faults: tuple[str, ...] = FAULTS, keep: bool = False) -> list[dict]:
+    """The rows of ``faults`` (in FAULTS' order) after the fault-free phase; ``keep``: leave the run's folder
+    (the controller's events, state and logs, every agent's log) in place when a row is wrong."""
     root = Path(tempfile.mkdtemp(prefix=f"jaxdist-faults{n}-"))
     hosts = max(2, math.ceil(n / 128))
     job = SimCluster(n, n - STANDBYS, hosts, root, steps=1_000_000, step_s=0.5)
@@ -104,75 +113,10 @@ def run(n: int, quiet_s: float, timeout: float) -> list[dict]:
         false = [e for e in job.events() if e["event"] in ALARMS and e["time"] >= at]
         rows.append(show({"fault": f"none ({quiet_s:g} s)", "right": not false, "what": [e["event"] for e in false]}))
         settle(job, timeout)
-
-        node, host = job.rank_host(1)
-        at = time.time()
-        job.command(host, "lose", nodes=[node])
-        r = recovery(job, at, timeout)
-        right = r["nodes"] == [node] and r["lost"] == [node] and r["scope"] == {node: "node"}
-        rows.append(show({"fault": "lose", **r, "right": right}))
-        settle(job, timeout)
-
-        for do in ("crash", "stop", "stuck"):
-            rank = 2
-            node, host = job.rank_host(rank)
-            at = time.time()
-            job.command(host, do, rank=rank)
-            r = recovery(job, at, timeout)
-            kind = {"crash": "exit", "stop": "silent", "stuck": "stuck"}[do]
-            right = r["nodes"] == [node] and kind in r["kinds"] and not r["lost"]
-            rows.append(show({"fault": do, **r, "right": right}))
-            settle(job, timeout)
-
-        node, host = job.rank_host(3)
-        at = time.time()
-        job.command(host, "slow", rank=3, s=1.0)
-        job.wait_until(lambda s: _after(job, "slow_node", at), timeout, "a slow-node alarm", need_state=False)
-        job.command(host, "slow", rank=3, s=0.0)
-        alarm = _after(job, "slow_node", at)[0]
-        rows.append(
-            show(
-                {
-                    "fault": "slow",
-                    "detect s": alarm["time"] - at,
-                    "nodes": [alarm["node"]],
-                    "right": alarm["node"] == node,
-                }
-            )
-        )
-        settle(job, timeout)
-
-        k, avoid = math.ceil(n / 100), set()
-        lost = []
-        for i in range(k):
-            _, name = _member_on_host(job, i % hosts, avoid)
-            avoid.add(name)
-            lost.append(name)
-        at = time.time()
-        for h in range(hosts):
-            if names := [x for x in lost if job.host_of(x) == h]:
-                job.command(h, "lose", nodes=names)
-        r = recovery(job, at, timeout)
-        right = r["lost"] == sorted(lost) and set(r["scope"]) == set(lost) and set(r["nodes"]) <= set(lost)
-        rows.append(show({"fault": f"lose {k} at once", **r, "right": right}))
-        settle(job, timeout)
-
-        step, at = job.state()["last_step"], time.time()
-        job.kill_controller()
-        job.start_controller()
-        job.wait_until(lambda s: s["last_step"] >= step + 10, timeout, "10 steps after the controller restart")
-        failures = _after(job, "failure", at)
-        attached = _after(job, "attached", at)
-        rows.append(
-            show(
-                {
-                    "fault": "controller restart",
-                    "detect s": attached[0]["time"] - at if attached else float("nan"),
-                    "right": bool(attached) and not failures,
-                    "what": [f["detail"] for f in failures],
-                }
-            )
-        )
+        for fault in (f for f in FAULTS if f in faults):
+            rows.append(show(INJECT[fault](job, n, hosts, timeout)))
+            if fault != "restart":
+                settle(job, timeout)
         time.sleep(5)
     except TimeoutError as e:  # the table says how far it came
         rows.append(show({"fault": "(stopped)", "right": False, "what": [str(e)[:300]]}))
@@ -185,8 +129,86 @@ def run(n: int, quiet_s: float, timeout: float) -> list[dict]:
     newest = max(int(p.parent.name) for p in ckpt.glob("*/jaxdist_commit.json"))
     chain = json.loads((ckpt / str(newest) / "state.json").read_text())["state"] == expected_final(newest)
     rows.append({"fault": "bookkeeping", "right": once and chain, "what": [f"{last} steps", f"checkpoint {newest}"]})
-    shutil.rmtree(root, ignore_errors=True)
+    if keep and not all(r["right"] for r in rows):
+        print(f"kept the run's folder: {root}", flush=True)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     return rows
+
+
+def lose(job: SimCluster, n: int, hosts: int, timeout: float) -> dict:
+    node, host = job.rank_host(1)
+    at = time.time()
+    job.command(host, "lose", nodes=[node])
+    r = recovery(job, at, timeout, lost=1)
+    right = r["nodes"] == [node] and r["lost"] == [node] and r["scope"] == {node: "node"}
+    return {"fault": "lose", **r, "right": right}
+
+
+def on_rank(do: str):
+    def inject(job: SimCluster, n: int, hosts: int, timeout: float) -> dict:
+        rank = 2
+        node, host = job.rank_host(rank)
+        at = time.time()
+        job.command(host, do, rank=rank)
+        r = recovery(job, at, timeout)
+        kind = {"crash": "exit", "stop": "silent", "stuck": "stuck"}[do]
+        right = r["nodes"] == [node] and kind in r["kinds"] and not r["lost"]
+        return {"fault": do, **r, "right": right}
+
+    return inject
+
+
+def slow(job: SimCluster, n: int, hosts: int, timeout: float) -> dict:
+    node, host = job.rank_host(3)
+    at = time.time()
+    job.command(host, "slow", rank=3, s=1.0)
+    job.wait_until(lambda s: _after(job, "slow_node", at), timeout, "a slow-node alarm", need_state=False)
+    job.command(host, "slow", rank=3, s=0.0)
+    alarm = _after(job, "slow_node", at)[0]
+    return {"fault": "slow", "detect s": alarm["time"] - at, "nodes": [alarm["node"]], "right": alarm["node"] == node}
+
+
+def lose_many(job: SimCluster, n: int, hosts: int, timeout: float) -> dict:
+    k, avoid = math.ceil(n / 100), set()
+    lost = []
+    for i in range(k):
+        _, name = _member_on_host(job, i % hosts, avoid)
+        avoid.add(name)
+        lost.append(name)
+    at = time.time()
+    for h in range(hosts):
+        if names := [x for x in lost if job.host_of(x) == h]:
+            job.command(h, "lose", nodes=names)
+    r = recovery(job, at, timeout, lost=k)
+    right = r["lost"] == sorted(lost) and set(r["scope"]) == set(lost) and set(r["nodes"]) <= set(lost)
+    return {"fault": f"lose {k} at once", **r, "right": right}
+
+
+def restart(job: SimCluster, n: int, hosts: int, timeout: float) -> dict:
+    step, at = job.state()["last_step"], time.time()
+    job.kill_controller()
+    job.start_controller()
+    job.wait_until(lambda s: s["last_step"] >= step + 10, timeout, "10 steps after the controller restart")
+    failures = _after(job, "failure", at)
+    attached = _after(job, "attached", at)
+    return {
+        "fault": "controller restart",
+        "detect s": attached[0]["time"] - at if attached else float("nan"),
+        "right": bool(attached) and not failures,
+        "what": [f["detail"] for f in failures],
+    }
+
+
+INJECT = {
+    "lose": lose,
+    "crash": on_rank("crash"),
+    "stop": on_rank("stop"),
+    "stuck": on_rank("stuck"),
+    "slow": slow,
+    "lose1%": lose_many,
+    "restart": restart,
+}
 
 
 def main() -> None:
@@ -194,9 +216,11 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=1024)
     ap.add_argument("--quiet-s", type=float, default=600.0, help="the fault-free phase's seconds")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds each wait may take")
+    ap.add_argument("--faults", nargs="+", choices=FAULTS, default=FAULTS, help="which faults (default: all)")
+    ap.add_argument("--keep", action="store_true", help="keep the run's folder when a row is wrong")
     args = ap.parse_args()
     print(f"host load (1 min) at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-    rows = run(args.nodes, args.quiet_s, args.timeout)
+    rows = run(args.nodes, args.quiet_s, args.timeout, tuple(args.faults), args.keep)
     head = ["fault", "detect s", "told s", "kinds", "nodes", "scope", "right", "what"]
     print(f"\nFault injections at {args.nodes} simulated nodes (controller defaults)")
     print("| " + " | ".join(head) + " |")

@@ -19,7 +19,8 @@ admitted by the job token, HMAC-signed messages, the real ``Peer``) at the confi
 Faults come as commands (``SimCluster.command``, one JSON line in the host's command file): ``lose`` (nodes
 stop at once, sockets closed, nothing said: a lost machine), ``crash`` (a rank's worker exits -9, reported
 by its node), ``stop`` (a rank stops stepping and heartbeating but its connection stays: a hang), ``stuck``
-(a rank stops stepping but heartbeats: a stuck rank), ``slow`` (a rank's steps take longer).
+(a rank stops stepping but heartbeats, held in its loop's data phase: a stuck rank), ``slow`` (a rank's steps
+take longer: it dispatches for that much longer while the others, on its host too, wait in the step).
 
 Each host counts what it did (pings sent and answered, messages by kind) in ``<sim>/host<i>.json`` when it
 stops.  Used by tests/controller/test_sim_cluster.py (small N) and benchmarks/scale.py (N = 64..1,024).
@@ -323,6 +324,7 @@ class HostGen:
         self.waiting: int | None = self.start  # the step whose barrier they wait at (start: everyone joined)
         self.written: tuple[int, tuple[int, ...]] | None = None
         self.due = 0.0
+        self.late: dict[int, float] = {}  # slow ranks still dispatching this step: until when
         self.t0 = time.perf_counter()
 
     def alive_ranks(self) -> tuple[int, ...]:
@@ -335,10 +337,16 @@ class HostGen:
             self.step += 1
             self.state = advance(self.state, self.step)
             self.waiting = self.step
-            for w in self.ranks.values():
-                if w.clock is not None:
+            for r, w in self.ranks.items():
+                if (extra := self.host.slow.get(r, 0.0)) > 0:  # a slow rank dispatches longer; its host's others not
+                    self.late[r] = now + extra
+                elif w.clock is not None and w.stepping:
                     w.clock.enter("blocked", self.step)
-        mine = self.alive_ranks()
+        for r in [r for r, t in self.late.items() if now >= t]:
+            del self.late[r]
+            if (w := self.ranks.get(r)) is not None and w.clock is not None and w.stepping:
+                w.clock.enter("blocked", self.step)
+        mine = tuple(r for r in self.alive_ranks() if r not in self.late)
         if self.written != (self.waiting, mine):
             tmp = self.dir / f".{self.waiting}.{self.host.index}.tmp"
             tmp.write_text(json.dumps(mine))
@@ -356,8 +364,7 @@ class HostGen:
 
     def _passed(self, now: float, step: int) -> None:
         self.waiting = None
-        slow = max((self.host.slow.get(r, 0.0) for r in self.ranks), default=0.0)
-        self.due = now + self.host.step_s + slow
+        self.due = now + self.host.step_s
         if step == self.start:  # everyone joined: restore, then train
             for w in self.ranks.values():
                 w.info["state"] = "restoring"
@@ -481,8 +488,10 @@ class SimHost:
                     w.exit(-9)
                 elif cmd["do"] == "stop":
                     w.beating = w.stepping = False
-                elif cmd["do"] == "stuck":
+                elif cmd["do"] == "stuck":  # held in its host's own work (the data phase), as stub_worker's is
                     w.stepping = False
+                    if w.clock is not None:
+                        w.clock.enter("data")
                 elif cmd["do"] == "slow":
                     self.slow[int(cmd["rank"])] = float(cmd["s"])
 

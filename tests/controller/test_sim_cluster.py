@@ -71,3 +71,25 @@ def test_a_simulated_cluster_trains_exactly_once_through_a_lost_node_and_a_crash
     # The workers' heartbeats went through their node agents (jaxdist.controller.relay): one in DIRECT_EVERY
     # directly, and the first few before the agent's first ack (all would go directly without the relay)
     assert counts["hb_direct"] < 0.5 * counts["hb"], counts
+
+
+def test_a_stuck_rank_is_named_and_a_slow_rank_raises_its_node(tmp_path):
+    """A rank held in its host's own work (the data phase) while the others wait is named alone (not the whole
+    group as a device hang), and a rank whose steps take longer raises a slow-node alarm on its own node, not on
+    the other ranks its simulated host carries."""
+    job = SimCluster(12, 12, HOSTS, tmp_path, steps=1_000_000, step_s=0.1)
+    try:
+        job.start()
+        job.wait_until(lambda s: s["phase"] == "running" and s["last_step"] >= 3, TIMEOUT, "step 3")
+        stuck, host = job.rank_host(2)
+        job.command(host, "stuck", rank=2)
+        job.wait_until(lambda s: s["generation"] == 1 and s["phase"] == "running", TIMEOUT, "generation 1")
+        (failure,) = [e for e in job.events() if e["event"] == "failure"]
+        assert failure["kinds"] == ["stuck"] and failure["nodes"] == [stuck] and failure["ranks"] == [2], failure
+        slow, host = job.rank_host(3)
+        job.command(host, "slow", rank=3, s=0.5)
+        job.wait_until(lambda s: any(e["event"] == "slow_node" for e in job.events()), TIMEOUT, "a slow-node alarm")
+        alarms = [e["node"] for e in job.events() if e["event"] == "slow_node"]
+        assert alarms == [slow], alarms
+    finally:
+        job.close()
