@@ -116,7 +116,13 @@ def run(n: int, quiet_s: float, timeout: float, faults: tuple[str, ...] = FAULTS
         for fault in (f for f in FAULTS if f in faults):
             rows.append(show(INJECT[fault](job, n, hosts, timeout)))
             if fault != "restart":
+                at = time.time()
                 settle(job, timeout)
+                if unasked := _after(job, "failure", at):  # no fault was injected: a false alarm
+                    what = [f"{e['kinds']} on {len(e['nodes'])} nodes: {e['detail'][:200]}" for e in unasked]
+                    rows.append(show({"fault": f"(after {fault}, none injected)", "right": False, "what": what}))
+                    job.wait_until(lambda s: s["phase"] == "running", timeout, "the recovery from the false alarm")
+                    settle(job, timeout)
         time.sleep(5)
     except TimeoutError as e:  # the table says how far it came
         rows.append(show({"fault": "(stopped)", "right": False, "what": [str(e)[:300]]}))
@@ -165,8 +171,14 @@ def slow(job: SimCluster, n: int, hosts: int, timeout: float) -> dict:
     job.command(host, "slow", rank=3, s=1.0)
     job.wait_until(lambda s: _after(job, "slow_node", at), timeout, "a slow-node alarm", need_state=False)
     job.command(host, "slow", rank=3, s=0.0)
-    alarm = _after(job, "slow_node", at)[0]
-    return {"fault": "slow", "detect s": alarm["time"] - at, "nodes": [alarm["node"]], "right": alarm["node"] == node}
+    alarm, failures = _after(job, "slow_node", at)[0], _after(job, "failure", at)  # slow is not failed
+    return {
+        "fault": "slow",
+        "detect s": alarm["time"] - at,
+        "nodes": [alarm["node"]],
+        "right": alarm["node"] == node and not failures,
+        "what": [f"{e['kinds']} on {len(e['nodes'])} nodes: {e['detail'][:200]}" for e in failures],
+    }
 
 
 def lose_many(job: SimCluster, n: int, hosts: int, timeout: float) -> dict:
@@ -192,11 +204,12 @@ def restart(job: SimCluster, n: int, hosts: int, timeout: float) -> dict:
     job.wait_until(lambda s: s["last_step"] >= step + 10, timeout, "10 steps after the controller restart")
     failures = _after(job, "failure", at)
     attached = _after(job, "attached", at)
-    return {
+    regrouped = [e["event"] for e in job.events() if e["event"] in ("start", "shrink", "grow") and e["time"] >= at]
+    return {  # attached to the running generation, which steps on: no failure, no new group
         "fault": "controller restart",
         "detect s": attached[0]["time"] - at if attached else float("nan"),
-        "right": bool(attached) and not failures,
-        "what": [f["detail"] for f in failures],
+        "right": bool(attached) and attached[0]["phase"] == "running" and not failures and not regrouped,
+        "what": [f["detail"] for f in failures] + regrouped,
     }
 
 

@@ -54,6 +54,7 @@ from jaxdist.run_owner import HISTORY_SINCE_ENV, RunLock, set_aside_history
 log = logging.getLogger("jaxdist.controller")
 
 TICK_S = 0.05  # seconds between two judgments of the job (tick): timeouts are seconds, floods of heartbeats frequent
+ATTACH_MAX_S = 30.0  # a restarted controller waits at most this long to hear every member node before judging
 SPARE_FAILURES_TO_BAN = 3  # warm processes of one node that crashed before an assignment: the node is not used
 
 
@@ -136,8 +137,8 @@ class Controller(GenerationLifecycle, HealthActions):
             config_args = self._start_over(cfg, config_args, fresh=prev is None)
         self.nodes: dict[str, NodeView] = {}
         self.workers: dict[str, WorkerInfo] = {}
-        # The same workers by node and by (generation, rank): a lookup costs the node's (or the rank's) few
-        # processes, not every worker of the job (the loops of each tick stay linear in the node count).
+        # The live workers by node (dead ones pile up with the generations) and all by (generation, rank): a lookup
+        # costs the node's (or the rank's) few processes, not every worker (each tick's loops stay linear in N).
         self.node_workers: dict[str, dict[str, WorkerInfo]] = {}
         self.rank_workers: dict[tuple[int, int], dict[str, WorkerInfo]] = {}
         self.cluster_nodes, self.per_node, self.device_kind = cluster_shape(cfg)
@@ -201,6 +202,9 @@ class Controller(GenerationLifecycle, HealthActions):
         if v is None:
             v = self.nodes[name] = NodeView(name)
             self.events.add("node_registered", node=name)
+            # First heard as a member (by a restarted controller): the job ran on it, so its links work
+            v.link_ok = name in self.state.members.values()
+        back = v.lost
         if v.lost:
             v.lost = False
             self.events.add("node_back", node=name, silent_s=round(now - v.last_heartbeat, 2))
@@ -220,6 +224,8 @@ class Controller(GenerationLifecycle, HealthActions):
         for p in v.procs:
             if p.get("rc") is not None:
                 self._on_exit(name, int(p["pid"]), int(p["rc"]), now)
+        if back:
+            self._retire_written_off(v)
         if v.checks.get("ok") and not v.link_ok and not v.probing:
             self._probe(v, [n.name for n in self.nodes.values() if n.checks.get("ok") and not n.lost])
 
@@ -397,7 +403,7 @@ class Controller(GenerationLifecycle, HealthActions):
         w = self.workers.get(ident) or self._new_worker(ident, node, pid, now)
         if w.exit_code is not None:
             return
-        w.exit_code, w.exited_at = rc, now
+        self._exited(w, rc, now)
         self.killed.pop((node, pid), None)
         self._judge_by(now)
         s = self.state
@@ -428,13 +434,18 @@ class Controller(GenerationLifecycle, HealthActions):
         self.rank_workers.setdefault((w.gen, w.rank), {})[ident] = w
         return w
 
+    def _exited(self, w: WorkerInfo, rc: int, now: float) -> None:
+        """``w`` exited with ``rc`` (reported, or written off): it leaves its node's live workers."""
+        w.exit_code, w.exited_at = rc, now
+        self.node_workers.get(w.node, {}).pop(w.identity, None)
+
     def _place(self, w: WorkerInfo, gen: int, rank: int) -> None:
         """``w`` is rank ``rank`` of generation ``gen`` now (its entry in the per-rank index moves with it)."""
         self.rank_workers.get((w.gen, w.rank), {}).pop(w.identity, None)
         w.gen, w.rank = gen, rank
         self.rank_workers.setdefault((gen, rank), {})[w.identity] = w
 
-    def _workers_on(self, node: str) -> list[WorkerInfo]:
+    def _workers_on(self, node: str) -> list[WorkerInfo]:  # its live workers (no exit known)
         return list(self.node_workers.get(node, {}).values())
 
     def _heard_workers(self, node: str, now: float) -> list[int]:
@@ -485,6 +496,8 @@ class Controller(GenerationLifecycle, HealthActions):
         tick's was half the controller's time, and a silence is only measured to a heartbeat interval)."""
         if self.state.phase in ("starting", "running") and now < self.judge_at and not self.attaching:
             return self._save()  # (a restarted controller saves nothing until it has heard the job: below)
+        if (since := self.endpoint.backlog_since) is not None and now - since < self.cc.heartbeat_timeout:
+            return self._save()  # heartbeats wait unread (this process stalled): judge no silence before reading them
         self.judge_at = now + self.cc.heartbeat_interval - TICK_S / 2  # the tick nearest one interval on
         for v in self._live_nodes():
             silent = now - v.last_heartbeat
@@ -502,10 +515,12 @@ class Controller(GenerationLifecycle, HealthActions):
             self.events.add("node_lost", node=v.name, silent_s=round(silent, 2))
             for w in self._workers_on(v.name):  # its spare processes went with it: never assign one if it is back
                 if w.warm:
-                    w.exit_code, w.exited_at = -int(signal.SIGKILL), now
+                    self._exited(w, -int(signal.SIGKILL), now)
         if self.attaching:
-            if now - self.t0 < 2 * self.cc.heartbeat_timeout + 1.0:
-                return  # collect heartbeats of the running job before judging it
+            waited = now - self.t0
+            unheard = any(n not in self.nodes for n in self.state.members.values())
+            if waited < 2 * self.cc.heartbeat_timeout + 1.0 or (unheard and waited < ATTACH_MAX_S):
+                return  # collect the running job's heartbeats first: a member not heard yet has not failed
             self.attaching = False
             self.gen_started = self.progress_at = now
             self.events.add(

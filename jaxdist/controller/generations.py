@@ -141,7 +141,16 @@ class GenerationLifecycle:
             if w is None:
                 views.append(policy.WorkerView(r, node, self.gen_started))
                 continue
-            connected = self._connected(w, now)
+            connected, dropped = self._connected(w, now), w.disconnected_at
+            if (
+                dropped is not None
+                and dropped < w.last_heartbeat
+                and now - w.last_heartbeat <= self.cc.heartbeat_timeout
+            ):
+                # Heard through its node agent after its own connection dropped (its ZeroMQ pings went unanswered:
+                # a starved host): the process lives, and ZeroMQ reconnects it. A hung one relays nothing, and once
+                # the relayed heartbeats stop for heartbeat_timeout the dropped connection counts again.
+                connected, dropped = True, None
             views.append(
                 policy.WorkerView(
                     r,
@@ -152,7 +161,7 @@ class GenerationLifecycle:
                     w.exit_code,
                     w.exited_at,
                     connected,
-                    w.disconnected_at,
+                    dropped,
                 )
             )
         finished = [v for v in views if v.exit_code == 0 or v.state == "done"]
@@ -389,8 +398,27 @@ class GenerationLifecycle:
         elif now - self.kill_sent_at > 5:
             self.kill_sent_at = now
             for n in self.plan.values():
-                if self._warm_worker(n) is None:
+                if self._warm_worker(n) is None and not (n in self.nodes and self._retire_written_off(self.nodes[n])):
                     self.endpoint.send(f"n:{n}", {"t": "replenish", "at_least": 1})
+
+    def _retire_written_off(self, v: NodeView) -> bool:
+        """Kill the processes of ``v`` that the controller wrote off (its spares, when the node counted as lost)
+        but that its agent reports still running, and have it start new spares; True if there were any.
+
+        A node silent for 2 x heartbeat_timeout that comes back (a partition, a starved host) still runs the
+        spares the controller gave up on, and counts them: without this it never starts new ones, and a recovery
+        whose plan takes that node waits for a warm spare that never comes (seen at 1,024 simulated nodes)."""
+        stale = [
+            int(p["pid"])
+            for p in v.procs
+            if p.get("rc") is None
+            and (w := self.workers.get(f"w:{v.name}:{p['pid']}")) is not None
+            and w.exit_code is not None
+        ]
+        if stale:
+            self.endpoint.send(f"n:{v.name}", {"t": "kill", "pids": stale})
+            self.endpoint.send(f"n:{v.name}", {"t": "replenish", "at_least": 1})
+        return bool(stale)
 
     def _cannot_confirm(self, node: str) -> bool:
         """True when ``node`` cannot report a killed process's exit: unknown, lost, or found failed (its agent

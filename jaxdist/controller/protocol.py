@@ -336,6 +336,7 @@ class Endpoint:
         self.connected: dict[str, bool] = {}
         self._disconnects: list[tuple[str, float]] = []
         self.waited_s = 0.0  # seconds spent waiting in recv_batch for a message (the rest is work)
+        self.backlog_since: float | None = None  # since when recv_batch has found more messages than it read
         self._pending: collections.deque[tuple[str, dict[str, Any]]] = collections.deque()
         host = host.strip("[]")  # controller.bind=[::1] is written as in a URL: the brackets are added below
         host_part = f"[{host}]" if ":" in host else host
@@ -368,7 +369,8 @@ class Endpoint:
         """The authentic messages that arrived, at most ``most``, after one wait of up to ``timeout_s``.
 
         One poll serves the whole batch: under a flood of heartbeats a poll per message was a fifth of the
-        controller's time (256 simulated nodes).  The monitor's disconnects are read before the messages."""
+        controller's time (256 simulated nodes).  The monitor's disconnects are read before the messages.
+        ``backlog_since``: since when every batch was full (None once one emptied the socket)."""
         t = time.monotonic()
         events = dict(self.poller.poll(int(timeout_s * 1000)))
         self.waited_s += time.monotonic() - t
@@ -376,15 +378,19 @@ class Endpoint:
             self._read_monitor()
         out: list[tuple[str, dict[str, Any]]] = []
         if self.sock not in events:
+            self.backlog_since = None
             return out
         for _ in range(most):
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self.backlog_since = None
                 break
             got = self._check(frames)
             if got is not None:
                 out.append(got)
+        else:
+            self.backlog_since = self.backlog_since or time.monotonic()
         return out
 
     def _read_monitor(self) -> None:

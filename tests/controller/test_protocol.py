@@ -264,10 +264,13 @@ def test_a_flood_of_messages_is_read_in_batches_one_poll_each():
                 time.sleep(0.005)
         time.sleep(0.5)  # let most of them arrive: the count below is of polls, not a race
         got: list[int] = []
+        backlogs = []  # backlog_since after each batch: set while a batch is full, None once one empties the socket
         deadline = time.monotonic() + 30
         while len(got) < 300 and time.monotonic() < deadline:
-            got += [m["i"] for _, m in ep.recv_batch(0.5)]
+            got += [m["i"] for _, m in ep.recv_batch(0.5, most=100)]
+            backlogs.append(ep.backlog_since)
         assert got == list(range(300))
+        assert backlogs[0] is not None and ep.recv_batch(0.05) == [] and ep.backlog_since is None, backlogs
         assert polls[0] <= 30, polls  # batches of up to RECV_BATCH; the messages trickle in over TCP
     finally:
         peer.close()

@@ -41,3 +41,35 @@ def test_a_member_lost_with_the_blamed_one_is_blamed_too(ctl, heard):
     # The recovery does not wait for the exit reports of processes killed on the failed nodes (they cannot come);
     # it waits for those of a node that is only slow to answer.
     assert ctl._cannot_confirm("a") and ctl._cannot_confirm("b") is not heard and not ctl._cannot_confirm("c")
+
+
+def test_a_member_heard_through_its_agent_after_its_connection_dropped_has_not_failed(ctl):
+    """At 1,024 simulated nodes on 2 cores a starved host let its workers' ZeroMQ pings go unanswered for a second:
+    the controller dropped their connections and restarted the job while their heartbeats still came through
+    their node agents. A member heard through its agent after the drop lives (ZeroMQ reconnects it); once those
+    heartbeats stop for heartbeat_timeout, the dropped connection is a failure again (a hung process relays
+    nothing)."""
+    _members(ctl, ["a", "b"])
+    now = time.monotonic()
+    s = ctl.state
+    s.phase, s.generation, ctl.gen_started, ctl.progress_at = "running", 0, now - 30, now - 0.1
+    for r, n in s.members.items():
+        hb = {"t": "hb", "node": n, "pid": 10 + r, "state": "training", "gen": 0, "rank": r, "step": 5}
+        ctl.handle(f"w:{n}:{10 + r}", {**hb, "beat": 1, "sent": time.time()})
+        s.pids[r] = 10 + r
+    w = ctl.workers["w:b:11"]
+    ctl.endpoint.connected = {"w:a:10": True, "w:b:11": False}
+    ctl.endpoint.routable = lambda ident: ident != "w:b:11"  # b's connection is gone, its process is not
+    w.disconnected_at = now - 1.0
+    relayed = {"t": "hb", "node": "b", "pid": 11, "state": "training", "gen": 0, "rank": 1, "step": 5, "age": 0.1}
+    ctl.handle(
+        "n:b", {**NODE_HB, "node": "b", "welcomed": True, "workers": [{**relayed, "beat": 2, "sent": time.time()}]}
+    )
+    assert w.last_heartbeat > w.disconnected_at
+    ctl._check_generation(time.monotonic())
+    assert not [e for e in ctl.events.events if e["event"] == "failure"]
+    later = w.last_heartbeat + ctl.cc.heartbeat_timeout + 0.5  # its relayed heartbeats stopped too: hung
+    ctl.nodes["b"].last_heartbeat = ctl.workers["w:a:10"].last_heartbeat = later
+    ctl._check_generation(later)
+    (failure,) = [e for e in ctl.events.events if e["event"] == "failure"]
+    assert failure["ranks"] == [1] and failure["kinds"] == ["silent"], failure
