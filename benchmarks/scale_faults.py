@@ -60,11 +60,13 @@ def _member_on_host(job: SimCluster, host: int, avoid: set[str]) -> tuple[int, s
                 if int(r) > 0 and n not in avoid and job.host_of(n) == host)  # fmt: skip
 
 
-def settle(job: SimCluster, timeout: float) -> None:
-    """Wait for every node to hold a warm spare again (each recovery starts a new process on every member
-    node: on 2 cores the simulated hosts need a while), then 10 s more."""
-    n = len(job.names)
-    job.wait_until(lambda s: len(s["warm_nodes"]) >= n - 2 or s["phase"] != "running", timeout, "every node warm")
+def settle(job: SimCluster, timeout: float, gone: int = 0) -> None:
+    """Wait for every node but the ``gone`` ones (lost on purpose) to hold a warm spare again (each recovery
+    starts a new process on every member node: on 2 cores the simulated hosts need a while), then 10 s more."""
+    n = len(job.names) - gone
+    job.wait_until(
+        lambda s: len(s["warm_nodes"]) >= n - 2 or s["phase"] != "running", timeout, "every node warm", poll=0.5
+    )
     time.sleep(10)
 
 
@@ -80,7 +82,9 @@ def recovery(job: SimCluster, at: float, timeout: float, lost: int = 0) -> dict:
     gen = job.state()["generation"]
     job.wait_until(lambda s: s["generation"] > gen and s["phase"] == "running", timeout, "the recovery")
     if lost:
-        job.wait_until(lambda s: len(_after(job, "node_lost", at)) >= lost, timeout, "the lost nodes", need_state=False)
+        job.wait_until(
+            lambda s: len(_after(job, "node_lost", at)) >= lost, timeout, "the lost nodes", need_state=False, poll=0.5
+        )
     (failure, *more), start = _after(job, "failure", at), _after(job, "start", at)[0]
     blame = _after(job, "blame", at)
     return {
@@ -113,16 +117,18 @@ def run(n: int, quiet_s: float, timeout: float, faults: tuple[str, ...] = FAULTS
         false = [e for e in job.events() if e["event"] in ALARMS and e["time"] >= at]
         rows.append(show({"fault": f"none ({quiet_s:g} s)", "right": not false, "what": [e["event"] for e in false]}))
         settle(job, timeout)
+        gone = 0
         for fault in (f for f in FAULTS if f in faults):
             rows.append(show(INJECT[fault](job, n, hosts, timeout)))
+            gone += len(rows[-1].get("lost", []))
             if fault != "restart":
                 at = time.time()
-                settle(job, timeout)
+                settle(job, timeout, gone)
                 if unasked := _after(job, "failure", at):  # no fault was injected: a false alarm
                     what = [f"{e['kinds']} on {len(e['nodes'])} nodes: {e['detail'][:200]}" for e in unasked]
                     rows.append(show({"fault": f"(after {fault}, none injected)", "right": False, "what": what}))
                     job.wait_until(lambda s: s["phase"] == "running", timeout, "the recovery from the false alarm")
-                    settle(job, timeout)
+                    settle(job, timeout, gone)
         time.sleep(5)
     except TimeoutError as e:  # the table says how far it came
         rows.append(show({"fault": "(stopped)", "right": False, "what": [str(e)[:300]]}))
@@ -169,7 +175,7 @@ def slow(job: SimCluster, n: int, hosts: int, timeout: float) -> dict:
     node, host = job.rank_host(3)
     at = time.time()
     job.command(host, "slow", rank=3, s=1.0)
-    job.wait_until(lambda s: _after(job, "slow_node", at), timeout, "a slow-node alarm", need_state=False)
+    job.wait_until(lambda s: _after(job, "slow_node", at), timeout, "a slow-node alarm", need_state=False, poll=1.0)
     job.command(host, "slow", rank=3, s=0.0)
     alarm, failures = _after(job, "slow_node", at)[0], _after(job, "failure", at)  # slow is not failed
     return {

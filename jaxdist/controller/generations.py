@@ -287,7 +287,8 @@ class GenerationLifecycle:
         A node agent that reports after the failure is healthy: the process failed (counted in
         ``process_failures``; with crashed_rank=same_node the rank stays on the node, where its local-tier files
         are, until policy.process_failure_verdict moves it once, bans the node or stops the job). An agent
-        silent for ``heartbeat_timeout`` after it (or lost): the node failed (``failures``).
+        silent for ``heartbeat_timeout`` after it (or lost), or whose own connection is gone (the socket cannot
+        route to it: its machine closed it, or ZeroMQ's pings found it dead): the node failed (``failures``).
         """
         s = self.state
         scope = {}
@@ -295,7 +296,7 @@ class GenerationLifecycle:
             v = self.nodes.get(node)
             if v is not None and not v.lost and v.last_heartbeat > t:
                 scope[node] = "process"
-            elif v is None or v.lost or now - t > self.cc.heartbeat_timeout:
+            elif v is None or v.lost or now - t > self.cc.heartbeat_timeout or not self.endpoint.routable(f"n:{node}"):
                 scope[node] = "node"
             else:
                 return False
