@@ -199,7 +199,7 @@ class Controller(GenerationLifecycle, HealthActions):
     def _on_node_hb(self, msg: dict[str, Any], now: float) -> None:
         name = str(msg["node"])
         v = self.nodes.get(name)
-        if v is None:
+        if first := v is None:
             v = self.nodes[name] = NodeView(name)
             self.events.add("node_registered", node=name)
             # First heard as a member (by a restarted controller): the job ran on it, so its links work
@@ -222,7 +222,7 @@ class Controller(GenerationLifecycle, HealthActions):
         for hb in msg.get("workers", ()):  # relayed: heard by the agent ``age`` seconds ago
             self._on_worker_hb(f"w:{name}:{hb['pid']}", hb, now - min(max(float(hb.get("age", 0)), 0.0), 60.0), True)
         for p in v.procs:
-            if p.get("rc") is not None:
+            if p.get("rc") is not None and not self._history(v, p, first, now):
                 self._on_exit(name, int(p["pid"]), int(p["rc"]), now)
         if back:
             self._retire_written_off(v)
@@ -494,12 +494,12 @@ class Controller(GenerationLifecycle, HealthActions):
         """Judge the job: every tick while it starts no generation (waiting, recovering), else every heartbeat
         interval and soon after an exit or a dropped connection (each judgment is O(nodes): at 1,024 nodes, every
         tick's was half the controller's time, and a silence is only measured to a heartbeat interval)."""
-        if self.state.phase in ("starting", "running") and now < self.judge_at and not self.attaching:
+        # Heartbeats that wait unread (this process stalled) are no silence: none is judged before they are read.
+        backlog = (since := self.endpoint.backlog_since) is not None and now - since < self.cc.heartbeat_timeout
+        if self.state.phase in ("starting", "running") and (now < self.judge_at or backlog) and not self.attaching:
             return self._save()  # (a restarted controller saves nothing until it has heard the job: below)
-        if (since := self.endpoint.backlog_since) is not None and now - since < self.cc.heartbeat_timeout:
-            return self._save()  # heartbeats wait unread (this process stalled): judge no silence before reading them
         self.judge_at = now + self.cc.heartbeat_interval - TICK_S / 2  # the tick nearest one interval on
-        for v in self._live_nodes():
+        for v in [] if backlog else self._live_nodes():
             silent = now - v.last_heartbeat
             if silent <= 2 * self.cc.heartbeat_timeout:
                 continue

@@ -71,3 +71,18 @@ def test_the_links_of_a_member_heard_by_a_restarted_controller_are_not_probed(re
     c.handle("n:n9", node_hb("n9"))  # a standby: checked as at any start
     probed = [to for to, msg in c.sent if msg["t"] == "probe"]
     assert c.nodes["n0"].link_ok and probed == ["n:n9"]
+
+
+def test_the_exits_a_node_lists_from_before_the_restart_are_history_not_events(restarted):
+    """A node's heartbeat lists its processes of the last hour, dead ones too. A restarted controller takes those
+    of older generations (and spares) that it never heard as history, recorded without an event or a judgment;
+    a process of the running generation that died while it was away is still an exit."""
+    c = restarted
+    c.state.generation = 3
+    old = [{"pid": 100 + i, "role": "active", "gen": i % 3, "rank": 0, "rc": -9} for i in range(50)]
+    died = {"pid": 7, "role": "active", "gen": 3, "rank": 1, "rc": -9}
+    for _ in range(2):
+        c.handle("n:n0", {**node_hb("n0"), "procs": [*old, died]})
+    exits = [e for e in c.events.events if e["event"] == "worker_exit"]
+    assert [e["pid"] for e in exits] == [7]
+    assert c.workers["w:n0:100"].exit_code == -9 and c._workers_on("n0") == []

@@ -91,3 +91,16 @@ def test_a_blamed_node_whose_agent_connection_is_gone_is_settled_at_once(ctl, co
     if not connected:
         (blame,) = [e for e in ctl.events.events if e["event"] == "blame"]
         assert blame["scope"] == {"a": "node"}
+
+
+def test_a_recovery_goes_on_while_heartbeats_wait_unread(ctl):
+    """The backlog rule holds back judgments of silence, not a recovery: after a failure the controller's own
+    burst of work (killing every member's process) leaves heartbeats queued, and the blame must still settle."""
+    _members(ctl, ["a", "b"])
+    ctl.endpoint.routable = lambda ident: ident != "n:a"
+    now = time.monotonic()
+    ctl.state.phase, ctl.blame, ctl.state.last_failed = "recovering", {"a": now - 0.2}, ["a"]
+    ctl.nodes["a"].last_heartbeat = now - 0.5
+    ctl.endpoint.backlog_since = now - 0.1
+    ctl.tick(now)
+    assert [e["scope"] for e in ctl.events.events if e["event"] == "blame"] == [{"a": "node"}]
