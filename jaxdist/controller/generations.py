@@ -382,6 +382,14 @@ class GenerationLifecycle:
                 members=self.plan,
                 swapped={r: n for r, n in self.plan.items() if s.members.get(r) != n},
             )
+            self.kill_sent_at = 0.0  # a new plan: its nodes without a warm spare are asked for one at once
+        if now - self.kill_sent_at > 5 and any(self._warm_worker(n) is None for n in self.plan.values()):
+            # Asked while the old processes' exits are awaited: a loss right after a recovery finds the new members'
+            # spares not started yet (they start at the first step), and waiting 5 s to ask made its group wait.
+            self.kill_sent_at = now
+            for n in self.plan.values():
+                if self._warm_worker(n) is None and not (n in self.nodes and self._retire_written_off(self.nodes[n])):
+                    self.endpoint.send(f"n:{n}", {"t": "replenish", "at_least": 1})
         # The old generation's processes must be gone before the new one touches the checkpoints: wait (at most
         # KILL_CONFIRM_S) for each kill's exit report, except from a node that cannot send one (lost, or found
         # failed when the blame settled): waiting for it would delay every recovery from a lost node by the whole
@@ -396,11 +404,6 @@ class GenerationLifecycle:
             return
         if all(self._warm_worker(n) is not None for n in self.plan.values()):
             self._start_generation(self.plan, "recovery")
-        elif now - self.kill_sent_at > 5:
-            self.kill_sent_at = now
-            for n in self.plan.values():
-                if self._warm_worker(n) is None and not (n in self.nodes and self._retire_written_off(self.nodes[n])):
-                    self.endpoint.send(f"n:{n}", {"t": "replenish", "at_least": 1})
 
     def _retire_written_off(self, v: NodeView) -> bool:
         """Kill the processes of ``v`` that the controller wrote off (its spares, when the node counted as lost)
