@@ -70,6 +70,11 @@ def settle(job: SimCluster, timeout: float, gone: int = 0) -> None:
     time.sleep(10)
 
 
+def said(failures: list[dict]) -> list[str]:
+    """What each failure event says, shortly (for a row's ``what``)."""
+    return [f"{e['kinds']} on {len(e['nodes'])} nodes: {e['detail'][:200]}" for e in failures]
+
+
 def show(row: dict) -> dict:
     print(json.dumps(row, default=str), flush=True)
     return row
@@ -125,8 +130,9 @@ def run(n: int, quiet_s: float, timeout: float, faults: tuple[str, ...] = FAULTS
                 at = time.time()
                 settle(job, timeout, gone)
                 if unasked := _after(job, "failure", at):  # no fault was injected: a false alarm
-                    what = [f"{e['kinds']} on {len(e['nodes'])} nodes: {e['detail'][:200]}" for e in unasked]
-                    rows.append(show({"fault": f"(after {fault}, none injected)", "right": False, "what": what}))
+                    rows.append(
+                        show({"fault": f"(after {fault}, none injected)", "right": False, "what": said(unasked)})
+                    )
                     job.wait_until(lambda s: s["phase"] == "running", timeout, "the recovery from the false alarm")
                     settle(job, timeout, gone)
         time.sleep(5)
@@ -183,7 +189,7 @@ def slow(job: SimCluster, n: int, hosts: int, timeout: float) -> dict:
         "detect s": alarm["time"] - at,
         "nodes": [alarm["node"]],
         "right": alarm["node"] == node and not failures,
-        "what": [f"{e['kinds']} on {len(e['nodes'])} nodes: {e['detail'][:200]}" for e in failures],
+        "what": said(failures),
     }
 
 

@@ -222,7 +222,7 @@ class Controller(GenerationLifecycle, HealthActions):
         for hb in msg.get("workers", ()):  # relayed: heard by the agent ``age`` seconds ago
             self._on_worker_hb(f"w:{name}:{hb['pid']}", hb, now - min(max(float(hb.get("age", 0)), 0.0), 60.0), True)
         for p in v.procs:
-            if p.get("rc") is not None and not self._history(v, p, first, now):
+            if p.get("rc") is not None and not (first and self._history(v, p, now)):
                 self._on_exit(name, int(p["pid"]), int(p["rc"]), now)
         if back:
             self._retire_written_off(v)

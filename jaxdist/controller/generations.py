@@ -424,13 +424,13 @@ class GenerationLifecycle:
             self.endpoint.send(f"n:{v.name}", {"t": "replenish", "at_least": 1})
         return bool(stale)
 
-    def _history(self, v: NodeView, proc: dict[str, Any], first: bool, now: float) -> bool:
+    def _history(self, v: NodeView, proc: dict[str, Any], now: float) -> bool:
         """True for a dead process that ``v``'s first heartbeat to this controller lists, of an older generation
         or a spare, and that this controller never heard: its exit was judged before (a restarted controller) and
         is recorded quietly, not as an event (at 1,024 nodes a restart met ~7,000 such exits at once: writing and
         judging each kept the controller too busy to admit the nodes' reconnections for 30 s)."""
         ident = f"w:{v.name}:{proc['pid']}"
-        if not first or ident in self.workers or int(proc.get("gen", -1)) >= self.state.generation:
+        if ident in self.workers or int(proc.get("gen", -1)) >= self.state.generation:
             return False
         self._exited(self._new_worker(ident, v.name, int(proc["pid"]), now), int(proc["rc"]), now)
         return True
