@@ -111,6 +111,7 @@ SIGTERM = 15
 # controller's own SIGTERM handler has stopped its loop (seen in tests/slurm/test_launch.py on a loaded machine).
 # A SIGTERM of one worker alone is rare, and its recovery starts this much later.
 TERM_GRACE_S = 2.0
+SIGABRT = 6
 
 
 def find_failures(
@@ -141,9 +142,21 @@ def find_failures(
     SIGTERM is blamed only ``term_grace`` after it: a whole job being stopped
     (scancel, preemption) sends it to the controller too, whose own stop must
     not be recorded as its workers' failure (:data:`TERM_GRACE_S`).
+
+    An exit by SIGABRT is a consequence, not blamed, when another member
+    exited otherwise or lost its connection: JAX's distributed service aborts
+    every process ("another task died") within milliseconds of losing one, and
+    those aborts may be reported before the judgment, or even before the exit
+    that caused them -- so an abort alone waits ``disconnect_grace`` for its
+    cause before it is blamed.
     """
     out = []
     grace = heartbeat_timeout if heartbeat_grace is None else heartbeat_grace
+    caused = any(
+        w.exit_code not in (None, 0, -SIGABRT) or (w.exit_code is None and w.disconnected_at is not None)
+        for w in workers
+        if w.state != "done"
+    )
     for w in workers:
         if w.state == "done" or w.exit_code == 0:
             continue
@@ -151,6 +164,10 @@ def find_failures(
         if w.exit_code is not None:
             if w.exit_code == -SIGTERM and w.exited_at is not None and now - w.exited_at < term_grace:
                 continue  # the job may be stopping as a whole: the controller's own SIGTERM comes within the grace
+            if w.exit_code == -SIGABRT and (
+                caused or (w.exited_at is not None and now - w.exited_at <= disconnect_grace)
+            ):
+                continue  # aborted because a peer went (or may have: its exit report can come a moment later)
             how = f"killed by signal {-w.exit_code}" if w.exit_code < 0 else f"exit code {w.exit_code}"
             out.append(Failure("exit", w.node, w.rank, f"rank {w.rank} on {w.node}: {how}"))
         elif w.disconnected_at is not None:

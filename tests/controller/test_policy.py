@@ -106,6 +106,27 @@ def test_an_exit_by_sigterm_is_a_failure_only_after_the_grace():
     assert [f.kind for f in find_failures(10.0, kill, started_at=0.0, progress_at=9.0, **TIMEOUTS)] == ["exit"]
 
 
+def test_an_abort_after_a_peer_died_is_its_consequence_not_a_second_failure():
+    """JAX's distributed service aborts every process (SIGABRT, "another task died") within milliseconds of losing
+    one -- here the coordinator, rank 0, killed; rank 2's abort may be reported first or in the same batch. Only
+    the cause is blamed; an abort alone is blamed once the disconnect grace passed without a cause."""
+    kw = dict(started_at=0.0, progress_at=9.0, **TIMEOUTS)
+    killed, aborted = _w(0, 10.0, exit_code=-9, exited_at=10.0), _w(2, 10.0, exit_code=-6, exited_at=10.0)
+    for ws in ([killed, aborted], [aborted, killed]):
+        got = find_failures(10.0, ws, **kw)
+        assert [(f.kind, f.rank) for f in got] == [("exit", 0)], got
+    assert find_failures(10.1, [_w(1, 10.0), aborted], **kw) == []  # the cause may still be reported
+    got = find_failures(10.3, [_w(1, 10.0), aborted], **kw)  # none came: the abort was the failure
+    assert [(f.kind, f.rank) for f in got] == [("exit", 2)] and "killed by signal 6" in got[0].detail
+    # the cause is a lost connection (a node gone): the abort waits with it, and is never blamed
+    lost = _w(0, 9.9, connected=False, disconnected_at=9.95)
+    assert find_failures(10.1, [lost, aborted], **kw) == []
+    assert [(f.kind, f.rank) for f in find_failures(10.3, [lost, aborted], **kw)] == [("silent", 0)]
+    # aborts only: every one is blamed, as before
+    both = [aborted, _w(3, 10.0, exit_code=-6, exited_at=10.0)]
+    assert [f.rank for f in find_failures(10.5, both, **kw)] == [2, 3]
+
+
 def test_find_failures_tells_a_busy_process_from_a_stopped_one():
     kw = dict(started_at=0.0, progress_at=99.0, heartbeat_grace=15.0, **TIMEOUTS)
     # heartbeats 5 s late, but the connection still answers ZeroMQ heartbeats: busy (GIL held), not failed
