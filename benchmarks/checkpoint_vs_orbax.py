@@ -33,6 +33,8 @@ GB``: the largest child's peak resident memory (10^9 bytes), and the ratios jaxd
                                                                 # all threads), top functions by own time
     python benchmarks/checkpoint_vs_orbax.py --checksums      # the checksums alone: CRC-32C against CRC-32
                                                               # over 200 MB, 1 GB and 4 GB of files
+    python benchmarks/checkpoint_vs_orbax.py --codec --sizes 200 1000  # checksums the storage checks as it
+                                                              # reads (zarr3's crc32c codec) against the second read
 
 A replicated state is held once per device (8 copies on the CPU backend), so a ``--sharding replicated`` child
 needs more than 8x the state's size in memory (benchmarks/README.md has the peaks).
@@ -412,6 +414,85 @@ def checksum_costs(tmp: Path, sizes: list[int], rounds: int) -> None:
     print("cpu x: CPU seconds / CRC-32C's")
 
 
+def codec_costs(tmp: Path, sizes: list[int], rounds: int) -> None:
+    """The other way to check a checkpoint's bytes (issue 41): a CRC-32C of every chunk, written by TensorStore
+    with zarr3's ``crc32c`` codec and checked as it reads, against jaxdist's way, a CRC-32C of every whole file read
+    back after the save (and before the restore). Plain orbax, one process, fsdp=8: ``StandardCheckpointer``
+    (zarr2, orbax's default), zarr3, zarr3 with the codec (which orbax has no option for: this benchmark replaces
+    orbax's private ``tensorstore_utils._build_zarr3_metadata`` for that variant); each variant's save and restore
+    alternated over ``rounds`` rounds after a warm-up, and ``second read``: jaxdist's checksum pass over the
+    zarr2 save's files (``integrity.files_checksums``, CRC-32C on 4 threads)."""
+    from orbax.checkpoint._src.serialization import tensorstore_utils as tsu  # private: this benchmark only
+
+    build, with_crc = tsu._build_zarr3_metadata, {"on": False}
+
+    def build_with_crc(global_shape, chunk_shape, use_compression):
+        metadata = build(global_shape, chunk_shape, use_compression)
+        if with_crc["on"]:
+            metadata["codecs"][0]["configuration"]["codecs"].append({"name": "crc32c"})
+        return metadata
+
+    tsu._build_zarr3_metadata = build_with_crc
+    zarr3 = lambda: ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_zarr3=True))  # noqa: E731
+    variants = {"orbax std (zarr2)": (ocp.StandardCheckpointer, False), "zarr3": (zarr3, False)}
+    variants["zarr3 + crc32c codec"] = (zarr3, True)
+    head = f"{'state':>8} {'variant':<22} {'save s':>7} {'restore s':>9} {'save s/GB':>9} {'restore s/GB':>12}"
+    print(f"1 process x 8 CPU devices, fsdp=8, {os.cpu_count()} cores, median of {rounds}; s/GB: more than zarr2's")
+    print(f"load: {open('/proc/loadavg').read().strip()}")
+    print(head + "\n" + "-" * len(head), flush=True)
+    for mb in sizes:
+        state = make_state(mb, "fsdp")
+        abstract = abstract_like(state)
+        gb = sum(a.nbytes for a in jax.tree.leaves(state)) / 1e9
+        ckpts = {name: make() for name, (make, _) in variants.items()}
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+        sums = []
+        for r in range(rounds + 1):
+            for name in list(variants) if r % 2 == 0 else list(variants)[::-1]:
+                ck, with_crc["on"] = ckpts[name], variants[name][1]
+                path = tmp / f"codec-{mb}-{len(times[name])}-{r}"
+                t0 = time.perf_counter()
+                if name.startswith("orbax std"):
+                    ck.save(path, state)
+                else:
+                    ck.save(path, args=ocp.args.PyTreeSave(state))
+                ck.wait_until_finished()
+                t1 = time.perf_counter()
+                if name.startswith("orbax std"):
+                    got = ck.restore(path, abstract)
+                else:
+                    restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+                    got = ck.restore(path, args=ocp.args.PyTreeRestore(abstract, restore_args=restore_args))
+                jax.block_until_ready(got)
+                t2 = time.perf_counter()
+                free(got)
+                if name.startswith("orbax std"):
+                    rels = integrity.data_files(path)
+                    t3 = time.perf_counter()
+                    integrity.files_checksums(path, rels, integrity.save_algorithm())
+                    if r:
+                        sums.append(time.perf_counter() - t3)
+                if r:
+                    times[name].append((t1 - t0, t2 - t1))
+                shutil.rmtree(path)
+        base = [statistics.median(t[i] for t in times["orbax std (zarr2)"]) for i in (0, 1)]
+        for name in variants:
+            save, restore = (statistics.median(t[i] for t in times[name]) for i in (0, 1))
+            extra = (
+                f" {(save - base[0]) / gb:>9.3f} {(restore - base[1]) / gb:>12.3f}"
+                if name != "orbax std (zarr2)"
+                else ""
+            )
+            print(f"{mb:>5} MB {name:<22} {save:>7.3f} {restore:>9.3f}{extra}", flush=True)
+        second = statistics.median(sums)
+        print(f"{mb:>5} MB {'second read (jaxdist)':<22} {second:>7.3f} {'':>9} {second / gb:>9.3f}", flush=True)
+        for ck in ckpts.values():
+            ck.close()
+        free(state)
+    tsu._build_zarr3_metadata = build
+    print(f"load: {open('/proc/loadavg').read().strip()}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[200, 1000], help="state sizes in MB")
@@ -421,6 +502,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1200, help="seconds one child may run before it is killed")
     ap.add_argument("--profile", choices=["jaxdist", "orbax"], help="profile one save + restore instead")
     ap.add_argument("--checksums", action="store_true", help="time the checksums alone (200 MB, 1 GB, 4 GB)")
+    ap.add_argument("--codec", action="store_true", help="chunk checksums checked by the storage, against files")
     ap.add_argument("--one", nargs=4, metavar=("MB", "SHARDING", "KIND", "DIR"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.one:  # a child of run_child: one measurement, one JSON line
@@ -432,6 +514,9 @@ def main(argv=None) -> int:
     try:
         if args.profile:
             profile(tmp, args.sizes[0], args.profile)
+            return 0
+        if args.codec:
+            codec_costs(tmp, args.sizes + ([4000] if args.big else []), args.rounds)
             return 0
         if args.checksums:
             checksum_costs(tmp, [200, 1000, 4000], args.rounds)
