@@ -25,6 +25,8 @@ save interval.
 
     python benchmarks/checkpoint.py                     # ~4-5 minutes on 2 cores
     python benchmarks/checkpoint.py --quick             # the small preset as is, fewer saves
+    python benchmarks/checkpoint.py --size 1000 --part1-only           # part 1 at about 1 GB
+    python benchmarks/checkpoint.py --size 4000 --mesh fsdp --part1-only  # 4 GB (data=8 needs 8 copies: 32 GB)
 """
 
 from __future__ import annotations
@@ -43,9 +45,15 @@ sys.path.insert(0, str(REPO / "tests" / "checkpoint"))
 from procs import Group, cluster_file  # noqa: E402  (the multi-process launcher the tests use)
 
 WIDE = ["model.d_model=512", "model.d_ff=1536", "model.n_heads=8", "model.head_dim=64", "model.n_kv_heads=4"]
+# --size: the ``small`` preset widened to about this many MB of train state (params + AdamW moments, fp32)
+SIZES = {
+    "160": WIDE,
+    "1000": ["model.d_model=1152", "model.d_ff=4608", "model.n_heads=18", "model.head_dim=64", "model.n_kv_heads=6"],
+    "4000": ["model.d_model=2304", "model.d_ff=9216", "model.n_heads=18", "model.head_dim=128", "model.n_kv_heads=6"],
+}
 
 
-def part1(tmp: Path, model: list[str], saves: int) -> list[dict]:
+def part1(tmp: Path, model: list[str], saves: int, axes: tuple[str, ...] = ("data", "fsdp")) -> list[dict]:
     cl = cluster_file(tmp, 4, 2)
     base = [
         "model=small",
@@ -57,7 +65,7 @@ def part1(tmp: Path, model: list[str], saves: int) -> list[dict]:
         f"train.runs_dir={tmp / 'runs'}",
     ]
     jobs = []
-    for axis in ("data", "fsdp"):
+    for axis in axes:
         order = ("orbax", "balanced", "replica0") if axis == "data" else ("balanced", "replica0", "orbax")
         for strategy in order:
             jobs.append(
@@ -122,9 +130,44 @@ def part2(tmp: Path, model: list[str], steps: int, every: int, batch: int, seq: 
         return g.results(0)[0]
 
 
+def part2_report(tmp: Path, model: list[str], args: argparse.Namespace) -> None:
+    """Part 2's run and its lines."""
+    s = part2(tmp, model, args.steps, args.every, args.batch, args.seq)
+    saved_steps = {(i + 1) for i in range(args.steps) if (i + 1) % args.every == 0}
+    plain = [t for i, t in enumerate(s["step_s"]) if i not in saved_steps and (i + 1) not in saved_steps]
+    step = statistics.median(plain)
+    after = [s["step_s"][i] for i in range(args.steps) if i in saved_steps]
+    blocked = statistics.median(s["blocked_s"])
+    print(
+        f"\nPart 2: 1 process x 8 CPU devices, data=8, batch {args.batch} x {args.seq}, "
+        f"async save every {args.every} steps ({len(s['blocked_s'])} saves)"
+    )
+    print(f"step time (median, steps without a save nearby)   {step * 1e3:9.1f} ms")
+    print(
+        f"step time right after a save (median)              {statistics.median(after) * 1e3:9.1f} ms" if after else ""
+    )
+    print(
+        f"blocked by a save (median; max {max(s['blocked_s']) * 1e3:.1f} ms)        {blocked * 1e3:9.1f} ms"
+        f"  = {100 * blocked / step:.1f}% of a step"
+    )
+    print(f"waited for the previous save (total)               {sum(s['waited_s']) * 1e3:9.1f} ms")
+    print(
+        f"  amortised over the save interval                             = "
+        f"{100 * blocked / (step * args.every):.2f}% of training time"
+    )
+    bg = [b for b in s["background_s"] if b is not None]
+    print(
+        f"background part of a save (median)                 {statistics.median(bg) * 1e3:9.1f} ms"
+        f"  (overlaps the next steps; saves found busy: {s['busy']})"
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the small preset as is (~10 MB state), 2 saves")
+    ap.add_argument("--size", choices=sorted(SIZES, key=int), default="160", help="part 1's state, about MB")
+    ap.add_argument("--mesh", nargs="+", choices=["data", "fsdp"], default=["data", "fsdp"], help="part 1's meshes")
+    ap.add_argument("--part1-only", action="store_true", help="skip part 2 (the training loop's blocked time)")
     ap.add_argument("--saves", type=int, default=4, help="saves per configuration in part 1 (first one is warm-up)")
     ap.add_argument("--steps", type=int, default=12, help="training steps timed in part 2")
     ap.add_argument("--every", type=int, default=4, help="part 2: save every N steps")
@@ -132,11 +175,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--keep-files", action="store_true", help="keep the checkpoints (for `jaxdist ckpt plan DIR`)")
     args = ap.parse_args(argv)
-    model = [] if args.quick else WIDE
+    model = [] if args.quick else SIZES[args.size]
     saves = 2 if args.quick else args.saves
     tmp = Path(tempfile.mkdtemp(prefix="jaxdist-ckpt-bench-"))
     t0 = time.perf_counter()
-    rows = part1(tmp, model, saves)
+    rows = part1(tmp, model, saves, tuple(args.mesh))
     total = sum(next(r["planned"] for r in rows if r["planned"]))
     orbax = {r["mesh"]: r for r in rows if r["strategy"] == "orbax"}
     print(
@@ -169,34 +212,8 @@ def main(argv=None) -> int:
         f"median of {max(1, saves - 1)} restores after one; x: jaxdist balanced / plain orbax."
     )
 
-    s = part2(tmp, model, args.steps, args.every, args.batch, args.seq)
-    saved_steps = {(i + 1) for i in range(args.steps) if (i + 1) % args.every == 0}
-    plain = [t for i, t in enumerate(s["step_s"]) if i not in saved_steps and (i + 1) not in saved_steps]
-    step = statistics.median(plain)
-    after = [s["step_s"][i] for i in range(args.steps) if i in saved_steps]
-    blocked = statistics.median(s["blocked_s"])
-    print(
-        f"\nPart 2: 1 process x 8 CPU devices, data=8, batch {args.batch} x {args.seq}, "
-        f"async save every {args.every} steps ({len(s['blocked_s'])} saves)"
-    )
-    print(f"step time (median, steps without a save nearby)   {step * 1e3:9.1f} ms")
-    print(
-        f"step time right after a save (median)              {statistics.median(after) * 1e3:9.1f} ms" if after else ""
-    )
-    print(
-        f"blocked by a save (median; max {max(s['blocked_s']) * 1e3:.1f} ms)        {blocked * 1e3:9.1f} ms"
-        f"  = {100 * blocked / step:.1f}% of a step"
-    )
-    print(f"waited for the previous save (total)               {sum(s['waited_s']) * 1e3:9.1f} ms")
-    print(
-        f"  amortised over the save interval                             = "
-        f"{100 * blocked / (step * args.every):.2f}% of training time"
-    )
-    bg = [b for b in s["background_s"] if b is not None]
-    print(
-        f"background part of a save (median)                 {statistics.median(bg) * 1e3:9.1f} ms"
-        f"  (overlaps the next steps; saves found busy: {s['busy']})"
-    )
+    if not args.part1_only:
+        part2_report(tmp, model, args)
     if args.keep_files:
         print(f"\ntotal {time.perf_counter() - t0:.0f} s; checkpoints in {tmp}")
     else:

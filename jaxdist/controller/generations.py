@@ -181,7 +181,7 @@ class GenerationLifecycle:
             progress_timeout=self.cc.progress_timeout,
             start_timeout=self.cc.start_timeout,
             heartbeat_grace=self.cc.heartbeat_grace,
-            disconnect_grace=self.cc.heartbeat_interval,
+            disconnect_grace=policy.disconnect_grace(now, views, self.cc.heartbeat_interval, self.cc.heartbeat_timeout),
         )
         if not failures and s.phase == "running":
             failures = self._stuck(now)

@@ -14,6 +14,7 @@ from jaxdist.controller.policy import (
     Failure,
     WorkerView,
     choose_group_size,
+    disconnect_grace,
     find_failures,
     group_size_error,
     grown_plan,
@@ -125,6 +126,32 @@ def test_an_abort_after_a_peer_died_is_its_consequence_not_a_second_failure():
     # aborts only: every one is blamed, as before
     both = [aborted, _w(3, 10.0, exit_code=-6, exited_at=10.0)]
     assert [f.rank for f in find_failures(10.5, both, **kw)] == [2, 3]
+
+
+def test_connections_dropped_in_bulk_wait_a_heartbeat_timeout_before_they_count():
+    """A stall of the controller's host (or the network) drops many connections at once and ZeroMQ reconnects
+    them after it: from MASS_DROP_MIN members and MASS_DROP_SHARE of the group, a dropped connection waits
+    heartbeat_timeout, not one heartbeat interval. Exits, old drops and a single drop do not count."""
+    interval, timeout = 0.25, 1.5
+    group = [_w(r, 10.0) for r in range(100)]
+    assert disconnect_grace(10.0, group, interval, timeout) == interval
+    few = [_w(r, 10.0, connected=False, disconnected_at=9.9) if r < 4 else w for r, w in enumerate(group)]
+    assert disconnect_grace(10.0, few, interval, timeout) == interval  # 4 of 100: below 5 %
+    bulk = [_w(r, 10.0, connected=False, disconnected_at=9.9) if r < 5 else w for r, w in enumerate(group)]
+    assert disconnect_grace(10.0, bulk, interval, timeout) == timeout  # 5 of 100
+    assert disconnect_grace(11.39, bulk, interval, timeout) == timeout
+    assert disconnect_grace(11.41, bulk, interval, timeout) == interval  # dropped longer ago than the timeout
+    exited = [
+        _w(r, 10.0, exit_code=-9, exited_at=9.9, disconnected_at=9.9) if r < 5 else w for r, w in enumerate(group)
+    ]
+    assert disconnect_grace(10.0, exited, interval, timeout) == interval  # exits are not drops of live processes
+    small = [_w(0, 10.0, connected=False, disconnected_at=9.9), *[_w(r, 10.0) for r in range(1, 5)]]
+    assert disconnect_grace(10.0, small, interval, timeout) == interval  # 1 of 5: MASS_DROP_MIN is 4
+    # with the longer grace, find_failures waits: none failed at 0.5 s after the drop, all 5 at the timeout
+    kw = dict(started_at=0.0, progress_at=9.9, heartbeat_timeout=timeout, progress_timeout=30.0, start_timeout=99.0)
+    assert find_failures(10.4, bulk, disconnect_grace=disconnect_grace(10.4, bulk, interval, timeout), **kw) == []
+    late = find_failures(11.45, bulk, disconnect_grace=interval, **kw)
+    assert [f.rank for f in late] == [0, 1, 2, 3, 4]
 
 
 def test_find_failures_tells_a_busy_process_from_a_stopped_one():

@@ -120,3 +120,44 @@ def test_a_recovery_asks_its_nodes_for_spares_at_once(ctl):
     ctl.tick(now)
     asked = sorted(to for to, msg in sent if msg["t"] == "replenish")
     assert asked == ["n:a", "n:b"], sent
+
+
+@pytest.mark.parametrize("heard_again", [True, False], ids=["reconnected", "gone"])
+def test_connections_dropped_in_bulk_are_not_failures_until_heartbeat_timeout(ctl, heard_again):
+    """A stall of the shared host dropped 109 members' connections at once at 1,024 simulated nodes, and the job
+    restarted although every one of them was heard again a second later. When 5 % of a group (and at least 4)
+    drop together, a dropped connection counts only after heartbeat_timeout: here 5 of 20, judged 0.5 s after
+    the drop (a single drop fails after one heartbeat interval). Heard again through their agents, they live;
+    not heard, they fail at the timeout."""
+    names = [f"n{i:02d}" for i in range(20)]
+    _members(ctl, names)
+    now = time.monotonic()
+    s = ctl.state
+    s.phase, s.generation, ctl.gen_started, ctl.progress_at = "running", 0, now - 30, now - 0.1
+    for r, n in s.members.items():
+        hb = {"t": "hb", "node": n, "pid": 10 + r, "state": "training", "gen": 0, "rank": r, "step": 5}
+        ctl.handle(f"w:{n}:{10 + r}", {**hb, "beat": 1, "sent": time.time()})
+        s.pids[r] = 10 + r
+    dropped = [f"w:{n}:{10 + r}" for r, n in list(s.members.items())[:5]]
+    ctl.endpoint.routable = lambda ident: ident not in dropped
+    for ident in dropped:  # last heard 0.6 s ago, dropped 0.5 s ago
+        ctl.workers[ident].last_heartbeat, ctl.workers[ident].disconnected_at = now - 0.6, now - 0.5
+    ctl._check_generation(now)
+    assert not [e for e in ctl.events.events if e["event"] == "failure"]
+    t = now - 0.5 + ctl.cc.heartbeat_timeout + 0.1  # past the longer grace
+    for r, n in s.members.items():  # every agent speaks; the dropped members' workers are relayed only if heard
+        relayed = {"t": "hb", "node": n, "pid": 10 + r, "state": "training", "gen": 0, "rank": r, "step": 6}
+        workers = [{**relayed, "beat": 2, "sent": time.time(), "age": 0.1}]
+        if f"w:{n}:{10 + r}" in dropped and not heard_again:
+            workers = []
+        ctl.handle(f"n:{n}", {**NODE_HB, "node": n, "welcomed": True, "workers": workers})
+        ctl.nodes[n].last_heartbeat = t
+        w = ctl.workers[f"w:{n}:{10 + r}"]
+        w.last_heartbeat = max(w.last_heartbeat, t) if workers else w.last_heartbeat
+    ctl._check_generation(t)
+    failures = [e for e in ctl.events.events if e["event"] == "failure"]
+    if heard_again:
+        assert not failures, failures
+    else:
+        (failure,) = failures
+        assert failure["ranks"] == [0, 1, 2, 3, 4] and failure["kinds"] == ["silent"], failure
