@@ -97,7 +97,8 @@ def recovery(job: SimCluster, at: float, timeout: float, lost: int = 0) -> dict:
         "told s": start["time"] - failure["time"],
         "kinds": failure["kinds"] + [k for f in more for k in f["kinds"]],
         "nodes": sorted({n for f in [failure, *more] for n in f["nodes"]}),
-        "scope": blame[0]["scope"] if blame else {},
+        # every blame before the new group started: a member found lost after the first settled is blamed late
+        "scope": {k: v for b in blame if b["time"] <= start["time"] for k, v in b["scope"].items()},
         "lost": sorted(e["node"] for e in _after(job, "node_lost", at)),
     }
 

@@ -161,3 +161,33 @@ def test_connections_dropped_in_bulk_are_not_failures_until_heartbeat_timeout(ct
     else:
         (failure,) = failures
         assert failure["ranks"] == [0, 1, 2, 3, 4] and failure["kinds"] == ["silent"], failure
+
+
+def test_members_lost_with_the_blamed_one_but_found_after_the_blame_are_left_out_of_the_group(ctl):
+    """A rack takes its nodes' connections down over a fraction of a second; the blame settles when the first
+    failed node's agent connection is gone. A member of the new plan whose agent connection went meanwhile, and
+    which has been silent for two heartbeat intervals, is blamed as a node before the group starts (a second,
+    ``late`` blame) and the group is planned again without it -- not started on it to fail. An agent whose
+    connection is gone but that was heard within two intervals (reconnecting) is not."""
+    _members(ctl, ["a", "b", "c", "d"])
+    for n in "ef":  # standbys
+        ctl.handle(f"n:{n}", {**NODE_HB, "node": n, "welcomed": True})
+    now = time.monotonic()
+    gone = {"n:a"}
+    ctl.endpoint.routable = lambda ident: ident not in gone
+    s = ctl.state
+    s.phase, ctl.blame, s.last_failed = "recovering", {"a": now - 0.2}, ["a"]
+    for n in "abcdef":
+        ctl.nodes[n].last_heartbeat = now - 0.1
+    ctl.nodes["a"].last_heartbeat = now - 0.5
+    ctl._warm_worker = lambda n: object()  # every node has a warm spare: the group would start now
+    started = []
+    ctl._start_generation = lambda plan, cause: started.append(dict(plan))
+    gone |= {"n:b", "n:c"}  # b's agent is gone too (silent 0.6 s); c's connection is reconnecting (heard 0.1 s ago)
+    ctl.nodes["b"].last_heartbeat = now - 0.6
+    ctl._try_assign(now)
+    blames = [e for e in ctl.events.events if e["event"] == "blame"]
+    assert [b["scope"] for b in blames] == [{"a": "node"}, {"b": "node"}] and blames[1]["late"], blames
+    assert not started and ctl.plan is None and s.failures == {"a": 1, "b": 1}
+    ctl._try_assign(now)  # planned again without a and b: c stays (heard), the standbys take their ranks
+    assert started == [{0: "e", 1: "f", 2: "c", 3: "d"}], started
