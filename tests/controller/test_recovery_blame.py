@@ -22,6 +22,18 @@ def _members(ctl, names):
     ctl.state.members = dict(enumerate(names))
 
 
+def _running(ctl) -> float:
+    """Generation 0 of the members running, each member's worker (pid 10 + rank) heard at step 5; now."""
+    now = time.monotonic()
+    s = ctl.state
+    s.phase, s.generation, ctl.gen_started, ctl.progress_at = "running", 0, now - 30, now - 0.1
+    for r, n in s.members.items():
+        hb = {"t": "hb", "node": n, "pid": 10 + r, "state": "training", "gen": 0, "rank": r, "step": 5}
+        ctl.handle(f"w:{n}:{10 + r}", {**hb, "beat": 1, "sent": time.time()})
+        s.pids[r] = 10 + r
+    return now
+
+
 @pytest.mark.parametrize("heard", [False, True], ids=["silent", "its-spare-heard"])
 def test_a_member_lost_with_the_blamed_one_is_blamed_too(ctl, heard):
     _members(ctl, ["a", "b", "c"])
@@ -50,13 +62,7 @@ def test_a_member_heard_through_its_agent_after_its_connection_dropped_has_not_f
     heartbeats stop for heartbeat_timeout, the dropped connection is a failure again (a hung process relays
     nothing)."""
     _members(ctl, ["a", "b"])
-    now = time.monotonic()
-    s = ctl.state
-    s.phase, s.generation, ctl.gen_started, ctl.progress_at = "running", 0, now - 30, now - 0.1
-    for r, n in s.members.items():
-        hb = {"t": "hb", "node": n, "pid": 10 + r, "state": "training", "gen": 0, "rank": r, "step": 5}
-        ctl.handle(f"w:{n}:{10 + r}", {**hb, "beat": 1, "sent": time.time()})
-        s.pids[r] = 10 + r
+    now = _running(ctl)
     w = ctl.workers["w:b:11"]
     ctl.endpoint.connected = {"w:a:10": True, "w:b:11": False}
     ctl.endpoint.routable = lambda ident: ident != "w:b:11"  # b's connection is gone, its process is not
@@ -131,13 +137,7 @@ def test_connections_dropped_in_bulk_are_not_failures_until_heartbeat_timeout(ct
     not heard, they fail at the timeout."""
     names = [f"n{i:02d}" for i in range(20)]
     _members(ctl, names)
-    now = time.monotonic()
-    s = ctl.state
-    s.phase, s.generation, ctl.gen_started, ctl.progress_at = "running", 0, now - 30, now - 0.1
-    for r, n in s.members.items():
-        hb = {"t": "hb", "node": n, "pid": 10 + r, "state": "training", "gen": 0, "rank": r, "step": 5}
-        ctl.handle(f"w:{n}:{10 + r}", {**hb, "beat": 1, "sent": time.time()})
-        s.pids[r] = 10 + r
+    now, s = _running(ctl), ctl.state
     dropped = [f"w:{n}:{10 + r}" for r, n in list(s.members.items())[:5]]
     ctl.endpoint.routable = lambda ident: ident not in dropped
     for ident in dropped:  # last heard 0.6 s ago, dropped 0.5 s ago
