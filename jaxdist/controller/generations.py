@@ -415,7 +415,8 @@ class GenerationLifecycle:
         nodes, 11 lost "at once" closed theirs over up to half a second), and the blame settles as soon as the
         first failed node's agent connection is gone: without this the group would be planned on the others and
         fail at its start.  Such a member's agent connection is gone and its agent silent for two heartbeat
-        intervals (a reconnecting agent is heard again within one)."""
+        intervals (a reconnecting agent is heard again within one).  Not when that many went at once
+        (policy.disconnect_grace's bulk: a stall drops connections in bulk and ZeroMQ reconnects them)."""
         s = self.state
         gone = sorted(
             n
@@ -424,8 +425,8 @@ class GenerationLifecycle:
             and now - self.nodes[n].last_heartbeat > 2 * self.cc.heartbeat_interval
             and not self.endpoint.routable(f"n:{n}")
         )
-        if not gone:
-            return False
+        if not gone or len(gone) >= max(policy.MASS_DROP_MIN, policy.MASS_DROP_SHARE * len(s.members)):
+            return False  # (that many at once: a stall of this host or the network; the lost-node sweep decides)
         for n in gone:
             s.failures[n] = s.failures.get(n, 0) + 1
             if s.failures[n] >= self.cc.max_failures and n not in s.banned:

@@ -191,3 +191,26 @@ def test_members_lost_with_the_blamed_one_but_found_after_the_blame_are_left_out
     assert not started and ctl.plan is None and s.failures == {"a": 1, "b": 1}
     ctl._try_assign(now)  # planned again without a and b: c stays (heard), the standbys take their ranks
     assert started == [{0: "e", 1: "f", 2: "c", 3: "d"}], started
+
+
+def test_agents_gone_in_bulk_during_a_recovery_are_not_blamed_late(ctl):
+    """A stall of the shared host during a recovery drops many agents' connections at once, and ZeroMQ reconnects
+    them after it: 5 of 20 members unreachable and silent are not blamed late (the lost-node sweep decides),
+    where one of four is (the test above)."""
+    names = [f"n{i:02d}" for i in range(20)] + ["s0", "s1"]
+    _members(ctl, names[:20])
+    for n in names[20:]:
+        ctl.handle(f"n:{n}", {**NODE_HB, "node": n, "welcomed": True})
+    now = time.monotonic()
+    gone = {f"n:{n}" for n in names[:6]}
+    ctl.endpoint.routable = lambda ident: ident not in gone
+    s = ctl.state
+    s.phase, ctl.blame, s.last_failed = "recovering", {"n00": now - 0.2}, ["n00"]
+    for n in names:
+        ctl.nodes[n].last_heartbeat = now - (0.6 if f"n:{n}" in gone else 0.1)
+    ctl._warm_worker = lambda n: object()
+    started = []
+    ctl._start_generation = lambda plan, cause: started.append(dict(plan))
+    ctl._try_assign(now)
+    blames = [e for e in ctl.events.events if e["event"] == "blame"]
+    assert [b["scope"] for b in blames] == [{"n00": "node"}] and started, blames
