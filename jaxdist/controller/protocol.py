@@ -97,6 +97,9 @@ def curve_client(sock: zmq.Socket, token: str) -> None:
     sock.curve_publickey, sock.curve_secretkey = curve_keys(token, "client")
 
 
+LISTEN_BACKLOG = 8192  # the controller's listen queue (connections not yet accepted): Endpoint
+
+
 class _RateLimitedLog:
     """Warnings of refused traffic: the first ``LOG_FIRST`` one by one, then a count every ``LOG_EVERY_S``."""
 
@@ -322,6 +325,11 @@ class Endpoint:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)  # unknown identities: drop silently
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # an agent reconnecting takes its identity back at once
         self.sock.setsockopt(zmq.SNDHWM, 1000)
+        # Every node connects three times (its agent, its worker and its warm spare), all at once when the controller
+        # starts or restarts: with ZeroMQ's default listen backlog of 100 the kernel dropped the rest, and TCP sent
+        # them again 1, 3, 7, 15 and 31 s later (a restarted controller heard its last members 33 s on at 1,024
+        # simulated nodes).  The kernel caps it at net.core.somaxconn.
+        self.sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
         # A ping every liveness_s / 2, not every heartbeat interval: each ping and its answer are two CURVE frames
         # for the I/O thread, 3 connections a node (its agent, its worker and warm spare, whose heartbeats its
         # agent relays); at 1,024 simulated nodes the pings were most of that thread's 0.44 of a core.  A stopped
