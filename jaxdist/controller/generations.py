@@ -425,7 +425,7 @@ class GenerationLifecycle:
             and now - self.nodes[n].last_heartbeat > 2 * self.cc.heartbeat_interval
             and not self.endpoint.routable(f"n:{n}")
         )
-        if not gone or len(gone) >= max(policy.MASS_DROP_MIN, policy.MASS_DROP_SHARE * len(s.members)):
+        if not gone or policy.in_bulk(len(gone), len(s.members)):
             return False  # (that many at once: a stall of this host or the network; the lost-node sweep decides)
         for n in gone:
             s.failures[n] = s.failures.get(n, 0) + 1

@@ -220,7 +220,14 @@ def disconnect_grace(now: float, workers: Sequence[WorkerView], interval: float,
         for w in workers
         if w.exit_code is None and w.disconnected_at is not None and now - w.disconnected_at <= timeout
     )
-    return timeout if dropped >= max(MASS_DROP_MIN, MASS_DROP_SHARE * len(workers)) else interval
+    return timeout if in_bulk(dropped, len(workers)) else interval
+
+
+def in_bulk(count: int, group: int) -> bool:
+    """Whether ``count`` of a group of ``group`` members going at once is a bulk (:data:`MASS_DROP_MIN` and
+    :data:`MASS_DROP_SHARE`): more likely a stall of the controller's host or of the network than that many
+    nodes lost."""
+    return count >= max(MASS_DROP_MIN, MASS_DROP_SHARE * group)
 
 
 def plan_replacement(
