@@ -39,10 +39,10 @@ GB``: the largest child's peak resident memory (10^9 bytes), and the ratios jaxd
 A replicated state is held once per device (8 copies on the CPU backend), so a ``--sharding replicated`` child
 needs more than 8x the state's size in memory (benchmarks/README.md has the peaks).
 
-``--checksums`` writes files of random bytes (64 MiB each, as large as orbax's OCDBT data files get here), reads
-them once into the page cache, then times :func:`jaxdist.checkpoint.integrity.files_checksums` over them with each
-algorithm (median of 3): wall seconds and the CPU seconds of every thread (``time.process_time``), which the wall
-time of 4 threads on few cores hides.
+``--checksums`` writes one file of random bytes (orbax's OCDBT puts most of a process's bytes in one data file),
+reads it once into the page cache, then times :func:`jaxdist.checkpoint.integrity.files_checksums` over it with each
+algorithm, in pieces on several threads (the default) and a thread per file (before): wall seconds and the CPU
+seconds of every thread (``time.process_time``), median of ``--rounds``.
 """
 
 from __future__ import annotations
@@ -379,39 +379,41 @@ def profile(tmp: Path, mb: int, which: str) -> None:
 
 
 def checksum_costs(tmp: Path, sizes: list[int], rounds: int) -> None:
-    """Wall and CPU seconds of checksumming ``sizes`` MB of files (page cache warm), CRC-32C against CRC-32."""
-    chunk = 64 * 2**20
-    head = f"{'files':>8} {'algorithm':<9} {'wall s':>7} {'cpu s':>7} {'GB/s wall':>9} {'cpu x':>6}"
-    print(f"checksums of files in the page cache, {os.cpu_count()} cores, median of {rounds}")
+    """Wall and CPU seconds of checksumming one file of each of ``sizes`` MB (page cache warm): CRC-32C and
+    CRC-32, in pieces on several threads (``integrity._PIECE``, the default) and a thread per file (before)."""
+    head = f"{'file':>8} {'algorithm':<9} {'read':<15} {'wall s':>7} {'cpu s':>7} {'GB/s wall':>9} {'wall x':>6}"
+    print(f"checksums of one file in the page cache, {os.cpu_count()} cores, median of {rounds}")
     print(head + "\n" + "-" * len(head))
+    ways = {"pieces": integrity._PIECE, "thread per file": 2**62}
     for mb in sizes:
         folder = tmp / f"sums-{mb}"
-        folder.mkdir(parents=True)
-        rng = np.random.default_rng(0)
-        rels, left = [], mb * 10**6
-        while left > 0:
-            n = min(chunk, left)
-            rels.append(f"d/{len(rels):04d}")
-            (folder / "d").mkdir(exist_ok=True)
-            (folder / rels[-1]).write_bytes(rng.bytes(n))
-            left -= n
+        (folder / "d").mkdir(parents=True)
+        with open(folder / "d" / "0000", "wb") as f:  # as OCDBT writes: one data file per process
+            rng = np.random.default_rng(0)
+            for left in range(mb * 10**6, 0, -(64 * 2**20)):
+                f.write(rng.bytes(min(64 * 2**20, left)))
+        rels = ["d/0000"]
         integrity.files_checksums(folder, rels, "crc32")  # into the page cache
-        cpu = {}
         for algorithm in ("crc32c", "crc32"):
-            walls, cpus = [], []
-            for _ in range(rounds):
-                t0, c0 = time.perf_counter(), time.process_time()
-                integrity.files_checksums(folder, rels, algorithm)
-                walls.append(time.perf_counter() - t0)
-                cpus.append(time.process_time() - c0)
-            wall, cpu[algorithm] = statistics.median(walls), statistics.median(cpus)
-            ratio = f"{cpu[algorithm] / cpu['crc32c']:>6.2f}"
-            print(
-                f"{mb:>5} MB {algorithm:<9} {wall:>7.3f} {cpu[algorithm]:>7.3f} {mb / 1e3 / wall:>9.2f} {ratio}",
-                flush=True,
-            )
+            wall = {}
+            for way, piece in ways.items():
+                integrity._PIECE = piece
+                walls, cpus = [], []
+                for _ in range(rounds):
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    integrity.files_checksums(folder, rels, algorithm)
+                    walls.append(time.perf_counter() - t0)
+                    cpus.append(time.process_time() - c0)
+                wall[way], cpu = statistics.median(walls), statistics.median(cpus)
+                ratio = f"{wall[way] / wall['pieces']:>6.2f}"
+                print(
+                    f"{mb:>5} MB {algorithm:<9} {way:<15} {wall[way]:>7.3f} {cpu:>7.3f} {mb / 1e3 / wall[way]:>9.2f}"
+                    f" {ratio}",
+                    flush=True,
+                )
+            integrity._PIECE = ways["pieces"]
         shutil.rmtree(folder)
-    print("cpu x: CPU seconds / CRC-32C's")
+    print("wall x: wall seconds / in pieces'")
 
 
 def codec_costs(tmp: Path, sizes: list[int], rounds: int) -> None:

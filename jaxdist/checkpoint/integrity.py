@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from jaxdist.checkpoint.crc import combine
 from jaxdist.errors import ConfigError
 
 COMMIT_FILE = "jaxdist_commit.json"
@@ -41,7 +42,8 @@ FORMAT = "jaxdist-checkpoint-v3"  # v3: files checksummed with CRC-32C (key ``cr
 FORMATS = ("jaxdist-checkpoint-v1", "jaxdist-checkpoint-v2", FORMAT)
 ALGORITHMS = ("crc32c", "crc32")  # a file entry's checksum keys
 _CHUNK = 4 * 2**20  # bytes read at a time while checksumming
-_THREADS = 4  # files checksummed at once
+_THREADS = 4  # pieces checksummed at once
+_PIECE = 32 * 2**20  # bytes of a file one thread checksums; their CRCs are joined
 _PROCESS_PART = re.compile(r"(?:^|/)(?:ocdbt\.process_|array_metadatas/process_)(\d+)(?:/|$)")
 
 
@@ -74,20 +76,23 @@ def writer_of(relpath: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def file_crc32(path: Path) -> tuple[int, str]:
-    """(size in bytes, CRC-32 as 8 hex digits) of a file, read in 4 MiB chunks into one reused buffer."""
+def file_crc32(path: Path, start: int = 0, length: int | None = None) -> tuple[int, str]:
+    """(bytes read, CRC-32 as 8 hex digits) of a file, or of its ``length`` bytes from ``start`` (None: to its
+    end), read in 4 MiB chunks into one reused buffer."""
     crc, size = 0, 0
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
+        f.seek(start)
+        while n := f.readinto(buf if length is None else view[: min(_CHUNK, length - size)]):
             crc = zlib.crc32(view[:n], crc)
             size += n
     return size, f"{crc:08x}"
 
 
-def file_crc32c(path: Path) -> tuple[int, str]:
-    """(size in bytes, CRC-32C as 8 hex digits) of a file, read in 4 MiB chunks.
+def file_crc32c(path: Path, start: int = 0, length: int | None = None) -> tuple[int, str]:
+    """(bytes read, CRC-32C as 8 hex digits) of a file, or of its ``length`` bytes from ``start`` (None: to its
+    end), read in 4 MiB chunks.
 
     ``google_crc32c`` takes only read-only buffers, so each chunk is a new ``bytes`` (a reused buffer would need a
     copy).  Raises :class:`ChecksumUnavailable` without ``google-crc32c``.
@@ -100,7 +105,8 @@ def file_crc32c(path: Path) -> tuple[int, str]:
         )
     crc, size = 0, 0
     with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(_CHUNK):
+        f.seek(start)
+        while chunk := f.read(_CHUNK if length is None else min(_CHUNK, length - size)):
             crc = mod.extend(crc, chunk)
             size += len(chunk)
     return size, f"{crc:08x}"
@@ -112,23 +118,47 @@ _FILE_SUM = {"crc32c": file_crc32c, "crc32": file_crc32}
 def files_checksums(
     step_dir: Path, rels: Iterable[str], algorithm: str | dict[str, str]
 ) -> dict[str, tuple[int, str] | None]:
-    """(size, checksum) of each ``rels`` path of ``step_dir`` (None: not a file), several files at a time.
+    """(size, checksum) of each ``rels`` path of ``step_dir`` (None: not a file), several pieces at a time.
 
-    ``algorithm``: ``crc32c`` or ``crc32`` for all, or one per path.  Both checksums and file reads release the
-    GIL, so the files are checksummed on up to ``_THREADS`` threads: a step's few large data files take one read
-    each, side by side.
+    ``algorithm``: ``crc32c`` or ``crc32`` for all, or one per path.  A file is read in pieces of ``_PIECE``
+    bytes on up to ``_THREADS`` threads (file reads and both checksums release the GIL), whose CRCs are then
+    joined (:func:`jaxdist.checkpoint.crc.combine`): most of a step's bytes are in one data file per process,
+    which a thread per file would read alone.  The last piece reads to the file's end, and pieces past a
+    shortened file's end read nothing, so the size is what was read: a file that grew or shrank meanwhile does
+    not match its record.
     """
     rels = list(rels)
-
-    def one(rel: str) -> tuple[int, str] | None:
+    algorithms = {rel: algorithm if isinstance(algorithm, str) else algorithm[rel] for rel in rels}
+    pieces: list[tuple[str, int, int | None]] = []  # (path, start, length; None: to the end)
+    for rel in rels:
         path = Path(step_dir) / rel
-        fn = _FILE_SUM[algorithm if isinstance(algorithm, str) else algorithm[rel]]
-        return fn(path) if path.is_file() else None
+        if path.is_file():
+            n = max(1, -(-path.stat().st_size // _PIECE))
+            pieces += [(rel, i * _PIECE, _PIECE if i < n - 1 else None) for i in range(n)]
 
-    if len(rels) <= 1:
-        return {rel: one(rel) for rel in rels}
-    with ThreadPoolExecutor(min(_THREADS, len(rels)), thread_name_prefix="jaxdist-crc") as pool:
-        return dict(zip(rels, pool.map(one, rels)))
+    def one(piece: tuple[str, int, int | None]) -> tuple[int, str] | None:
+        rel, start, length = piece
+        try:
+            return _FILE_SUM[algorithms[rel]](Path(step_dir) / rel, start, length)
+        except FileNotFoundError:  # removed since it was listed
+            return None
+
+    if len(pieces) <= 1:
+        sums = [one(p) for p in pieces]
+    else:
+        with ThreadPoolExecutor(min(_THREADS, len(pieces)), thread_name_prefix="jaxdist-crc") as pool:
+            sums = list(pool.map(one, pieces))
+    joined: dict[str, tuple[int, int] | None] = {}  # rel -> (bytes so far, their CRC); None: gone
+    for (rel, _, _), got in zip(pieces, sums):
+        if got is None or (rel in joined and joined[rel] is None):
+            joined[rel] = None
+            continue
+        (size, crc), (n, hexcrc) = joined.get(rel) or (0, 0), got
+        joined[rel] = (size + n, combine(crc, int(hexcrc, 16), n, algorithms[rel]))
+    out: dict[str, tuple[int, str] | None] = dict.fromkeys(rels)
+    for rel, sofar in joined.items():
+        out[rel] = None if sofar is None else (sofar[0], f"{sofar[1]:08x}")
+    return out
 
 
 def data_files(step_dir: Path) -> list[str]:

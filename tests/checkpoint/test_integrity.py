@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import threading
 import time
 import zlib
 
@@ -13,6 +14,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jaxdist.checkpoint import CheckpointDamaged, RunCheckpointer, abstract_like, integrity
+from jaxdist.checkpoint.crc import combine
 from tests.trees import leaf_pairs
 
 
@@ -260,6 +262,9 @@ def test_a_file_longer_than_the_read_buffer_is_checksummed_whole_a_chunk_at_a_ti
             reads.append(len(buf))
             return self.f.readinto(buf)
 
+        def seek(self, offset):
+            return self.f.seek(offset)
+
     monkeypatch.setattr(integrity, "open", lambda *a, **k: Spy(open(*a, **k)), raising=False)
     assert integrity.file_crc32(tmp_path / "f") == (100, f"{zlib.crc32(data):08x}")
     assert reads == [7] * 16  # 14 full, one of 2 bytes, one that finds the end
@@ -269,6 +274,67 @@ def test_a_file_longer_than_the_read_buffer_is_checksummed_whole_a_chunk_at_a_ti
     reads.clear()
     assert integrity.file_crc32c(tmp_path / "f") == (100, f"{crc32c.value(data):08x}")
     assert reads == [7] * 16
+
+
+def test_joined_crcs_of_pieces_are_the_libraries_crcs_of_the_whole():
+    """The reference is each library's own CRC of the concatenation (google-crc32c's ``value``, zlib's ``crc32``)."""
+    crc32c = pytest.importorskip("google_crc32c")
+    rng = np.random.default_rng(0)
+    for n1, n2 in [(0, 0), (0, 5), (5, 0), (1, 1), (100, 4096), (4097, 65535), (3, 1_000_003)]:
+        a, b = rng.bytes(n1), rng.bytes(n2)
+        assert combine(crc32c.value(a), crc32c.value(b), n2, "crc32c") == crc32c.value(a + b), (n1, n2)
+        assert combine(zlib.crc32(a), zlib.crc32(b), n2, "crc32") == zlib.crc32(a + b), (n1, n2)
+
+
+@pytest.mark.parametrize("algorithm", ["crc32c", "crc32"])
+def test_a_file_is_checksummed_in_pieces_on_several_threads_and_joined(tmp_path, monkeypatch, algorithm):
+    """Pieces of 10 bytes read 7 at a time: every file size around the piece and read sizes gives the library's
+    CRC of the whole file; the pieces of one file run on more than one thread."""
+    crc32c = pytest.importorskip("google_crc32c")
+    reference = {"crc32c": crc32c.value, "crc32": zlib.crc32}[algorithm]
+    monkeypatch.setattr(integrity, "_PIECE", 10)
+    monkeypatch.setattr(integrity, "_CHUNK", 7)
+    threads, real = set(), integrity._FILE_SUM[algorithm]
+
+    def spy(path, start, length):
+        threads.add(threading.get_ident())
+        time.sleep(0.01)  # long enough that the pool's threads share the pieces
+        return real(path, start, length)
+
+    monkeypatch.setitem(integrity._FILE_SUM, algorithm, spy)
+    sizes = [0, 1, 6, 7, 9, 10, 11, 20, 21, 95]
+    rng = np.random.default_rng(1)
+    data = {f"f{n}": rng.bytes(n) for n in sizes}
+    for name, b in data.items():
+        (tmp_path / name).write_bytes(b)
+    got = integrity.files_checksums(tmp_path, [*data, "absent"], algorithm)
+    assert got == {**{k: (len(b), f"{reference(b):08x}") for k, b in data.items()}, "absent": None}
+    assert len(threads) > 1
+
+
+def test_a_file_that_shrinks_or_goes_while_its_pieces_are_read_is_what_was_read(tmp_path, monkeypatch):
+    monkeypatch.setattr(integrity, "_PIECE", 10)
+    monkeypatch.setattr(integrity, "_THREADS", 1)  # the pieces in order: the first call cuts the file
+    data = bytes(range(35))
+    (tmp_path / "f").write_bytes(data)
+    real = integrity._FILE_SUM["crc32"]
+
+    def cut_then_read(path, start, length):
+        if start == 0:
+            os.truncate(path, 15)
+        return real(path, start, length)
+
+    monkeypatch.setitem(integrity._FILE_SUM, "crc32", cut_then_read)
+    assert integrity.files_checksums(tmp_path, ["f"], "crc32") == {"f": (15, f"{zlib.crc32(data[:15]):08x}")}
+
+    def remove_then_read(path, start, length):  # a file removed after it was listed is not a file
+        if start == 10:
+            os.remove(path)
+        return real(path, start, length)
+
+    (tmp_path / "f").write_bytes(data)
+    monkeypatch.setitem(integrity._FILE_SUM, "crc32", remove_then_read)
+    assert integrity.files_checksums(tmp_path, ["f"], "crc32") == {"f": None}
 
 
 def test_data_files_leave_out_jaxdist_files_and_temporaries(tmp_path):
