@@ -6,7 +6,7 @@ saved and restored by
 
 * ``jaxdist``: :class:`jaxdist.checkpoint.RunCheckpointer` (async, balanced plan,
   CRC-32C checksums, commit marker; restore verifies the files first);
-* ``jd crc32``: the same with zlib's CRC-32 (what a host without ``google-crc32c``
+* ``jd crc32``: the same with zlib's CRC-32 (what a host without ``crc32c``
   records, and what every save recorded before CRC-32C);
 * ``orbax std``: ``ocp.StandardCheckpointer`` (async, OCDBT: orbax's defaults);
 * ``orbax mgr``: ``ocp.CheckpointManager`` with what a careful orbax user sets:

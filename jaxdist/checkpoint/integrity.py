@@ -11,9 +11,12 @@ marker that exists but does not parse, or does not match what it describes
 (its own CRC-32, its step, its byte counts), is damage, not an unfinished
 save: :func:`marker_problem` names it and the folder is a "bad-marker" one.
 
-Checksums are CRC-32C (``google-crc32c``, computed with the CPU's CRC instruction: about twice zlib's
-CRC-32, so the second read of a save costs half as much); a process without a compiled ``google-crc32c``
-records CRC-32 (zlib) instead.  Each file's entry names its algorithm by its key (``crc32c`` or ``crc32``),
+Checksums are CRC-32C (the ``crc32c`` package, computed with the CPU's CRC instruction: about twice zlib's
+CRC-32) over each file mapped into memory, so the page cache's pages are checksummed where they lie instead of
+copied out first (the copy cost more than the CRC); a process without ``crc32c`` on a CPU with the instruction
+records CRC-32 (zlib) instead.  Like any checksum tool that maps files (``b3sum``), a process whose mapped file
+is cut short by another process, or whose disk fails to return a mapped page, is stopped by SIGBUS rather than
+getting an error it could report.  Each file's entry names its algorithm by its key (``crc32c`` or ``crc32``),
 so markers of either, or of processes that differed, are read alike.
 
 Which process wrote a file follows orbax's layout: ``state/ocdbt.process_<i>/``
@@ -24,10 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import mmap
 import os
 import re
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -41,7 +45,6 @@ FORMAT = "jaxdist-checkpoint-v3"  # v3: files checksummed with CRC-32C (key ``cr
 # v1 markers (no CRC-32 of their own) and v2 (every file CRC-32) are still read
 FORMATS = ("jaxdist-checkpoint-v1", "jaxdist-checkpoint-v2", FORMAT)
 ALGORITHMS = ("crc32c", "crc32")  # a file entry's checksum keys
-_CHUNK = 4 * 2**20  # bytes read at a time while checksumming
 _THREADS = 4  # pieces checksummed at once
 _PIECE = 32 * 2**20  # bytes of a file one thread checksums; their CRCs are joined
 _PROCESS_PART = re.compile(r"(?:^|/)(?:ocdbt\.process_|array_metadatas/process_)(\d+)(?:/|$)")
@@ -52,22 +55,23 @@ class CheckpointDamaged(Exception):
 
 
 class ChecksumUnavailable(ConfigError):
-    """A checkpoint's files are checksummed with CRC-32C and this Python lacks ``google-crc32c`` to check them."""
+    """A checkpoint's files are checksummed with CRC-32C and this Python lacks ``crc32c`` to check them."""
 
 
 def _crc32c_module() -> Any:
-    """``google_crc32c``, or None if it is not installed."""
+    """The ``crc32c`` package, or None if it is not installed."""
     try:
-        import google_crc32c  # optional at run time: a --no-deps install may lack it (then CRC-32)
+        import crc32c  # optional at run time: a --no-deps install may lack it (then CRC-32)
     except ImportError:
         return None
-    return google_crc32c
+    return crc32c
 
 
 def save_algorithm() -> str:
-    """The checksum a save records here: ``crc32c`` with a compiled ``google-crc32c``, else ``crc32`` (zlib)."""
+    """The checksum a save records here: ``crc32c`` where ``crc32c`` uses the CPU's CRC instruction, else ``crc32``
+    (zlib)."""
     mod = _crc32c_module()
-    return "crc32c" if mod is not None and mod.implementation == "c" else "crc32"
+    return "crc32c" if mod is not None and mod.hardware_based else "crc32"
 
 
 def writer_of(relpath: str) -> int:
@@ -76,40 +80,36 @@ def writer_of(relpath: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+def _mapped(path: Path, start: int, length: int | None, crc: Callable[[memoryview], int]) -> tuple[int, str]:
+    """(bytes, ``crc`` of them as 8 hex digits) of a file's ``length`` bytes from ``start`` (None: to its end),
+    mapped into memory: the CRC reads the page cache's pages, nothing is copied."""
+    with open(path, "rb") as f:
+        end = os.fstat(f.fileno()).st_size
+        end = end if length is None else min(end, start + length)
+        if end <= start:
+            return 0, f"{crc(memoryview(b'')):08x}"
+        with mmap.mmap(f.fileno(), end, access=mmap.ACCESS_READ) as m, memoryview(m) as whole:
+            with whole[start:end] as piece:
+                return end - start, f"{crc(piece):08x}"
+
+
 def file_crc32(path: Path, start: int = 0, length: int | None = None) -> tuple[int, str]:
-    """(bytes read, CRC-32 as 8 hex digits) of a file, or of its ``length`` bytes from ``start`` (None: to its
-    end), read in 4 MiB chunks into one reused buffer."""
-    crc, size = 0, 0
-    buf = bytearray(_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        f.seek(start)
-        while n := f.readinto(buf if length is None else view[: min(_CHUNK, length - size)]):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
-    return size, f"{crc:08x}"
+    """(bytes, CRC-32 as 8 hex digits) of a file, or of its ``length`` bytes from ``start`` (None: to its end)."""
+    return _mapped(path, start, length, zlib.crc32)
 
 
 def file_crc32c(path: Path, start: int = 0, length: int | None = None) -> tuple[int, str]:
-    """(bytes read, CRC-32C as 8 hex digits) of a file, or of its ``length`` bytes from ``start`` (None: to its
-    end), read in 4 MiB chunks.
+    """(bytes, CRC-32C as 8 hex digits) of a file, or of its ``length`` bytes from ``start`` (None: to its end).
 
-    ``google_crc32c`` takes only read-only buffers, so each chunk is a new ``bytes`` (a reused buffer would need a
-    copy).  Raises :class:`ChecksumUnavailable` without ``google-crc32c``.
+    Raises :class:`ChecksumUnavailable` without the ``crc32c`` package.
     """
     mod = _crc32c_module()
     if mod is None:
         raise ChecksumUnavailable(
-            f"{path} is checksummed with CRC-32C and this Python lacks the google-crc32c package to check it: "
-            "install it (pip install google-crc32c)."
+            f"{path} is checksummed with CRC-32C and this Python lacks the crc32c package to check it: "
+            "install it (pip install crc32c)."
         )
-    crc, size = 0, 0
-    with open(path, "rb", buffering=0) as f:
-        f.seek(start)
-        while chunk := f.read(_CHUNK if length is None else min(_CHUNK, length - size)):
-            crc = mod.extend(crc, chunk)
-            size += len(chunk)
-    return size, f"{crc:08x}"
+    return _mapped(path, start, length, mod.crc32c)
 
 
 _FILE_SUM = {"crc32c": file_crc32c, "crc32": file_crc32}
@@ -121,7 +121,7 @@ def files_checksums(
     """(size, checksum) of each ``rels`` path of ``step_dir`` (None: not a file), several pieces at a time.
 
     ``algorithm``: ``crc32c`` or ``crc32`` for all, or one per path.  A file is read in pieces of ``_PIECE``
-    bytes on up to ``_THREADS`` threads (file reads and both checksums release the GIL), whose CRCs are then
+    bytes on up to ``_THREADS`` threads (both checksums release the GIL), whose CRCs are then
     joined (:func:`jaxdist.checkpoint.crc.combine`): most of a step's bytes are in one data file per process,
     which a thread per file would read alone.  The last piece reads to the file's end, and pieces past a
     shortened file's end read nothing, so the size is what was read: a file that grew or shrank meanwhile does
@@ -307,7 +307,7 @@ def verify_files(step_dir: Path, files: dict[str, dict[str, Any]], names: Iterab
 
     ``names`` restricts the check to some of them (a process's share).  Each file is checked with the algorithm
     its entry names (``files`` passed :func:`marker_problem`: each entry names one); raises
-    :class:`ChecksumUnavailable` naming the first CRC-32C file if ``google-crc32c`` is not installed.
+    :class:`ChecksumUnavailable` naming the first CRC-32C file if ``crc32c`` is not installed.
     """
     rels = list(files if names is None else names)
     algorithms = {rel: _algorithm_of(files[rel]) for rel in rels}

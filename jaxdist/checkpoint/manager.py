@@ -272,8 +272,8 @@ class RunCheckpointer:
                 raise unavailable
             first = int(np.nonzero(lacking)[0][0])
             raise integrity.ChecksumUnavailable(
-                f"process {first} cannot check {folder.path}'s CRC-32C checksums (no google-crc32c there): "
-                "install google-crc32c on every host (pip install google-crc32c)."
+                f"process {first} cannot check {folder.path}'s CRC-32C checksums (no crc32c there): "
+                "install crc32c on every host (pip install crc32c)."
             )
         if counts.sum() and not mine:
             first = int(np.nonzero(counts)[0][0])

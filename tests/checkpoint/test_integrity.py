@@ -238,42 +238,21 @@ def test_which_process_wrote_a_file_follows_orbax_layout():
     assert integrity.writer_of("state/manifest.ocdbt") == 0 and integrity.writer_of("meta/metadata") == 0
 
 
-def test_a_file_longer_than_the_read_buffer_is_checksummed_whole_a_chunk_at_a_time(tmp_path, monkeypatch):
-    monkeypatch.setattr(integrity, "_CHUNK", 7)  # 100 bytes: 15 reads, the last one short
-    data = bytes(range(100))
-    (tmp_path / "f").write_bytes(data)
-    reads = []  # the size of every read: a file is never read whole into memory (they are gigabytes)
-
-    class Spy:
-        def __init__(self, f):
-            self.f = f
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-        def read(self, n=-1):
-            reads.append(n)
-            return self.f.read(n)
-
-        def readinto(self, buf):
-            reads.append(len(buf))
-            return self.f.readinto(buf)
-
-        def seek(self, offset):
-            return self.f.seek(offset)
-
-    monkeypatch.setattr(integrity, "open", lambda *a, **k: Spy(open(*a, **k)), raising=False)
-    assert integrity.file_crc32(tmp_path / "f") == (100, f"{zlib.crc32(data):08x}")
-    assert reads == [7] * 16  # 14 full, one of 2 bytes, one that finds the end
-    (tmp_path / "check").write_bytes(b"123456789")  # CRC-32C's check value (RFC 3720, B.4): e3069283
+def test_a_file_or_a_range_of_it_has_the_libraries_crc_of_those_bytes(tmp_path):
+    """The references: CRC-32C's check value (RFC 3720, B.4), google-crc32c's ``value`` and zlib's ``crc32`` of
+    the same bytes; a range past the end is cut at the end, an empty file or range is 0 bytes."""
+    (tmp_path / "check").write_bytes(b"123456789")
     assert integrity.file_crc32c(tmp_path / "check") == (9, "e3069283")
     crc32c = pytest.importorskip("google_crc32c")
-    reads.clear()
-    assert integrity.file_crc32c(tmp_path / "f") == (100, f"{crc32c.value(data):08x}")
-    assert reads == [7] * 16
+    data = bytes(range(256)) * 40
+    (tmp_path / "f").write_bytes(data)
+    (tmp_path / "empty").write_bytes(b"")
+    for start, length in [(0, None), (0, 10), (4096, 4096), (100, 7), (10_000, None), (10_000, 5_000), (20_000, 1)]:
+        part = data[start : None if length is None else start + length]
+        assert integrity.file_crc32c(tmp_path / "f", start, length) == (len(part), f"{crc32c.value(part):08x}")
+        assert integrity.file_crc32(tmp_path / "f", start, length) == (len(part), f"{zlib.crc32(part):08x}")
+    assert integrity.file_crc32c(tmp_path / "empty") == (0, "00000000")
+    assert integrity.file_crc32(tmp_path / "empty") == (0, "00000000")
 
 
 def test_joined_crcs_of_pieces_are_the_libraries_crcs_of_the_whole():
@@ -288,12 +267,10 @@ def test_joined_crcs_of_pieces_are_the_libraries_crcs_of_the_whole():
 
 @pytest.mark.parametrize("algorithm", ["crc32c", "crc32"])
 def test_a_file_is_checksummed_in_pieces_on_several_threads_and_joined(tmp_path, monkeypatch, algorithm):
-    """Pieces of 10 bytes read 7 at a time: every file size around the piece and read sizes gives the library's
-    CRC of the whole file; the pieces of one file run on more than one thread."""
+    """Pieces of 10 bytes: every file size around the piece size gives the library's CRC of the whole file; the pieces of one file run on more than one thread."""
     crc32c = pytest.importorskip("google_crc32c")
     reference = {"crc32c": crc32c.value, "crc32": zlib.crc32}[algorithm]
     monkeypatch.setattr(integrity, "_PIECE", 10)
-    monkeypatch.setattr(integrity, "_CHUNK", 7)
     threads, real = set(), integrity._FILE_SUM[algorithm]
 
     def spy(path, start, length):
@@ -425,7 +402,7 @@ def test_each_way_a_marker_can_be_wrong_is_named(tmp_path):
 
 
 def test_verify_names_every_bad_file_and_only_those_asked_for(tmp_path):
-    """Process 0 recorded CRC-32C, process 1 CRC-32 (as a host without google-crc32c does): each file is checked
+    """Process 0 recorded CRC-32C, process 1 CRC-32 (as a host without crc32c does): each file is checked
     with its own entry's algorithm."""
     crc32c = pytest.importorskip("google_crc32c")
     d, marker = _step_with_two_writers(tmp_path, algorithms=("crc32c", "crc32"))
@@ -459,10 +436,10 @@ def test_a_v2_marker_of_crc32_files_is_still_read_and_checked(tmp_path):
     ]
 
 
-def test_without_google_crc32c_saves_record_crc32_and_crc32c_files_are_refused_not_called_damaged(
+def test_without_crc32c_saves_record_crc32_and_crc32c_files_are_refused_not_called_damaged(
     tmp_path, monkeypatch, caplog
 ):
-    """A Python without google-crc32c (installed with --no-deps): its saves fall back to zlib's CRC-32; a checkpoint
+    """A Python without crc32c (installed with --no-deps): its saves fall back to zlib's CRC-32; a checkpoint
     checksummed with CRC-32C is refused in one sentence that says what to install, before any file is read, and is
     neither set aside nor skipped for an older step."""
     ck = saved(tmp_path, steps=(1, 2))
@@ -475,8 +452,8 @@ def test_without_google_crc32c_saves_record_crc32_and_crc32c_files_are_refused_n
         ck.restore(abstract_like(state(0)))
     step_dir = tmp_path / "ck" / "2"
     assert str(err.value).startswith(f"{step_dir}/") and str(err.value).endswith(
-        " is checksummed with CRC-32C and this Python lacks the google-crc32c package to check it: "
-        "install it (pip install google-crc32c)."
+        " is checksummed with CRC-32C and this Python lacks the crc32c package to check it: "
+        "install it (pip install crc32c)."
     )
     assert sorted(os.listdir(tmp_path / "ck")) == ["1", "2"] and ck.all_steps() == [1, 2]
     assert ck.save(3, state(3), {"step": 3})  # this Python's own saves: CRC-32, restored with its check

@@ -113,7 +113,7 @@ def test_restore_onto_two_processes_with_another_mesh(four):
         }
         for j in jobs
     ]
-    # Then the fsdp checkpoint again with process 1 lacking google-crc32c: both processes refuse with one sentence
+    # Then the fsdp checkpoint again with process 1 lacking crc32c: both processes refuse with one sentence
     # (neither waits for the other at the verification's allgather) and nothing is set aside as damaged.
     lacking = {**restore[1], "no_crc32c": 1}
     with Group(tmp, 2, 4, ["restore", json.dumps({"jobs": restore + [lacking]})], tag="restore") as g:
@@ -125,13 +125,13 @@ def test_restore_onto_two_processes_with_another_mesh(four):
             error, step_dir = got[2]["error"], f"{jobs[1]['ckpt']}/1"
             if i == 0:
                 assert error == (
-                    f"process 1 cannot check {step_dir}'s CRC-32C checksums (no google-crc32c there): "
-                    "install google-crc32c on every host (pip install google-crc32c)."
+                    f"process 1 cannot check {step_dir}'s CRC-32C checksums (no crc32c there): "
+                    "install crc32c on every host (pip install crc32c)."
                 )
             else:
                 assert error.startswith(f"{step_dir}/") and error.endswith(
-                    " is checksummed with CRC-32C and this Python lacks the google-crc32c package to check it: "
-                    "install it (pip install google-crc32c)."
+                    " is checksummed with CRC-32C and this Python lacks the crc32c package to check it: "
+                    "install it (pip install crc32c)."
                 ), error
     assert (Path(jobs[1]["ckpt"]) / "1").is_dir()  # not set aside
 

@@ -228,7 +228,7 @@ def mode_steps(spec) -> None:
 
 
 def mode_restore(spec) -> None:
-    """Restore each job's checkpoint; a job with ``"no_crc32c": i`` restores as if process i lacked google-crc32c."""
+    """Restore each job's checkpoint; a job with ``"no_crc32c": i`` restores as if process i lacked crc32c."""
     for job in spec["jobs"]:
         with trainer_for(job["overrides"]) as t:
             target = t.abstract_state()
