@@ -171,8 +171,8 @@ class RunCheckpointer:
         is still running); the rest happens in the background.
         """
         waited = self._finish_previous(step)
-        if step in self.all_steps():
-            return False
+        if integrity.read_commit(self.directory / str(step)) is not None:  # this step's marker only: the others'
+            return False  # (keep of them, each a JSON parse and a CRC) are not the training loop's to wait for
         t1 = time.perf_counter()
         named = _arrays(state)
         plan, layout = self._plan_and_layout(named)

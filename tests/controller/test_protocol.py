@@ -294,3 +294,46 @@ def test_routable_tells_a_connected_peer_from_a_gone_one():
             time.sleep(0.05)
     finally:
         ep.close()
+
+
+_QUIET_PEER = """
+import sys, time
+from jaxdist.controller.protocol import Peer
+peer = Peer("tok", sys.argv[1], "w:n0:1")
+peer.send({"t": "hello"})  # one message (the endpoint maps the connection to the identity), then only pings
+print("sent", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_quiet_peer_stays_connected_and_a_stopped_one_is_dropped_by_zeromqs_pings():
+    """At the default liveness (1 s): the controller pings each connection every second and drops one silent for
+    half a second after a ping, so a stopped process goes within 1.5 s of its last answer; a live peer that sends
+    nothing of its own (a relayed worker) answers every ping and is never dropped, its own pings asking the
+    controller for a time to live longer than the controller's ping spacing.  Bounds with headroom for a busy host."""
+    import signal
+    import subprocess
+    import sys
+
+    ep = Endpoint("tok", "127.0.0.1", 0, liveness_s=1.0)
+    child = subprocess.Popen([sys.executable, "-c", _QUIET_PEER, ep.address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "sent"
+        deadline = time.monotonic() + 30
+        while not ep.recv_batch(0.2):
+            assert time.monotonic() < deadline, "the peer's message did not come in 30 s"
+        quiet_until = time.monotonic() + 6  # 6 of the controller's pings and 3 of the peer's
+        while time.monotonic() < quiet_until:
+            ep.recv_batch(0.2)
+            assert ep.take_disconnects() == [] and ep.routable("w:n0:1")
+        child.send_signal(signal.SIGSTOP)
+        stopped, dropped = time.monotonic(), []
+        while not dropped:
+            ep.recv_batch(0.1)
+            dropped = ep.take_disconnects()
+            assert time.monotonic() - stopped < 1.5 + 3.0, "a stopped peer was still connected 4.5 s later"
+        assert [ident for ident, _ in dropped] == ["w:n0:1"]
+    finally:
+        child.kill()
+        child.wait()
+        ep.close()
