@@ -13,8 +13,8 @@ save: :func:`marker_problem` names it and the folder is a "bad-marker" one.
 
 Checksums are CRC-32C (the ``crc32c`` package, computed with the CPU's CRC instruction: about twice zlib's
 CRC-32) over each file mapped into memory, so the page cache's pages are checksummed where they lie instead of
-copied out first (the copy cost more than the CRC); a process without ``crc32c`` on a CPU with the instruction
-records CRC-32 (zlib) instead.  Like any checksum tool that maps files (``b3sum``), a process whose mapped file
+copied out first (the copy cost about as much as the CRC); a process without ``crc32c``, or on a CPU without the
+instruction, records CRC-32 (zlib) instead.  Like any checksum tool that maps files (``b3sum``), a process whose mapped file
 is cut short by another process, or whose disk fails to return a mapped page, is stopped by SIGBUS rather than
 getting an error it could report.  Each file's entry names its algorithm by its key (``crc32c`` or ``crc32``),
 so markers of either, or of processes that differed, are read alike.
