@@ -289,14 +289,18 @@ class Verifier:
 
 RECV_BATCH = 256  # messages read after one poll of the controller's socket (then the monitor and the tick get a turn)
 PEER_PING_FACTOR = 8  # a peer's ZMTP pings to the controller, this many heartbeat intervals apart (2 s)
+PING_SPACING = 0.75  # the controller pings each connection every liveness_s x this ...
+PONG_WAIT = 0.75  # ... and drops one silent for liveness_s x this after a ping: 1.5 x liveness_s after it stopped
 
 
-def _zmq_heartbeats(sock: zmq.Socket, interval_s: float, timeout_s: float) -> None:
+def _zmq_heartbeats(sock: zmq.Socket, interval_s: float, timeout_s: float, ttl_s: float) -> None:
     # ZMTP heartbeats: sent and answered by ZeroMQ's I/O thread, without the Python GIL, so a
     # process busy compiling still answers; a stopped or frozen one does not, and is disconnected.
+    # ZeroMQ pings every interval_s whatever else flows, drops the connection when nothing came
+    # timeout_s after a ping, and asks the other side to drop it when nothing comes ttl_s after one.
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, int(interval_s * 1000)))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1, int(timeout_s * 1000)))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(timeout_s * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, max(100, int(ttl_s * 1000)))
 
 
 class Endpoint:
@@ -330,11 +334,14 @@ class Endpoint:
         # them again 1, 3, 7, 15 and 31 s later (a restarted controller heard its last members 33 s on at 1,024
         # simulated nodes).  The kernel caps it at net.core.somaxconn.
         self.sock.setsockopt(zmq.BACKLOG, LISTEN_BACKLOG)
-        # A ping every liveness_s / 2, not every heartbeat interval: each ping and its answer are two CURVE frames
-        # for the I/O thread, 3 connections a node (its agent, its worker and warm spare, whose heartbeats its
-        # agent relays); at 1,024 simulated nodes the pings were most of that thread's 0.44 of a core.  A stopped
-        # process is still dropped within 1.5 x liveness_s of its last message (1.5 s at the defaults).
-        _zmq_heartbeats(self.sock, max(interval_s, liveness_s / 2), liveness_s)
+        # A ping every 0.75 x liveness_s, answered within as long: each ping and its answer are two CURVE frames for
+        # the I/O thread, 3 connections a node (its agent, its worker and warm spare, whose heartbeats its agent
+        # relays), most of that thread's work at 1,024 simulated nodes.  A stopped process is dropped within
+        # 1.5 x liveness_s of its last message (1.5 s at the defaults), as when it was pinged every liveness_s / 2
+        # and had liveness_s to answer, with a third fewer pings (the controller's CPU 0.418 of a core against
+        # 0.476 at 1,024 simulated nodes).  A peer drops the controller's connection when nothing comes
+        # 2 x liveness_s after a ping (the controller's next ping comes well before).
+        _zmq_heartbeats(self.sock, max(interval_s, PING_SPACING * liveness_s), PONG_WAIT * liveness_s, 2 * liveness_s)
         self.gate.serve(self.sock)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.poller = zmq.Poller()
@@ -492,12 +499,13 @@ class Peer:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
-        # The controller pings every peer every ``liveness_s / 2`` and drops one that does not answer within
-        # ``liveness_s``; the peer answers those pings, and pings the controller only every PEER_PING_FACTOR
+        # The controller pings every peer every 0.75 x ``liveness_s`` and drops one that does not answer within as
+        # long (PING_SPACING, PONG_WAIT); the peer answers those pings, and pings the controller only every PEER_PING_FACTOR
         # intervals (to find a controller whose host died without closing the connection).  Each ping is a CURVE
         # frame the controller's I/O thread decrypts and answers: at the controller's own rate, from every peer,
-        # they were half of that thread's work.
-        _zmq_heartbeats(self.sock, PEER_PING_FACTOR * interval_s, liveness_s)
+        # they were half of that thread's work.  The time to live it asks of the controller (2 x liveness_s)
+        # outlasts the controller's own ping spacing: a peer that sends nothing else still answers within it.
+        _zmq_heartbeats(self.sock, PEER_PING_FACTOR * interval_s, liveness_s, 2 * liveness_s)
         self.sock.setsockopt(zmq.SNDHWM, 50)
         self.sock.setsockopt(zmq.RCVHWM, 1000)
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)

@@ -53,6 +53,11 @@ from stub_worker import GENESIS, advance  # noqa: E402
 
 PROBE_TIMEOUT_S = 5.0
 TURN_S = 0.01  # the host loop's poll: every socket of every simulated node and worker
+# The most time one turn spends on messages before the heartbeats: a real node handles its own welcome (the
+# self-check) and starts its spares in a process of its own, but a host here handles the welcomes of its 128
+# nodes in one loop; read in one turn, they held every heartbeat of the host for up to 2.8 s at the start of
+# 1,024 nodes (and past 3 s, the controller's lost-node sweep took a whole host for lost).
+HANDLE_S = 0.1
 
 
 class SimWorker:
@@ -500,7 +505,10 @@ class SimHost:
         next_cmd = 0.0
         try:
             while self.running:
+                turn = time.monotonic()
                 for sock, _ in self.poller.poll(int(TURN_S * 1000)):
+                    if time.monotonic() - turn > HANDLE_S:  # the rest next turn: the heartbeats go first
+                        break
                     fn = self.socks.get(sock)
                     if fn is not None:
                         fn()

@@ -307,10 +307,10 @@ time.sleep(120)
 
 
 def test_a_quiet_peer_stays_connected_and_a_stopped_one_is_dropped_by_zeromqs_pings():
-    """At the default liveness (1 s): the controller pings each connection every second and drops one silent for
-    half a second after a ping, so a stopped process goes within 1.5 s of its last answer; a live peer that sends
-    nothing of its own (a relayed worker) answers every ping and is never dropped, its own pings asking the
-    controller for a time to live longer than the controller's ping spacing.  Bounds with headroom for a busy host."""
+    """At the default liveness (1 s): the controller pings each connection every 0.75 s and drops one silent for
+    0.75 s after a ping, so a stopped process goes within 1.5 s of its last answer; a live peer that sends nothing
+    of its own (a relayed worker) answers every ping and is never dropped, its own pings asking the controller for
+    a time to live (2 s) longer than the controller's ping spacing.  Bounds with headroom for a busy host."""
     import signal
     import subprocess
     import sys
