@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxdist.controller import policy
 from jaxdist.controller.health import LoopPosition, stuck_ranks
-from jaxdist.controller.protocol import port_is_free
+from jaxdist.controller.ports import port_is_free
 from jaxdist.controller.setup_cache import SetupEntry, SetupKey
 from jaxdist.controller.state import Generation, NodeView, WorkerInfo
 

@@ -32,7 +32,8 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from jaxdist.controller.protocol import START_ENV, TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client, free_port
+from jaxdist.controller.ports import free_port
+from jaxdist.controller.protocol import START_ENV, TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client
 from jaxdist.controller.relay import RELAY_ENV, RelayServer
 
 log = logging.getLogger("jaxdist.controller.node")

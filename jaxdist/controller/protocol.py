@@ -42,7 +42,6 @@ import json
 import logging
 import os
 import secrets
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,23 +168,6 @@ def check_bind(host: str, allow_remote: bool) -> None:
             f"refusing to listen on '{host}', which is not loopback: set controller.allow_remote=true "
             "to accept connections from other machines."
         )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (it may be taken again before it is used)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    """True if ``host:port`` can be bound now."""
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _mac(token: str, body: bytes) -> bytes:

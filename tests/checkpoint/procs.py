@@ -10,23 +10,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from jaxdist.cluster import without_device_count
+from jaxdist.controller import ports
+from jaxdist.controller.ports import free_port
 
 WORKER = Path(__file__).with_name("worker.py")
 REPO = Path(__file__).resolve().parents[2]
+PORT_TAKEN = "Failed to add port to server"  # gRPC, when the coordinator cannot bind
 _DROP = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAXDIST_HEARTBEAT_TIMEOUT")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cluster_file(directory: Path, nodes: int, per_node: int) -> Path:
@@ -68,7 +64,17 @@ class Group:
         self.logs = [self.workdir / f"{tag}.{i}.log" for i in range(num)]
 
     def __enter__(self) -> Group:
-        port = free_port()
+        for attempt in (1, 2):
+            self._start(free_port())
+            if not self._port_taken(timeout=300) or attempt == 2:
+                return self
+            for i in range(self.num):  # the coordinator's port was taken between its choice and its use: once more
+                self.kill(i)
+                self.logs[i].rename(self.logs[i].with_suffix(".port-taken.log"))
+            self.procs = []
+        return self
+
+    def _start(self, port: int) -> None:
         for i in range(self.num):
             env = env_for(i, self.num, self.devices, port)
             if self.nodes is not None:
@@ -83,7 +89,18 @@ class Group:
                         stderr=subprocess.STDOUT,
                     )
                 )
-        return self
+
+    def _port_taken(self, timeout: float) -> bool:
+        """Wait (bounded) until every process is past ``jax.distributed.initialize`` or one has exited; True if
+        process 0's coordination service could not bind its port."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all("INITIALIZED" in self.log(i) for i in range(self.num)):
+                return False
+            if any(p.poll() is not None for p in self.procs):
+                return PORT_TAKEN in self.log(0)
+            time.sleep(0.05)
+        return False
 
     def log(self, i: int) -> str:
         return self.logs[i].read_text(errors="replace")

@@ -40,6 +40,7 @@ import numpy as np
 from jaxdist.train.distributed import initialize_from_env
 
 initialize_from_env()
+print("INITIALIZED", flush=True)  # procs.Group waits for it (and starts again if the coordinator's port was taken)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ import pytest
 
 from jaxdist.cluster import without_device_count
 from jaxdist.config import DataConfig
+from jaxdist.controller.ports import free_port
 from jaxdist.data import (
     add_data,
     check_exactly_once,
@@ -57,12 +57,6 @@ def _env(**extra: str) -> dict[str, str]:
     env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
     env.setdefault("XLA_FLAGS", without_device_count(os.environ["XLA_FLAGS"]))  # conftest's compile flags
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Attempt:
@@ -185,7 +179,7 @@ def test_every_batch_exactly_once_through_kills_resizes_and_an_addition(tmp_path
     assert [r["batch_version"] for r in rows] == sorted(r["batch_version"] for r in rows)  # 1 ... 1 2 ... 2
 
     # 3. Two processes of 4 devices: the data axis now crosses processes.
-    port = _free_port()
+    port = free_port()
     c = Attempt(
         tmp_path,
         run,

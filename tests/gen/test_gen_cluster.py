@@ -28,9 +28,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-from data.test_batchlist_kills import Attempt, _env, _free_port
+from data.test_batchlist_kills import Attempt, _env
 
 from jaxdist.config import DataConfig
+from jaxdist.controller.ports import free_port
 from jaxdist.data import check_exactly_once, load_source, trained_batches
 from jaxdist.data.batchlist import parse_id, unpack_ids
 from jaxdist.data.journal import Journal
@@ -89,7 +90,7 @@ def test_generation_workers_feed_the_trainer_exactly_once_through_kills(tmp_path
     run = tmp_path / "runs" / "student"
 
     def trainer(tag):
-        port = _free_port()
+        port = free_port()
         jobs = [
             (
                 [],
@@ -105,7 +106,7 @@ def test_generation_workers_feed_the_trainer_exactly_once_through_kills(tmp_path
         return Attempt(tmp_path, run, tag, jobs, common)
 
     env = {**_env(), "PYTHONPATH": str(REPO), "GENFN_SLEEP": "1.5"}
-    recv_port = _free_port()
+    recv_port = free_port()
 
     def receiver(tag):
         log = open(tmp_path / f"receiver.{tag}.log", "w")

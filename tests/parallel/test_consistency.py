@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import pytest
 
 from jaxdist.cluster import without_device_count
 from jaxdist.config import ConfigError
+from jaxdist.controller.ports import free_port
 from jaxdist.parallel.consistency import check_same_collectives, collective_sequence, first_difference
 
 HLO = """HloModule m, is_scheduled=true
@@ -99,9 +99,7 @@ _DROP = ("XLA_FLAGS", "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCE
 
 def _group(cwd: Path, name: str, per_process: list[list[str]]) -> list[tuple[int, str]]:
     """Run ``jaxdist train`` as 2 processes (extra overrides each), bounded; (exit code, log) of each."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     try:
         for i, extra in enumerate(per_process):

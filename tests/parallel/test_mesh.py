@@ -2,7 +2,6 @@
 
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import pytest
 
 from jaxdist.cluster import MESHES_DIR, ClusterSpec, list_clusters, load_cluster
 from jaxdist.config import MESH_AXES, ConfigError, MeshConfig
+from jaxdist.controller.ports import free_port
 from jaxdist.parallel.mesh import build_mesh, cluster_from_devices, describe_mesh, device_grid, hybrid_shapes
 
 REPO = Path(__file__).parents[2]
@@ -257,15 +257,9 @@ _WORKER = textwrap.dedent("""\
     """)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_get_the_hybrid_layout(tmp_path):
     script = _write(tmp_path, _WORKER, "worker.py")
-    port = str(_free_port())
+    port = str(free_port())
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = [
         subprocess.Popen(

@@ -32,6 +32,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from jaxdist.controller.ports import free_ports
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo", "squeue", "scancel")
 PACKAGES = "slurmctld slurmd slurm-client munge"  # Debian's packages of BINARIES
 
@@ -44,18 +46,6 @@ def missing_binaries() -> list[str]:
     """The binaries of :data:`BINARIES` not on PATH (nor in /usr/sbin)."""
     path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
     return [b for b in BINARIES if shutil.which(b, path=path) is None]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -136,7 +126,7 @@ class LocalSlurmCluster:
             link = r / "gpu" / f"nvidia{i}"
             if not link.is_symlink():
                 link.symlink_to("/dev/null")
-        ctld_port, *node_ports = _free_ports(1 + len(self.node_names))
+        ctld_port, *node_ports = free_ports(1 + len(self.node_names))
         gres = f"gpu:{self.gpu_type + ':' if self.gpu_type else ''}{self.gpus_per_node}"
         nodes = "\n".join(
             f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={p} CPUs={self.cpus_per_node} "

@@ -18,7 +18,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from jaxdist.cluster import without_device_count
+from jaxdist.controller.ports import free_port
 
 # Every child is bounded by this (seconds); a healthy run takes ~10 s.
 RUN_TIMEOUT = 120
@@ -63,12 +63,6 @@ def _child_env(**extra: str) -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 25) -> str:
@@ -161,7 +155,7 @@ def _compare(got: dict[int, float], want: dict[int, float], what: str) -> tuple[
 def runs(tmp_path_factory):
     """Run the 2-process job, then the 1-process reference; both to STEPS."""
     cwd = tmp_path_factory.mktemp("multiprocess")
-    port = _free_port()
+    port = free_port()
     multi = ["mesh.cluster=cpu-2x4", "train.runs_dir=runs", "train.name=multi"]
     jobs = [
         (
