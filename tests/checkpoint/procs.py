@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 from jaxdist.cluster import without_device_count
-from jaxdist.controller import ports
 from jaxdist.controller.ports import free_port
 
 WORKER = Path(__file__).with_name("worker.py")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 
+from jaxdist.controller.ports import free_port
 from tests.checkpoint import procs
 
 
@@ -16,7 +17,7 @@ def test_a_group_whose_coordinator_port_is_taken_starts_again_on_another(tmp_pat
         held.listen()
         taken = held.getsockname()[1]
         ports = iter([taken])
-        monkeypatch.setattr(procs, "free_port", lambda: next(ports, None) or procs.ports.free_port())
+        monkeypatch.setattr(procs, "free_port", lambda: next(ports, None) or free_port())
         with procs.Group(tmp_path, 2, 1, ["save", json.dumps({"jobs": []})], tag="p") as g:
             g.wait(timeout=180)
     first = (tmp_path / "p.0.port-taken.log").read_text(errors="replace")
