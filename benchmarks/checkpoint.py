@@ -15,7 +15,8 @@ with the part of it the caller was blocked, restores onto the same
 sharding (jaxdist: with its checksum verification; each checked bit for bit
 against the saved values; median of ``--saves`` - 1 after one warm-up), and
 jaxdist balanced / plain orbax.  No step is deleted while timed (every one is
-kept); plain orbax runs first for ``data=8`` and last for ``fsdp=8``.
+kept); jaxdist balanced and plain orbax save and restore the same state
+alternately, which goes first swapped every round.
 
 Part 2 trains in one process with 8 devices (``data=8``) and saves
 asynchronously every ``--every`` steps: it prints the median step time, the
@@ -66,49 +67,41 @@ def part1(tmp: Path, model: list[str], saves: int, axes: tuple[str, ...] = ("dat
     ]
     jobs = []
     for axis in axes:
-        order = ("orbax", "balanced", "replica0") if axis == "data" else ("balanced", "replica0", "orbax")
-        for strategy in order:
-            jobs.append(
-                {
-                    "overrides": base + [f"mesh.{axis}=8", f"train.name={axis}-{strategy}"],
-                    "ckpt": str(tmp / f"{axis}-{strategy}"),
-                    "strategy": strategy,
-                    "saves": saves,
-                    "keep": saves,
-                    "restores": saves if strategy != "replica0" else 0,
-                    "mesh": f"{axis}=8",
-                }
-            )
+        common = {"overrides": base + [f"mesh.{axis}=8", f"train.name={axis}"], "saves": saves, "mesh": f"{axis}=8"}
+        # jaxdist balanced and plain orbax on the same state, alternately (who goes first swapped every round)
+        jobs.append({**common, "ckpt": str(tmp / f"{axis}-pair"), "strategy": "pair", "restores": saves})
+        jobs.append({**common, "ckpt": str(tmp / f"{axis}-replica0"), "strategy": "replica0", "keep": saves})
     with Group(tmp, 4, 2, ["save", json.dumps({"jobs": jobs})], tag="bench-save") as g:
         g.wait(1200)
         per_process = [g.results(i) for i in range(4)]
+
+    def row(job: dict, strategy: str, times: list[dict], marker: dict) -> dict:
+        # A save is done when the slowest process is done; skip the first (warm-up).
+        first = 1 if saves > 1 else 0
+        walls = [max(t["save_s"][k][1] for t in times) for k in range(first, saves)]
+        blocked = [max(t["save_s"][k][0] for t in times) for k in range(first, saves)]
+        restores = [statistics.median(t["restore_s"][1:]) for t in times if t["restore_s"][1:]]
+        return {
+            "mesh": job["mesh"],
+            "strategy": strategy,
+            "written": marker["bytes_written_per_process"],
+            "planned": marker["planned_bytes_per_process"],
+            "wall_s": statistics.median(walls),
+            "blocked_s": statistics.median(blocked),
+            "restore_s": max(restores) if restores else None,  # the slowest process's median after the first
+        }
+
     rows = []
     for j, job in enumerate(jobs):
-        if job["strategy"] == "orbax":
-            marker = {"bytes_written_per_process": per_process[0][j]["written"], "planned_bytes_per_process": None}
+        got = [per_process[p][j] for p in range(4)]
+        if job["strategy"] == "pair":
+            marker = json.loads((Path(job["ckpt"]) / "jaxdist" / str(saves) / "jaxdist_commit.json").read_text())
+            rows.append(row(job, "balanced", [g["jaxdist"] for g in got], marker))
+            plain = {"bytes_written_per_process": got[0]["orbax"]["written"], "planned_bytes_per_process": None}
+            rows.append(row(job, "orbax", [g["orbax"] for g in got], plain))
         else:
             marker = json.loads((Path(job["ckpt"]) / str(saves) / "jaxdist_commit.json").read_text())
-        # A save is done when the slowest process is done; skip the first (orbax warm-up).
-        walls = [max(per_process[p][j]["save_s"][k][1] for p in range(4)) for k in range(1, saves)] or [
-            max(per_process[p][j]["save_s"][0][1] for p in range(4))
-        ]
-        blocked = [max(per_process[p][j]["save_s"][k][0] for p in range(4)) for k in range(1, saves)] or [
-            max(per_process[p][j]["save_s"][0][0] for p in range(4))
-        ]
-        rows.append(
-            {
-                "mesh": job["mesh"],
-                "strategy": job["strategy"],
-                "written": marker["bytes_written_per_process"],
-                "planned": marker["planned_bytes_per_process"],
-                "wall_s": statistics.median(walls),
-                "blocked_s": statistics.median(blocked),
-                # the slowest process's median after the first (warm-up)
-                "restore_s": max(statistics.median(per_process[p][j]["restore_s"][1:]) for p in range(4))
-                if job["restores"]
-                else None,
-            }
-        )
+            rows.append(row(job, job["strategy"], got, marker))
     return rows
 
 

@@ -19,8 +19,8 @@ step, data position, config).  :class:`RunCheckpointer`
   removed), and keeps the newest ``keep`` committed steps (older
   ones are deleted only after a newer one committed);
 * restores onto any mesh and process count (each process reads what its
-  devices need), verifying the files' checksums (on one process while orbax
-  reads them, on several first, each process an even share) and falling back to
+  devices need), verifying the files' checksums while orbax reads them (each
+  process an even share of the bytes) and falling back to
   the newest good step, with a warning naming each damaged one (set aside as
   ``<step>.damaged``).
 """
@@ -38,6 +38,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from jaxdist.checkpoint import integrity, writer
@@ -91,6 +92,7 @@ class RunCheckpointer:
             state=ocp.PyTreeCheckpointHandler(type_handler_registry=writer.type_registry(strategy)),
             meta=ocp.JsonCheckpointHandler(),
         )
+        self._handler = handler
         self._orbax = ocp.AsyncCheckpointer(handler) if asynchronous else ocp.Checkpointer(handler)
         self._sync = ocp.multihost.get_barrier_sync_fn()
         self._seq = 0
@@ -253,32 +255,41 @@ class RunCheckpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def _verify(self, folder: integrity.StepFolder) -> list[str]:
-        """Problems with ``folder``'s files; each process checks an even share of the bytes."""
+    def _check_share(self, folder: integrity.StepFolder) -> tuple[list[str], integrity.ChecksumUnavailable | None]:
+        """Problems with this process's even share of ``folder``'s file bytes (every file on one process)."""
         files = folder.marker["files"]
-        if self.num_processes == 1:
-            return integrity.verify_files(folder.path, files)
-        share = assign_bytes({k: v["size"] for k, v in files.items()}, self.num_processes)
-        unavailable = None
+        if self.num_processes > 1:
+            share = assign_bytes({k: v["size"] for k, v in files.items()}, self.num_processes)
+            files = {k: v for k, v in files.items() if share[k] == self.process}
         try:
-            mine = integrity.verify_files(folder.path, files, [k for k, p in share.items() if p == self.process])
-        except integrity.ChecksumUnavailable as e:  # still meet the others at the allgather, then all raise
-            mine, unavailable = [], e
-        counts, lacking = np.asarray(
-            multihost_utils.process_allgather(np.array([len(mine), unavailable is not None], np.int32))
+            return integrity.verify_files(folder.path, folder.marker["files"], list(files)), None
+        except integrity.ChecksumUnavailable as e:  # on several processes, still meet the others, then all raise
+            if self.num_processes == 1:
+                raise
+            return [], e
+
+    def _agree(
+        self, folder: Path, mine: list[str], unavailable: Exception | None, read_failed: bool
+    ) -> tuple[list[str], bool]:
+        """(every process's problems as this one reports them, whether any read failed): one allgather, which
+        every process reaches whatever its read did, so none waits for a peer that gave up."""
+        if self.num_processes == 1:
+            return mine, read_failed
+        counts, lacking, failed = np.asarray(
+            multihost_utils.process_allgather(np.array([len(mine), unavailable is not None, read_failed], np.int32))
         ).T
         if lacking.any():
             if unavailable is not None:
                 raise unavailable
             first = int(np.nonzero(lacking)[0][0])
             raise integrity.ChecksumUnavailable(
-                f"process {first} cannot check {folder.path}'s CRC-32C checksums (no crc32c there): "
+                f"process {first} cannot check {folder}'s CRC-32C checksums (no crc32c there): "
                 "install crc32c on every host (pip install crc32c)."
             )
         if counts.sum() and not mine:
             first = int(np.nonzero(counts)[0][0])
             mine = [f"{int(counts.sum())} files do not match their checksums (see process {first}'s log)"]
-        return mine
+        return mine, bool(failed.any())
 
     def restore(self, abstract_state: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
         """(state, meta) of ``step`` (default: the newest good one) laid out like ``abstract_state``.
@@ -289,6 +300,8 @@ class RunCheckpointer:
         raises :class:`~jaxdist.checkpoint.integrity.CheckpointDamaged`.
         """
         self._finish_previous()
+        if self.asynchronous:
+            self._orbax.wait_until_finished()  # what orbax's own restore waits for (a no-op after the line above)
         folders = [f for f in integrity.scan(self.directory) if f.state == "committed"]
         if step is not None:
             folders = [f for f in folders if f.step == step]
@@ -299,20 +312,20 @@ class RunCheckpointer:
             args = ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args), meta=ocp.args.JsonRestore()
             )
+            # The files are checked while orbax reads them (one pass through the page cache instead of two in a
+            # row; each process its share of the bytes), and what orbax read is used only if they match.  The read
+            # goes through the handler (orbax's public CheckpointHandler.restore), not the checkpointer, whose
+            # closing barrier would hold every process whose read succeeded while a peer whose read failed on a
+            # damaged file gave up: here every process meets the others at one allgather, whatever its read did.
             restored, error = None, None
-            if self.verify and self.num_processes == 1:
-                # One process: check the files while orbax reads them (one pass through the page cache instead of
-                # two in a row) and use what orbax read only if they match.  On several processes the check comes
-                # first: a process whose read failed on a damaged file would leave the others at orbax's barrier.
-                with ThreadPoolExecutor(1, thread_name_prefix="jaxdist-verify") as pool:
-                    check = pool.submit(self._verify, folder)
-                    try:
-                        restored = self._orbax.restore(folder.path, args=args)
-                    except Exception as e:  # damage or not: decided by the checksums below
-                        error = e
-                    problems = check.result()
-            else:
-                problems = self._verify(folder) if self.verify else []
+            with ThreadPoolExecutor(1, thread_name_prefix="jaxdist-verify") as pool:
+                check = pool.submit(self._check_share, folder) if self.verify else None
+                try:
+                    restored = self._handler.restore(epath.Path(folder.path), args=args)
+                except Exception as e:  # damage or not: decided by the checksums below
+                    error = e
+                mine, unavailable = check.result() if check is not None else ([], None)
+            problems, read_failed = self._agree(folder.path, mine, unavailable, error is not None)
             if problems:
                 more = f" and {len(problems) - 1} more problems" if len(problems) > 1 else ""
                 msg = f"checkpoint {folder.path} is damaged: {problems[0]}{more}"
@@ -327,8 +340,11 @@ class RunCheckpointer:
                 continue
             if error is not None:
                 raise error
-            if restored is None:
-                restored = self._orbax.restore(folder.path, args=args)
+            if read_failed:
+                raise RuntimeError(
+                    f"another process could not read checkpoint {folder.path} (its files match their checksums): "
+                    "see that process's log"
+                )
             return restored["state"], dict(restored["meta"])
         raise FileNotFoundError(f"no good checkpoint in {self.directory}")
 

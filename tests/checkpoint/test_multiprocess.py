@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -134,6 +135,46 @@ def test_restore_onto_two_processes_with_another_mesh(four):
                     "install it (pip install crc32c)."
                 ), error
     assert (Path(jobs[1]["ckpt"]) / "1").is_dir()  # not set aside
+
+
+def test_a_read_that_fails_on_one_process_or_damage_stops_every_process_and_names_it(four):
+    """Orbax reads while the checksums are checked: a process whose read fails (files intact) and a damaged
+    file both reach every process within the group's timeout (no process left waiting for a peer that gave up)."""
+    tmp, jobs, _ = four
+    intact, damaged = tmp / "ck_readfail", tmp / "ck_damaged"
+    shutil.copytree(jobs[1]["ckpt"], intact)
+    shutil.copytree(jobs[1]["ckpt"], damaged)
+    data = max(
+        (p for p in (damaged / "1").rglob("*") if p.is_file() and "ocdbt.process_1" in str(p)),
+        key=lambda p: p.stat().st_size,
+    )
+    with open(data, "r+b") as f:  # same size, different bytes: only the checksum can tell
+        f.seek(data.stat().st_size // 2)
+        chunk = f.read(64)
+        f.seek(data.stat().st_size // 2)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+    over = common(tmp, "cpu-2x4") + ["mesh.fsdp=4", "mesh.tensor=2", "train.name=rf"]
+    spec = [
+        {"overrides": over, "ckpt": str(intact), "read_fails_on": 1, "expect_error": True},
+        {"overrides": over, "ckpt": str(damaged), "step": 1, "expect_error": True},
+    ]
+    with Group(tmp, 2, 4, ["restore", json.dumps({"jobs": spec})], tag="readfail") as g:
+        g.wait(TIMEOUT)
+        got = [g.results(i) for i in range(2)]
+    assert got[1][0]["error"] == "OSError: simulated read failure"
+    assert got[0][0]["error"] == (
+        f"RuntimeError: another process could not read checkpoint {intact}/1 (its files match their checksums): "
+        "see that process's log"
+    )
+    assert (intact / "1" / "jaxdist_commit.json").is_file()  # intact: not set aside
+    rel = data.relative_to(damaged / "1").as_posix()
+    for i in range(2):
+        error = got[i][1]["error"]
+        assert error.startswith(f"CheckpointDamaged: checkpoint {damaged}/1 is damaged: "), error
+        assert error.endswith("; restore another step or rewrite it."), error
+    assert f"{rel} has CRC-32C " in got[0][1]["error"] + got[1][1]["error"]  # the process that checked it names it
+    assert "moved to 1.damaged" in got[0][1]["error"]
+    assert (damaged / "1.damaged").is_dir() and not (damaged / "1").exists()
 
 
 def test_restore_onto_one_process_with_another_mesh(four):

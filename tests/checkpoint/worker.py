@@ -115,8 +115,8 @@ def matches(state, ref: dict[str, np.ndarray]) -> bool:
 
 def mode_save(spec) -> None:
     """Save each job's state ``saves`` times; ``"strategy": "orbax"`` saves with plain orbax's StandardCheckpointer
-    instead (benchmarks/checkpoint.py); ``"restores": n`` then times n restores of the newest step (each one's
-    seconds in ``restore_s``)."""
+    instead, ``"pair"`` with both alternately (benchmarks/checkpoint.py); ``"restores": n`` then times n restores
+    of the newest step (each one's seconds in ``restore_s``)."""
     for job in spec["jobs"]:
         mark("start")
         with trainer_for(job["overrides"]) as t:
@@ -125,6 +125,9 @@ def mode_save(spec) -> None:
             mark("state")
             if job.get("strategy") == "orbax":
                 result({"ckpt": job["ckpt"], **_orbax_save(job, state, abstract, ref), "process": jax.process_index()})
+                continue
+            if job.get("strategy") == "pair":
+                result({"ckpt": job["ckpt"], **_paired(job, state, abstract, ref), "process": jax.process_index()})
                 continue
             ck = RunCheckpointer(
                 job["ckpt"],
@@ -193,6 +196,43 @@ def _orbax_save(job, state, abstract, ref) -> dict:
     return {"save_s": times, "restore_s": restore_s, "planned": None, "written": written}
 
 
+def _paired(job, state, abstract, ref) -> dict:
+    """jaxdist's RunCheckpointer (balanced, verified, the defaults) and plain orbax's StandardCheckpointer saving
+    and restoring the same state alternately, which goes first swapped every round (so neither gains from the
+    other's warm-up or the machine's drift): ``{"jaxdist": {...}, "orbax": {...}}`` with save_s, restore_s and
+    orbax's bytes written per process (jaxdist's are in its commit marker, ``<ckpt>/jaxdist/<saves>``)."""
+    import orbax.checkpoint as ocp
+
+    root, saves = Path(job["ckpt"]), job.get("saves", 1)
+    ours, plain = RunCheckpointer(root / "jaxdist", keep=saves), ocp.StandardCheckpointer()
+    out = {name: {"save_s": [], "restore_s": []} for name in ("jaxdist", "orbax")}
+    save = {
+        "jaxdist": lambda s: ours.save(s, state, {"step": s}),
+        "orbax": lambda s: plain.save(root / "orbax" / str(s), state),
+    }
+    wait = {"jaxdist": ours.wait, "orbax": plain.wait_until_finished}
+    restore = {
+        "jaxdist": lambda: ours.restore(abstract)[0],
+        "orbax": lambda: plain.restore(root / "orbax" / str(saves), abstract),
+    }
+    for k in range(saves):
+        for name in ("jaxdist", "orbax") if k % 2 == 0 else ("orbax", "jaxdist"):
+            out[name]["save_s"] += _timed_saves({"saves": 1}, lambda _, n=name, s=k + 1: save[n](s), wait[name])
+    for k in range(job.get("restores", 0)):
+        for name in ("jaxdist", "orbax") if k % 2 == 0 else ("orbax", "jaxdist"):
+            out[name]["restore_s"] += _timed_restores({"restores": 1}, ref, restore[name])
+    ours.close()
+    plain.close()
+    written = [0] * jax.process_count()
+    for path in (root / "orbax" / str(saves)).rglob("*"):
+        if path.is_file():
+            written[integrity.writer_of(path.relative_to(root / "orbax" / str(saves)).as_posix())] += (
+                path.stat().st_size
+            )
+    out["orbax"]["written"] = written
+    return out
+
+
 def train(t, steps: int):
     state = t.init_state()
     for i in range(steps):
@@ -229,7 +269,9 @@ def mode_steps(spec) -> None:
 
 
 def mode_restore(spec) -> None:
-    """Restore each job's checkpoint; a job with ``"no_crc32c": i`` restores as if process i lacked crc32c."""
+    """Restore each job's checkpoint; a job with ``"no_crc32c": i`` restores as if process i lacked crc32c, one
+    with ``"read_fails_on": i`` as if orbax's read failed on process i, one with ``"expect_error"`` (and maybe
+    ``"step"``) reports the exception it raised."""
     for job in spec["jobs"]:
         with trainer_for(job["overrides"]) as t:
             target = t.abstract_state()
@@ -245,7 +287,21 @@ def mode_restore(spec) -> None:
                 finally:
                     integrity._crc32c_module = real
                 continue
-            state, meta = RunCheckpointer(job["ckpt"]).restore(target)
+            ck = RunCheckpointer(job["ckpt"])
+            if job.get("read_fails_on") == jax.process_index():  # this process's read fails; its files are intact
+
+                def fail(*_, **__):
+                    raise OSError("simulated read failure")
+
+                ck._handler.restore = fail
+            if "expect_error" in job:
+                try:
+                    ck.restore(target, step=job.get("step"))
+                    result({"ckpt": job["ckpt"], "error": None})
+                except Exception as e:
+                    result({"ckpt": job["ckpt"], "error": f"{type(e).__name__}: {e}"})
+                continue
+            state, meta = ck.restore(target)
             on_target = all(a.sharding == b.sharding for a, b in leaf_pairs(state, target))
             result(
                 {
