@@ -338,7 +338,8 @@ class StepFolder:
     which), "abandoned"
     (an incomplete one set aside as ``<step>.incomplete``), "damaged" (set
     aside after a failed verification: ``<step>.damaged``) or "temporary"
-    (orbax's unfinished ``<step>.orbax-checkpoint-tmp*``).
+    (orbax's unfinished ``<step>.orbax-checkpoint-tmp*``, or a ``<step>`` holding only an unfinished
+    ``state.orbax-checkpoint-tmp*``).
     """
 
     step: int
@@ -349,7 +350,15 @@ class StepFolder:
 
 
 _ASIDE = re.compile(r"^(\d+)\.(damaged|incomplete)(?:-\d+)?$")
-_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")
+_TMP = re.compile(r"^(\d+)\.orbax-checkpoint-tmp")  # a step folder orbax had begun (a composite save)
+_ITEM_TMP = re.compile(r"^state\.orbax-checkpoint-tmp")  # <step>/state begun by orbax, not finished
+
+
+def _orbax_unfinished(step_dir: Path) -> bool:
+    """True if ``step_dir`` (no marker) holds only what orbax had begun: its temporary ``state`` folder, no
+    finished item (a save cut short while orbax wrote, now that orbax writes ``<step>/state`` itself)."""
+    names = [c.name for c in step_dir.iterdir()]
+    return all(_ITEM_TMP.match(n) for n in names)  # (empty: orbax had only made the folder)
 
 
 def scan(directory: Path) -> list[StepFolder]:
@@ -363,6 +372,8 @@ def scan(directory: Path) -> list[StepFolder]:
         if p.name.isdigit():
             marker, problem = read_marker(p)
             state = "committed" if marker else "bad-marker" if problem else "incomplete"
+            if state == "incomplete" and _orbax_unfinished(p):
+                state = "temporary"
             out.append(StepFolder(int(p.name), p, state, marker, problem))
         elif m := _ASIDE.match(p.name):
             out.append(StepFolder(int(m.group(1)), p, "damaged" if m.group(2) == "damaged" else "abandoned"))

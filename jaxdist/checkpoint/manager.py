@@ -1,8 +1,8 @@
 """Checkpoints of a run: balanced, asynchronous, committed, verified, restorable anywhere.
 
-A checkpoint ``<dir>/<step>/`` holds two orbax items: ``state`` (params,
-optimizer state, step, RNG: a pytree of sharded arrays) and ``meta`` (JSON:
-step, data position, config).  :class:`RunCheckpointer`
+A checkpoint ``<dir>/<step>/`` holds ``state`` (params, optimizer state,
+step, RNG: an orbax checkpoint of a pytree of sharded arrays) and
+``meta/metadata`` (JSON: step, data position, config).  :class:`RunCheckpointer`
 
 * writes each array as :func:`~jaxdist.checkpoint.plan.plan_writes` says, so
   every process writes about the same number of bytes;
@@ -28,6 +28,7 @@ step, data position, config).  :class:`RunCheckpointer`
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import shutil
 import time
@@ -46,6 +47,8 @@ from jaxdist.checkpoint.background import BackgroundWriter
 from jaxdist.checkpoint.plan import WritePlan, assign_bytes, layout_from_spec, plan_writes
 
 log = logging.getLogger(__name__)
+
+STATE, META, META_FILE = "state", "meta", "metadata"  # <step>/state: orbax's pytree; <step>/meta/metadata: JSON
 
 # Seconds a process waits at a checkpoint barrier for its peers.
 BARRIER_TIMEOUT_S = 600
@@ -88,10 +91,10 @@ class RunCheckpointer:
         self.keep, self.asynchronous, self.strategy, self.verify = keep, asynchronous, strategy, verify
         self.process, self.num_processes = jax.process_index(), jax.process_count()
         self.stats: list[SaveStats] = []
-        handler = ocp.CompositeCheckpointHandler(
-            state=ocp.PyTreeCheckpointHandler(type_handler_registry=writer.type_registry(strategy)),
-            meta=ocp.JsonCheckpointHandler(),
-        )
+        # The state alone goes through orbax (to <step>/state); the JSON meta is written by process 0 in the
+        # background commit (to <step>/meta/metadata, where orbax's JsonCheckpointHandler put it). A composite of
+        # the two items cost every save one more barrier among the processes inside the blocked part.
+        handler = ocp.PyTreeCheckpointHandler(type_handler_registry=writer.type_registry(strategy))
         self._handler = handler
         self._orbax = ocp.AsyncCheckpointer(handler) if asynchronous else ocp.Checkpointer(handler)
         self._sync = ocp.multihost.get_barrier_sync_fn()
@@ -180,9 +183,8 @@ class RunCheckpointer:
         plan, layout = self._plan_and_layout(named)
         step_dir = self.directory / str(step)
         self._seq += 1
-        args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         with writer.following(plan, named):
-            self._orbax.save(step_dir, args=args)
+            self._orbax.save(step_dir / STATE, args=ocp.args.PyTreeSave(state))
         stats = SaveStats(step, time.perf_counter() - t1, waited, plan.bytes_per_process())
         self.stats.append(stats)
         info = {
@@ -193,16 +195,20 @@ class RunCheckpointer:
             "layout": layout,
             "versions": {"jax": jax.__version__, "orbax": ocp.__version__},
         }
+        meta = json.dumps(meta)  # now: a value that cannot be written fails the save here, not in the background
         if self.asynchronous:
-            self._writer.submit(self._commit, step_dir, stats, info, self._seq, t1, name=f"jaxdist-ckpt-{step}")
+            self._writer.submit(self._commit, step_dir, stats, info, meta, self._seq, t1, name=f"jaxdist-ckpt-{step}")
         else:
-            self._writer.run(self._commit, step_dir, stats, info, self._seq, t1)
+            self._writer.run(self._commit, step_dir, stats, info, meta, self._seq, t1)
         return True
 
-    def _commit(self, step_dir: Path, stats: SaveStats, info: dict, seq: int, t_start: float) -> None:
+    def _commit(self, step_dir: Path, stats: SaveStats, info: dict, meta: str, seq: int, t_start: float) -> None:
         try:
             if self.asynchronous:
                 self._orbax.wait_until_finished()
+            if self.process == 0:  # before the checksums, which cover it
+                (step_dir / META).mkdir(exist_ok=True)
+                (step_dir / META / META_FILE).write_text(meta)
             integrity.record_own_checksums(step_dir, self.process)
             self._barrier("checksums", stats.step, seq)
             failed = None
@@ -309,9 +315,7 @@ class RunCheckpointer:
                 raise FileNotFoundError(f"no committed checkpoint of step {step} in {self.directory}")
         for folder in reversed(folders):
             restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
-            args = ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args), meta=ocp.args.JsonRestore()
-            )
+            args = ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args)
             # The files are checked while orbax reads them (one pass through the page cache instead of two in a
             # row; each process its share of the bytes), and what orbax read is used only if they match.  The read
             # goes through the handler (orbax's public CheckpointHandler.restore), not the checkpointer, whose
@@ -321,7 +325,7 @@ class RunCheckpointer:
             with ThreadPoolExecutor(1, thread_name_prefix="jaxdist-verify") as pool:
                 check = pool.submit(self._check_share, folder) if self.verify else None
                 try:
-                    restored = self._handler.restore(epath.Path(folder.path), args=args)
+                    restored = self._handler.restore(epath.Path(folder.path / STATE), args=args)
                 except Exception as e:  # damage or not: decided by the checksums below
                     error = e
                 mine, unavailable = check.result() if check is not None else ([], None)
@@ -345,7 +349,7 @@ class RunCheckpointer:
                     f"another process could not read checkpoint {folder.path} (its files match their checksums): "
                     "see that process's log"
                 )
-            return restored["state"], dict(restored["meta"])
+            return restored, self._read_meta(folder.path)
         raise FileNotFoundError(f"no good checkpoint in {self.directory}")
 
     def restore_meta(self, step: int | None = None) -> dict[str, Any]:
@@ -354,8 +358,11 @@ class RunCheckpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        restored = self._orbax.restore(self.directory / str(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-        return dict(restored["meta"])
+        return self._read_meta(self.directory / str(step))
+
+    @staticmethod
+    def _read_meta(step_dir: Path) -> dict[str, Any]:
+        return dict(json.loads((step_dir / META / META_FILE).read_text()))
 
 
 def _arrays(state: Any) -> list[tuple[str, jax.Array]]:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from jaxdist.checkpoint import integrity
 from jaxdist.errors import ConfigError
@@ -47,12 +48,10 @@ def restore_params(run_dir: str | Path, abstract_params: dict, step: int | None 
         if not folders:
             raise ConfigError(f"run '{run_dir}' has no checkpoint of step {step}: choose one of {steps}.")
     target = {"params": abstract_params}
-    args = ocp.args.Composite(
-        state=ocp.args.PyTreeRestore(
-            target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
-        )
+    args = ocp.args.PyTreeRestore(
+        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
     )
-    reader = ocp.Checkpointer(ocp.CompositeCheckpointHandler(state=ocp.PyTreeCheckpointHandler()))
+    reader = ocp.PyTreeCheckpointHandler()  # <step>/state, the train state (its params only)
     try:
         for folder in reversed(folders):
             problems = integrity.verify_files(folder.path, folder.marker["files"])
@@ -63,12 +62,12 @@ def restore_params(run_dir: str | Path, abstract_params: dict, step: int | None 
                 log.warning("%s; trying the previous checkpoint", msg)
                 continue
             try:
-                restored = reader.restore(folder.path, args=args)
+                restored = reader.restore(epath.Path(folder.path / "state"), args=args)
             except (ValueError, KeyError) as e:
                 raise ConfigError(
                     f"the checkpoint {folder.path} does not fit the run's model ({e}): sample with the config it was trained with."
                 ) from None
-            return restored["state"]["params"], folder.step
+            return restored["params"], folder.step
     finally:
         reader.close()
     raise ConfigError(f"every checkpoint in {ckdir} is damaged: check them with `jaxdist ckpt verify`.")

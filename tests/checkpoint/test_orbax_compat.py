@@ -152,3 +152,43 @@ def test_plain_orbax_restores_a_jaxdist_checkpoint_onto_the_same_and_another_sha
                 assert np.array_equal(np.asarray(want), np.asarray(have))
             for have, t in zip(jax.tree.leaves(got), jax.tree.leaves(target)):
                 assert have.sharding == t.sharding
+
+
+def test_a_checkpoint_of_the_earlier_layout_still_restores(tmp_path):
+    """Before 2026-12-07 a step was one orbax composite checkpoint of two items (``state``, ``meta``; its
+    ``_CHECKPOINT_METADATA`` in the step folder); now orbax writes ``<step>/state`` alone and jaxdist the JSON
+    beside it. Both layouts restore, values and meta alike."""
+    from jaxdist.checkpoint import integrity
+
+    state = _state()
+    ck = RunCheckpointer(tmp_path / "ck")
+    ck.save(1, state, {"step": 1, "data": "new"})
+    ck.wait()
+    made = ("format", "algorithm", "num_processes", "bytes_written_per_process", "files", "marker_crc32", "step")
+    info = {k: v for k, v in integrity.read_commit(tmp_path / "ck" / "1").items() if k not in made}
+    old = tmp_path / "ck" / "2"
+    with ocp.Checkpointer(
+        ocp.CompositeCheckpointHandler(state=ocp.PyTreeCheckpointHandler(), meta=ocp.JsonCheckpointHandler())
+    ) as c:
+        c.save(
+            old,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave({"step": 2, "data": "old"})
+            ),
+        )
+    assert (old / "_CHECKPOINT_METADATA").is_file() and (old / "meta" / "metadata").is_file()
+    integrity.record_own_checksums(old, 0)
+    integrity.commit(old, 1, {**info, "step": 2})
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    for step, data in ((2, "old"), (1, "new")):
+        got, meta = ck.restore(target, step=step)
+        assert meta == {"step": step, "data": data} and ck.restore_meta(step) == meta
+        for want, have in leaf_pairs(state, got):
+            assert np.array_equal(np.asarray(want), np.asarray(have))
+    assert sorted(p.name for p in (tmp_path / "ck" / "1").iterdir()) == [
+        "jaxdist_checksums",
+        "jaxdist_commit.json",
+        "meta",
+        "state",
+    ]
+    ck.close()
