@@ -33,6 +33,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -82,29 +83,49 @@ def trainer_for(overrides):
     return Trainer(cfg)
 
 
-def reference(abstract, seed: int) -> dict[str, np.ndarray]:
-    """Deterministic pseudo-random global values for every leaf of ``abstract`` (same on every process)."""
-    out = {}
-    for i, (name, a) in enumerate(named_leaves(abstract)):
-        rng = np.random.default_rng([seed, i])
-        if np.issubdtype(a.dtype, np.floating):
-            out[name] = rng.standard_normal(a.shape, dtype=np.float32).astype(a.dtype)
-        else:
-            out[name] = rng.integers(0, 2**31 - 1, size=a.shape).astype(a.dtype)
-    return out
+class Reference(Mapping):
+    """Deterministic pseudo-random global values for every leaf of ``abstract`` (same on every process), name ->
+    array, each made when asked and only the last one kept: a 4 GB state is not held twice per process."""
+
+    def __init__(self, abstract, seed: int):
+        self.seed, self.leaves = seed, {n: (i, a.shape, a.dtype) for i, (n, a) in enumerate(named_leaves(abstract))}
+        self._last: tuple[str | None, np.ndarray | None] = (None, None)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if self._last[0] != name:
+            i, shape, dtype = self.leaves[name]
+            self._last = (None, None)  # the previous leaf goes before the next is made
+            rng = np.random.default_rng([self.seed, i])
+            if np.issubdtype(dtype, np.floating):
+                value = rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+            else:
+                value = rng.integers(0, 2**31 - 1, size=shape).astype(dtype)
+            self._last = (name, value)
+        return self._last[1]
+
+    def __iter__(self):
+        return iter(self.leaves)
+
+    def __len__(self) -> int:
+        return len(self.leaves)
+
+
+def reference(abstract, seed: int) -> Reference:
+    """:class:`Reference` values of ``abstract``'s leaves for ``seed``."""
+    return Reference(abstract, seed)
 
 
 def random_state(abstract, seed: int):
     """A train state laid out like ``abstract`` holding :func:`reference` values (no compilation)."""
     ref = reference(abstract, seed)
     leaves = [
-        jax.make_array_from_callback(a.shape, a.sharding, lambda idx, v=ref[n]: v[idx])
+        jax.make_array_from_callback(a.shape, a.sharding, lambda idx, n=n: ref[n][idx])
         for n, a in named_leaves(abstract)
     ]
     return jax.tree.unflatten(jax.tree.structure(abstract), leaves), ref
 
 
-def matches(state, ref: dict[str, np.ndarray]) -> bool:
+def matches(state, ref: Mapping[str, np.ndarray]) -> bool:
     """Every addressable shard of every leaf equals the reference bit for bit (dtype included)."""
     return all(
         s.data.dtype == ref[n].dtype and np.array_equal(np.asarray(s.data), ref[n][s.index])
@@ -173,6 +194,7 @@ def _timed_restores(job, ref, restore) -> list[float]:
         jax.block_until_ready(got)
         out.append(time.perf_counter() - t0)
         assert matches(got, ref), "the restored state differs from the saved one"
+        del got  # before the next restore: a 4 GB state is not held twice
     return out
 
 

@@ -44,7 +44,8 @@ import zmq
 from jaxdist.controller.agent import PERIOD_BEATS, first_heartbeat, record_step
 from jaxdist.controller.local import LocalJob, write_cpu_cluster
 from jaxdist.controller.node import self_check
-from jaxdist.controller.protocol import TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client, free_port
+from jaxdist.controller.ports import free_port
+from jaxdist.controller.protocol import TOKEN_ENV, Gate, Peer, Signer, Verifier, curve_client
 from jaxdist.controller.relay import RelayBuffer, goes_direct
 from jaxdist.train.efficiency import LoopClock
 
