@@ -324,7 +324,7 @@ ROWS: dict[str, Row] = {
     "verify_extra_path": Row("data verify {run} {d}/x", 2, "takes only RUN_DIR"),
     "verify_truncated_list": Row("data verify {bl_trunc}", 1, "cut short or altered"),
     "verify_garbage_list": Row("data verify {bl_garbage}", 1, "cut short or altered"),
-    "verify_json_list": Row("data verify {bl_list}", 1, "not a jaxdist-batchlist/1 file"),
+    "verify_json_list": Row("data verify {bl_list}", 1, "not a jaxdist-batchlist/2 file"),
     "verify_empty_list": Row("data verify {bl_empty}", 1, "cut short or altered"),
     "verify_order_changed": Row("data verify {bl_order}", 1, "PROBLEMS FOUND"),
     "verify_batchlist_deleted": Row("data verify {bl_gone}", 1, "no batch list"),

@@ -13,13 +13,23 @@ into one int64 (``source << 48 | epoch << 32 | index``) and printed as
 version is made from its parent by one operation, recorded with its seed:
 
 * ``create``: one epoch of the config's source, shuffled (version 1);
-* ``add``: the batches of newly registered sources, minus any already used,
-  shuffled together with the parent's unused ids (positions >= ``splice``);
+* ``add``: the batches of newly registered sources, shuffled, each put at a
+  uniformly random place among the parent's unused ids (positions >=
+  ``splice``), which keep their order (``"mix": "insert"``; a list written
+  before it, ``jaxdist-batchlist/1``, reshuffled every unused id instead, and
+  its versions replay that way);
 * ``epoch``: the next epoch of every source, shuffled, appended at the end.
 
 Every version keeps its parent's first ``splice`` ids, so a position already
 trained never changes meaning; :func:`replay_order` rebuilds any version from
 the operations alone.
+
+**Files.** Version 1 and every :data:`WHOLE_EVERY`-th version after it store
+the whole order; the others store only their :class:`Delta` from the parent
+(the inserted ids and their places), so an addition costs bytes in proportion
+to what it adds, not to the list (a whole order per version made 1,000
+additions to a list of 10^6 batches a journal of gigabytes).  Every file
+records the SHA-256 of its version's whole order, which loading checks.
 
 On disk each version is one checksummed file of the run's journal
 (:mod:`jaxdist.data.journal`); :func:`encode` and :func:`decode` are its format.
@@ -40,7 +50,9 @@ import numpy as np
 
 from jaxdist.config import ConfigError
 
-FORMAT = "jaxdist-batchlist/1"
+FORMAT = "jaxdist-batchlist/2"
+FORMATS_READ = ("jaxdist-batchlist/1", FORMAT)  # /1: every version held its whole order
+WHOLE_EVERY = 64  # a whole order every this many versions: bounds the deltas applied to load a version
 _SOURCE_SHIFT, _EPOCH_SHIFT = 48, 32
 MAX_SOURCES, MAX_EPOCHS, MAX_INDEX = 1 << 15, 1 << 16, 1 << 32
 
@@ -158,6 +170,54 @@ class SourceEntry:
         return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d or f.default is MISSING})
 
 
+def _pack(a: np.ndarray, level: int = 6) -> str:
+    return base64.b64encode(zlib.compress(np.ascontiguousarray(a, dtype="<i8").tobytes(), level)).decode("ascii")
+
+
+def _unpack(text: str) -> np.ndarray:
+    return np.frombuffer(zlib.decompress(base64.b64decode(text)), dtype="<i8").astype(np.int64)
+
+
+def _sha256(order: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(order, dtype="<i8").tobytes()).hexdigest()
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """How a version's order differs from its parent's: ``ids`` sit at the positions ``at`` (strictly
+    increasing) of the new order, and the parent's order fills the other positions, in its order.
+
+    An ``add`` inserts among the unused positions, an ``epoch`` appends (``at`` runs on from the parent's end).
+    """
+
+    at: np.ndarray
+    ids: np.ndarray
+
+    def apply(self, parent: np.ndarray) -> np.ndarray:
+        """The new order (read-only); ValueError when ``at`` does not fit ``parent``."""
+        n = len(parent) + len(self.ids)
+        if len(self.at) and (self.at[0] < 0 or self.at[-1] >= n):
+            raise ValueError(f"it places ids past the end of its parent's {len(parent):,} batches")
+        order = np.empty(n, dtype=np.int64)
+        keep = np.ones(n, dtype=bool)
+        keep[self.at] = False
+        order[keep] = parent
+        order[self.at] = self.ids
+        order.flags.writeable = False
+        return order
+
+    def to_json(self) -> dict[str, str]:
+        # Positions as their differences (small numbers, which compress); ids as int64 (their high bytes repeat).
+        return {"at": _pack(np.diff(self.at, prepend=0)), "ids": _pack(self.ids)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, str]) -> Delta:
+        at, ids = np.cumsum(_unpack(d["at"])), _unpack(d["ids"])
+        if len(at) != len(ids) or (len(at) > 1 and np.any(np.diff(at) <= 0)):
+            raise ValueError("its change from the parent is not a set of places and ids")
+        return cls(at, ids)
+
+
 @dataclasses.dataclass(frozen=True)
 class BatchList:
     """One version of a run's batch list: ``order[p]`` is the id of the batch trained at position ``p``.
@@ -165,7 +225,9 @@ class BatchList:
     ``op`` records how it was made from version ``parent``: ``kind``
     (create/add/epoch), ``seed``, ``splice`` (positions kept from the parent)
     and, for ``add``, the new ``sources`` ids and the ``request`` it applied.
-    ``checksum`` is the SHA-256 of the file content (set when written or read).
+    ``delta`` is its change from the parent (None for version 1, and for a version read from a whole order
+    of format /1); ``depth`` counts the deltas stored since the last whole order (0: its file holds the whole
+    order).  ``checksum`` is the SHA-256 of the file content (set when written or read).
     """
 
     version: int
@@ -177,6 +239,8 @@ class BatchList:
     order: np.ndarray
     created: float = 0.0
     checksum: str = ""
+    delta: Delta | None = None
+    depth: int = 0
 
     def __len__(self) -> int:
         return len(self.order)
@@ -194,26 +258,103 @@ class BatchList:
 
     def order_sha256(self) -> str:
         """SHA-256 (hex) of the order (little-endian int64): equal for equal orders, whenever written."""
-        return hashlib.sha256(np.ascontiguousarray(self.order, dtype="<i8").tobytes()).hexdigest()
+        return _sha256(self.order)
 
     def body(self) -> dict[str, Any]:
-        """The JSON content of the version file, without its checksum."""
-        raw = np.ascontiguousarray(self.order, dtype="<i8").tobytes()
-        return {
+        """The JSON content of the version file, without its checksum: the whole order at depth 0, else the delta."""
+        body = {
             "format": FORMAT,
             "version": self.version,
             "parent": self.parent,
             "op": self.op,
             "batch_size": self.batch_size,
             "seq_len": self.seq_len,
-            "sources": [s.to_dict() for s in self.sources],
+            "n_sources": len(self.sources),
             "n_batches": len(self.order),
-            # zlib level 1: a shuffled order barely compresses at any level, and higher levels cost most of an
-            # addition's time at a million batches (benchmarks/scale.py); any level reads back.
-            "order": base64.b64encode(zlib.compress(raw, 1)).decode("ascii"),
             "order_sha256": self.order_sha256(),
             "created": self.created,
+            "depth": self.depth,
         }
+        if self.depth == 0:
+            body["sources"] = [s.to_dict() for s in self.sources]
+            # zlib level 1: a shuffled order barely compresses at any level, and higher levels cost most of the
+            # time of writing one at a million batches (benchmarks/scale.py); any level reads back.
+            body["order"] = _pack(self.order, 1)
+        else:
+            assert self.delta is not None and self.parent is not None, "a version stored as a delta needs its parent"
+            body["delta"] = self.delta.to_json()
+            # Only the sources it adds (a table of every source in every version grew the journal with the square
+            # of the additions); the parent's come from the parent.
+            body["sources"] = [s.to_dict() for s in self.sources[min(self.op.get("sources") or [len(self.sources)]) :]]
+        return body
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """One version file as read (checksum checked): the version's fields, and its whole ``order`` and every
+    source (depth 0), or its ``delta`` from the parent and the ``sources`` it adds, which the journal joins to
+    the parent's to make the :class:`BatchList` (:meth:`jaxdist.data.journal.Journal.load`).  ``order`` and
+    ``delta`` are None when the file was read without them (``decode(..., orders=False)``)."""
+
+    version: int
+    parent: int | None
+    op: dict[str, Any]
+    batch_size: int
+    seq_len: int
+    sources: tuple[SourceEntry, ...]
+    n_sources: int
+    n_batches: int
+    order_sha256: str
+    created: float
+    checksum: str
+    depth: int
+    order: np.ndarray | None
+    delta: Delta | None
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+    def all_sources(self, parent_sources: tuple[SourceEntry, ...] | None) -> tuple[SourceEntry, ...]:
+        """Every source of the version: its own table when whole, else the parent's and the ones it adds."""
+        if self.depth == 0:
+            return self.sources
+        assert parent_sources is not None
+        ids = [s.id for s in self.sources]
+        if len(parent_sources) + len(ids) != self.n_sources or ids != list(range(len(parent_sources), self.n_sources)):
+            raise ValueError(
+                f"it adds sources {ids} to its parent's {len(parent_sources)}, not the {self.n_sources} it records"
+            )
+        return parent_sources + self.sources
+
+    def resolve(self, parent: BatchList | None, check: bool = True) -> BatchList:
+        """The version, its order whole from the file or ``delta`` applied to ``parent``'s; ValueError when the
+        result is not the order the file recorded (``check``: its SHA-256 compared, one pass over it)."""
+        if self.depth == 0:
+            assert self.order is not None, "read without its order"
+            order = self.order
+        else:
+            assert self.delta is not None and parent is not None
+            if len(parent.order) + len(self.delta.ids) != self.n_batches:
+                raise ValueError(
+                    f"it adds {len(self.delta.ids):,} batches to its parent's {len(parent.order):,}, not the "
+                    f"{self.n_batches:,} it records"
+                )
+            order = self.delta.apply(parent.order)
+            if check and _sha256(order) != self.order_sha256:
+                raise ValueError(f"its change applied to version {self.parent} does not give its recorded order")
+        return BatchList(
+            version=self.version,
+            parent=self.parent,
+            op=self.op,
+            batch_size=self.batch_size,
+            seq_len=self.seq_len,
+            sources=self.all_sources(None if parent is None else parent.sources),
+            order=order,
+            created=self.created,
+            checksum=self.checksum,
+            delta=self.delta,
+            depth=self.depth,
+        )
 
 
 def canonical_json(body: dict) -> bytes:
@@ -228,33 +369,46 @@ def encode(bl: BatchList) -> tuple[bytes, str]:
     return json.dumps({**body, "checksum": checksum}, sort_keys=True).encode("utf-8") + b"\n", checksum
 
 
-def decode(data: bytes, where: str) -> BatchList:
-    """The version in ``data``; raises ``ValueError`` saying what is wrong (``where`` names the file)."""
+def decode(data: bytes, where: str, orders: bool = True) -> Stored:
+    """The version file in ``data`` (format /1 or /2); raises ``ValueError`` saying what is wrong (``where``
+    names the file).  ``orders=False``: the order or delta is left packed (None), for its operation and
+    sources alone."""
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError("it is not complete JSON, so it was cut short or altered") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+    if not isinstance(doc, dict) or doc.get("format") not in FORMATS_READ:
         raise ValueError(f"not a {FORMAT} file")
     checksum = doc.pop("checksum", None)
     if checksum != hashlib.sha256(canonical_json(doc)).hexdigest():
         raise ValueError("its checksum does not match its content, so it was altered")
-    raw = zlib.decompress(base64.b64decode(doc["order"]))
-    if hashlib.sha256(raw).hexdigest() != doc["order_sha256"]:  # the checksum above makes this an internal check
-        raise ValueError("its order does not match its recorded hash")
-    order = np.frombuffer(raw, dtype="<i8").astype(np.int64)
-    order.flags.writeable = False
-    assert len(order) == doc["n_batches"], where
-    return BatchList(
+    order, delta = None, None
+    depth = int(doc.get("depth", 0))
+    if "order" not in doc and (doc.get("parent") is None or depth < 1):
+        raise ValueError("it holds neither a whole order nor a change from a parent")
+    if "order" in doc and orders:
+        order = _unpack(doc["order"])
+        if _sha256(order) != doc["order_sha256"]:  # the checksum above makes this an internal check
+            raise ValueError("its order does not match its recorded hash")
+        order.flags.writeable = False
+        assert len(order) == doc["n_batches"], where
+    elif "order" not in doc and orders:
+        delta = Delta.from_json(doc["delta"])
+    return Stored(
         version=doc["version"],
         parent=doc["parent"],
         op=doc["op"],
         batch_size=doc["batch_size"],
         seq_len=doc["seq_len"],
         sources=tuple(SourceEntry.from_dict(s) for s in doc["sources"]),
-        order=order,
+        n_sources=doc.get("n_sources", len(doc["sources"])),
+        n_batches=doc["n_batches"],
+        order_sha256=doc["order_sha256"],
         created=doc["created"],
         checksum=checksum,
+        depth=0 if "order" in doc else depth,
+        order=order,
+        delta=delta,
     )
 
 
@@ -272,8 +426,28 @@ def create_order(source: SourceEntry, batch_size: int, seq_len: int, seed) -> np
     return np.random.default_rng(seed).permutation(epoch_ids(source, 0, batch_size, seq_len))
 
 
+def insert_order(parent: np.ndarray, splice: int, new_ids: np.ndarray, seed) -> tuple[np.ndarray, Delta]:
+    """``parent[:splice]``, then the unused ids ``parent[splice:]`` in their order with ``new_ids`` inserted:
+    (order, delta).
+
+    With ``rng = default_rng(seed)``: the new ids in the order ``rng.permutation(new_ids)`` take the places
+    ``splice + sort(rng.choice(unused + new, new, replace=False))``.  Every set of places is equally likely, so
+    when the unused ids are in a uniformly random order (a shuffle's) the result is too, as a reshuffle of all
+    of them would be; an epoch appended earlier stays after the one before it.  The cost is the new ids and
+    one pass over the order, and the delta holds only the new ids and their places.  The new ids are ids of
+    sources registered by this very addition, so none of them was used.
+    """
+    rng = np.random.default_rng(seed)
+    new = rng.permutation(np.asarray(new_ids, dtype=np.int64))
+    unused = len(parent) - splice
+    at = splice + np.sort(rng.choice(unused + len(new), size=len(new), replace=False)).astype(np.int64)
+    delta = Delta(at, new)
+    return delta.apply(parent), delta
+
+
 def add_order(parent: np.ndarray, splice: int, new_ids: np.ndarray, seed) -> np.ndarray:
-    """``parent[:splice]`` then the unused ids ``parent[splice:]`` and ``new_ids`` (minus used ones), shuffled together.
+    """The ``add`` of format /1, kept to replay its lists: ``parent[:splice]`` then the unused ids
+    ``parent[splice:]`` and ``new_ids`` (minus used ones), shuffled together.
 
     The shuffle is ``default_rng(seed).permutation`` of ``concat(parent[splice:], new)``.
     """
@@ -296,28 +470,46 @@ def epoch_order(
     return np.concatenate([parent, np.random.default_rng(seed).permutation(np.concatenate(fresh))])
 
 
+def derive_delta(
+    parent: BatchList | None, op: dict[str, Any], sources: tuple[SourceEntry, ...], batch_size: int, seq_len: int
+) -> tuple[np.ndarray, Delta | None]:
+    """The order that ``op`` makes from ``parent`` (None for ``create``), and its delta from the parent's (None
+    where the operation rewrites it: ``create`` and the ``add`` of format /1): the one rule replay follows."""
+    kind, seed = op["kind"], op["seed"]
+    if kind == "create":
+        return create_order(sources[0], batch_size, seq_len, seed), None
+    assert parent is not None, op
+    if kind == "add":
+        new = np.concatenate(
+            [np.zeros(0, np.int64), *(epoch_ids(sources[i], 0, batch_size, seq_len) for i in op["sources"])]
+        )
+        if op.get("mix") == "insert":
+            return insert_order(parent.order, op["splice"], new, seed)
+        return add_order(parent.order, op["splice"], new, seed), None
+    if kind == "epoch":
+        order = epoch_order(parent.order, sources, batch_size, seq_len, seed)
+        n = len(parent.order)
+        return order, Delta(np.arange(n, len(order), dtype=np.int64), order[n:])
+    raise ValueError(f"unknown batch list operation {kind!r}")
+
+
 def derive(
     parent: BatchList | None, op: dict[str, Any], sources: tuple[SourceEntry, ...], batch_size: int, seq_len: int
 ) -> np.ndarray:
-    """The order that ``op`` makes from ``parent`` (None for ``create``): the one rule replay follows."""
-    kind, seed = op["kind"], op["seed"]
-    if kind == "create":
-        return create_order(sources[0], batch_size, seq_len, seed)
-    assert parent is not None, op
-    if kind == "add":
-        new = [epoch_ids(sources[i], 0, batch_size, seq_len) for i in op["sources"]]
-        return add_order(parent.order, op["splice"], np.concatenate([np.zeros(0, np.int64), *new]), seed)
-    if kind == "epoch":
-        return epoch_order(parent.order, sources, batch_size, seq_len, seed)
-    raise ValueError(f"unknown batch list operation {kind!r}")
+    """The order that ``op`` makes from ``parent`` (:func:`derive_delta` without the delta)."""
+    return derive_delta(parent, op, sources, batch_size, seq_len)[0]
 
 
 def make_version(
     parent: BatchList | None, op: dict[str, Any], sources: tuple[SourceEntry, ...], batch_size: int, seq_len: int
 ) -> BatchList:
-    """The next version: ``op`` applied to ``parent`` (version 1 when ``parent`` is None)."""
-    order = derive(parent, op, sources, batch_size, seq_len)
+    """The next version: ``op`` applied to ``parent`` (version 1 when ``parent`` is None).  It is stored as its
+    delta unless it has none or :data:`WHOLE_EVERY` versions passed since the parent's last whole order."""
+    order, delta = derive_delta(parent, op, sources, batch_size, seq_len)
     order.flags.writeable = False
+    depth = 0
+    if parent is not None and delta is not None and parent.depth + 1 < WHOLE_EVERY:
+        depth = parent.depth + 1
     return BatchList(
         version=1 if parent is None else parent.version + 1,
         parent=None if parent is None else parent.version,
@@ -327,6 +519,8 @@ def make_version(
         sources=sources,
         order=order,
         created=time.time(),
+        delta=delta,
+        depth=depth,
     )
 
 

@@ -357,7 +357,7 @@ class RunBatchList:
         v = self._agree(bl.version)
         if v == self.version:
             return False
-        self._adopt(bl if v == bl.version else self.journal.load(v))
+        self._adopt(bl if v == bl.version else self.journal.load(v, known=self.current))
         return True
 
     def _apply_requests(self, bl: BatchList, cursor: int) -> BatchList:
@@ -399,7 +399,14 @@ class RunBatchList:
                 log.warning("batch list: addition %s rejected: %s", name, e)
                 self.journal.settle(name, "rejected")
                 continue
-            op = {"kind": "add", "seed": req["seed"], "splice": cursor, "sources": [s.id for s in new], "request": name}
+            op = {
+                "kind": "add",
+                "mix": "insert",
+                "seed": req["seed"],
+                "splice": cursor,
+                "sources": [s.id for s in new],
+                "request": name,
+            }
             bl = self.journal.write(make_version(bl, op, bl.sources + new, self.batch_size, self.seq_len))
             self.journal.settle(name, "applied")
             log.info(

@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxdist.config import ConfigError
 from jaxdist.data import sources as _sources
-from jaxdist.data.batchlist import BatchList, BatchListError, SourceEntry
+from jaxdist.data.batchlist import BatchList, BatchListError, SourceEntry, Stored
 from jaxdist.data.documents import PackedStream, Packing, eos_starts, pack, read_documents, read_targets
 from jaxdist.data.items import ItemSource
 from jaxdist.data.journal import Journal
@@ -146,7 +146,7 @@ def _reads_as_text(path: str | Path, kind: str) -> bool:
     return p.is_dir() or kind == "text" or (kind == "auto" and p.exists() and p.suffix not in TOKEN_SUFFIXES)
 
 
-def known_sources(journal: Journal, current: BatchList) -> dict[str, tuple[str, SourceEntry | dict]]:
+def known_sources(journal: Journal, current: BatchList | Stored) -> dict[str, tuple[str, SourceEntry | dict]]:
     """Fingerprint -> (what holds it, in words; its entry) for every source of the batch list ``current`` and of
     the journal's pending additions: the data a new addition must not repeat."""
     known: dict[str, tuple[str, SourceEntry | dict]] = {
@@ -255,7 +255,7 @@ def add_data(
     """
     run_dir = Path(run_dir)
     journal = Journal(run_dir)
-    current = journal.load()
+    current = journal.head()  # the sources and shapes: its order is not needed
     if not paths:
         raise ConfigError("no data paths given: name at least one file or directory to add.")
     if current.sources[0].packing == "items":
@@ -316,7 +316,7 @@ def add_items(run_dir: str | Path, source: ItemSource, base: ItemSource, *, seed
     has."""
     run_dir = Path(run_dir)
     journal = Journal(run_dir)
-    current = journal.load()
+    current = journal.head()
     if current.sources[0].packing != "items":
         raise ConfigError(
             f"the run in {run_dir} trains on token data, not on a Python dataset's items: add files to it with "

@@ -1,7 +1,8 @@
 """The batch-list journal of a run: ``<run>/batchlist/``.
 
 * ``v000001.json``, ``v000002.json``, ...: one file per version
-  (:func:`~jaxdist.data.batchlist.encode`), never rewritten, written to a
+  (:func:`~jaxdist.data.batchlist.encode`: a whole order, or the change from
+  the version before, which loading applies to that one's order), never rewritten, written to a
   temporary file, fsync'ed and renamed, carrying a SHA-256 checksum of its
   content: a crash never leaves a half-written version, and a truncated or
   altered file is refused with the way back to the previous version;
@@ -22,7 +23,16 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from jaxdist.data.batchlist import FORMAT, BatchList, BatchListError, canonical_json, decode, encode
+from jaxdist.data.batchlist import (
+    FORMAT,
+    BatchList,
+    BatchListError,
+    SourceEntry,
+    Stored,
+    canonical_json,
+    decode,
+    encode,
+)
 
 _VERSION_RE = re.compile(r"^v(\d{6})\.json$")
 
@@ -87,15 +97,20 @@ class Journal:
         vs = self.versions()
         return vs[-1] if vs else None
 
-    def load(self, version: int | None = None) -> BatchList:
-        """Version ``version`` (default: the newest); BatchListError if it is missing or damaged."""
+    def _newest(self) -> int:
+        version = self.latest()
         if version is None:
-            version = self.latest()
-            if version is None:
-                raise BatchListError(
-                    f"{self.run_dir} has no batch list ({self.dir} is empty or missing): "
-                    "start training once with `jaxdist train` to create it."
-                )
+            raise BatchListError(
+                f"{self.run_dir} has no batch list ({self.dir} is empty or missing): "
+                "start training once with `jaxdist train` to create it."
+            )
+        return version
+
+    def read(self, version: int | None = None, orders: bool = True) -> Stored:
+        """The file of ``version`` (default: the newest), checksum checked, its order not rebuilt (a delta's
+        needs its parents: :meth:`load`; ``orders=False``: nor unpacked); BatchListError if it is missing or
+        damaged."""
+        version = self._newest() if version is None else version
         path = self.path(version)
         try:
             data = path.read_bytes()
@@ -104,20 +119,94 @@ class Journal:
                 f"batch list version {version} does not exist in {self.dir} (versions: {self.versions() or 'none'})."
             ) from None
         try:
-            bl = decode(data, str(path))
-            if bl.version != version:
-                raise ValueError(f"it holds version {bl.version}")
+            stored = decode(data, str(path), orders)
+            if stored.version != version:
+                raise ValueError(f"it holds version {stored.version}")
+            if stored.depth and stored.parent != version - 1:
+                raise ValueError(f"it changes version {stored.parent}, not the version before it")
         except (ValueError, KeyError, TypeError, zlib.error) as e:
             raise BatchListError(
                 f"batch list version {version} ({path}) is damaged: {e}; {self._fallback_hint(version)}"
             ) from None
-        return bl
+        return stored
+
+    def head(self, version: int | None = None) -> Stored:
+        """Version ``version`` (default: the newest) without its order: its operation, shapes, length and every
+        source (the files back to its last whole order read for their sources, none of their orders unpacked).
+        ``sources`` holds every source of the version here; ``order`` and ``delta`` are None."""
+        version = self._newest() if version is None else version
+        chain = [self.read(version, orders=False)]
+        while chain[-1].depth:
+            chain.append(self._read_below(version, chain[-1].parent, orders=False))
+        sources: tuple[SourceEntry, ...] | None = None
+        try:
+            for stored in reversed(chain):
+                sources = stored.all_sources(sources)
+        except ValueError as e:
+            raise BatchListError(
+                f"batch list version {stored.version} ({self.path(stored.version)}) is damaged: {e}; "
+                f"{self._fallback_hint(stored.version)}"
+            ) from None
+        assert sources is not None
+        return dataclasses.replace(chain[0], sources=sources, depth=0)
+
+    def _read_below(self, version: int, below: int | None, orders: bool = True) -> Stored:
+        assert below is not None
+        try:
+            return self.read(below, orders)
+        except BatchListError as e:
+            raise BatchListError(
+                f"batch list version {version} is built from version {below}'s order (its file holds only "
+                f"the changes), which cannot be read: {e}"
+            ) from None
+
+    def load(self, version: int | None = None, known: BatchList | None = None) -> BatchList:
+        """Version ``version`` (default: the newest) with its whole order; BatchListError if it, or a version
+        its order is built on, is missing or damaged.
+
+        A version stored as a delta is built from the newest whole order before it and the deltas since, or
+        from ``known`` (a version already in memory, such as the one a trainer is reading) when that is on the
+        way: then adopting the next version costs one delta, not the chain.  The SHA-256 each file records of
+        its whole order is compared with the order built, so ``known`` is held to the files too (if it differs,
+        the chain is read instead).
+        """
+        version = self._newest() if version is None else version
+        chain = [self.read(version)]
+        base: BatchList | None = None
+        while chain[-1].depth:
+            if known is not None and known.version == chain[-1].parent:
+                base = known
+                break
+            chain.append(self._read_below(version, chain[-1].parent))
+        # Each file's checksum holds; the order's SHA-256 is compared once, at the end, over the whole chain (and
+        # step by step only to name the version at fault when it differs).
+        for check in (False, True):
+            bl = base
+            for k, stored in enumerate(reversed(chain)):
+                try:
+                    bl = stored.resolve(bl, check=check or k == len(chain) - 1)
+                except ValueError as e:
+                    if base is not None:  # ``known`` is not the order on disk
+                        return self.load(version)
+                    if not check:
+                        break
+                    path = self.path(stored.version)
+                    raise BatchListError(
+                        f"batch list version {stored.version} ({path}) is damaged: {e}; "
+                        f"{self._fallback_hint(stored.version)}"
+                    ) from None
+            else:
+                assert bl is not None
+                return bl
+        raise AssertionError("a chain whose end differs has a step that differs")
 
     def _fallback_hint(self, version: int) -> str:
         older = [v for v in self.versions() if v < version]
+        newer = [v for v in self.versions() if v > version]
+        what = f"the files of versions {version} to {newer[-1]}" if newer else "that file"
         if older:
             return (
-                f"move that file aside to continue from version {older[-1]}, which stays usable "
+                f"move {what} aside to continue from version {older[-1]}, which stays usable "
                 "(`jaxdist data verify` checks every version)."
             )
         return "delete the batchlist folder to rebuild version 1 from the config."
@@ -180,7 +269,7 @@ class Journal:
         out: set[str] = set()
         for v in reversed(self.versions()):
             try:
-                name = self.load(v).op.get("request")
+                name = self.read(v).op.get("request")
             except BatchListError:
                 continue
             if name is None:

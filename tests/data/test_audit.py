@@ -15,7 +15,7 @@ import logging
 import numpy as np
 import pytest
 
-from jaxdist.data import add_data, format_id
+from jaxdist.data import BatchListError, add_data, format_id
 from jaxdist.data.audit import (
     check_exactly_once,
     describe,
@@ -325,9 +325,12 @@ def test_describe_a_spent_list_and_a_damaged_version(tmp_path):
     add_data(tmp_path, [write_text(tmp_path / "a.txt", 2 * B * L, salt=1)], seed=4)
     assert run.boundary(20)
     path = run.journal.path(1)
-    path.write_bytes(path.read_bytes()[:-7])  # version 1 damaged; version 2 still describes the list
-    lines = describe(tmp_path).splitlines()
-    assert lines[2].startswith("  v1: DAMAGED (") and lines[3].startswith("  v2: add ")
+    path.write_bytes(path.read_bytes()[:-7])  # version 1 damaged: version 2, stored as its change, cannot be built
+    with pytest.raises(BatchListError) as e:
+        describe(tmp_path)
+    assert str(e.value).startswith("batch list version 2 is built from version 1's order (its file holds only the ")
+    assert "is damaged: it is not complete JSON" in str(e.value)
+    assert str(e.value).endswith("delete the batchlist folder to rebuild version 1 from the config.")
 
 
 # --------------------------------------------------------------------------- the remaining corners
@@ -356,9 +359,9 @@ def test_exactly_once_against_an_older_version(tmp_path):
     run, _ = _two_versions(tmp_path)
     v1 = [format_id(x) for x in run.journal.load(1).order]
     (tmp_path / "metrics.jsonl").unlink()
-    _write(tmp_path, [_train(s, v1[s - 1]) for s in range(1, 11)])  # version 1's order, past the splice at 3
+    _write(tmp_path, [_train(s, v1[s - 1]) for s in range(1, 21)])  # version 1's order, past the splice at 3
     assert check_exactly_once(tmp_path, 1)["ok"] and check_exactly_once(tmp_path, 1)["version"] == 1
-    assert check_exactly_once(tmp_path, 1)["unused"] == 10
+    assert check_exactly_once(tmp_path, 1)["unused"] == 0
     assert not check_exactly_once(tmp_path)["ok"]  # the newest version placed other ids after step 3
 
 
@@ -387,7 +390,7 @@ def _rewrite(run, version: int, order: np.ndarray) -> None:
     from jaxdist.data.batchlist import encode
 
     bl = run.journal.load(version)
-    run.journal.path(version).write_bytes(encode(dataclasses.replace(bl, order=order))[0])
+    run.journal.path(version).write_bytes(encode(dataclasses.replace(bl, order=order, depth=0))[0])  # stored whole
 
 
 def test_verify_names_a_repeated_id_and_a_changed_prefix(tmp_path):
@@ -398,7 +401,10 @@ def test_verify_names_a_repeated_id_and_a_changed_prefix(tmp_path):
     _rewrite(run, 1, twice)
     ok, lines = verify(tmp_path)
     assert ok is False and lines[0] == "version 1: BAD: an id appears twice (create, 20 batches)"
-    assert lines[1] == "version 2: ok (add, 22 batches)"  # its parent loads: still checked against it
+    # Version 2 holds its change from version 1, which no longer gives the order it recorded.
+    assert (
+        lines[1] == "version 2: BAD: its change applied to version 1 does not give its recorded order (add, 22 batches)"
+    )
     _rewrite(run, 1, v1)
     changed = v2.copy()
     changed[[2, 3]] = changed[[3, 2]]  # position 2 (inside the splice of 3) and 3 (after it) swapped
@@ -460,29 +466,35 @@ def test_verify_fails_on_each_part_alone(tmp_path):
     assert [line for line in lines if line.startswith("source 1")] != [f"source 1: ok ({text})"]
 
 
-def test_verify_replays_the_chain_past_a_version_that_is_not_its_replay_and_lists_every_problem(tmp_path):
-    """Version 2 stored with two unused ids swapped (its checksum valid): it is BAD, and versions 3 and 4, whose
-    parent's stored order is not a replay, are each replayed from version 1 and are ok.  A version with two
-    problems lists both."""
+def test_verify_names_a_version_that_is_not_its_replay_and_what_was_built_on_it_and_lists_every_problem(tmp_path):
+    """Version 2 stored (whole) with two unused ids swapped, its checksum valid: it is BAD, version 3 (its change
+    from version 2) no longer gives its recorded order, and version 4 has no intact parent.  A version with two
+    problems lists both.  (A list of format /1, every version whole, replays past it: test_batchlist_format.)"""
     from .test_batchlist import _journal_of
 
     run = _journal_of(tmp_path, 3)
-    v2 = run.journal.load(2).order.copy()
+    sizes = [len(run.journal.load(v)) for v in (1, 2, 3, 4)]
+    v2, v3 = run.journal.load(2).order.copy(), run.journal.load(3).order.copy()
     v2[-2:] = v2[-2:][::-1]
     _rewrite(run, 2, v2)
     ok, lines = verify(tmp_path)
     versions = [line for line in lines if line.startswith("version ")]
-    sizes = [len(run.journal.load(v)) for v in (1, 2, 3, 4)]
     assert ok is False and versions == [
         f"version 1: ok (create, {sizes[0]} batches)",
         f"version 2: BAD: replaying its operations gives another order (add, {sizes[1]} batches)",
-        f"version 3: ok (add, {sizes[2]} batches)",
-        f"version 4: ok (add, {sizes[3]} batches)",
+        f"version 3: BAD: its change applied to version 2 does not give its recorded order (add, {sizes[2]} batches)",
+        f"version 4: BAD: its parent version 3 is not intact (add, {sizes[3]} batches)",
     ]
-    both = run.journal.load(3).order.copy()
+    both = v3
     both[0] = both[1]  # inside version 3's splice (1: added at the boundary after step 1) and a repeat
-    _rewrite(run, 3, both)
-    assert run.journal.load(3).op["splice"] == 1
+    stored = run.journal.read(3)
+    assert stored.op["splice"] == 1
+    import dataclasses
+
+    from jaxdist.data.batchlist import encode
+
+    whole = dataclasses.replace(stored.resolve(run.journal.load(2), check=False), order=both, depth=0)
+    run.journal.path(3).write_bytes(encode(whole)[0])
     assert verify(tmp_path)[1][2] == (
         f"version 3: BAD: an id appears twice; its first 1 ids differ from version 2 (add, {sizes[2]} batches)"
     )
