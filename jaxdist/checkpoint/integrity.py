@@ -30,6 +30,7 @@ import json
 import mmap
 import os
 import re
+import stat
 import zlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -131,9 +132,12 @@ def files_checksums(
     algorithms = {rel: algorithm if isinstance(algorithm, str) else algorithm[rel] for rel in rels}
     pieces: list[tuple[str, int, int | None]] = []  # (path, start, length; None: to the end)
     for rel in rels:
-        path = Path(step_dir) / rel
-        if path.is_file():
-            n = max(1, -(-path.stat().st_size // _PIECE))
+        try:
+            st = (Path(step_dir) / rel).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if stat.S_ISREG(st.st_mode):
+            n = max(1, -(-st.st_size // _PIECE))
             pieces += [(rel, i * _PIECE, _PIECE if i < n - 1 else None) for i in range(n)]
 
     def one(piece: tuple[str, int, int | None]) -> tuple[int, str] | None:

@@ -27,6 +27,7 @@ step, RNG: an orbax checkpoint of a pytree of sharded arrays) and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -264,11 +265,12 @@ class RunCheckpointer:
     def _check_share(self, folder: integrity.StepFolder) -> tuple[list[str], integrity.ChecksumUnavailable | None]:
         """Problems with this process's even share of ``folder``'s file bytes (every file on one process)."""
         files = folder.marker["files"]
+        mine = list(files)
         if self.num_processes > 1:
             share = assign_bytes({k: v["size"] for k, v in files.items()}, self.num_processes)
-            files = {k: v for k, v in files.items() if share[k] == self.process}
+            mine = [k for k in files if share[k] == self.process]
         try:
-            return integrity.verify_files(folder.path, folder.marker["files"], list(files)), None
+            return integrity.verify_files(folder.path, files, mine), None
         except integrity.ChecksumUnavailable as e:  # on several processes, still meet the others, then all raise
             if self.num_processes == 1:
                 raise
@@ -322,8 +324,9 @@ class RunCheckpointer:
             # closing barrier would hold every process whose read succeeded while a peer whose read failed on a
             # damaged file gave up: here every process meets the others at one allgather, whatever its read did.
             restored, error = None, None
-            with ThreadPoolExecutor(1, thread_name_prefix="jaxdist-verify") as pool:
-                check = pool.submit(self._check_share, folder) if self.verify else None
+            checking = ThreadPoolExecutor(1, thread_name_prefix="jaxdist-verify") if self.verify else None
+            with checking or contextlib.nullcontext():
+                check = checking.submit(self._check_share, folder) if checking is not None else None
                 try:
                     restored = self._handler.restore(epath.Path(folder.path / STATE), args=args)
                 except Exception as e:  # damage or not: decided by the checksums below

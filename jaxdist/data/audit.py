@@ -236,7 +236,10 @@ def verify(run_dir: str | Path, full: bool = False) -> tuple[bool, list[str]]:
         except BatchListError as e:
             ok = False
             lines.append(f"version {v}: DAMAGED: {e}")
-            continue
+            copy = journal.copy_of(v)
+            if copy is None:
+                continue
+            stored = copy  # the versions built on it are checked through the copy of its change
         problems = []
         parent = None
         if stored.parent is not None and stored.parent in intact:
@@ -275,8 +278,9 @@ def verify(run_dir: str | Path, full: bool = False) -> tuple[bool, list[str]]:
             except BatchListError as e:
                 problems.append(f"cannot replay: {e}")
         ok &= not problems
+        copied = f"rebuilt from the copy of its change in version {stored.copy_in}: " if stored.copy_in else ""
         lines.append(
-            f"version {v}: "
+            f"version {v}: {copied}"
             + ("ok" if not problems else "BAD: " + "; ".join(problems))
             + f" ({stored.op['kind']}, {len(stored):,} batches)"
         )

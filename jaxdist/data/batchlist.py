@@ -29,7 +29,9 @@ the whole order; the others store only their :class:`Delta` from the parent
 (the inserted ids and their places), so an addition costs bytes in proportion
 to what it adds, not to the list (a whole order per version made 1,000
 additions to a list of 10^6 batches a journal of gigabytes).  Every file
-records the SHA-256 of its version's whole order, which loading checks.
+records the SHA-256 of its version's whole order, which loading checks, and a
+copy of the previous version's change (``previous``), from which that version is
+built when its own file is damaged.
 
 On disk each version is one checksummed file of the run's journal
 (:mod:`jaxdist.data.journal`); :func:`encode` and :func:`decode` are its format.
@@ -227,7 +229,8 @@ class BatchList:
     and, for ``add``, the new ``sources`` ids and the ``request`` it applied.
     ``delta`` is its change from the parent (None for version 1, and for a version read from a whole order
     of format /1); ``depth`` counts the deltas stored since the last whole order (0: its file holds the whole
-    order).  ``checksum`` is the SHA-256 of the file content (set when written or read).
+    order); ``previous`` is the parent's :meth:`change_record`, which this version's file keeps as a copy.
+    ``checksum`` is the SHA-256 of the file content (set when written or read).
     """
 
     version: int
@@ -241,9 +244,33 @@ class BatchList:
     checksum: str = ""
     delta: Delta | None = None
     depth: int = 0
+    previous: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+    _sha: list = dataclasses.field(default_factory=list, init=False, compare=False, repr=False)  # order_sha256's
 
     def __len__(self) -> int:
         return len(self.order)
+
+    def added_sources(self) -> tuple[SourceEntry, ...]:
+        """The sources this version registered (an ``add``'s), none for the other operations."""
+        return self.sources[min(self.op.get("sources") or [len(self.sources)]) :]
+
+    def change_record(self) -> dict[str, Any] | None:
+        """What the next version's file keeps of this one (:meth:`body`'s ``previous``): its operation, change
+        and added sources, enough to build it from its parent when its own file is damaged; None without a
+        change (version 1)."""
+        if self.delta is None or self.parent is None:
+            return None
+        return {
+            "version": self.version,
+            "parent": self.parent,
+            "op": self.op,
+            "n_sources": len(self.sources),
+            "n_batches": len(self.order),
+            "order_sha256": self.order_sha256(),
+            "created": self.created,
+            "delta": self.delta.to_json(),
+            "sources": [s.to_dict() for s in self.added_sources()],
+        }
 
     def id_at(self, position: int) -> int:
         """Packed id of the batch at ``position`` (0-based)."""
@@ -258,7 +285,9 @@ class BatchList:
 
     def order_sha256(self) -> str:
         """SHA-256 (hex) of the order (little-endian int64): equal for equal orders, whenever written."""
-        return _sha256(self.order)
+        if not self._sha:  # the order is read-only: one pass over it per version, not one per use
+            self._sha.append(_sha256(self.order))
+        return self._sha[0]
 
     def body(self) -> dict[str, Any]:
         """The JSON content of the version file, without its checksum: the whole order at depth 0, else the delta."""
@@ -275,6 +304,10 @@ class BatchList:
             "created": self.created,
             "depth": self.depth,
         }
+        if self.previous is not None:
+            # A copy of the parent's change: a damaged parent file is rebuilt from it (Journal.load), so one
+            # damaged file does not take the versions built on it along.
+            body["previous"] = self.previous
         if self.depth == 0:
             body["sources"] = [s.to_dict() for s in self.sources]
             # zlib level 1: a shuffled order barely compresses at any level, and higher levels cost most of the
@@ -285,7 +318,7 @@ class BatchList:
             body["delta"] = self.delta.to_json()
             # Only the sources it adds (a table of every source in every version grew the journal with the square
             # of the additions); the parent's come from the parent.
-            body["sources"] = [s.to_dict() for s in self.sources[min(self.op.get("sources") or [len(self.sources)]) :]]
+            body["sources"] = [s.to_dict() for s in self.added_sources()]
         return body
 
 
@@ -310,6 +343,8 @@ class Stored:
     depth: int
     order: np.ndarray | None
     delta: Delta | None
+    previous: Stored | None = None  # the copy of the parent's change this file keeps
+    copy_in: int | None = None  # read from the copy that version ``copy_in`` keeps (its own file is damaged)
 
     def __len__(self) -> int:
         return self.n_batches
@@ -394,6 +429,26 @@ def decode(data: bytes, where: str, orders: bool = True) -> Stored:
         assert len(order) == doc["n_batches"], where
     elif "order" not in doc and orders:
         delta = Delta.from_json(doc["delta"])
+    previous = None
+    if doc.get("previous") is not None:
+        p = doc["previous"]
+        previous = Stored(
+            version=p["version"],
+            parent=p["parent"],
+            op=p["op"],
+            batch_size=doc["batch_size"],
+            seq_len=doc["seq_len"],
+            sources=tuple(SourceEntry.from_dict(s) for s in p["sources"]),
+            n_sources=p["n_sources"],
+            n_batches=p["n_batches"],
+            order_sha256=p["order_sha256"],
+            created=p["created"],
+            checksum="",
+            depth=1,  # built from its parent with its change, as a version stored as a change is
+            order=None,
+            delta=Delta.from_json(p["delta"]) if orders else None,
+            copy_in=doc["version"],
+        )
     return Stored(
         version=doc["version"],
         parent=doc["parent"],
@@ -409,6 +464,7 @@ def decode(data: bytes, where: str, orders: bool = True) -> Stored:
         depth=0 if "order" in doc else depth,
         order=order,
         delta=delta,
+        previous=previous,
     )
 
 
@@ -521,6 +577,7 @@ def make_version(
         created=time.time(),
         delta=delta,
         depth=depth,
+        previous=None if parent is None else parent.change_record(),
     )
 
 

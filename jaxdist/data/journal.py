@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -34,6 +35,7 @@ from jaxdist.data.batchlist import (
     encode,
 )
 
+log = logging.getLogger(__name__)
 _VERSION_RE = re.compile(r"^v(\d{6})\.json$")
 
 
@@ -125,17 +127,48 @@ class Journal:
             if stored.depth and stored.parent != version - 1:
                 raise ValueError(f"it changes version {stored.parent}, not the version before it")
         except (ValueError, KeyError, TypeError, zlib.error) as e:
-            raise BatchListError(
+            err = BatchListError(
                 f"batch list version {version} ({path}) is damaged: {e}; {self._fallback_hint(version)}"
-            ) from None
+            )
+            err.reason = str(e)
+            raise err from None
         return stored
+
+    def copy_of(self, version: int, orders: bool = True) -> Stored | None:
+        """Version ``version`` as the next version's file keeps it (its operation, change and added sources), or
+        None where that file is missing, damaged or keeps no copy (after version 1, and format /1)."""
+        if not self.path(version + 1).exists():
+            return None
+        try:
+            nxt = self.read(version + 1, orders)
+        except BatchListError:
+            return None
+        return nxt.previous if nxt.previous is not None and nxt.previous.version == version else None
+
+    def _read_or_copy(self, version: int, orders: bool = True) -> Stored:
+        """:meth:`read`, or where the file is damaged or missing, the copy the next version keeps (warned)."""
+        try:
+            return self.read(version, orders)
+        except BatchListError as damaged:
+            copy = self.copy_of(version, orders)
+            if copy is None:
+                raise
+            log.warning(
+                "batch list version %d (%s) is unreadable (%s): its change is read from the copy in version %d "
+                "(`jaxdist data verify` lists it)",
+                version,
+                self.path(version),
+                getattr(damaged, "reason", "missing"),
+                version + 1,
+            )
+            return copy
 
     def head(self, version: int | None = None) -> Stored:
         """Version ``version`` (default: the newest) without its order: its operation, shapes, length and every
         source (the files back to its last whole order read for their sources, none of their orders unpacked).
         ``sources`` holds every source of the version here; ``order`` and ``delta`` are None."""
         version = self._newest() if version is None else version
-        chain = [self.read(version, orders=False)]
+        chain = [self._read_or_copy(version, orders=False)]
         while chain[-1].depth:
             chain.append(self._read_below(version, chain[-1].parent, orders=False))
         sources: tuple[SourceEntry, ...] | None = None
@@ -153,7 +186,7 @@ class Journal:
     def _read_below(self, version: int, below: int | None, orders: bool = True) -> Stored:
         assert below is not None
         try:
-            return self.read(below, orders)
+            return self._read_or_copy(below, orders)
         except BatchListError as e:
             raise BatchListError(
                 f"batch list version {version} is built from version {below}'s order (its file holds only "
@@ -171,7 +204,7 @@ class Journal:
         the chain is read instead).
         """
         version = self._newest() if version is None else version
-        chain = [self.read(version)]
+        chain = [self._read_or_copy(version)]
         base: BatchList | None = None
         while chain[-1].depth:
             if known is not None and known.version == chain[-1].parent:
