@@ -18,6 +18,10 @@ step boundary as the trainer applies it (``RunBatchList.boundary``).  Costs:
 - ``resume ms``: opening the run's batch list as a restarting trainer does (newest version, sources checked);
 - ``journal MB``: the bytes of ``<run>/batchlist/`` on disk;
 - ``verify s``: ``jaxdist data verify`` (every version loaded, checked against its parent and replayed);
+- ``held MB``: the open list's order in memory (8 bytes a batch; a step's lookup allocates nothing);
+- ``add peak MB`` and ``resume peak MB``: the most memory allocated at once (``tracemalloc``, numpy's arrays
+  included) by the last addition (registering it and applying it at a boundary) and by a resume, beyond what
+  was held before; the time columns leave those traced calls out;
 - ``decodes``: version files decoded by the additions plus verify (counted, not timed): an addition reads the
   files back to the last whole order for their sources (at most ``WHOLE_EVERY`` = 64, small ones).
 
@@ -66,6 +70,7 @@ import shutil
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -116,13 +121,21 @@ def batch_list_row(n_batches: int, additions: int) -> dict:
         rng = np.random.default_rng(0)
         cursor, t_add = 0, 0.0
         step = max(1, n_batches // (additions + 1))
+        add_peak = 0.0
         for k in range(additions):
             f = Path(tmp) / f"add{k}.bin"
             rng.integers(0, 250, 64, dtype=np.uint16).tofile(f)
+            last = k == additions - 1  # its memory traced (tracemalloc slows it: not in the time unless alone)
+            if last:
+                tracemalloc.start()
             t0 = time.perf_counter()
             add_data(run_dir, [f], seed=k, kind="tokens", token_dtype="uint16")
             assert run.boundary(cursor)
-            t_add += time.perf_counter() - t0
+            if not last or additions == 1:
+                t_add += time.perf_counter() - t0
+            if last:
+                add_peak = tracemalloc.get_traced_memory()[1]
+                tracemalloc.stop()
             cursor += step
         t0 = time.perf_counter()
         lookups = 20000
@@ -134,6 +147,11 @@ def batch_list_row(n_batches: int, additions: int) -> dict:
         again = RunBatchList(run_dir, tokens, "synthetic", 0, 1, 1)
         resume_ms = (time.perf_counter() - t0) * 1e3
         assert again.version == additions + 1
+        del again
+        tracemalloc.start()
+        again = RunBatchList(run_dir, tokens, "synthetic", 0, 1, 1)
+        resume_peak, held = tracemalloc.get_traced_memory()[1], again.current.order.nbytes
+        tracemalloc.stop()
         t0 = time.perf_counter()
         ok, lines = verify(run_dir)
         verify_s = time.perf_counter() - t0
@@ -142,11 +160,14 @@ def batch_list_row(n_batches: int, additions: int) -> dict:
             "batches": n_batches,
             "additions": additions,
             "lookup us": lookup_us,
-            "add ms": t_add / max(additions, 1) * 1e3,
+            "add ms": t_add / max(additions - 1, 1) * 1e3,
             "resume ms": resume_ms,
             "journal MB": _dir_bytes(run_dir / "batchlist") / 1e6,
             "verify s": verify_s,
             "decodes": DECODES[0],
+            "held MB": held / 1e6,
+            "add peak MB": add_peak / 1e6,
+            "resume peak MB": resume_peak / 1e6,
         }
 
 
@@ -413,7 +434,8 @@ def growth(rows: list[dict], x: str, y: str) -> float:
     return float(np.polyfit(xs, ys, 1)[0])
 
 
-COLUMNS = ["lookup us", "add ms", "resume ms", "journal MB", "verify s", "decodes"]
+COLUMNS = ["lookup us", "add ms", "resume ms", "journal MB", "verify s", "decodes", "held MB", "add peak MB"]
+COLUMNS += ["resume peak MB"]
 
 
 def print_table(title: str, rows: list[dict], x: str) -> None:
