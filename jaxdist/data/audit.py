@@ -253,7 +253,7 @@ def verify(run_dir: str | Path, full: bool = False) -> tuple[bool, list[str]]:
             except ValueError as e:
                 problems.append(str(e))
         if bl is not None:
-            if stored.delta is not None and parent is not None:
+            if stored.delta is not None and parent is not None and parent is newest:  # newest_sorted: its ids
                 ids = np.sort(stored.delta.ids)
                 where = np.minimum(np.searchsorted(newest_sorted, ids), max(len(newest_sorted) - 1, 0))
                 twice = np.any(ids[1:] == ids[:-1]) or (len(newest_sorted) and np.any(newest_sorted[where] == ids))

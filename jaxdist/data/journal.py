@@ -234,8 +234,9 @@ class Journal:
         raise AssertionError("a chain whose end differs has a step that differs")
 
     def _fallback_hint(self, version: int) -> str:
-        older = [v for v in self.versions() if v < version]
-        newer = [v for v in self.versions() if v > version]
+        versions = self.versions()
+        older = [v for v in versions if v < version]
+        newer = [v for v in versions if v > version]
         what = f"the files of versions {version} to {newer[-1]}" if newer else "that file"
         if older:
             return (
@@ -302,7 +303,7 @@ class Journal:
         out: set[str] = set()
         for v in reversed(self.versions()):
             try:
-                name = self.read(v).op.get("request")
+                name = self.read(v, orders=False).op.get("request")
             except BatchListError:
                 continue
             if name is None:
