@@ -377,7 +377,7 @@ class Stored:
             order = self.delta.apply(parent.order)
             if check and _sha256(order) != self.order_sha256:
                 raise ValueError(f"its change applied to version {self.parent} does not give its recorded order")
-        return BatchList(
+        bl = BatchList(
             version=self.version,
             parent=self.parent,
             op=self.op,
@@ -390,6 +390,9 @@ class Stored:
             delta=self.delta,
             depth=self.depth,
         )
+        if self.depth == 0 or check:  # its SHA-256 was compared (decode checks a whole order's): not taken again
+            bl._sha.append(self.order_sha256)
+        return bl
 
 
 def canonical_json(body: dict) -> bytes:
@@ -430,41 +433,29 @@ def decode(data: bytes, where: str, orders: bool = True) -> Stored:
     elif "order" not in doc and orders:
         delta = Delta.from_json(doc["delta"])
     previous = None
-    if doc.get("previous") is not None:
+    if doc.get("previous") is not None:  # the parent's change, kept as a copy: built from its own parent as well
         p = doc["previous"]
-        previous = Stored(
-            version=p["version"],
-            parent=p["parent"],
-            op=p["op"],
-            batch_size=doc["batch_size"],
-            seq_len=doc["seq_len"],
-            sources=tuple(SourceEntry.from_dict(s) for s in p["sources"]),
-            n_sources=p["n_sources"],
-            n_batches=p["n_batches"],
-            order_sha256=p["order_sha256"],
-            created=p["created"],
-            checksum="",
-            depth=1,  # built from its parent with its change, as a version stored as a change is
-            order=None,
-            delta=Delta.from_json(p["delta"]) if orders else None,
-            copy_in=doc["version"],
-        )
+        delta_p = Delta.from_json(p["delta"]) if orders else None
+        previous = _stored(p, doc, checksum="", depth=1, order=None, delta=delta_p, copy_in=doc["version"])
+    depth = 0 if "order" in doc else depth
+    return _stored(doc, doc, checksum=checksum, depth=depth, order=order, delta=delta, previous=previous)
+
+
+def _stored(record: dict[str, Any], doc: dict[str, Any], **rest: Any) -> Stored:
+    """A :class:`Stored` of the fields a file's ``record`` holds (the file's own, or its ``previous`` copy), the
+    shapes from the file ``doc``."""
     return Stored(
-        version=doc["version"],
-        parent=doc["parent"],
-        op=doc["op"],
+        version=record["version"],
+        parent=record["parent"],
+        op=record["op"],
         batch_size=doc["batch_size"],
         seq_len=doc["seq_len"],
-        sources=tuple(SourceEntry.from_dict(s) for s in doc["sources"]),
-        n_sources=doc.get("n_sources", len(doc["sources"])),
-        n_batches=doc["n_batches"],
-        order_sha256=doc["order_sha256"],
-        created=doc["created"],
-        checksum=checksum,
-        depth=0 if "order" in doc else depth,
-        order=order,
-        delta=delta,
-        previous=previous,
+        sources=tuple(SourceEntry.from_dict(s) for s in record["sources"]),
+        n_sources=record.get("n_sources", len(record["sources"])),
+        n_batches=record["n_batches"],
+        order_sha256=record["order_sha256"],
+        created=record["created"],
+        **rest,
     )
 
 
