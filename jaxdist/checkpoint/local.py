@@ -335,7 +335,7 @@ class LocalTier:
         self._finish_previous()
 
     def close(self) -> None:
-        self._finish_previous()
+        self._writer.close()
 
     # ------------------------------------------------------------------ restore
 

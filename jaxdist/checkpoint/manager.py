@@ -256,7 +256,7 @@ class RunCheckpointer:
     def close(self) -> None:
         """Wait for the running save and release orbax's resources."""
         try:
-            self._finish_previous()
+            self._writer.close()
         finally:
             self._orbax.close()
 
