@@ -10,8 +10,11 @@ and capacity dispatch, remat) on 8 simulated CPU devices it prints the planner's
 * ``rows``: the routed activations sized by the rows a device's experts take (:class:`~jaxdist.planner.cost.ExpertRows`)
   instead of top-k rows per token: kept activations and one block's working layer, beside the top-k count;
 * ``weights``: ``expert_weight_copies`` (XLA:CPU's copies of the stacked expert weights for the layer scans);
-* ``ragged``: ``ragged_dot_working`` (XLA:CPU's emulation of ``jax.lax.ragged_dot``, dropless only);
-* ``dispatch``: ``dispatch_working`` (a block's rows gathered, exchanged and scattered back).
+* ``ragged``: ``ragged_dot_working`` (XLA:CPU's emulation of ``jax.lax.ragged_dot``, dropless only), or under
+  remat=full in a layer loop ``ragged_full`` (the emulation's buffers counted at the recomputing backward's peak);
+* ``dispatch``: ``dispatch_working`` (a block's rows gathered, exchanged and scattered back), or ``dispatch_full``.
+
+Under remat=full the last two count only where they exceed the block's dense working set (``cost.ROUTED_FULL``).
 
 With ``--stages``, MoE pipeline stages instead (:data:`STAGES`): gpipe by autodiff and the executor's 1f1b and
 seq1f1b stages (jaxdist/parallel/pipeline.py; with dropless dispatch manual over data, fsdp and expert, the stage's
@@ -193,10 +196,15 @@ def main() -> int:
                 t.memory(coeff).activations
                 - top_k.activations
                 + coeff.working(s.remat)
-                * (t.scaled[f"layer_working:{s.remat}"] - top_k.scaled[f"layer_working:{s.remat}"]),
+                * (t.scaled[f"layer_working:{s.remat}"] - top_k.scaled[f"layer_working:{s.remat}"])
+                * ("dispatch_full" not in t.scaled),  # remat=full in a loop: the routed rows are dispatch_full's
                 *(
-                    getattr(coeff, n) * t.scaled[n]
-                    for n in ("expert_weight_copies", "ragged_dot_working", "dispatch_working")
+                    sum(getattr(coeff, n) * t.scaled.get(n, 0.0) for n in names)
+                    for names in (
+                        ("expert_weight_copies",),
+                        ("ragged_dot_working", "ragged_full"),
+                        ("dispatch_working", "dispatch_full"),
+                    )
                 ),
             ]
         print(

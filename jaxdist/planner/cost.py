@@ -62,6 +62,17 @@ class MemoryCoefficients:
     scattered back, and the scatters' index buffers).  Their values are simple multiples chosen on the
     settings of benchmarks/moe_memory.py (the smallest worst error there); the table and its worst are in
     benchmarks/README.md.
+
+    Under ``remat=full`` an MoE block's terms are counted from the buffers XLA:CPU holds at the peak, which is
+    inside the backward layer scan while one block's experts are recomputed and differentiated (XLA's live
+    buffers there, benchmarks/README.md): ``ragged_full`` multiplies the emulation's buffers, local experts x
+    rows x (6 x expert width + 2 x d_model) elements (three masked copies of the rows at the expert width and
+    two at d_model, three [rows, experts x width] outputs; none with one local expert, whose ``ragged_dot``
+    XLA turns into a plain matmul), ``dispatch_full`` the [rows, d_model] buffers of the recomputed routed
+    rows and the dispatch (10 to 13 of them counted), and ``expert_weight_copies`` the one copy of the stacked
+    expert weights the scan holds.  The block's dense part is recomputed after its experts' backward, so
+    ``layer_working:full`` (of the block's dense activations only) and those two are not live together: the
+    larger counts (:meth:`MemoryTerms.memory`).
     """
 
     layer_working: tuple[tuple[str, float], ...] = (("full", 1.022), ("names", 0.8356), ("none", 0.6258))
@@ -75,14 +86,21 @@ class MemoryCoefficients:
     expert_weight_copies: float = 0.0
     ragged_dot_working: float = 0.0
     dispatch_working: float = 0.0
+    ragged_full: float = 0.0
+    dispatch_full: float = 0.0
 
     def working(self, remat: str) -> float:
         """The ``layer_working`` multiple for a remat choice name."""
         return dict(self.layer_working).get(remat, self.default_working)
 
 
+DISPATCH_FULL = 12.0  # [rows, d_model] buffers at an MoE block's remat=full peak: 10-13 counted (README)
+# An MoE block's routed part under remat=full: live before (not beside) the block's dense part's backward.
+ROUTED_FULL = ("ragged_full", "dispatch_full")
 # The MoE terms are not in the fit: chosen on benchmarks/moe_memory.py's settings (MemoryCoefficients).
-XLA_CPU_MEMORY = MemoryCoefficients(expert_weight_copies=1.0, ragged_dot_working=2.5, dispatch_working=2.0)
+XLA_CPU_MEMORY = MemoryCoefficients(
+    expert_weight_copies=1.0, ragged_dot_working=2.5, dispatch_working=2.0, ragged_full=1.0, dispatch_full=DISPATCH_FULL
+)
 
 
 @dataclass(frozen=True)
@@ -278,7 +296,9 @@ class MemoryTerms:
     per :class:`MemoryCoefficients` field name (``layer_working:<remat>`` for
     the per-remat entries), the quantity that field multiplies.  The
     prediction is linear in the coefficients, which is what lets
-    :func:`jaxdist.planner.fit.fit_memory_coefficients` fit them exactly.
+    :func:`jaxdist.planner.fit.fit_memory_coefficients` fit them exactly; only an MoE model's
+    :data:`ROUTED_FULL` terms (remat=full, not in the fit) count as the larger of them and the block's
+    ``layer_working`` term.
     """
 
     state: TrainStateBytes
@@ -301,7 +321,11 @@ class MemoryTerms:
             return getattr(coeff, name)
 
         extra_grads = c("grad_copies") * self.scaled.get("grad_copies", 0.0)
-        working = sum(c(k) * v for k, v in self.scaled.items() if k != "grad_copies")
+        working = sum(c(k) * v for k, v in self.scaled.items() if k != "grad_copies" and k not in ROUTED_FULL)
+        routed = sum(c(k) * self.scaled.get(k, 0.0) for k in ROUTED_FULL)
+        if routed:  # the experts' backward, then the dense part's: the larger of the two is live at the peak
+            layer = sum(c(k) * v for k, v in self.scaled.items() if k.startswith("layer_working:"))
+            working += max(routed - layer, 0.0)
         return Memory(
             params=self.state.params + self.stage_weights,
             optimizer=self.state.optimizer,
@@ -334,6 +358,11 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     stage_whole = 0.0  # the stage's block weights whole along fsdp (elements), for stage_sync below
     activations = working_layer = gathered = 0.0
     expert_weights = ragged = dispatch = 0.0  # the MoE terms of MemoryCoefficients
+    # remat=full: an MoE block's terms as counted at its peak (MemoryCoefficients), inside a loop.  A layer scan of
+    # one step without stages is no loop: XLA merges the recomputed forward with the first (moe-tiny, one group:
+    # 5.81 MiB compiled with remat=full, 5.80 with none), and the fitted terms stay.
+    remat_full = remat.saved == () and (s.pipeline > 1 or not _one_trip(view))
+    ragged_full = dispatch_full = 0.0
     for b in view.blocks:
         layers = math.ceil(b.count / s.pipeline)  # blocks on one pipeline stage
         matmul, norms, full = _block_weights(b, sizes)
@@ -345,16 +374,20 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
             routed = (er.rows / (tokens * b.dispatch_rows), expert_view_sizes(sizes, er.etp))
             expert_weights += layers * sum(_local(p, sizes) for p in b.params if "expert" in p.axes) * pb
             d, ab = view.model.d_model, view.act_bytes
+            f = (view.model.moe.d_ff or view.model.d_ff) // er.etp
             if view.model.moe.dispatch == "dropless":
-                width = d + (view.model.moe.d_ff or view.model.d_ff) // er.etp
-                ragged = max(ragged, er.local_experts * er.rows * width * ab)
+                ragged = max(ragged, er.local_experts * er.rows * (d + f) * ab)
+                if er.local_experts > 1:
+                    ragged_full = max(ragged_full, er.local_experts * er.rows * (6 * f + 2 * d) * ab)
             dispatch = max(dispatch, er.rows * d * ab)
+            dispatch_full = dispatch
         kept = _per_token_bytes(view, b, _kept(b, remat), sizes, rows_mb, routed)
         activations += layers * tokens / chunks * kept * units
         if chunks > 1:  # seq1f1b: a microbatch's earlier chunks' keys and values stay until its backward
             kv = [n for n in ("key_rotated", "value") if any(a.name == n for a in b.activations)]
             activations += layers * tokens * _per_token_bytes(view, b, kv, sizes, rows_mb) * held
-        one_layer = unit * _per_token_bytes(view, b, b.saved_without_remat, sizes, rows_mb, routed)
+        dense_only = (0.0, routed[1]) if remat_full and b.dispatch_rows else routed  # routed: dispatch_full
+        one_layer = unit * _per_token_bytes(view, b, b.saved_without_remat, sizes, rows_mb, dense_only)
         working_layer = max(working_layer, one_layer)
         gathered = max(gathered, full * pb)
     state = train_state_bytes(local, view.model.param_dtype)
@@ -369,7 +402,9 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
         "gathered_embedding": embedding if s.fsdp * s.tensor > 1 else 0.0,
         "fixed": 1.0,
     }
-    if any(b.dispatch_rows for b in view.blocks):  # a dense model's terms stay as they were
+    if any(b.dispatch_rows for b in view.blocks) and remat_full:
+        scaled.update(expert_weight_copies=expert_weights, ragged_full=ragged_full, dispatch_full=dispatch_full)
+    elif any(b.dispatch_rows for b in view.blocks):  # a dense model's terms stay as they were
         scaled.update(expert_weight_copies=expert_weights, ragged_dot_working=ragged, dispatch_working=dispatch)
     stage_weights = stage_grads = 0.0
     if executor and view.n_experts and stage_sync(view, s):
@@ -384,6 +419,12 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
         stage_weights=stage_weights,
         stage_grads=stage_grads,
     )
+
+
+def _one_trip(view: ComputationView) -> bool:
+    """Whether the model's layer scan runs one step: one group of ``moe.every`` blocks (MoE) or one block."""
+    every = view.model.moe.every if view.n_experts else 1
+    return view.model.n_layers <= every
 
 
 def in_flight(s: Strategy) -> tuple[int, int]:
