@@ -21,7 +21,7 @@ seq1f1b stages (jaxdist/parallel/pipeline.py; with dropless dispatch manual over
 weights gathered whole along fsdp for the step, jaxdist/parallel/pipeline_sync.py), predicted against compiled.
 
     python benchmarks/moe_memory.py            # ~2 minutes on 2 cores
-    python benchmarks/moe_memory.py --stages   # ~4 minutes
+    python benchmarks/moe_memory.py --stages   # ~6 minutes
 """
 
 from __future__ import annotations
@@ -88,9 +88,16 @@ STAGES = [  # (schedule, chunks, microbatches, mesh beside pipeline=2, model ove
     ("1f1b", 1, 2, ["mesh.fsdp=2", "mesh.expert=2", "mesh.data=1"], WIDE, "none"),
     ("seq1f1b", 2, 2, ["mesh.fsdp=4", "mesh.data=1"], WIDE, "none"),
     ("1f1b", 1, 2, ["mesh.data=2", "mesh.expert=2"], WIDE, "none"),
-    # outside what the model covers well: several groups per stage, remat=full
+    # several groups per stage, remat=full
     ("1f1b", 1, 2, ["mesh.data=2", "mesh.expert=2"], ["model.n_layers=4"], "none"),
+    ("1f1b", 1, 4, ["mesh.data=2", "mesh.expert=2"], ["model.n_layers=4"], "none"),
+    ("1f1b", 1, 2, ["mesh.data=2", "mesh.expert=2"], ["model.n_layers=8"], "none"),
+    ("1f1b", 1, 2, ["mesh.data=4"], ["model.n_layers=4"], "none"),
+    ("seq1f1b", 2, 2, ["mesh.data=2", "mesh.expert=2"], ["model.n_layers=4"], "none"),
+    ("gpipe", 1, 2, ["mesh.data=2", "mesh.expert=2"], ["model.n_layers=4"], "none"),
     ("1f1b", 1, 2, ["mesh.data=2", "mesh.expert=2"], [], "full"),
+    ("1f1b", 1, 2, ["mesh.data=2", "mesh.expert=2"], ["model.n_layers=4"], "full"),
+    ("gpipe", 1, 2, ["mesh.data=2", "mesh.expert=2"], [], "full"),
 ]
 
 

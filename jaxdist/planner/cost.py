@@ -63,9 +63,10 @@ class MemoryCoefficients:
     settings of benchmarks/moe_memory.py (the smallest worst error there); the table and its worst are in
     benchmarks/README.md.
 
-    Under ``remat=full`` an MoE block's terms are counted from the buffers XLA:CPU holds at the peak, which is
-    inside the backward layer scan while one block's experts are recomputed and differentiated (XLA's live
-    buffers there, benchmarks/README.md): ``ragged_full`` multiplies the emulation's buffers, local experts x
+    Under ``remat=full`` (and in the executor's pipeline stages, whose backward recomputes what a unit did not
+    stash) an MoE block's terms are counted from the buffers XLA:CPU holds at the peak, which is inside the
+    backward layer scan while one block's experts are recomputed and differentiated (XLA's live buffers there,
+    benchmarks/README.md): ``ragged_full`` multiplies the emulation's buffers, local experts x
     rows x (6 x expert width + 2 x d_model) elements (three masked copies of the rows at the expert width and
     two at d_model, three [rows, experts x width] outputs; none with one local expert, whose ``ragged_dot``
     XLA turns into a plain matmul), ``dispatch_full`` the [rows, d_model] buffers of the recomputed routed
@@ -358,10 +359,13 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     stage_whole = 0.0  # the stage's block weights whole along fsdp (elements), for stage_sync below
     activations = working_layer = gathered = 0.0
     expert_weights = ragged = dispatch = 0.0  # the MoE terms of MemoryCoefficients
-    # remat=full: an MoE block's terms as counted at its peak (MemoryCoefficients), inside a loop.  A layer scan of
-    # one step without stages is no loop: XLA merges the recomputed forward with the first (moe-tiny, one group:
-    # 5.81 MiB compiled with remat=full, 5.80 with none), and the fitted terms stay.
-    remat_full = remat.saved == () and (s.pipeline > 1 or not _one_trip(view))
+    # An MoE block's terms as counted at a recomputing backward's peak (MemoryCoefficients): remat=full inside a
+    # loop, and the executor's stages, whose backward puts a unit's stash back into the blocks' vjp and recomputes
+    # the rest.  A layer scan of one step without stages is no loop: XLA merges the recomputed forward with the
+    # first (moe-tiny, one group: 5.81 MiB compiled with remat=full, 5.80 with none), and the fitted terms stay.
+    recomputing = view.n_experts > 0 and (executor or remat.saved == () and (s.pipeline > 1 or not _one_trip(view)))
+    # An executor stage's unit stashes what its policy saves (parallel/pipeline_stage.py): none: the names set.
+    stash = remat_choice("names") if executor and view.n_experts and remat.saved is None else remat
     ragged_full = dispatch_full = 0.0
     for b in view.blocks:
         layers = math.ceil(b.count / s.pipeline)  # blocks on one pipeline stage
@@ -381,12 +385,12 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
                     ragged_full = max(ragged_full, er.local_experts * er.rows * (6 * f + 2 * d) * ab)
             dispatch = max(dispatch, er.rows * d * ab)
             dispatch_full = dispatch
-        kept = _per_token_bytes(view, b, _kept(b, remat), sizes, rows_mb, routed)
+        kept = _per_token_bytes(view, b, _kept(b, stash), sizes, rows_mb, routed)
         activations += layers * tokens / chunks * kept * units
         if chunks > 1:  # seq1f1b: a microbatch's earlier chunks' keys and values stay until its backward
             kv = [n for n in ("key_rotated", "value") if any(a.name == n for a in b.activations)]
             activations += layers * tokens * _per_token_bytes(view, b, kv, sizes, rows_mb) * held
-        dense_only = (0.0, routed[1]) if remat_full and b.dispatch_rows else routed  # routed: dispatch_full
+        dense_only = (0.0, routed[1]) if recomputing and b.dispatch_rows else routed  # routed: dispatch_full
         one_layer = unit * _per_token_bytes(view, b, b.saved_without_remat, sizes, rows_mb, dense_only)
         working_layer = max(working_layer, one_layer)
         gathered = max(gathered, full * pb)
@@ -402,7 +406,7 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
         "gathered_embedding": embedding if s.fsdp * s.tensor > 1 else 0.0,
         "fixed": 1.0,
     }
-    if any(b.dispatch_rows for b in view.blocks) and remat_full:
+    if any(b.dispatch_rows for b in view.blocks) and recomputing:
         scaled.update(expert_weight_copies=expert_weights, ragged_full=ragged_full, dispatch_full=dispatch_full)
     elif any(b.dispatch_rows for b in view.blocks):  # a dense model's terms stay as they were
         scaled.update(expert_weight_copies=expert_weights, ragged_dot_working=ragged, dispatch_working=dispatch)

@@ -1,8 +1,9 @@
 """The planner's MoE memory against the compiled step on 8 simulated CPU devices (issue 36).
 
-Five moe-tiny settings none of benchmarks/moe_memory.py's rows uses (32-token sequences): dropless dispatch on
+Six moe-tiny settings none of benchmarks/moe_memory.py's rows uses (32-token sequences): dropless dispatch on
 expert=2, on gpipe stages (pipeline=2 x data=2 x expert=2, one MoE block per stage), on the executor's seq1f1b
-stages (pipeline=2 x fsdp=2 x expert=2, 2 chunks), and remat=full on expert=4 and on expert=8.  (Capacity dispatch on expert=2 is predicted 10.2 % under its peak there, -8 to -9 % at 64 tokens: its
+stages (pipeline=2 x fsdp=2 x expert=2, 2 chunks), the executor's 1f1b stages with two MoE groups each, and
+remat=full on expert=4 and on expert=8.  (Capacity dispatch on expert=2 is predicted 10.2 % under its peak there, -8 to -9 % at 64 tokens: its
 slot buffers have no term of their own yet; benchmarks/README.md.)  Each prediction (:func:`jaxdist.planner.cost.estimate`) is compared
 with ``compiled.memory_analysis()`` (arguments + outputs + temp - aliased, :func:`jaxdist.train.aot.compiled_peak`),
 as tests/planner/test_measured.py compares the dense models.  Before the MoE terms (expert rows, XLA:CPU's
@@ -48,6 +49,17 @@ BASE = [
             "pipeline.schedule=seq1f1b",
             "pipeline.chunks=2",
         ],
+        # the executor's 1f1b stages with two groups each: a unit's stash is the tagged intermediates and its
+        # backward recomputes the experts' buffers (counted as remat=full's); before, 17.7 % over
+        [
+            "mesh.pipeline=2",
+            "mesh.data=2",
+            "mesh.expert=2",
+            "mesh.fsdp=1",
+            "train.microbatches=2",
+            "pipeline.schedule=1f1b",
+            "model.n_layers=4",
+        ],
         # remat=full: the experts' buffers counted at the recomputing backward's peak (cost.ROUTED_FULL); the
         # terms fitted for remat=none put the first 12.9 % under
         ["mesh.data=2", "mesh.expert=4", "train.remat=full"],
@@ -57,6 +69,7 @@ BASE = [
         "dropless-expert2",
         "stages-pipeline2-expert2",
         "seq1f1b-pipeline2-fsdp2-expert2",
+        "1f1b-two-groups-per-stage",
         "remat-full-expert4",
         "remat-full-expert8",
     ],
