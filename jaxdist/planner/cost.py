@@ -70,10 +70,11 @@ class MemoryCoefficients:
     rows x (6 x expert width + 2 x d_model) elements (three masked copies of the rows at the expert width and
     two at d_model, three [rows, experts x width] outputs; none with one local expert, whose ``ragged_dot``
     XLA turns into a plain matmul), ``dispatch_full`` the [rows, d_model] buffers of the recomputed routed
-    rows and the dispatch (10 to 13 of them counted), and ``expert_weight_copies`` the one copy of the stacked
-    expert weights the scan holds.  The block's dense part is recomputed after its experts' backward, so
-    ``layer_working:full`` (of the block's dense activations only) and those two are not live together: the
-    larger counts (:meth:`MemoryTerms.memory`).
+    rows and the dispatch (10 to 13 f32 ones counted, and u32 indices and a mask), and ``expert_weight_copies`` the one copy of the stacked
+    expert weights the scan holds.  The block's dense part is recomputed after its experts' backward, and the
+    head's logits are gone before the layer scan's backward starts, so ``layer_working:full`` (of the block's
+    dense activations only), ``logits_working`` and those two are not live together: the largest counts
+    (:meth:`MemoryTerms.memory`).
     """
 
     layer_working: tuple[tuple[str, float], ...] = (("full", 1.022), ("names", 0.8356), ("none", 0.6258))
@@ -95,9 +96,8 @@ class MemoryCoefficients:
         return dict(self.layer_working).get(remat, self.default_working)
 
 
-DISPATCH_FULL = 12.0  # [rows, d_model] buffers at an MoE block's remat=full peak: 10-13 counted (README)
-# An MoE block's routed part under remat=full: live before (not beside) the block's dense part's backward.
-ROUTED_FULL = ("ragged_full", "dispatch_full")
+DISPATCH_FULL = 14.0  # [rows, d_model]-sized buffers at a recomputing MoE peak: 10-13 f32 counted, + index, mask
+ROUTED_FULL = ("ragged_full", "dispatch_full")  # live before (not beside) the dense part's backward
 # The MoE terms are not in the fit: chosen on benchmarks/moe_memory.py's settings (MemoryCoefficients).
 XLA_CPU_MEMORY = MemoryCoefficients(
     expert_weight_copies=1.0, ragged_dot_working=2.5, dispatch_working=2.0, ragged_full=1.0, dispatch_full=DISPATCH_FULL
@@ -298,8 +298,8 @@ class MemoryTerms:
     the per-remat entries), the quantity that field multiplies.  The
     prediction is linear in the coefficients, which is what lets
     :func:`jaxdist.planner.fit.fit_memory_coefficients` fit them exactly; only an MoE model's
-    :data:`ROUTED_FULL` terms (remat=full, not in the fit) count as the larger of them and the block's
-    ``layer_working`` term.
+    :data:`ROUTED_FULL` terms (remat=full, not in the fit) count as the largest of them, the block's
+    ``layer_working`` term and ``logits_working``.
     """
 
     state: TrainStateBytes
@@ -324,9 +324,11 @@ class MemoryTerms:
         extra_grads = c("grad_copies") * self.scaled.get("grad_copies", 0.0)
         working = sum(c(k) * v for k, v in self.scaled.items() if k != "grad_copies" and k not in ROUTED_FULL)
         routed = sum(c(k) * self.scaled.get(k, 0.0) for k in ROUTED_FULL)
-        if routed:  # the experts' backward, then the dense part's: the larger of the two is live at the peak
-            layer = sum(c(k) * v for k, v in self.scaled.items() if k.startswith("layer_working:"))
-            working += max(routed - layer, 0.0)
+        if routed:  # the head's backward, the experts', then the dense part's: the largest is live at the peak
+            layer, logits = (
+                sum(c(k) * v for k, v in self.scaled.items() if k.startswith(n)) for n in ("layer_", "logits")
+            )
+            working += max(layer, logits, routed) - layer - logits
         return Memory(
             params=self.state.params + self.stage_weights,
             optimizer=self.state.optimizer,
@@ -359,10 +361,8 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     stage_whole = 0.0  # the stage's block weights whole along fsdp (elements), for stage_sync below
     activations = working_layer = gathered = 0.0
     expert_weights = ragged = dispatch = 0.0  # the MoE terms of MemoryCoefficients
-    # An MoE block's terms as counted at a recomputing backward's peak (MemoryCoefficients): remat=full inside a
-    # loop, and the executor's stages, whose backward puts a unit's stash back into the blocks' vjp and recomputes
-    # the rest.  A layer scan of one step without stages is no loop: XLA merges the recomputed forward with the
-    # first (moe-tiny, one group: 5.81 MiB compiled with remat=full, 5.80 with none), and the fitted terms stay.
+    # MoE terms counted at a recomputing backward's peak: remat=full in a loop (one scan step is none: XLA merges
+    # the recomputation with the forward), and the executor's stages, whose backward recomputes what is not stashed
     recomputing = view.n_experts > 0 and (executor or remat.saved == () and (s.pipeline > 1 or not _one_trip(view)))
     # An executor stage's unit stashes what its policy saves (parallel/pipeline_stage.py): none: the names set.
     stash = remat_choice("names") if executor and view.n_experts and remat.saved is None else remat
