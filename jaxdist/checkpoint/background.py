@@ -27,9 +27,9 @@ class BackgroundWriter:
     given ``on_busy`` (saves that came due before the previous one finished).
 
     The thread is started by the first :meth:`submit` and kept, waiting for the next job, until
-    :meth:`close`: a save hands its job over with a queue put.  Starting a thread per save cost the caller
-    a median 7.6 ms at 1 GB on 4 processes (``Thread.start`` waits until the new thread runs, and orbax's own
-    background thread holds the GIL then), more than anything else jaxdist adds to a save's blocked time.
+    :meth:`close`: a save hands its job over with a queue put.  A thread started per save cost the caller
+    more than anything else jaxdist adds to a save's blocked time (``Thread.start`` waits until the new thread
+    runs, and orbax's own background thread holds the GIL then; benchmarks/README.md).
     """
 
     def __init__(self, what: str):

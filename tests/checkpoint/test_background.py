@@ -10,8 +10,8 @@ from jaxdist.checkpoint.background import BackgroundWriter
 
 
 def test_saves_hand_their_jobs_to_one_kept_thread_and_close_ends_it(monkeypatch):
-    """A thread is started once, not per save: ``Thread.start`` waits until the new thread runs, which took a
-    median 7.6 ms of every 1 GB save's blocked time on 4 processes while orbax's own thread held the GIL."""
+    """A thread is started once, not per save: ``Thread.start`` waits until the new thread runs, which was most
+    of what jaxdist added to a save's blocked time while orbax's own thread held the GIL (benchmarks/README.md)."""
     started, w = [], BackgroundWriter("a test save")
     real_start = threading.Thread.start
 
