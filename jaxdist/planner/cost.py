@@ -366,7 +366,7 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
     recomputing = view.n_experts > 0 and (executor or remat.saved == () and (s.pipeline > 1 or not _one_trip(view)))
     # An executor stage's unit stashes what its policy saves (parallel/pipeline_stage.py): none: the names set.
     stash = remat_choice("names") if executor and view.n_experts and remat.saved is None else remat
-    ragged_full = dispatch_full = 0.0
+    ragged_full = 0.0
     for b in view.blocks:
         layers = math.ceil(b.count / s.pipeline)  # blocks on one pipeline stage
         matmul, norms, full = _block_weights(b, sizes)
@@ -384,7 +384,6 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
                 if er.local_experts > 1:
                     ragged_full = max(ragged_full, er.local_experts * er.rows * (6 * f + 2 * d) * ab)
             dispatch = max(dispatch, er.rows * d * ab)
-            dispatch_full = dispatch
         kept = _per_token_bytes(view, b, _kept(b, stash), sizes, rows_mb, routed)
         activations += layers * tokens / chunks * kept * units
         if chunks > 1:  # seq1f1b: a microbatch's earlier chunks' keys and values stay until its backward
@@ -407,7 +406,7 @@ def memory_terms(view: ComputationView, s: Strategy, batch_size: int) -> MemoryT
         "fixed": 1.0,
     }
     if any(b.dispatch_rows for b in view.blocks) and recomputing:
-        scaled.update(expert_weight_copies=expert_weights, ragged_full=ragged_full, dispatch_full=dispatch_full)
+        scaled.update(expert_weight_copies=expert_weights, ragged_full=ragged_full, dispatch_full=dispatch)
     elif any(b.dispatch_rows for b in view.blocks):  # a dense model's terms stay as they were
         scaled.update(expert_weight_copies=expert_weights, ragged_dot_working=ragged, dispatch_working=dispatch)
     stage_weights = stage_grads = 0.0
